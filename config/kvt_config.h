@@ -1,0 +1,94 @@
+/* kvt_config: the daemon's configuration — one declarative option table, loaded from embedded
+ * defaults, then a JSON file (--config), then command-line flags, then KVTIER_* environment
+ * variables, then validated as a whole. The result is treated as immutable once the daemon
+ * starts and is passed down as `const kvt_config_t *`; there is no global settings struct.
+ * Called from the main thread at start-up only (and from unit tests / fuzzers). */
+#ifndef KVT_CONFIG_H
+#define KVT_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVT_MAX_LISTEN 8
+#define KVT_MAX_L2 8
+#define KVT_ERR_LEN 256
+
+typedef struct kvt_config {
+    char *listen[KVT_MAX_LISTEN]; /* ZMQ endpoints; default ipc://RUN_DIR/kvtier.sock */
+    int n_listen;
+    char *http;     /* "ADDR:PORT", or "" to disable HTTP */
+    char *events;   /* ZMQ PUB endpoint, or "" for none */
+    char *run_dir;  /* ipc socket, pid-style runtime files */
+    char *data_dir; /* default home of the fs L2 */
+    uint64_t l1_size;
+    uint32_t chunk_tokens;
+    uint32_t lease_ms;
+    double high_watermark;
+    double low_watermark;
+    char *l2[KVT_MAX_L2]; /* adapter specs: "fs:DIR", "redis:HOST:PORT", "mock:...", "none" */
+    int n_l2;
+    char *log_level; /* error | warn | info | debug */
+    uint64_t max_message; /* bytes in one whole request, all frames */
+    uint32_t max_keys;    /* keys in one request */
+    bool allow_unpinned;
+    bool allow_insecure_remote;
+    /* hidden test knobs (never in --print-config unless set): make a supervised thread stall
+     * or exit, to test the supervisor and /readyz */
+    char *debug_fault_thread; /* thread name, "" for none */
+    char *debug_fault_mode;   /* "stall" | "exit" */
+    uint32_t debug_fault_after_ms;
+    uint32_t debug_fault_for_ms;
+} kvt_config_t;
+
+/* What the command line asks the process to do. */
+typedef enum {
+    KVT_CONFIG_RUN = 0,
+    KVT_CONFIG_CHECK, /* --check-config */
+    KVT_CONFIG_PRINT, /* --print-config */
+    KVT_CONFIG_VERSION,
+    KVT_CONFIG_HELP,
+} kvt_config_action_t;
+
+/* A config holding the embedded defaults (derived defaults such as listen and l2 are filled
+ * in by kvt_config_finish). Aborts only on OOM of small bookkeeping. */
+kvt_config_t *kvt_config_new(void);
+
+void kvt_config_destroy(kvt_config_t **self_p);
+
+/* Applies a JSON config text (an object); unknown keys, duplicate keys, wrong types and
+ * out-of-range values are rejected. `origin` names the source in messages (a file name).
+ * Returns 0 or KVT_EINVAL with one line in err naming the option and the reason. */
+int kvt_config_apply_json(kvt_config_t *self, const char *text, size_t len, const char *origin,
+                          char *err, size_t errlen);
+
+/* Reads and applies a JSON config file. */
+int kvt_config_apply_file(kvt_config_t *self, const char *path, char *err, size_t errlen);
+
+/* Applies one option by its JSON name ("l1_size", "debug.fault_mode") from a string value, as
+ * flags and environment variables do. List options append when `append` is set. */
+int kvt_config_set(kvt_config_t *self, const char *name, const char *value, bool append,
+                   char *err, size_t errlen);
+
+/* Applies KVTIER_* environment variables (KVTIER_L1_SIZE, KVTIER_LISTEN=a,b, ...). */
+int kvt_config_apply_env(kvt_config_t *self, char *err, size_t errlen);
+
+/* Fills derived defaults (listen, l2 from run_dir/data_dir) and validates cross-field rules
+ * (low < high watermark, non-loopback tcp needs allow_insecure_remote, ...). */
+int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen);
+
+/* The whole start-up sequence for argv: defaults, --config FILE, flags, environment, finish.
+ * Sets *action. Returns 0, or KVT_EINVAL with one line in err (the caller exits 2). */
+int kvt_config_load(kvt_config_t *self, int argc, char *const argv[], kvt_config_action_t *action,
+                    char *err, size_t errlen);
+
+/* The effective config as a JSON text that is itself a valid config file. Caller frees. */
+char *kvt_config_to_json(const kvt_config_t *self);
+
+/* Writes --help text to `out` (a FILE *). */
+void kvt_config_usage(void *out);
+
+/* "512M", "4G", "1073741824", "64k" -> bytes (binary multiples). 0 or KVT_EINVAL. */
+int kvt_config_parse_size(const char *s, uint64_t *out);
+
+#endif

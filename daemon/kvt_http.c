@@ -1,0 +1,247 @@
+/* DESIGN: libmicrohttpd in epoll mode driven by our own thread (not MHD's internal one), so
+ * the thread can beat for the supervisor between MHD_run() calls and a wedged HTTP thread is
+ * visible. The thread owns the MHD daemon; readers of other modules' state go through their
+ * thread-safe accessors and the hooks given by main. */
+#include "kvt_http.h"
+
+#include "kvt_error.h"
+#include "kvt_log.h"
+
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define S_TICK_MS 200
+
+struct kvt_http {
+    const kvt_config_t *cfg;
+    kvt_metrics_t *metrics;
+    kvt_sup_t *sup;
+    kvt_http_hooks_t hooks;
+    struct MHD_Daemon *mhd;
+    kvt_sup_thread_t *beat;
+    pthread_t tid;
+    bool started;
+    _Atomic bool stop;
+    double started_wall;
+};
+
+static enum MHD_Result s_send(struct MHD_Connection *conn, unsigned status, const char *type,
+                              char *body, size_t len)
+{
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", type);
+    MHD_add_response_header(r, "Cache-Control", "no-store");
+    enum MHD_Result ret = MHD_queue_response(conn, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result s_text(struct MHD_Connection *conn, unsigned status, const char *text)
+{
+    char *body = strdup(text);
+    kvt_assert(body);
+    return s_send(conn, status, "text/plain; charset=utf-8", body, strlen(body));
+}
+
+static enum MHD_Result s_json(struct MHD_Connection *conn, unsigned status, json_t *obj)
+{
+    char *body = json_dumps(obj, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(obj);
+    if (!body)
+        return s_text(conn, 500, "cannot encode status\n");
+    size_t len = strlen(body);
+    body = realloc(body, len + 2);
+    kvt_assert(body);
+    body[len] = '\n';
+    body[len + 1] = '\0';
+    return s_send(conn, status, "application/json", body, len + 1);
+}
+
+static json_t *s_status(kvt_http_t *self)
+{
+    char why[256];
+    bool ready = kvt_sup_ready(self->sup, why, sizeof why);
+    json_t *cfg = NULL;
+    char *cfgtext = kvt_config_to_json(self->cfg);
+    if (cfgtext) {
+        cfg = json_loads(cfgtext, 0, NULL);
+        free(cfgtext);
+    }
+    json_t *st = json_pack("{s:s,s:I,s:f,s:b,s:s,s:o,s:o,s:o}", "version", KVT_VERSION, "pid",
+                           (json_int_t)getpid(), "uptime_seconds",
+                           kvt_wall_s() - self->started_wall, "ready", ready, "not_ready_reason",
+                           why, "threads", kvt_sup_status_json(self->sup), "metrics",
+                           kvt_metrics_json(self->metrics), "config",
+                           cfg ? cfg : json_object());
+    if (self->hooks.status) {
+        json_t *extra = self->hooks.status(self->hooks.ctx);
+        if (extra)
+            json_object_update(st, extra);
+        json_decref(extra);
+    }
+    return st;
+}
+
+static enum MHD_Result s_route(void *cls, struct MHD_Connection *conn, const char *url,
+                               const char *method, const char *version, const char *upload,
+                               size_t *upload_size, void **con_cls)
+{
+    (void)version;
+    (void)upload;
+    kvt_http_t *self = cls;
+    bool get = strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0;
+    bool post = strcmp(method, "POST") == 0;
+    if (post && *con_cls == NULL) {
+        /* first call of a POST: headers only; the body (ignored) follows */
+        *con_cls = self;
+        return MHD_YES;
+    }
+    if (post && *upload_size) {
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (strcmp(url, "/healthz") == 0) {
+        return get ? s_text(conn, 200, "ok\n") : s_text(conn, 405, "method not allowed\n");
+    } else if (strcmp(url, "/readyz") == 0) {
+        if (!get)
+            return s_text(conn, 405, "method not allowed\n");
+        char why[256], line[300];
+        if (kvt_sup_ready(self->sup, why, sizeof why))
+            return s_text(conn, 200, "ready\n");
+        snprintf(line, sizeof line, "not ready: %s\n", why);
+        return s_text(conn, 503, line);
+    } else if (strcmp(url, "/metrics") == 0) {
+        if (!get)
+            return s_text(conn, 405, "method not allowed\n");
+        size_t len = 0;
+        char *text = kvt_metrics_prometheus(self->metrics, &len);
+        if (!text)
+            return s_text(conn, 500, "cannot render metrics\n");
+        return s_send(conn, 200, "text/plain; version=0.0.4; charset=utf-8", text, len);
+    } else if (strcmp(url, "/status") == 0) {
+        return get ? s_json(conn, 200, s_status(self)) : s_text(conn, 405, "method not allowed\n");
+    } else if (strcmp(url, "/clear") == 0) {
+        if (!post)
+            return s_text(conn, 405, "method not allowed: use POST\n");
+        const char *ns = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "ns");
+        uint64_t removed = 0;
+        int rc = self->hooks.clear ? self->hooks.clear(self->hooks.ctx, ns, &removed) : 0;
+        if (rc)
+            return s_json(conn, 500, json_pack("{s:b,s:{s:s,s:s}}", "ok", 0, "error", "code",
+                                               kvt_err_wire(rc), "message", kvt_strerror(rc)));
+        return s_json(conn, 200, json_pack("{s:b,s:I}", "ok", 1, "removed", (json_int_t)removed));
+    }
+    return s_text(conn, 404, "not found\n");
+}
+
+static void *s_run(void *arg)
+{
+    kvt_http_t *self = arg;
+    const union MHD_DaemonInfo *info = MHD_get_daemon_info(self->mhd, MHD_DAEMON_INFO_EPOLL_FD);
+    struct pollfd pfd = {info->epoll_fd, POLLIN, 0};
+    while (!atomic_load(&self->stop)) {
+        if (!kvt_sup_beat(self->beat)) {
+            kvt_sup_thread_exit(self->beat, false);
+            return NULL;
+        }
+        MHD_UNSIGNED_LONG_LONG tmo = S_TICK_MS;
+        int wait = S_TICK_MS;
+        if (MHD_get_timeout(self->mhd, &tmo) == MHD_YES && tmo < (MHD_UNSIGNED_LONG_LONG)wait)
+            wait = (int)tmo;
+        poll(&pfd, 1, wait);
+        MHD_run(self->mhd);
+    }
+    kvt_sup_thread_exit(self->beat, true);
+    return NULL;
+}
+
+/* "HOST:PORT" or "[V6]:PORT" -> sockaddr. */
+static int s_resolve(const char *spec, struct sockaddr_storage *ss, char *err, size_t errlen)
+{
+    char host[256];
+    const char *colon = strrchr(spec, ':');
+    if (!colon || colon == spec || (size_t)(colon - spec) >= sizeof host) {
+        snprintf(err, errlen, "http: '%s' is not ADDR:PORT", spec);
+        return KVT_EINVAL;
+    }
+    memcpy(host, spec, (size_t)(colon - spec));
+    host[colon - spec] = '\0';
+    char *h = host;
+    if (h[0] == '[' && h[strlen(h) - 1] == ']') {
+        h[strlen(h) - 1] = '\0';
+        h++;
+    }
+    struct addrinfo hints = {.ai_flags = AI_NUMERICSERV, .ai_socktype = SOCK_STREAM}, *res;
+    int rc = getaddrinfo(h, colon + 1, &hints, &res);
+    if (rc != 0) {
+        snprintf(err, errlen, "http: cannot resolve '%s': %s", spec, gai_strerror(rc));
+        return KVT_EINVAL;
+    }
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    return 0;
+}
+
+kvt_http_t *kvt_http_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_sup_t *sup,
+                         const kvt_http_hooks_t *hooks, char *err, size_t errlen)
+{
+    struct sockaddr_storage ss = {0};
+    if (s_resolve(cfg->http, &ss, err, errlen))
+        return NULL;
+    kvt_http_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->cfg = cfg;
+    self->metrics = metrics;
+    self->sup = sup;
+    if (hooks)
+        self->hooks = *hooks;
+    self->started_wall = kvt_wall_s();
+    unsigned flags = MHD_USE_EPOLL | MHD_USE_ERROR_LOG;
+    if (ss.ss_family == AF_INET6)
+        flags |= MHD_USE_IPv6;
+    self->mhd = MHD_start_daemon(flags, 0, NULL, NULL, s_route, self, MHD_OPTION_SOCK_ADDR,
+                                 (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, 64u,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+    if (!self->mhd) {
+        snprintf(err, errlen, "http: cannot listen on %s (address in use?)", cfg->http);
+        goto fail;
+    }
+    self->beat = kvt_sup_register(sup, "http", 2000);
+    if (pthread_create(&self->tid, NULL, s_run, self) != 0) {
+        snprintf(err, errlen, "http: cannot start thread");
+        goto fail;
+    }
+    self->started = true;
+    kvt_log(KVT_LOG_INFO, "http on %s", cfg->http);
+    return self;
+fail:
+    kvt_http_destroy(&self);
+    return NULL;
+}
+
+void kvt_http_destroy(kvt_http_t **self_p)
+{
+    if (!self_p || !*self_p)
+        return;
+    kvt_http_t *self = *self_p;
+    if (self->started) {
+        atomic_store(&self->stop, true);
+        pthread_join(self->tid, NULL);
+    }
+    if (self->mhd)
+        MHD_stop_daemon(self->mhd);
+    free(self);
+    *self_p = NULL;
+}

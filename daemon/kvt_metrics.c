@@ -1,0 +1,266 @@
+/* DESIGN: fixed arrays of relaxed atomics indexed by request type and wire error; no locks on
+ * the write path. Readers (HTTP thread, STATS on the server thread) walk the arrays while
+ * writers keep counting, so a scrape is a consistent-enough snapshot, as usual for
+ * Prometheus. Sources are appended only at start-up, so the readers need no lock for them. */
+#include "kvt_metrics.h"
+
+#include "kvt_error.h"
+#include "kvt_log.h"
+#include "kvt_proto.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define S_MAX_SOURCES 16
+
+static const double s_bounds[] = {10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3,
+                                  2.5e-3, 5e-3,  10e-3, 25e-3,  50e-3,  100e-3, 250e-3,
+                                  500e-3, 1.0,   2.5,   5.0,   10.0};
+#define S_NB (int)(sizeof s_bounds / sizeof s_bounds[0])
+
+typedef struct {
+    _Atomic uint64_t count;
+    _Atomic uint64_t sum_ns;
+    _Atomic uint64_t buckets[S_NB]; /* per bucket, made cumulative when read */
+} s_hist_t;
+
+struct kvt_metrics {
+    _Atomic uint64_t requests[KVT_REQ_SLOTS];
+    _Atomic uint64_t errors[KVT_WIRE_ERRORS];
+    s_hist_t durations[KVT_REQ_SLOTS];
+    _Atomic uint64_t dropped;
+    _Atomic uint64_t reply_failed;
+    _Atomic uint64_t clients;
+    double started_wall;
+    uint64_t started_ms;
+    struct {
+        kvt_source_fn fn;
+        void *ctx;
+    } sources[S_MAX_SOURCES];
+    int nsources;
+};
+
+kvt_metrics_t *kvt_metrics_new(void)
+{
+    kvt_metrics_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->started_wall = kvt_wall_s();
+    self->started_ms = kvt_now_ms();
+    return self;
+}
+
+void kvt_metrics_destroy(kvt_metrics_t **self_p)
+{
+    if (self_p && *self_p) {
+        free(*self_p);
+        *self_p = NULL;
+    }
+}
+
+void kvt_metrics_request(kvt_metrics_t *self, uint64_t type, int rc, uint64_t ns)
+{
+    size_t t = kvt_proto_info(type) ? (size_t)type : 0;
+    atomic_fetch_add_explicit(&self->requests[t], 1, memory_order_relaxed);
+    if (rc)
+        atomic_fetch_add_explicit(&self->errors[kvt_err_wire_index(rc)], 1,
+                                  memory_order_relaxed);
+    s_hist_t *h = &self->durations[t];
+    double s = (double)ns / 1e9;
+    int b = 0;
+    while (b < S_NB && s > s_bounds[b])
+        b++;
+    if (b < S_NB)
+        atomic_fetch_add_explicit(&h->buckets[b], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&h->sum_ns, ns, memory_order_relaxed);
+    atomic_fetch_add_explicit(&h->count, 1, memory_order_relaxed);
+}
+
+void kvt_metrics_dropped(kvt_metrics_t *self)
+{
+    atomic_fetch_add_explicit(&self->dropped, 1, memory_order_relaxed);
+}
+
+void kvt_metrics_reply_failed(kvt_metrics_t *self)
+{
+    atomic_fetch_add_explicit(&self->reply_failed, 1, memory_order_relaxed);
+}
+
+void kvt_metrics_set_clients(kvt_metrics_t *self, uint64_t n)
+{
+    atomic_store_explicit(&self->clients, n, memory_order_relaxed);
+}
+
+void kvt_metrics_add_source(kvt_metrics_t *self, kvt_source_fn fn, void *ctx)
+{
+    kvt_assert(self->nsources < S_MAX_SOURCES);
+    self->sources[self->nsources].fn = fn;
+    self->sources[self->nsources].ctx = ctx;
+    self->nsources++;
+}
+
+static uint64_t s_load(_Atomic uint64_t *v)
+{
+    return atomic_load_explicit(v, memory_order_relaxed);
+}
+
+static void s_scalar(kvt_sample_fn emit, void *ctx, const char *name, const char *help,
+                     kvt_metric_kind_t kind, double v)
+{
+    kvt_sample_t s = {.name = name, .help = help, .kind = kind, .value = v};
+    emit(ctx, &s);
+}
+
+void kvt_metrics_each(kvt_metrics_t *self, kvt_sample_fn emit, void *ctx)
+{
+    static const char *req_help = "Requests answered, by request type.";
+    for (size_t t = 0; t < KVT_REQ_SLOTS; t++) {
+        if (t && !kvt_proto_info(t))
+            continue;
+        kvt_sample_t s = {.name = "requests_total", .help = req_help,
+                          .kind = KVT_METRIC_COUNTER, .label = "type",
+                          .label_value = kvt_proto_name(t), .value = (double)s_load(&self->requests[t])};
+        emit(ctx, &s);
+    }
+    for (int e = 0; e < KVT_WIRE_ERRORS; e++) {
+        kvt_sample_t s = {.name = "request_errors_total",
+                          .help = "Requests answered with an error, by error code.",
+                          .kind = KVT_METRIC_COUNTER, .label = "code",
+                          .label_value = kvt_err_wire_name(e), .value = (double)s_load(&self->errors[e])};
+        emit(ctx, &s);
+    }
+    for (size_t t = 0; t < KVT_REQ_SLOTS; t++) {
+        if (t && !kvt_proto_info(t))
+            continue;
+        s_hist_t *h = &self->durations[t];
+        uint64_t cum[S_NB], acc = 0;
+        for (int b = 0; b < S_NB; b++) {
+            acc += s_load(&h->buckets[b]);
+            cum[b] = acc;
+        }
+        uint64_t count = s_load(&h->count);
+        kvt_sample_t s = {.name = "request_duration_seconds",
+                          .help = "Time from receiving a request to sending its reply.",
+                          .kind = KVT_METRIC_HISTOGRAM, .label = "type",
+                          .label_value = kvt_proto_name(t), .bounds = s_bounds, .buckets = cum,
+                          .nbounds = S_NB, .count = count < acc ? acc : count,
+                          .sum = (double)s_load(&h->sum_ns) / 1e9};
+        emit(ctx, &s);
+    }
+    s_scalar(emit, ctx, "messages_dropped_total",
+             "Messages dropped without a reply because their first frame was not a uid.",
+             KVT_METRIC_COUNTER, (double)s_load(&self->dropped));
+    s_scalar(emit, ctx, "replies_failed_total",
+             "Replies that could not be sent (client gone or its queue full).",
+             KVT_METRIC_COUNTER, (double)s_load(&self->reply_failed));
+    s_scalar(emit, ctx, "clients_connected",
+             "Client instances that said HELLO and are neither gone nor silent past lease_ms.",
+             KVT_METRIC_GAUGE, (double)s_load(&self->clients));
+    s_scalar(emit, ctx, "uptime_seconds", "Seconds since the daemon started.", KVT_METRIC_GAUGE,
+             (double)(kvt_now_ms() - self->started_ms) / 1e3);
+    s_scalar(emit, ctx, "start_time_seconds", "Start time of the daemon, Unix epoch seconds.",
+             KVT_METRIC_GAUGE, self->started_wall);
+    for (int i = 0; i < self->nsources; i++)
+        self->sources[i].fn(self->sources[i].ctx, emit, ctx);
+}
+
+/* ---- Prometheus text ---- */
+
+typedef struct {
+    FILE *f;
+    const char *last; /* family whose HELP/TYPE was written last */
+} s_prom_t;
+
+static const char *s_kind_name(kvt_metric_kind_t k)
+{
+    return k == KVT_METRIC_COUNTER ? "counter" : k == KVT_METRIC_GAUGE ? "gauge" : "histogram";
+}
+
+static void s_labels(FILE *f, const kvt_sample_t *s, const char *le)
+{
+    if (!s->label && !le)
+        return;
+    fputc('{', f);
+    if (s->label)
+        fprintf(f, "%s=\"%s\"", s->label, s->label_value);
+    if (le)
+        fprintf(f, "%sle=\"%s\"", s->label ? "," : "", le);
+    fputc('}', f);
+}
+
+static void s_prom_emit(void *ctx, const kvt_sample_t *s)
+{
+    s_prom_t *p = ctx;
+    if (!p->last || strcmp(p->last, s->name) != 0) {
+        fprintf(p->f, "# HELP kvtier_%s %s\n# TYPE kvtier_%s %s\n", s->name, s->help, s->name,
+                s_kind_name(s->kind));
+        p->last = s->name;
+    }
+    if (s->kind != KVT_METRIC_HISTOGRAM) {
+        fprintf(p->f, "kvtier_%s", s->name);
+        s_labels(p->f, s, NULL);
+        fprintf(p->f, " %.17g\n", s->value);
+        return;
+    }
+    char le[32];
+    for (int b = 0; b < s->nbounds; b++) {
+        snprintf(le, sizeof le, "%g", s->bounds[b]);
+        fprintf(p->f, "kvtier_%s_bucket", s->name);
+        s_labels(p->f, s, le);
+        fprintf(p->f, " %llu\n", (unsigned long long)s->buckets[b]);
+    }
+    fprintf(p->f, "kvtier_%s_bucket", s->name);
+    s_labels(p->f, s, "+Inf");
+    fprintf(p->f, " %llu\nkvtier_%s_sum", (unsigned long long)s->count, s->name);
+    s_labels(p->f, s, NULL);
+    fprintf(p->f, " %.9f\nkvtier_%s_count", s->sum, s->name);
+    s_labels(p->f, s, NULL);
+    fprintf(p->f, " %llu\n", (unsigned long long)s->count);
+}
+
+char *kvt_metrics_prometheus(kvt_metrics_t *self, size_t *len)
+{
+    char *buf = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&buf, &n);
+    if (!f)
+        return NULL;
+    s_prom_t p = {f, NULL};
+    kvt_metrics_each(self, s_prom_emit, &p);
+    fclose(f);
+    *len = n;
+    return buf;
+}
+
+/* ---- JSON ---- */
+
+static void s_json_emit(void *ctx, const kvt_sample_t *s)
+{
+    json_t *root = ctx;
+    json_t *v;
+    if (s->kind == KVT_METRIC_HISTOGRAM)
+        v = json_pack("{s:I,s:f}", "count", (json_int_t)s->count, "sum", s->sum);
+    else if (s->value == (double)(json_int_t)s->value)
+        v = json_integer((json_int_t)s->value);
+    else
+        v = json_real(s->value);
+    if (!s->label) {
+        json_object_set_new(root, s->name, v);
+        return;
+    }
+    json_t *group = json_object_get(root, s->name);
+    if (!group) {
+        group = json_object();
+        json_object_set_new(root, s->name, group);
+    }
+    json_object_set_new(group, s->label_value, v);
+}
+
+json_t *kvt_metrics_json(kvt_metrics_t *self)
+{
+    json_t *root = json_object();
+    kvt_assert(root);
+    kvt_metrics_each(self, s_json_emit, root);
+    return root;
+}

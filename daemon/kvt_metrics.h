@@ -1,0 +1,64 @@
+/* kvt_metrics: the daemon's counters, gauges and histograms, and their three renderings
+ * (Prometheus text for /metrics, JSON for /status, the STATS reply) from one sample stream.
+ *
+ * Request counters are written by the threads that finish requests (relaxed atomics, no
+ * locks) and read by the HTTP thread. Other modules contribute their own samples through
+ * sources registered at start-up (before any reader runs); a source is called from the
+ * reading thread and must only read atomics or take its own short locks. */
+#ifndef KVT_METRICS_H
+#define KVT_METRICS_H
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct kvt_metrics kvt_metrics_t;
+
+typedef enum { KVT_METRIC_COUNTER, KVT_METRIC_GAUGE, KVT_METRIC_HISTOGRAM } kvt_metric_kind_t;
+
+/* One sample. Samples of one family (same name) are emitted consecutively. Histograms carry
+ * cumulative bucket counts for `bounds` (the +Inf bucket is `count`). */
+typedef struct {
+    const char *name; /* without the kvtier_ prefix: "requests_total" */
+    const char *help;
+    kvt_metric_kind_t kind;
+    const char *label; /* NULL when unlabelled */
+    const char *label_value;
+    double value;
+    const double *bounds;
+    const uint64_t *buckets;
+    int nbounds;
+    uint64_t count;
+    double sum;
+} kvt_sample_t;
+
+typedef void (*kvt_sample_fn)(void *emit_ctx, const kvt_sample_t *s);
+typedef void (*kvt_source_fn)(void *src_ctx, kvt_sample_fn emit, void *emit_ctx);
+
+kvt_metrics_t *kvt_metrics_new(void);
+void kvt_metrics_destroy(kvt_metrics_t **self_p);
+
+/* Counts one finished request of wire type `type` (unknown ids count as "unknown") with
+ * result `rc` (0 or a KVT_E* code) that took `ns` nanoseconds. Any thread. */
+void kvt_metrics_request(kvt_metrics_t *self, uint64_t type, int rc, uint64_t ns);
+
+/* Messages dropped without a reply (no uid frame) and replies that could not be sent. */
+void kvt_metrics_dropped(kvt_metrics_t *self);
+void kvt_metrics_reply_failed(kvt_metrics_t *self);
+
+void kvt_metrics_set_clients(kvt_metrics_t *self, uint64_t n);
+
+/* Adds a source of samples; start-up only (main thread, before HTTP starts). */
+void kvt_metrics_add_source(kvt_metrics_t *self, kvt_source_fn fn, void *ctx);
+
+/* Emits every sample: own families first, then each source in registration order. */
+void kvt_metrics_each(kvt_metrics_t *self, kvt_sample_fn emit, void *ctx);
+
+/* Prometheus text exposition format 0.0.4, names prefixed kvtier_. Caller frees. */
+char *kvt_metrics_prometheus(kvt_metrics_t *self, size_t *len);
+
+/* The same numbers as an object: unlabelled -> number, labelled -> {label_value: number},
+ * histograms -> {count, sum} (per label value when labelled). Caller json_decref()s. */
+json_t *kvt_metrics_json(kvt_metrics_t *self);
+
+#endif

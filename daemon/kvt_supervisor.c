@@ -1,0 +1,234 @@
+/* DESIGN: a fixed table of thread slots, filled at start-up by the main thread before any
+ * supervised thread runs, then read by everyone. Slot fields that change are atomics (last
+ * beat, state), so beats and readiness checks take no lock. The supervisor thread wakes every
+ * 200 ms, logs state changes once each (stuck, recovered, dead) and beats for itself; if it
+ * dies, its own slot goes stale and /readyz says so. */
+#include "kvt_supervisor.h"
+
+#include "kvt_error.h"
+#include "kvt_log.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define S_MAX_THREADS 32
+#define S_TICK_MS 200
+
+enum { S_RUNNING = 0, S_EXITED = 1, S_DEAD = 2 };
+
+struct kvt_sup_thread {
+    char name[32];
+    uint32_t max_silence_ms;
+    _Atomic uint64_t last_beat_ms;
+    _Atomic int state;
+    bool logged_stuck; /* supervisor thread only */
+    bool logged_dead;
+    /* fault injection (this thread only) */
+    bool fault;
+    bool fault_done;
+    uint64_t fault_at_ms;
+    const kvt_config_t *cfg;
+};
+
+struct kvt_sup {
+    const kvt_config_t *cfg;
+    kvt_sup_thread_t threads[S_MAX_THREADS];
+    _Atomic int nthreads;
+    kvt_sup_thread_t *self_slot;
+    pthread_t tid;
+    bool started;
+    _Atomic bool stop;
+    uint64_t started_ms;
+};
+
+kvt_sup_t *kvt_sup_new(const kvt_config_t *cfg)
+{
+    kvt_sup_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->cfg = cfg;
+    self->started_ms = kvt_now_ms();
+    return self;
+}
+
+void kvt_sup_destroy(kvt_sup_t **self_p)
+{
+    if (!self_p || !*self_p)
+        return;
+    kvt_sup_t *self = *self_p;
+    if (self->started) {
+        atomic_store(&self->stop, true);
+        pthread_join(self->tid, NULL);
+    }
+    free(self);
+    *self_p = NULL;
+}
+
+kvt_sup_thread_t *kvt_sup_register(kvt_sup_t *self, const char *name, uint32_t max_silence_ms)
+{
+    int i = atomic_load(&self->nthreads);
+    kvt_assert(i < S_MAX_THREADS);
+    kvt_sup_thread_t *t = &self->threads[i];
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->max_silence_ms = max_silence_ms;
+    atomic_store(&t->last_beat_ms, kvt_now_ms());
+    atomic_store(&t->state, S_RUNNING);
+    const kvt_config_t *cfg = self->cfg;
+    if (cfg && cfg->debug_fault_thread && strcmp(cfg->debug_fault_thread, name) == 0) {
+        t->fault = true;
+        t->cfg = cfg;
+        t->fault_at_ms = self->started_ms + cfg->debug_fault_after_ms;
+    }
+    atomic_store(&self->nthreads, i + 1);
+    return t;
+}
+
+bool kvt_sup_beat(kvt_sup_thread_t *t)
+{
+    uint64_t now = kvt_now_ms();
+    atomic_store_explicit(&t->last_beat_ms, now, memory_order_relaxed);
+    if (!t->fault || t->fault_done || now < t->fault_at_ms)
+        return true;
+    t->fault_done = true;
+    const kvt_config_t *cfg = t->cfg;
+    if (strcmp(cfg->debug_fault_mode, "exit") == 0) {
+        kvt_log(KVT_LOG_WARN, "debug fault: thread %s exits now", t->name);
+        return false;
+    }
+    kvt_log(KVT_LOG_WARN, "debug fault: thread %s stalls for %u ms", t->name,
+            cfg->debug_fault_for_ms);
+    struct timespec ts = {cfg->debug_fault_for_ms / 1000,
+                          (long)(cfg->debug_fault_for_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    atomic_store_explicit(&t->last_beat_ms, kvt_now_ms(), memory_order_relaxed);
+    return true;
+}
+
+void kvt_sup_thread_exit(kvt_sup_thread_t *t, bool expected)
+{
+    atomic_store(&t->state, expected ? S_EXITED : S_DEAD);
+}
+
+/* Problem of one slot, or 0 when healthy. */
+static int s_check(const kvt_sup_thread_t *t, uint64_t now, uint64_t *silent)
+{
+    int st = atomic_load(&t->state);
+    if (st == S_DEAD)
+        return S_DEAD;
+    if (st == S_EXITED)
+        return 0;
+    uint64_t last = atomic_load_explicit(&t->last_beat_ms, memory_order_relaxed);
+    *silent = now > last ? now - last : 0;
+    return *silent > t->max_silence_ms ? -1 : 0;
+}
+
+bool kvt_sup_ready(kvt_sup_t *self, char *why, size_t whylen)
+{
+    uint64_t now = kvt_now_ms();
+    int n = atomic_load(&self->nthreads);
+    for (int i = 0; i < n; i++) {
+        uint64_t silent = 0;
+        int p = s_check(&self->threads[i], now, &silent);
+        if (p == S_DEAD) {
+            snprintf(why, whylen, "thread %s is dead", self->threads[i].name);
+            return false;
+        }
+        if (p < 0) {
+            snprintf(why, whylen, "thread %s stuck for %llu ms", self->threads[i].name,
+                     (unsigned long long)silent);
+            return false;
+        }
+    }
+    if (whylen)
+        why[0] = '\0';
+    return true;
+}
+
+static void *s_run(void *arg)
+{
+    kvt_sup_t *self = arg;
+    kvt_sup_thread_t *me = self->self_slot;
+    while (!atomic_load(&self->stop)) {
+        if (!kvt_sup_beat(me)) {
+            kvt_sup_thread_exit(me, false);
+            return NULL;
+        }
+        uint64_t now = kvt_now_ms();
+        int n = atomic_load(&self->nthreads);
+        for (int i = 0; i < n; i++) {
+            kvt_sup_thread_t *t = &self->threads[i];
+            uint64_t silent = 0;
+            int p = s_check(t, now, &silent);
+            if (p == S_DEAD && !t->logged_dead) {
+                kvt_log(KVT_LOG_ERROR, "supervisor: thread %s died; not ready", t->name);
+                t->logged_dead = true;
+            } else if (p < 0 && !t->logged_stuck) {
+                kvt_log(KVT_LOG_ERROR, "supervisor: thread %s stuck for %llu ms; not ready",
+                        t->name, (unsigned long long)silent);
+                t->logged_stuck = true;
+            } else if (p == 0 && t->logged_stuck) {
+                kvt_log(KVT_LOG_WARN, "supervisor: thread %s recovered", t->name);
+                t->logged_stuck = false;
+            }
+        }
+        struct timespec ts = {0, S_TICK_MS * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    kvt_sup_thread_exit(me, true);
+    return NULL;
+}
+
+int kvt_sup_start(kvt_sup_t *self)
+{
+    self->self_slot = kvt_sup_register(self, "supervisor", 5 * S_TICK_MS);
+    if (pthread_create(&self->tid, NULL, s_run, self) != 0)
+        return KVT_EINTERNAL;
+    self->started = true;
+    return 0;
+}
+
+json_t *kvt_sup_status_json(kvt_sup_t *self)
+{
+    json_t *arr = json_array();
+    uint64_t now = kvt_now_ms();
+    int n = atomic_load(&self->nthreads);
+    for (int i = 0; i < n; i++) {
+        const kvt_sup_thread_t *t = &self->threads[i];
+        uint64_t silent = 0;
+        int p = s_check(t, now, &silent);
+        int st = atomic_load(&t->state);
+        uint64_t last = atomic_load(&t->last_beat_ms);
+        json_array_append_new(
+            arr, json_pack("{s:s,s:b,s:b,s:b,s:I,s:I}", "name", t->name, "alive",
+                           st == S_RUNNING, "stuck", p < 0, "dead", st == S_DEAD,
+                           "last_beat_ms_ago", (json_int_t)(now > last ? now - last : 0),
+                           "max_silence_ms", (json_int_t)t->max_silence_ms));
+    }
+    return arr;
+}
+
+void kvt_sup_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+{
+    kvt_sup_t *self = ctx;
+    uint64_t now = kvt_now_ms();
+    int n = atomic_load(&self->nthreads);
+    for (int i = 0; i < n; i++) {
+        uint64_t silent = 0;
+        kvt_sample_t s = {.name = "thread_up",
+                          .help = "1 when the internal thread is alive and beating.",
+                          .kind = KVT_METRIC_GAUGE, .label = "thread",
+                          .label_value = self->threads[i].name,
+                          .value = s_check(&self->threads[i], now, &silent) == 0 &&
+                                           atomic_load(&self->threads[i].state) == S_RUNNING
+                                       ? 1.0
+                                       : 0.0};
+        emit(emit_ctx, &s);
+    }
+    char why[8];
+    kvt_sample_t r = {.name = "ready", .help = "1 when /readyz answers 200.",
+                      .kind = KVT_METRIC_GAUGE, .value = kvt_sup_ready(self, why, sizeof why)};
+    emit(emit_ctx, &r);
+}

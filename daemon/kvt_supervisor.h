@@ -1,0 +1,52 @@
+/* kvt_supervisor: the registry of internal threads and the thread that watches them.
+ *
+ * Every long-lived thread registers at start-up (main thread) and calls kvt_sup_beat() at least
+ * every `max_silence_ms`. A thread that stops beating is "stuck"; one that returns without
+ * saying it was asked to is "dead". Either makes kvt_sup_ready() false with a reason (for
+ * /readyz) and is logged once by the supervisor thread. Beats and readiness checks are lock-free
+ * and callable from any thread. The hidden debug.fault_* knobs inject a stall or an exit into
+ * one named thread, through kvt_sup_beat(), so tests can see the supervisor at work. */
+#ifndef KVT_SUPERVISOR_H
+#define KVT_SUPERVISOR_H
+
+#include "kvt_config.h"
+#include "kvt_metrics.h"
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct kvt_sup kvt_sup_t;
+typedef struct kvt_sup_thread kvt_sup_thread_t;
+
+kvt_sup_t *kvt_sup_new(const kvt_config_t *cfg);
+
+/* Stops the supervisor thread (if started) and frees everything. */
+void kvt_sup_destroy(kvt_sup_t **self_p);
+
+/* Registers a thread by name; start-up only. The handle lives as long as the supervisor. */
+kvt_sup_thread_t *kvt_sup_register(kvt_sup_t *self, const char *name, uint32_t max_silence_ms);
+
+/* Called by the thread itself: records a heartbeat. Returns false when the thread must exit
+ * (fault injection "exit"); may sleep (fault injection "stall"). */
+bool kvt_sup_beat(kvt_sup_thread_t *t);
+
+/* Called by the thread itself when it returns. `expected` is false when it ends on its own
+ * (an error), which marks it dead. */
+void kvt_sup_thread_exit(kvt_sup_thread_t *t, bool expected);
+
+/* Starts the supervisor thread, which registers itself as "supervisor". 0 or KVT_EINTERNAL. */
+int kvt_sup_start(kvt_sup_t *self);
+
+/* True when every registered thread is alive and beating; otherwise false and `why` names the
+ * first thread at fault ("thread server stuck for 1520 ms"). Any thread. */
+bool kvt_sup_ready(kvt_sup_t *self, char *why, size_t whylen);
+
+/* [{name, alive, stuck, last_beat_ms_ago, max_silence_ms}, ...]. Caller decrefs. */
+json_t *kvt_sup_status_json(kvt_sup_t *self);
+
+/* Metrics source: kvtier_thread_up{thread=...}. */
+void kvt_sup_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
+
+#endif

@@ -1,0 +1,187 @@
+"""pytest fixtures for the kvtier integration tests.
+
+Every test here runs against the real daemon named by KVT_DAEMON (the ASan+UBSan build under
+`make integration`); without it the whole directory is skipped with a message. A daemon is
+spawned per test (`daemon`, `daemon_factory`) or shared by the tests of one module
+(`shared_daemon`, for stateless protocol/HTTP checks where start-up cost adds up). Either way
+its stderr is scanned for sanitizer reports, and any report fails the test (STYLE.md 15d),
+as does a daemon that dies under a shared fixture or needs SIGKILL to stop.
+
+Fixtures:
+  daemon_factory(*extra_args, env=None, args=None, start=True, wait=True) -> Daemon
+  daemon          a started Daemon with the default flags
+  shared_daemon   a started Daemon shared by the module (flags: module-level KVT_SHARED_ARGS)
+  kvt_daemon_bin  absolute path of the daemon (KVT_DAEMON)
+  kvt_cli_bin     absolute path of the kvtier CLI (KVT_CLI); skips the test when unset
+"""
+
+import os
+import signal
+
+import pytest
+
+from kvtest import Daemon, cli_path, daemon_path, sanitizer_report
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _skip_reason():
+    p = os.environ.get("KVT_DAEMON")
+    if not p:
+        return ("KVT_DAEMON is unset: build the daemon (make asan) and run with "
+                "KVT_DAEMON=/abs/build/asan/kvtierd")
+    return "KVT_DAEMON=%s is missing or not executable" % p
+
+
+def pytest_collection_modifyitems(config, items):
+    if daemon_path() is not None:
+        return
+    skip = pytest.mark.skip(reason=_skip_reason())
+    for item in items:
+        if str(item.fspath).startswith(_HERE + os.sep):
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "kvt_rep_" + rep.when, rep)
+    # A failing test shows the tail of each of its daemons' stderr in the report.
+    if rep.failed and rep.when == "call":
+        for d in getattr(item, "_kvt_daemons", ()):
+            rep.sections.append(("kvtierd stderr tail (%s)" % d.dir, d.stderr_tail(80)))
+
+
+def _test_failed(node):
+    return any(getattr(node, "kvt_rep_" + w, None) is not None
+               and getattr(node, "kvt_rep_" + w).failed for w in ("setup", "call"))
+
+
+def _finish_daemon(d):
+    """Stops `d` if it still runs (SIGTERM, SIGKILL after 10 s) and returns a list of
+    problems: a sanitizer report, or a daemon that did not stop on SIGTERM."""
+    problems = []
+    if d.proc is not None:
+        if d.alive():
+            d.stop(signal.SIGTERM, timeout=10)
+            if d.killed:
+                problems.append("kvtierd (%s) did not exit within 10 s of SIGTERM and was "
+                                "killed\n--- stderr tail ---\n%s" % (d.dir, d.stderr_tail(40)))
+        rep = d.sanitizer_report()
+        if rep:
+            problems.append("sanitizer report in kvtierd stderr (%s, exit status %s):\n%s"
+                            % (d.dir, d.returncode, rep))
+    return problems
+
+
+@pytest.fixture(scope="session")
+def kvt_daemon_bin():
+    p = daemon_path()
+    if p is None:
+        pytest.skip(_skip_reason())
+    return p
+
+
+@pytest.fixture(scope="session")
+def kvt_cli_bin():
+    p = cli_path()
+    if p is None:
+        pytest.skip("KVT_CLI is unset or not executable (set KVT_CLI=/abs/build/kvtier)")
+    return p
+
+
+@pytest.fixture
+def daemon_factory(request, kvt_daemon_bin):
+    """spawn(*extra_args, env=None, args=None, start=True, wait=True) -> Daemon.
+
+    extra_args are appended to the default command line; `args` replaces it (argv[1:]); env
+    adds variables. Every daemon spawned is stopped at teardown and its stderr checked."""
+    daemons = []
+    request.node._kvt_daemons = daemons
+
+    def spawn(*extra_args, env=None, args=None, start=True, wait=True):
+        d = Daemon(binary=kvt_daemon_bin, extra_args=extra_args, env=env, args=args)
+        daemons.append(d)
+        if start:
+            d.start(wait=wait)
+        return d
+
+    yield spawn
+
+    problems = []
+    for d in daemons:
+        try:
+            problems += _finish_daemon(d)
+        finally:
+            d.cleanup(keep_dir=bool(problems) or _test_failed(request.node))
+    if problems:
+        pytest.fail("\n\n".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def daemon(daemon_factory):
+    """A started daemon with the default flags, private to the test."""
+    return daemon_factory()
+
+
+class _SharedHolder:
+    """One daemon for the tests of a module; replaced when a test leaves it dead."""
+
+    def __init__(self, binary, extra_args):
+        self.binary = binary
+        self.extra_args = tuple(extra_args)
+        self.daemon = None
+
+    def get(self):
+        if self.daemon is None:
+            self.daemon = Daemon(binary=self.binary, extra_args=self.extra_args)
+            try:
+                self.daemon.start()
+            except BaseException:
+                d, self.daemon = self.daemon, None
+                d.cleanup(keep_dir=True)
+                raise
+        return self.daemon
+
+    def retire(self, keep_dir):
+        d, self.daemon = self.daemon, None
+        if d is None:
+            return []
+        try:
+            return _finish_daemon(d)
+        finally:
+            d.cleanup(keep_dir=keep_dir)
+
+
+@pytest.fixture(scope="module")
+def _kvt_shared_holder(request, kvt_daemon_bin):
+    holder = _SharedHolder(kvt_daemon_bin, getattr(request.module, "KVT_SHARED_ARGS", ()))
+    yield holder
+    problems = holder.retire(keep_dir=False)
+    if problems:
+        pytest.fail("shared daemon of %s:\n%s" % (request.module.__name__,
+                                                  "\n\n".join(problems)), pytrace=False)
+
+
+@pytest.fixture
+def shared_daemon(request, _kvt_shared_holder):
+    """A started daemon shared by the module's tests (module attribute KVT_SHARED_ARGS adds
+    flags). Use it only for tests that do not depend on or change daemon-wide state
+    (sessions, counters compared exactly). After each test: its sockets are closed, and the
+    test fails if the daemon died or wrote a sanitizer report during it."""
+    d = _kvt_shared_holder.get()
+    request.node._kvt_daemons = [d]
+    offset = len(d.stderr_text())
+    yield d
+    d.close_sockets()
+    problems = []
+    if not d.alive():
+        problems.append("kvtierd died during this test (exit status %s)\n--- stderr tail ---\n%s"
+                        % (d.proc.poll(), d.stderr_tail(60)))
+    rep = sanitizer_report(d.stderr_text()[offset:])
+    if rep:
+        problems.append("sanitizer report in kvtierd stderr during this test:\n%s" % rep)
+    if problems:
+        problems += _kvt_shared_holder.retire(keep_dir=True)
+        pytest.fail("\n\n".join(problems), pytrace=False)

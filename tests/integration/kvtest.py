@@ -1,0 +1,674 @@
+"""kvtest: helpers for the kvtier integration tests (real daemon, real sockets).
+
+Reusable by every suite under tests/integration (protocol, HTTP, lifecycle, and later L1,
+clients, L2): the `Daemon` class spawns the real daemon on a fresh temp dir with its own
+ports, speaks wire protocol v1 over a DEALER, probes HTTP, and scans the daemon's stderr for
+sanitizer reports. The pytest fixtures that own daemons live in conftest.py.
+
+Only the Python standard library, pyzmq and msgpack (Debian packages) are used. Every wait is
+bounded: replies have a receive timeout, HTTP calls have a socket timeout, and state changes
+are polled with `wait_until` rather than slept for.
+"""
+
+import collections
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import msgpack
+import zmq
+
+# ----------------------------------------------------------------------------------------
+# Wire protocol v1 constants (DESIGN.md, binding)
+
+PROTO_VERSION = 1
+KEY_LEN = 16
+
+HELLO = 1
+BYE = 2
+PING = 3
+LOOKUP = 4
+PREFETCH_STATUS = 5
+RESERVE = 6
+COMMIT = 7
+ACQUIRE = 8
+RELEASE = 9
+PUT = 10
+GET = 11
+REMOVE = 12
+CLEAR = 13
+STATS = 14
+HASH_TOKENS = 15
+
+TYPE_NAMES = {
+    HELLO: "hello",
+    BYE: "bye",
+    PING: "ping",
+    LOOKUP: "lookup",
+    PREFETCH_STATUS: "prefetch_status",
+    RESERVE: "reserve",
+    COMMIT: "commit",
+    ACQUIRE: "acquire",
+    RELEASE: "release",
+    PUT: "put",
+    GET: "get",
+    REMOVE: "remove",
+    CLEAR: "clear",
+    STATS: "stats",
+    HASH_TOKENS: "hash_tokens",
+}
+
+ERROR_CODES = frozenset({
+    "bad_request", "unknown_type", "unsupported_version", "too_large", "no_space",
+    "not_found", "lease_expired", "unknown_lease", "busy", "internal", "unavailable",
+})
+
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_LEASE_MS = 30000
+DEFAULT_MAX_MESSAGE = 268435456
+
+# What in the daemon's stderr means a sanitizer found something. Any of these fails the test.
+SANITIZER_PATTERNS = (
+    "ERROR: AddressSanitizer",
+    "ERROR: LeakSanitizer",
+    "LeakSanitizer has encountered a fatal error",
+    "SUMMARY: AddressSanitizer",
+    "SUMMARY: UndefinedBehaviorSanitizer",
+    "SUMMARY: LeakSanitizer",
+    "runtime error:",
+    "ERROR: ThreadSanitizer",
+)
+
+SANITIZER_ENV_DEFAULTS = {
+    "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:halt_on_error=1",
+    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+}
+
+RCVTIMEO_MS = 5000
+HEALTHY_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
+
+
+def daemon_path():
+    """Absolute path of the daemon under test (KVT_DAEMON), or None when unset/missing."""
+    p = os.environ.get("KVT_DAEMON")
+    if not p or not os.path.isfile(p) or not os.access(p, os.X_OK):
+        return None
+    return os.path.abspath(p)
+
+
+def cli_path():
+    """Absolute path of the kvtier CLI (KVT_CLI), or None when unset/missing."""
+    p = os.environ.get("KVT_CLI")
+    if not p or not os.path.isfile(p) or not os.access(p, os.X_OK):
+        return None
+    return os.path.abspath(p)
+
+
+# ----------------------------------------------------------------------------------------
+# Small utilities
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, then close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, timeout, interval=0.05, what="condition"):
+    """Polls pred() until it returns a truthy value, which is returned. Raises AssertionError
+    naming `what` (and the last value seen) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        last = pred()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError("timed out after %.1f s waiting for %s (last: %r)"
+                                 % (timeout, what, last))
+        time.sleep(interval)
+
+
+def pack(obj):
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(buf):
+    return msgpack.unpackb(buf, raw=False, strict_map_key=False)
+
+
+def frame(value):
+    """A uid/type frame: ints are msgpack-packed, bytes go on the wire as they are."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("uid/type must be int or bytes, not %r" % (value,))
+    return pack(value)
+
+
+def body_frame(body):
+    """A body frame: None is an empty map, bytes go as they are, anything else is packed."""
+    if body is None:
+        return pack({})
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return bytes(body)
+    return pack(body)
+
+
+def is_msgpack_uint_frame(buf):
+    """True when buf holds exactly one msgpack non-negative integer in an unsigned (or
+    positive fixint) encoding — the daemon's notion of a uid/type frame."""
+    if not buf or (buf[0] >= 0x80 and buf[0] not in (0xcc, 0xcd, 0xce, 0xcf)):
+        return False
+    try:
+        v = unpack(buf)
+    except Exception:
+        return False
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def key(i, tag=b"k"):
+    """A deterministic 16-byte key."""
+    raw = tag + i.to_bytes(8, "big")
+    return (raw + b"\0" * KEY_LEN)[:KEY_LEN]
+
+
+def parse_size(v):
+    """64M / 4G / 1024 / 64k -> bytes (binary multiples), ints pass through."""
+    if isinstance(v, int):
+        return v
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)[iI]?[bB]?\s*", str(v))
+    if not m:
+        raise ValueError("not a size: %r" % (v,))
+    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(m.group(1)) * mult
+
+
+def sanitizer_report(text, max_lines=200):
+    """The part of `text` from the first sanitizer pattern on (bounded), or None."""
+    first = None
+    for p in SANITIZER_PATTERNS:
+        i = text.find(p)
+        if i >= 0 and (first is None or i < first):
+            first = i
+    if first is None:
+        return None
+    start = text.rfind("\n", 0, max(0, first - 2000))  # a little context before the report
+    start = 0 if start < 0 else start + 1
+    lines = text[start:].splitlines()
+    if len(lines) > max_lines:
+        lines = lines[:max_lines] + ["... (%d more lines)" % (len(lines) - max_lines)]
+    return "\n".join(lines)
+
+
+def sanitizer_env(extra=None, base=None):
+    """The environment for a daemon: `base` (default os.environ) without KVTIER_* variables
+    (tests must be hermetic), sanitizer options defaulted, then `extra` on top."""
+    env = dict(os.environ if base is None else base)
+    for k in list(env):
+        if k.startswith("KVTIER_") or k == "JOURNAL_STREAM":
+            del env[k]
+    for k, v in SANITIZER_ENV_DEFAULTS.items():
+        env.setdefault(k, v)
+    if extra:
+        env.update(extra)
+    return env
+
+
+Reply = collections.namedtuple("Reply", "uid type body data")
+
+
+def check_reply_shape(body):
+    """Asserts the invariant every reply body satisfies: `ok` (bool); when false, `error`
+    {code: known str, message: non-empty str}."""
+    assert isinstance(body, dict), "reply body is not a map: %r" % (body,)
+    assert "ok" in body, "reply body has no 'ok': %r" % (body,)
+    assert isinstance(body["ok"], bool), "'ok' is not a bool: %r" % (body,)
+    if not body["ok"]:
+        err = body.get("error")
+        assert isinstance(err, dict), "failed reply without an error map: %r" % (body,)
+        assert isinstance(err.get("code"), str), "error code is not a str: %r" % (body,)
+        assert err["code"] in ERROR_CODES, "unknown error code %r" % (err["code"],)
+        assert isinstance(err.get("message"), str) and err["message"], \
+            "error message missing or empty: %r" % (body,)
+
+
+def error_code(body):
+    """The error code of a failed reply body, or None when ok."""
+    if body.get("ok"):
+        return None
+    return body["error"]["code"]
+
+
+def decode_reply(frames):
+    """[uid, type, body, data...] -> Reply with uid/type decoded as ints and body as a dict;
+    asserts the envelope and the body shape."""
+    assert len(frames) >= 3, "reply has %d frames, need >= 3: %r" % (len(frames), frames[:4])
+    assert is_msgpack_uint_frame(frames[1]), "reply type frame is not a uint: %r" % frames[1]
+    try:
+        body = unpack(frames[2])
+    except Exception as e:  # noqa: BLE001 - report any decode failure as a test failure
+        raise AssertionError("reply body does not decode (%s): %r" % (e, frames[2][:200]))
+    check_reply_shape(body)
+    uid = unpack(frames[0]) if is_msgpack_uint_frame(frames[0]) else frames[0]
+    return Reply(uid, unpack(frames[1]), body, list(frames[3:]))
+
+
+# ----------------------------------------------------------------------------------------
+# Prometheus text format 0.0.4
+
+
+Sample = collections.namedtuple("Sample", "name labels value")
+
+_SAMPLE_RE = re.compile(
+    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
+    r'(?:\{(?P<labels>[^}]*)\})?'
+    r'\s+(?P<value>\S+)(?:\s+(?P<ts>-?\d+))?\s*$')
+_LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,|$)')
+
+
+def _parse_labels(text, line):
+    labels = {}
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        m = _LABEL_RE.match(text, pos)
+        assert m, "bad label set in metrics line: %r" % line
+        name, value = m.group(1), m.group(2)
+        assert name not in labels, "duplicate label %r in %r" % (name, line)
+        labels[name] = value.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+        pos = m.end()
+    return labels
+
+
+def parse_metrics(text):
+    """Parses Prometheus text exposition (0.0.4) strictly. Returns (families, samples):
+    families maps name -> {"help": str, "type": str}; samples is a list of Sample. Asserts
+    that every sample line parses with a float value and that its family has HELP and TYPE
+    lines before it."""
+    families = {}
+    samples = []
+    for line in text.split("\n"):
+        if not line.strip():
+            continue
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                fam = families.setdefault(parts[2], {})
+                kind = parts[1].lower()
+                assert kind not in fam, "second %s line for %s" % (parts[1], parts[2])
+                fam[kind] = parts[3] if len(parts) > 3 else ""
+                if kind == "type":
+                    assert fam[kind] in ("counter", "gauge", "histogram", "summary",
+                                         "untyped"), "bad TYPE line: %r" % line
+            continue
+        m = _SAMPLE_RE.match(line)
+        assert m, "metrics line is not `name{labels} value`: %r" % line
+        try:
+            value = float(m.group("value"))
+        except ValueError:
+            raise AssertionError("metrics value is not a float: %r" % line)
+        name = m.group("name")
+        labels = _parse_labels(m.group("labels") or "", line)
+        fam = family_of(name, families)
+        assert fam is not None, "sample %r has no HELP/TYPE lines before it" % line
+        assert "help" in families[fam] and "type" in families[fam], \
+            "family %s lacks HELP or TYPE before its first sample" % fam
+        samples.append(Sample(name, labels, value))
+    return families, samples
+
+
+def family_of(name, families):
+    if name in families:
+        return name
+    for suffix in ("_bucket", "_count", "_sum"):
+        if name.endswith(suffix):
+            base = name[: -len(suffix)]
+            if families.get(base, {}).get("type") in ("histogram", "summary"):
+                return base
+    return None
+
+
+def metric_value(samples, name, **labels):
+    """The value of the one sample named `name` whose labels include `labels`, or None."""
+    found = [s.value for s in samples
+             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) <= 1, "%d samples match %s%r" % (len(found), name, labels)
+    return found[0] if found else None
+
+
+# ----------------------------------------------------------------------------------------
+# The daemon
+
+
+class Daemon:
+    """One kvtierd process on its own temp dir, ports and zmq context.
+
+    Default command line: --run-dir TMP/run --data-dir TMP/data --listen ipc://TMP/run/kvtier.sock
+    --listen tcp://127.0.0.1:PORT --http 127.0.0.1:PORT2 --l1-size 64M --log-level debug, then
+    `extra_args`. Pass `args` to replace the whole command line (argv[1:]) instead. stdout and
+    stderr go to TMP/stdout.log and TMP/stderr.log.
+    """
+
+    def __init__(self, binary=None, extra_args=(), env=None, args=None, workdir=None):
+        self.binary = binary or daemon_path()
+        if self.binary is None:
+            raise RuntimeError("KVT_DAEMON is unset or not an executable file")
+        self.own_dir = workdir is None
+        self.dir = workdir or tempfile.mkdtemp(prefix="kvt-", dir=os.environ.get("KVT_TMPDIR",
+                                                                                "/tmp"))
+        self.run_dir = os.path.join(self.dir, "run")
+        self.data_dir = os.path.join(self.dir, "data")
+        os.makedirs(self.run_dir, exist_ok=True)
+        os.makedirs(self.data_dir, exist_ok=True)
+        self.ipc_path = os.path.join(self.run_dir, "kvtier.sock")
+        self.ipc = "ipc://" + self.ipc_path
+        self.tcp_port = free_port()
+        self.tcp = "tcp://127.0.0.1:%d" % self.tcp_port
+        self.http_port = free_port()
+        self.http_addr = "127.0.0.1:%d" % self.http_port
+        self.stdout_path = os.path.join(self.dir, "stdout.log")
+        self.stderr_path = os.path.join(self.dir, "stderr.log")
+        self.args = list(args) if args is not None else self.default_args() + list(extra_args)
+        self.env = sanitizer_env(env)
+        self.proc = None
+        self.started_at = None
+        self.returncode = None
+        self.killed = False
+        self._ctx = None
+        self._sockets = []
+        self._uid = 1000
+
+    # -- process ------------------------------------------------------------------------
+
+    def default_args(self):
+        return ["--run-dir", self.run_dir, "--data-dir", self.data_dir,
+                "--listen", self.ipc, "--listen", self.tcp,
+                "--http", self.http_addr, "--l1-size", "64M", "--log-level", "debug"]
+
+    @property
+    def argv(self):
+        return [self.binary] + self.args
+
+    def start(self, wait=True, timeout=HEALTHY_TIMEOUT_S):
+        """Spawns the daemon; with `wait`, blocks until GET /healthz answers 200 (and the ipc
+        socket exists when ipc is among the endpoints), failing with the stderr tail."""
+        assert self.proc is None, "daemon already started"
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=err, env=self.env, cwd=self.dir,
+                                         start_new_session=True)
+        self.started_at = time.monotonic()
+        if wait:
+            self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout=HEALTHY_TIMEOUT_S):
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                self.returncode = rc
+                raise AssertionError("kvtierd exited with status %s before it was healthy\n"
+                                     "argv: %s\n--- stderr tail ---\n%s"
+                                     % (rc, " ".join(self.argv), self.stderr_tail()))
+            try:
+                status, _, body = self.http("GET", "/healthz", timeout=1.0)
+                ipc_ok = self.ipc not in self.args or os.path.exists(self.ipc_path)
+                if status == 200 and ipc_ok:
+                    return
+                last = "status %s, ipc socket %s" % (status, "present" if ipc_ok else "absent")
+            except (OSError, http.client.HTTPException) as e:
+                last = repr(e)
+            if time.monotonic() >= deadline:
+                raise AssertionError("kvtierd not healthy within %.0f s (%s)\nargv: %s\n"
+                                     "--- stderr tail ---\n%s"
+                                     % (timeout, last, " ".join(self.argv), self.stderr_tail()))
+            time.sleep(0.05)
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def send_signal(self, sig):
+        assert self.alive(), "daemon is not running"
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout):
+        """Waits for the process to exit; returns its status or None on timeout."""
+        try:
+            self.returncode = self.proc.wait(timeout=timeout)
+            return self.returncode
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, sig=signal.SIGTERM, timeout=STOP_TIMEOUT_S):
+        """Sends `sig` and waits up to `timeout` s; then SIGKILL. Returns the exit status
+        (negative for a signal, as subprocess reports it). Closes this helper's sockets."""
+        self.close_sockets()
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+            rc = self.wait(timeout)
+            if rc is None:
+                self.killed = True
+                self.proc.kill()
+                rc = self.wait(10)
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    # -- logs ---------------------------------------------------------------------------
+
+    def _read(self, path):
+        try:
+            with open(path, "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+    def stderr_text(self):
+        return self._read(self.stderr_path)
+
+    def stdout_text(self):
+        return self._read(self.stdout_path)
+
+    def stderr_tail(self, lines=60):
+        return "\n".join(self.stderr_text().splitlines()[-lines:])
+
+    def sanitizer_report(self):
+        return sanitizer_report(self.stderr_text())
+
+    def log_lines(self, max_level=7):
+        """stderr lines whose syslog prefix <N> is at most max_level (3 error, 4 warn, ...)."""
+        out = []
+        for line in self.stderr_text().splitlines():
+            m = re.match(r"<(\d)>", line)
+            if m and int(m.group(1)) <= max_level:
+                out.append(line)
+        return out
+
+    # -- zmq ----------------------------------------------------------------------------
+
+    @property
+    def ctx(self):
+        if self._ctx is None:
+            self._ctx = zmq.Context()
+        return self._ctx
+
+    def endpoint(self, which="ipc"):
+        return {"ipc": self.ipc, "tcp": self.tcp}.get(which, which)
+
+    def dealer(self, endpoint="ipc", rcvtimeo=RCVTIMEO_MS, identity=None, track=True):
+        """A DEALER connected to the daemon (endpoint "ipc", "tcp" or a full endpoint string),
+        RCVTIMEO 5000 and LINGER 0. Closed by stop()/close_sockets() unless track=False."""
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, rcvtimeo)
+        s.setsockopt(zmq.SNDTIMEO, rcvtimeo)
+        if identity is not None:
+            s.setsockopt(zmq.IDENTITY, identity)
+        s.connect(self.endpoint(endpoint))
+        if track:
+            self._sockets.append(s)
+        return s
+
+    def close_sockets(self):
+        for s in self._sockets:
+            try:
+                s.close(linger=0)
+            except zmq.ZMQError:
+                pass
+        self._sockets = []
+
+    def next_uid(self):
+        self._uid += 1
+        return self._uid
+
+    def send(self, sock, uid, type_, body=None, *data):
+        """Sends [uid, type, body, data...]; returns the uid frame bytes."""
+        frames = [frame(uid), frame(type_), body_frame(body)] + [bytes(d) for d in data]
+        sock.send_multipart(frames)
+        return frames[0]
+
+    def send_frames(self, sock, frames):
+        sock.send_multipart([bytes(f) for f in frames])
+
+    def recv_frames(self, sock, what="a reply"):
+        try:
+            return sock.recv_multipart()
+        except zmq.Again:
+            raise AssertionError("no reply from kvtierd within the receive timeout (%s); "
+                                 "daemon %s\n--- stderr tail ---\n%s"
+                                 % (what, "alive" if self.alive() else
+                                    "EXITED with %s" % self.proc.poll(), self.stderr_tail()))
+
+    def recv(self, sock, expect_uid=None, what="a reply"):
+        """Receives and decodes one reply; with expect_uid (bytes frame or int), asserts the
+        uid frame echoes it byte for byte."""
+        frames = self.recv_frames(sock, what)
+        if expect_uid is not None:
+            want = frame(expect_uid)
+            assert frames[0] == want, ("reply uid frame %r does not echo the request's %r "
+                                       "(a stray or reordered reply?) body=%r"
+                                       % (frames[0], want, frames[2:3]))
+        return decode_reply(frames)
+
+    def request(self, sock, uid, type_, body=None, *data):
+        """Sends [msgpack(uid), msgpack(type), body, data...] and returns the decoded reply
+        (uid, type, body_dict, data_frames). uid/type may be raw bytes frames; body may be a
+        dict (packed with use_bin_type=True) or raw bytes. Asserts the uid is echoed."""
+        uid_frame = self.send(sock, uid, type_, body, *data)
+        return self.recv(sock, expect_uid=uid_frame, what="type %r" % (type_,))
+
+    def call(self, sock, type_, body=None, *data):
+        """request() with a fresh uid; returns the reply body (dict)."""
+        return self.request(sock, self.next_uid(), type_, body, *data).body
+
+    def ok(self, sock, type_, body=None, *data):
+        """call() that asserts ok true; returns the body."""
+        b = self.call(sock, type_, body, *data)
+        assert b["ok"] is True, "type %s failed: %r" % (type_, b)
+        return b
+
+    def hello(self, sock, instance, client="pytest", version=PROTO_VERSION):
+        return self.ok(sock, HELLO, {"version": version, "client": client,
+                                     "instance": instance})
+
+    def ping(self, sock):
+        return self.ok(sock, PING, {})
+
+    def stats(self, sock=None):
+        own = sock is None
+        if own:
+            sock = self.dealer(track=False)
+        try:
+            return self.ok(sock, STATS, {})
+        finally:
+            if own:
+                sock.close(linger=0)
+
+    # -- http ---------------------------------------------------------------------------
+
+    def http(self, method, path, body=None, headers=None, timeout=5.0):
+        """One HTTP request to the daemon; returns (status, headers with lower-case names,
+        body bytes)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            data = resp.read()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+        finally:
+            conn.close()
+
+    def http_json(self, method, path, expect=200):
+        status, headers, body = self.http(method, path)
+        assert status == expect, "%s %s -> %s %r" % (method, path, status, body[:500])
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise AssertionError("%s %s did not return JSON: %r" % (method, path, body[:500]))
+
+    def metrics(self):
+        """GET /metrics parsed strictly: (families, samples)."""
+        status, headers, body = self.http("GET", "/metrics")
+        assert status == 200, "GET /metrics -> %s %r" % (status, body[:300])
+        return parse_metrics(body.decode("utf-8"))
+
+    # -- cleanup ------------------------------------------------------------------------
+
+    def cleanup(self, keep_dir=False):
+        """Stops the process if needed, destroys the zmq context, and removes the temp dir
+        unless keep_dir (or KVT_KEEP_TMP is set)."""
+        if self.alive():
+            self.stop()
+        self.close_sockets()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+        if self.own_dir and not keep_dir and not os.environ.get("KVT_KEEP_TMP"):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __repr__(self):
+        return "<Daemon pid=%s dir=%s>" % (self.proc.pid if self.proc else None, self.dir)
+
+
+def run_kvtierd(args, env=None, timeout=10.0, cwd=None, binary=None):
+    """Runs the daemon binary to completion (for --version, --check-config, bad flags ...).
+    Returns the CompletedProcess (text stdout/stderr); fails if it does not exit in time or
+    its stderr holds a sanitizer report."""
+    binary = binary or daemon_path()
+    own = cwd is None
+    if own:
+        cwd = tempfile.mkdtemp(prefix="kvt-run-", dir=os.environ.get("KVT_TMPDIR", "/tmp"))
+    try:
+        try:
+            cp = subprocess.run([binary] + list(args), stdin=subprocess.DEVNULL,
+                                capture_output=True, env=sanitizer_env(env), cwd=cwd,
+                                timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError("kvtierd %s did not exit within %.0f s; stderr:\n%s"
+                                 % (" ".join(args), timeout,
+                                    (e.stderr or b"").decode("utf-8", "replace")[-3000:]))
+        cp = subprocess.CompletedProcess(cp.args, cp.returncode,
+                                         cp.stdout.decode("utf-8", "replace"),
+                                         cp.stderr.decode("utf-8", "replace"))
+        rep = sanitizer_report(cp.stderr)
+        assert rep is None, "sanitizer report from kvtierd %s:\n%s" % (" ".join(args), rep)
+        return cp
+    finally:
+        if own and not os.environ.get("KVT_KEEP_TMP"):
+            shutil.rmtree(cwd, ignore_errors=True)

@@ -1,0 +1,443 @@
+/* Unit tests of the protocol decoder (protocol/kvt_msg.c): pre-scan bounds, uid/type frames,
+ * field decoding per request type, error codes and messages, and a seeded random-input run
+ * under ASan/UBSan. */
+#include "kvt_error.h"
+#include "kvt_msg.h"
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+static kvt_limits_t s_lim;
+
+static int s_setup(void **state)
+{
+    (void)state;
+    kvt_limits_init(&s_lim, 256u << 20, 65536);
+    return 0;
+}
+
+/* A small body builder over msgpack-c. */
+typedef struct {
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+} body_t;
+
+static void b_init(body_t *b, uint32_t nfields)
+{
+    msgpack_sbuffer_init(&b->sb);
+    msgpack_packer_init(&b->pk, &b->sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&b->pk, nfields);
+}
+
+static void b_key(body_t *b, const char *k)
+{
+    kvt_pack_str(&b->pk, k);
+}
+
+static void b_keys(body_t *b, uint32_t n, size_t keylen)
+{
+    b_key(b, "keys");
+    msgpack_pack_array(&b->pk, n);
+    uint8_t key[32];
+    for (uint32_t i = 0; i < n; i++) {
+        memset(key, (int)(i & 0xff), sizeof key);
+        msgpack_pack_bin(&b->pk, keylen);
+        msgpack_pack_bin_body(&b->pk, key, keylen);
+    }
+}
+
+static int b_decode(body_t *b, kvt_req_type_t t, kvt_req_t *req)
+{
+    int rc = kvt_msg_decode((const uint8_t *)b->sb.data, b->sb.size, t, &s_lim, req);
+    return rc;
+}
+
+static int raw_decode(const char *bytes, size_t len, kvt_req_type_t t, kvt_req_t *req)
+{
+    return kvt_msg_decode((const uint8_t *)bytes, len, t, &s_lim, req);
+}
+
+static void test_prescan_hostile_lengths(void **state)
+{
+    (void)state;
+    char err[160];
+    static const struct {
+        const char *bytes;
+        size_t len;
+        int want;
+    } cases[] = {
+        {"\xdd\xff\xff\xff\xff", 5, KVT_EBADREQ}, /* array32 of 4 billion elements */
+        {"\xdf\xff\xff\xff\xff", 5, KVT_EBADREQ}, /* map32 */
+        {"\xc6\xff\xff\xff\xff", 5, KVT_EBADREQ}, /* bin32 of 4 GiB */
+        {"\xdb\x00\x01\x00\x00", 5, KVT_EBADREQ}, /* str32 longer than the body */
+        {"\xc9\x00\x00\x00\x10\x01", 6, KVT_EBADREQ}, /* ext32 */
+        {"\x82\xa1\x61", 3, KVT_EBADREQ},         /* truncated map */
+        {"\xc1", 1, KVT_EBADREQ},                 /* never-used byte */
+        {"\x80\x00", 2, KVT_EBADREQ},             /* trailing byte */
+        {"", 0, KVT_EBADREQ},
+        {"\x80", 1, 0},
+        {"\x81\xa1\x61\xc0", 4, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        err[0] = '\0';
+        int rc = kvt_msg_prescan((const uint8_t *)cases[i].bytes, cases[i].len, &s_lim, err,
+                                 sizeof err);
+        assert_int_equal(rc, cases[i].want);
+        if (rc)
+            assert_true(strlen(err) > 0);
+    }
+}
+
+static void test_prescan_depth_and_items(void **state)
+{
+    (void)state;
+    char err[160];
+    size_t n = 100000;
+    uint8_t *deep = malloc(n + 1);
+    memset(deep, 0x91, n); /* fixarray of one, nested */
+    deep[n] = 0xc0;
+    assert_int_equal(kvt_msg_prescan(deep, n + 1, &s_lim, err, sizeof err), KVT_EBADREQ);
+    assert_non_null(strstr(err, "nesting"));
+    /* exactly max_depth levels pass */
+    memset(deep, 0x91, s_lim.max_depth);
+    deep[s_lim.max_depth] = 0xc0;
+    assert_int_equal(kvt_msg_prescan(deep, s_lim.max_depth + 1, &s_lim, err, sizeof err), 0);
+    free(deep);
+
+    kvt_limits_t small;
+    kvt_limits_init(&small, 1 << 20, 4); /* max_items = 1032 */
+    size_t cnt = small.max_items + 1;
+    uint8_t *arr = malloc(5 + cnt);
+    arr[0] = 0xdd;
+    arr[1] = (uint8_t)(cnt >> 24);
+    arr[2] = (uint8_t)(cnt >> 16);
+    arr[3] = (uint8_t)(cnt >> 8);
+    arr[4] = (uint8_t)cnt;
+    memset(arr + 5, 0xc0, cnt);
+    assert_int_equal(kvt_msg_prescan(arr, 5 + cnt, &small, err, sizeof err), KVT_ETOOBIG);
+    assert_int_equal(kvt_msg_prescan(arr, 5 + cnt, &s_lim, err, sizeof err), 0);
+    free(arr);
+}
+
+static void test_read_uint(void **state)
+{
+    (void)state;
+    uint64_t v = 0;
+    assert_int_equal(kvt_msg_read_uint((const uint8_t *)"\x05", 1, &v), 0);
+    assert_int_equal(v, 5);
+    assert_int_equal(kvt_msg_read_uint((const uint8_t *)"\xcd\x01\x00", 3, &v), 0);
+    assert_int_equal(v, 256);
+    assert_int_equal(
+        kvt_msg_read_uint((const uint8_t *)"\xcf\xff\xff\xff\xff\xff\xff\xff\xff", 9, &v), 0);
+    assert_true(v == UINT64_MAX);
+    assert_int_equal(kvt_msg_read_uint((const uint8_t *)"\xd0\x07", 2, &v), 0);
+    assert_int_equal(v, 7);
+    assert_int_equal(kvt_msg_read_uint((const uint8_t *)"\xd0\xff", 2, &v), KVT_EBADREQ);
+    assert_int_equal(kvt_msg_read_uint((const uint8_t *)"\xff", 1, &v), KVT_EBADREQ);
+    assert_int_equal(kvt_msg_read_uint((const uint8_t *)"\x05\x05", 2, &v), KVT_EBADREQ);
+    assert_int_equal(kvt_msg_read_uint((const uint8_t *)"\xcd\x01", 2, &v), KVT_EBADREQ);
+    assert_int_equal(kvt_msg_read_uint((const uint8_t *)"\xa1x", 2, &v), KVT_EBADREQ);
+    assert_int_equal(kvt_msg_read_uint((const uint8_t *)"", 0, &v), KVT_EBADREQ);
+}
+
+static void test_hello_fields(void **state)
+{
+    (void)state;
+    body_t b;
+    b_init(&b, 4);
+    b_key(&b, "version");
+    msgpack_pack_uint32(&b.pk, 1);
+    b_key(&b, "client");
+    kvt_pack_str(&b.pk, "vllm");
+    b_key(&b, "instance");
+    kvt_pack_str(&b.pk, "rank-3");
+    b_key(&b, "future_field"); /* ignored */
+    msgpack_pack_array(&b.pk, 0);
+    kvt_req_t req;
+    assert_int_equal(b_decode(&b, KVT_REQ_HELLO, &req), 0);
+    assert_int_equal(req.version, 1);
+    assert_int_equal(req.instance.len, 6);
+    assert_memory_equal(req.instance.ptr, "rank-3", 6);
+    assert_memory_equal(req.client.ptr, "vllm", 4);
+    assert_true(req.present & KVT_F_INSTANCE);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+}
+
+static void test_missing_and_wrong_fields(void **state)
+{
+    (void)state;
+    body_t b;
+    kvt_req_t req;
+    /* missing instance */
+    b_init(&b, 2);
+    b_key(&b, "version");
+    msgpack_pack_uint32(&b.pk, 1);
+    b_key(&b, "client");
+    kvt_pack_str(&b.pk, "x");
+    assert_int_equal(b_decode(&b, KVT_REQ_HELLO, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "instance"));
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+    /* wrong type */
+    b_init(&b, 3);
+    b_key(&b, "version");
+    kvt_pack_str(&b.pk, "1");
+    b_key(&b, "client");
+    kvt_pack_str(&b.pk, "x");
+    b_key(&b, "instance");
+    kvt_pack_str(&b.pk, "i");
+    assert_int_equal(b_decode(&b, KVT_REQ_HELLO, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "'version': expected uint, got str"));
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+    /* nil means absent: a required field given as nil is missing */
+    b_init(&b, 3);
+    b_key(&b, "version");
+    msgpack_pack_uint32(&b.pk, 1);
+    b_key(&b, "client");
+    kvt_pack_str(&b.pk, "x");
+    b_key(&b, "instance");
+    msgpack_pack_nil(&b.pk);
+    assert_int_equal(b_decode(&b, KVT_REQ_HELLO, &req), KVT_EBADREQ);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+    /* duplicate field */
+    b_init(&b, 2);
+    b_key(&b, "instance");
+    kvt_pack_str(&b.pk, "a");
+    b_key(&b, "instance");
+    kvt_pack_str(&b.pk, "b");
+    assert_int_equal(b_decode(&b, KVT_REQ_BYE, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "twice"));
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+    /* non-map body, int keys */
+    assert_int_equal(raw_decode("\x92\x01\x02", 3, KVT_REQ_PING, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "map"));
+    kvt_req_release(&req);
+    assert_int_equal(raw_decode("\x81\x01\x02", 3, KVT_REQ_PING, &req), KVT_EBADREQ);
+    kvt_req_release(&req);
+    assert_int_equal(raw_decode("\x80", 1, KVT_REQ_PING, &req), 0);
+    kvt_req_release(&req);
+}
+
+static void test_keys(void **state)
+{
+    (void)state;
+    body_t b;
+    kvt_req_t req;
+    b_init(&b, 3);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "llama-3-8b/bf16");
+    b_key(&b, "salt");
+    kvt_pack_str(&b.pk, "tenant-a");
+    b_keys(&b, 64, 16);
+    assert_int_equal(b_decode(&b, KVT_REQ_LOOKUP, &req), 0);
+    assert_int_equal(req.nkeys, 64);
+    assert_int_equal(req.keys[63][0], 63);
+    assert_int_equal(req.keys[63][15], 63);
+    assert_int_equal(req.salt.len, 8);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+
+    b_init(&b, 2);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "m");
+    b_keys(&b, 3, 15);
+    assert_int_equal(b_decode(&b, KVT_REQ_GET, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "16-byte"));
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+
+    kvt_limits_t small = s_lim;
+    small.max_keys = 8;
+    b_init(&b, 2);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "m");
+    b_keys(&b, 9, 16);
+    assert_int_equal(kvt_msg_decode((const uint8_t *)b.sb.data, b.sb.size, KVT_REQ_ACQUIRE,
+                                    &small, &req),
+                     KVT_ETOOBIG);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+
+    /* ns bounds */
+    char longns[KVT_MAX_NS + 2];
+    memset(longns, 'n', sizeof longns - 1);
+    longns[sizeof longns - 1] = '\0';
+    b_init(&b, 2);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, longns);
+    b_keys(&b, 1, 16);
+    assert_int_equal(b_decode(&b, KVT_REQ_REMOVE, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "ns"));
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+    b_init(&b, 2);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "");
+    b_keys(&b, 1, 16);
+    assert_int_equal(b_decode(&b, KVT_REQ_REMOVE, &req), KVT_EBADREQ);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+}
+
+static void test_reserve_rules(void **state)
+{
+    (void)state;
+    body_t b;
+    kvt_req_t req;
+    /* sizes count must match keys */
+    b_init(&b, 3);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "m");
+    b_keys(&b, 2, 16);
+    b_key(&b, "sizes");
+    msgpack_pack_array(&b.pk, 1);
+    msgpack_pack_uint32(&b.pk, 4096);
+    assert_int_equal(b_decode(&b, KVT_REQ_RESERVE, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "sizes"));
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+    /* neither sizes nor size */
+    b_init(&b, 2);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "m");
+    b_keys(&b, 2, 16);
+    assert_int_equal(b_decode(&b, KVT_REQ_RESERVE, &req), KVT_EBADREQ);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+    /* size for all */
+    b_init(&b, 3);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "m");
+    b_keys(&b, 2, 16);
+    b_key(&b, "size");
+    msgpack_pack_uint32(&b.pk, 1 << 20);
+    assert_int_equal(b_decode(&b, KVT_REQ_RESERVE, &req), 0);
+    assert_int_equal(req.size, 1 << 20);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+}
+
+static void test_type_limits_and_tokens(void **state)
+{
+    (void)state;
+    kvt_req_t req;
+    /* control requests have a small body bound of their own */
+    size_t n = 70000;
+    char *big = malloc(n);
+    big[0] = (char)0xc6; /* bin32 covering the rest */
+    uint32_t len = (uint32_t)(n - 5);
+    big[1] = (char)(len >> 24);
+    big[2] = (char)(len >> 16);
+    big[3] = (char)(len >> 8);
+    big[4] = (char)len;
+    memset(big + 5, 'x', n - 5);
+    assert_int_equal(raw_decode(big, n, KVT_REQ_PING, &req), KVT_ETOOBIG);
+    kvt_req_release(&req);
+    free(big);
+    assert_int_equal(raw_decode("\x80", 1, (kvt_req_type_t)99, &req), KVT_EUNKTYPE);
+    kvt_req_release(&req);
+
+    body_t b;
+    b_init(&b, 1);
+    b_key(&b, "tokens");
+    msgpack_pack_bin(&b.pk, 6);
+    msgpack_pack_bin_body(&b.pk, "abcdef", 6);
+    assert_int_equal(b_decode(&b, KVT_REQ_HASH_TOKENS, &req), KVT_EBADREQ);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+}
+
+static void test_error_body_roundtrip(void **state)
+{
+    (void)state;
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    kvt_pack_error(&pk, KVT_ENOMEM, "");
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(&up, sb.data, sb.size, &off), MSGPACK_UNPACK_SUCCESS);
+    const msgpack_object *err = &up.data.via.map.ptr[1].val;
+    assert_int_equal(err->type, MSGPACK_OBJECT_MAP);
+    assert_int_equal(err->via.map.ptr[0].val.via.str.size, strlen("internal"));
+    assert_memory_equal(err->via.map.ptr[0].val.via.str.ptr, "internal", 8);
+    assert_memory_equal(err->via.map.ptr[1].val.via.str.ptr, "out of memory", 13);
+    msgpack_unpacked_destroy(&up);
+    msgpack_sbuffer_destroy(&sb);
+    assert_string_equal(kvt_err_wire(KVT_ENOSPC), "no_space");
+    assert_int_equal(kvt_err_from_wire("lease_expired", 13), KVT_ELEXPIRED);
+    assert_int_equal(kvt_err_from_wire("nonsense", 8), KVT_EINTERNAL);
+}
+
+/* Seeded random bytes and mutations of valid bodies: every outcome is 0 or a KVT_E* code,
+ * and ASan/UBSan see no fault or leak. */
+static void test_random_inputs(void **state)
+{
+    (void)state;
+    body_t b;
+    b_init(&b, 4);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "model");
+    b_key(&b, "lock");
+    msgpack_pack_true(&b.pk);
+    b_key(&b, "prefetch");
+    msgpack_pack_false(&b.pk);
+    b_keys(&b, 8, 16);
+    uint8_t buf[512];
+    unsigned seed = 12345;
+    int ok = 0;
+    for (int i = 0; i < 50000; i++) {
+        size_t len;
+        if (i % 2) {
+            len = (size_t)(rand_r(&seed) % 64);
+            for (size_t j = 0; j < len; j++)
+                buf[j] = (uint8_t)rand_r(&seed);
+        } else {
+            len = b.sb.size;
+            memcpy(buf, b.sb.data, len);
+            for (int m = 0; m < 1 + rand_r(&seed) % 4; m++)
+                buf[rand_r(&seed) % len] = (uint8_t)rand_r(&seed);
+            if (rand_r(&seed) % 4 == 0)
+                len = (size_t)rand_r(&seed) % (len + 1);
+        }
+        kvt_req_type_t t = (kvt_req_type_t)(1 + rand_r(&seed) % 15);
+        kvt_req_t req;
+        int rc = kvt_msg_decode(buf, len, t, &s_lim, &req);
+        assert_true(rc == 0 || (rc < 0 && rc >= KVT_EINVAL));
+        if (rc)
+            assert_true(strlen(req.error) > 0);
+        ok += rc == 0;
+        kvt_req_release(&req);
+    }
+    assert_true(ok > 0); /* mutations that keep the body valid do decode */
+    msgpack_sbuffer_destroy(&b.sb);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prescan_hostile_lengths),
+        cmocka_unit_test(test_prescan_depth_and_items),
+        cmocka_unit_test(test_read_uint),
+        cmocka_unit_test(test_hello_fields),
+        cmocka_unit_test(test_missing_and_wrong_fields),
+        cmocka_unit_test(test_keys),
+        cmocka_unit_test(test_reserve_rules),
+        cmocka_unit_test(test_type_limits_and_tokens),
+        cmocka_unit_test(test_error_body_roundtrip),
+        cmocka_unit_test(test_random_inputs),
+    };
+    return cmocka_run_group_tests(tests, s_setup, NULL);
+}
