@@ -4,6 +4,8 @@
 CC       ?= gcc
 PYTHON   := /usr/bin/python3
 BUILD    := build
+# make Q= shows every compiler command
+Q        ?= @
 VERSION  := 0.1.0
 
 PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash
@@ -33,7 +35,7 @@ CLIENT_LIBS = $(shell pkg-config --libs libzmq msgpack jansson 2>/dev/null)
 ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))
 UNIT_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(UNIT_SRC))
 
-.PHONY: all deps run test unit integration asan clean check-asan
+.PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-smoke
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so
@@ -52,11 +54,13 @@ deps:
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) -MMD -MP -c $< -o $@
+	@echo "  CC      $<"
+	$(Q)$(CC) $(ALLCFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/asan/obj/%.o: %.c
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) -O1 $(SAN) -MMD -MP -c $< -o $@
+	@echo "  CC asan $<"
+	$(Q)$(CC) $(ALLCFLAGS) -O1 $(SAN) -MMD -MP -c $< -o $@
 
 $(BUILD)/kvtierd: $(BUILD)/obj/daemon/main.o $(CORE_OBJ)
 	$(CC) $(ALLCFLAGS) -o $@ $^ $(LIBS)
@@ -94,7 +98,42 @@ integration: deps all asan
 
 check-asan: unit integration
 
-test: deps all unit integration
+test: deps all unit tsan integration bench-smoke
+
+# ThreadSanitizer: the L1 concurrency test, built with its own objects in build/tsan/ (a TSan
+# report fails the target: halt_on_error, and TSan's non-zero exit code). The objects are
+# named as prerequisites of `tsan` so make keeps them (not intermediates).
+TSAN      := -fsanitize=thread -fno-omit-frame-pointer
+TSAN_OBJ  := $(call obj,$(BUILD)/tsan,$(CORE_SRC) $(DAEMON_SRC))
+TSAN_BIN  := $(BUILD)/tsan/tests/test_l1_concurrent
+
+$(BUILD)/tsan/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	@echo "  CC tsan $<"
+	$(Q)$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -MMD -MP -c $< -o $@
+
+$(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS) -lcmocka
+
+tsan: deps $(TSAN_OBJ) $(TSAN_BIN)
+	@set -e; for t in $(TSAN_BIN); do echo "== $$t"; \
+	  TSAN_OPTIONS="halt_on_error=1 exitcode=66 $$TSAN_OPTIONS" timeout 300 $$t; done
+
+# L1 allocator / index microbenchmark: -O2, no sanitizers, the objects of build/obj.
+# `make bench-l1` runs it in full (< 60 s); BENCH_L1_ARGS=--quick for a smoke run.
+BENCH_L1      := $(BUILD)/kvt-bench-l1
+BENCH_L1_ARGS ?= --json $(BUILD)/bench-l1.json
+
+$(BENCH_L1): bench/kvt_bench_l1.c $(CORE_OBJ)
+	$(CC) $(ALLCFLAGS) -o $@ $^ $(LIBS)
+
+bench-l1: deps $(BENCH_L1)
+	$(BENCH_L1) $(BENCH_L1_ARGS)
+
+# A benchmark is not a test: CI runs it only in its short smoke mode, never judging timings.
+bench-smoke: deps $(BENCH_L1)
+	$(BENCH_L1) --quick > /dev/null
 
 clean:
 	rm -rf $(BUILD)

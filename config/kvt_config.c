@@ -146,6 +146,8 @@ static const s_opt_t s_options[] = {
           "N", "most keys in one request"),
     S_BOOLEAN("allow_unpinned", "--allow-unpinned", "KVTIER_ALLOW_UNPINNED", allow_unpinned,
               "false", 0, "start with a warning when the L1 arena cannot be mlock()ed"),
+    S_STR("shm_group", "--shm-group", "KVTIER_SHM_GROUP", shm_group, "", 0, NULL, "GROUP",
+          "group that may map the L1 arena (mode 0660); \"\" keeps it 0600"),
     S_BOOLEAN("allow_insecure_remote", "--allow-insecure-remote", "KVTIER_ALLOW_INSECURE_REMOTE",
               allow_insecure_remote, "false", 0,
               "allow non-loopback tcp/HTTP binds (no authentication!)"),

@@ -30,6 +30,7 @@ struct kvt_server {
     kvt_metrics_t *metrics;
     kvt_sup_thread_t *beat;
     kvt_sessions_t *sessions;
+    kvt_l1_t *l1;
     zsock_t *router;
     kvt_limits_t lim;
     uint64_t next_sweep_ms;
@@ -41,6 +42,7 @@ struct kvt_server {
 typedef struct {
     kvt_server_t *srv;
     const zframe_t *rid;
+    uint64_t owner; /* session of this connection, 0 before HELLO */
     kvt_req_t req;
     zmsg_t *data; /* the request's data frames */
     msgpack_packer pk;
@@ -77,14 +79,23 @@ static int s_hello(s_ctx_t *c)
         return KVT_EBADREQ;
     }
     char *instance = s_cstr(&c->req.instance), *client = s_cstr(&c->req.client);
-    if (kvt_sessions_hello(c->srv->sessions, zframe_data((zframe_t *)c->rid),
-                           zframe_size((zframe_t *)c->rid), instance, client, kvt_now_ms()))
+    bool created = false;
+    c->owner = kvt_sessions_hello(c->srv->sessions, zframe_data((zframe_t *)c->rid),
+                                  zframe_size((zframe_t *)c->rid), instance, client,
+                                  kvt_now_ms(), &created);
+    if (created)
         kvt_log(KVT_LOG_INFO, "client %s (instance %s) connected", client, instance);
     free(instance);
     free(client);
     kvt_metrics_set_clients(c->srv->metrics, kvt_sessions_count(c->srv->sessions));
     msgpack_packer *pk = &c->pk;
-    kvt_pack_ok(pk, 5);
+    kvt_pack_ok(pk, 6);
+    kvt_pack_str(pk, "shm");
+    msgpack_pack_map(pk, 2);
+    kvt_pack_str(pk, "path");
+    kvt_pack_str(pk, kvt_l1_shm_path(c->srv->l1));
+    kvt_pack_str(pk, "size");
+    msgpack_pack_uint64(pk, kvt_l1_capacity(c->srv->l1));
     kvt_pack_str(pk, "version");
     msgpack_pack_uint32(pk, KVT_PROTO_VERSION);
     kvt_pack_str(pk, "server");
@@ -161,10 +172,184 @@ static int s_stats(s_ctx_t *c)
     return 0;
 }
 
+/* ---- L1 requests ---- */
+
+static kvt_nsref_t s_nsref(const kvt_req_t *r)
+{
+    return (kvt_nsref_t){r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
+}
+
+/* Requests that take a lease need an owner: the instance this connection said HELLO as. */
+static int s_need_owner(s_ctx_t *c)
+{
+    if (c->owner)
+        return 0;
+    snprintf(c->err, sizeof c->err,
+             "%s takes a lease: send HELLO first (or again: the instance was silent for over "
+             "lease_ms and was dropped)",
+             kvt_proto_name(c->req.type));
+    return KVT_EBADREQ;
+}
+
+static void s_pack_slots(msgpack_packer *pk, const kvt_slot_t *slots, uint32_t n)
+{
+    kvt_pack_str(pk, "slots");
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < n; i++) {
+        if (slots[i].length == 0) {
+            msgpack_pack_nil(pk);
+            continue;
+        }
+        msgpack_pack_map(pk, 2);
+        kvt_pack_str(pk, "offset");
+        msgpack_pack_uint64(pk, slots[i].offset);
+        kvt_pack_str(pk, "length");
+        msgpack_pack_uint64(pk, slots[i].length);
+    }
+}
+
+static void s_pack_uint_field(msgpack_packer *pk, const char *name, uint64_t v)
+{
+    kvt_pack_str(pk, name);
+    msgpack_pack_uint64(pk, v);
+}
+
+static kvt_slot_t *s_slots(uint32_t n)
+{
+    kvt_slot_t *slots = malloc((n ? n : 1) * sizeof *slots);
+    kvt_assert(slots);
+    return slots;
+}
+
+static int s_reserve(s_ctx_t *c)
+{
+    int rc = s_need_owner(c);
+    if (rc)
+        return rc;
+    const kvt_req_t *r = &c->req;
+    kvt_nsref_t ns = s_nsref(r);
+    kvt_slot_t *slots = s_slots(r->nkeys);
+    uint32_t n = 0;
+    uint64_t lease = 0;
+    rc = kvt_l1_reserve(c->srv->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                        r->nkeys, (r->present & KVT_F_SIZES) ? r->sizes : NULL, r->size, slots,
+                        &n, &lease, c->err, sizeof c->err);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 2);
+        s_pack_slots(&c->pk, slots, n);
+        s_pack_uint_field(&c->pk, "lease", lease);
+    }
+    free(slots);
+    return rc;
+}
+
+static int s_commit(s_ctx_t *c)
+{
+    uint32_t stored = 0;
+    int rc = kvt_l1_commit(c->srv->l1, c->owner, c->req.lease, c->req.failed, c->req.nfailed,
+                           &stored, c->err, sizeof c->err);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "stored", stored);
+    }
+    return rc;
+}
+
+static int s_acquire(s_ctx_t *c)
+{
+    int rc = s_need_owner(c);
+    if (rc)
+        return rc;
+    const kvt_req_t *r = &c->req;
+    kvt_nsref_t ns = s_nsref(r);
+    kvt_slot_t *slots = s_slots(r->nkeys);
+    uint32_t n = 0;
+    uint64_t lease = 0;
+    rc = kvt_l1_acquire(c->srv->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                        r->nkeys, slots, &n, &lease);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 2);
+        s_pack_slots(&c->pk, slots, n);
+        s_pack_uint_field(&c->pk, "lease", lease);
+    }
+    free(slots);
+    return rc;
+}
+
+static int s_release(s_ctx_t *c)
+{
+    int rc = kvt_l1_release(c->srv->l1, c->owner, c->req.lease);
+    if (rc == KVT_ELEXPIRED)
+        snprintf(c->err, sizeof c->err,
+                 "lease %llu expired: its instance was silent for over lease_ms",
+                 (unsigned long long)c->req.lease);
+    else if (rc)
+        snprintf(c->err, sizeof c->err, "no lease %llu held by this instance",
+                 (unsigned long long)c->req.lease);
+    else
+        kvt_pack_ok(&c->pk, 0);
+    return rc;
+}
+
+static int s_lookup(s_ctx_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    int rc = r->lock ? s_need_owner(c) : 0;
+    if (rc)
+        return rc;
+    kvt_nsref_t ns = s_nsref(r);
+    uint32_t hits = 0;
+    uint64_t lease = 0;
+    rc = kvt_l1_lookup(c->srv->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                       r->nkeys, r->lock, &hits, &lease);
+    if (rc)
+        return rc;
+    kvt_pack_ok(&c->pk, lease ? 3 : 2);
+    s_pack_uint_field(&c->pk, "hits", hits);
+    s_pack_uint_field(&c->pk, "l1", hits);
+    if (lease)
+        s_pack_uint_field(&c->pk, "lease", lease);
+    return 0;
+}
+
+static int s_remove(s_ctx_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    kvt_nsref_t ns = s_nsref(r);
+    uint32_t removed = 0;
+    int rc = kvt_l1_remove(c->srv->l1, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys,
+                           &removed);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "removed", removed);
+    }
+    return rc;
+}
+
+static int s_clear(s_ctx_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    uint64_t removed = 0;
+    int rc = kvt_l1_clear(c->srv->l1, (r->present & KVT_F_NS) ? r->ns.ptr : NULL, r->ns.len,
+                          &removed);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "removed", removed);
+    }
+    return rc;
+}
+
 static const s_handler_fn s_handlers[KVT_REQ_SLOTS] = {
     [KVT_REQ_HELLO] = s_hello,
     [KVT_REQ_BYE] = s_bye,
     [KVT_REQ_PING] = s_ping,
+    [KVT_REQ_LOOKUP] = s_lookup,
+    [KVT_REQ_RESERVE] = s_reserve,
+    [KVT_REQ_COMMIT] = s_commit,
+    [KVT_REQ_ACQUIRE] = s_acquire,
+    [KVT_REQ_RELEASE] = s_release,
+    [KVT_REQ_REMOVE] = s_remove,
+    [KVT_REQ_CLEAR] = s_clear,
     [KVT_REQ_STATS] = s_stats,
 };
 
@@ -232,7 +417,7 @@ static int s_dispatch(s_ctx_t *c, zmsg_t *msg, uint64_t type, size_t total)
     } else if (rc) {
         snprintf(c->err, sizeof c->err, "%s", c->req.error);
     } else if (!s_handlers[type]) {
-        snprintf(c->err, sizeof c->err, "%s is not available: this daemon has no storage tier yet",
+        snprintf(c->err, sizeof c->err, "%s is not available in this version of kvtierd",
                  info->name);
         rc = KVT_EUNAVAIL;
     } else {
@@ -260,9 +445,10 @@ static void s_handle_message(kvt_server_t *self, zmsg_t *msg)
         zmsg_destroy(&msg);
         return;
     }
-    kvt_sessions_touch(self->sessions, zframe_data(rid), zframe_size(rid), kvt_now_ms());
+    uint64_t owner =
+        kvt_sessions_touch(self->sessions, zframe_data(rid), zframe_size(rid), kvt_now_ms());
     size_t total = zmsg_content_size(msg) + zframe_size(uid);
-    s_ctx_t c = {.srv = self, .rid = rid};
+    s_ctx_t c = {.srv = self, .rid = rid, .owner = owner};
     msgpack_sbuffer_clear(&self->sbuf);
     msgpack_packer_init(&c.pk, &self->sbuf, msgpack_sbuffer_write);
     zframe_t *typef = zmsg_pop(msg);
@@ -318,16 +504,23 @@ static int s_check_ipc(const char *endpoint, char *err, size_t errlen)
     return 0;
 }
 
+static uint64_t s_on_gone(void *ctx, uint64_t owner, bool expired)
+{
+    kvt_server_t *self = ctx;
+    return kvt_l1_release_owner(self->l1, owner, expired);
+}
+
 kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_sup_t *sup,
-                             char *err, size_t errlen)
+                             kvt_l1_t *l1, char *err, size_t errlen)
 {
     kvt_server_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->cfg = cfg;
     self->metrics = metrics;
+    self->l1 = l1;
     kvt_limits_init(&self->lim, cfg->max_message, cfg->max_keys);
     msgpack_sbuffer_init(&self->sbuf);
-    self->sessions = kvt_sessions_new(NULL, NULL);
+    self->sessions = kvt_sessions_new(s_on_gone, self);
     self->router = zsock_new(ZMQ_ROUTER);
     if (!self->router) {
         snprintf(err, errlen, "cannot create the ROUTER socket: %s", zmq_strerror(errno));

@@ -6,6 +6,7 @@
 #include "kvt_config.h"
 #include "kvt_error.h"
 #include "kvt_http.h"
+#include "kvt_l1.h"
 #include "kvt_log.h"
 #include "kvt_metrics.h"
 #include "kvt_server.h"
@@ -55,18 +56,24 @@ fail:
     return KVT_EIO;
 }
 
+/* What the HTTP hooks reach. */
+typedef struct {
+    kvt_server_t *server;
+    kvt_l1_t *l1;
+} s_parts_t;
+
 static json_t *s_status_hook(void *ctx)
 {
-    return kvt_server_status_json(ctx);
+    s_parts_t *p = ctx;
+    json_t *st = kvt_server_status_json(p->server);
+    json_object_set_new(st, "l1", kvt_l1_status_json(p->l1));
+    return st;
 }
 
 static int s_clear_hook(void *ctx, const char *ns, uint64_t *removed)
 {
-    (void)ctx;
-    (void)ns;
-    /* no storage tier is built yet: nothing can be cached, so nothing is removed */
-    *removed = 0;
-    return 0;
+    s_parts_t *p = ctx;
+    return kvt_l1_clear(p->l1, (const uint8_t *)ns, ns ? (uint32_t)strlen(ns) : 0, removed);
 }
 
 int main(int argc, char **argv)
@@ -121,6 +128,7 @@ int main(int argc, char **argv)
     kvt_metrics_t *metrics = NULL;
     kvt_sup_t *sup = NULL;
     kvt_server_t *server = NULL;
+    kvt_l1_t *l1 = NULL;
     kvt_http_t *http = NULL;
     if (s_mkdirs(cfg->run_dir, err, sizeof err, "run_dir") ||
         s_mkdirs(cfg->data_dir, err, sizeof err, "data_dir"))
@@ -128,11 +136,20 @@ int main(int argc, char **argv)
     metrics = kvt_metrics_new();
     sup = kvt_sup_new(cfg);
     kvt_metrics_add_source(metrics, kvt_sup_metrics_source, sup);
-    server = kvt_server_new(cfg, metrics, sup, err, sizeof err);
+    l1 = kvt_l1_new(cfg, err, sizeof err);
+    if (!l1)
+        goto done;
+    kvt_metrics_add_source(metrics, kvt_l1_metrics_source, l1);
+    server = kvt_server_new(cfg, metrics, sup, l1, err, sizeof err);
     if (!server)
         goto done;
+    if (kvt_l1_start(l1, sup) != 0) {
+        snprintf(err, sizeof err, "cannot start the eviction thread");
+        goto done;
+    }
+    s_parts_t parts = {server, l1};
     if (cfg->http[0]) {
-        kvt_http_hooks_t hooks = {s_status_hook, s_clear_hook, server};
+        kvt_http_hooks_t hooks = {s_status_hook, s_clear_hook, &parts};
         http = kvt_http_new(cfg, metrics, sup, &hooks, err, sizeof err);
         if (!http)
             goto done;
@@ -151,6 +168,7 @@ done:
         kvt_log(KVT_LOG_ERROR, "%s", err);
     kvt_http_destroy(&http);
     kvt_server_destroy(&server);
+    kvt_l1_destroy(&l1);
     kvt_sup_destroy(&sup);
     kvt_metrics_destroy(&metrics);
     kvt_config_destroy(&cfg);

@@ -8,7 +8,7 @@ its stderr is scanned for sanitizer reports, and any report fails the test (STYL
 as does a daemon that dies under a shared fixture or needs SIGKILL to stop.
 
 Fixtures:
-  daemon_factory(*extra_args, env=None, args=None, start=True, wait=True) -> Daemon
+  daemon_factory(*extra_args, env=None, args=None, start=True, wait=True, prefix=()) -> Daemon
   daemon          a started Daemon with the default flags
   shared_daemon   a started Daemon shared by the module (flags: module-level KVT_SHARED_ARGS)
   kvt_daemon_bin  absolute path of the daemon (KVT_DAEMON)
@@ -93,15 +93,17 @@ def kvt_cli_bin():
 
 @pytest.fixture
 def daemon_factory(request, kvt_daemon_bin):
-    """spawn(*extra_args, env=None, args=None, start=True, wait=True) -> Daemon.
+    """spawn(*extra_args, env=None, args=None, start=True, wait=True, prefix=()) -> Daemon.
 
     extra_args are appended to the default command line; `args` replaces it (argv[1:]); env
-    adds variables. Every daemon spawned is stopped at teardown and its stderr checked."""
+    adds variables; `prefix` is a command the daemon is exec'd by (setpriv, prlimit). Every
+    daemon spawned is stopped at teardown and its stderr checked."""
     daemons = []
     request.node._kvt_daemons = daemons
 
-    def spawn(*extra_args, env=None, args=None, start=True, wait=True):
-        d = Daemon(binary=kvt_daemon_bin, extra_args=extra_args, env=env, args=args)
+    def spawn(*extra_args, env=None, args=None, start=True, wait=True, prefix=()):
+        d = Daemon(binary=kvt_daemon_bin, extra_args=extra_args, env=env, args=args,
+                   prefix=prefix)
         daemons.append(d)
         if start:
             d.start(wait=wait)

@@ -12,13 +12,19 @@ are polled with `wait_until` rather than slept for.
 
 import collections
 import http.client
+import hashlib
 import json
+import mmap
 import os
+import random
 import re
+import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -355,11 +361,14 @@ class Daemon:
 
     Default command line: --run-dir TMP/run --data-dir TMP/data --listen ipc://TMP/run/kvtier.sock
     --listen tcp://127.0.0.1:PORT --http 127.0.0.1:PORT2 --l1-size 64M --log-level debug, then
-    `extra_args`. Pass `args` to replace the whole command line (argv[1:]) instead. stdout and
-    stderr go to TMP/stdout.log and TMP/stderr.log.
+    `extra_args`. Pass `args` to replace the whole command line (argv[1:]) instead. `prefix`
+    is a command the daemon runs under (e.g. ["prlimit", "--memlock=1048576"]); it must exec the
+    daemon in the same process. stdout and stderr go to TMP/stdout.log and TMP/stderr.log.
     """
 
-    def __init__(self, binary=None, extra_args=(), env=None, args=None, workdir=None):
+    def __init__(self, binary=None, extra_args=(), env=None, args=None, workdir=None,
+                 prefix=()):
+        self.prefix = list(prefix)
         self.binary = binary or daemon_path()
         if self.binary is None:
             raise RuntimeError("KVT_DAEMON is unset or not an executable file")
@@ -397,7 +406,7 @@ class Daemon:
 
     @property
     def argv(self):
-        return [self.binary] + self.args
+        return self.prefix + [self.binary] + self.args
 
     def start(self, wait=True, timeout=HEALTHY_TIMEOUT_S):
         """Spawns the daemon; with `wait`, blocks until GET /healthz answers 200 (and the ipc
@@ -600,6 +609,99 @@ class Daemon:
             if own:
                 sock.close(linger=0)
 
+    # -- L1 requests ----------------------------------------------------------------------
+    # Each sends one request on `sock` and returns the reply body. With check=True (the
+    # default) the reply must be ok; pass check=False to look at a refusal.
+
+    def _l1(self, sock, type_, body, check):
+        b = self.call(sock, type_, body)
+        if check:
+            assert b["ok"] is True, "%s %r failed: %r" % (TYPE_NAMES[type_], _brief(body), b)
+        return b
+
+    def reserve(self, sock, ns, keys, sizes=None, size=None, salt=None, check=True):
+        body = {"ns": ns, "keys": list(keys)}
+        if sizes is not None:
+            body["sizes"] = list(sizes)
+        if size is not None:
+            body["size"] = size
+        if salt is not None:
+            body["salt"] = salt
+        return self._l1(sock, RESERVE, body, check)
+
+    def commit(self, sock, lease, failed=None, check=True):
+        body = {"lease": lease}
+        if failed is not None:
+            body["failed"] = list(failed)
+        return self._l1(sock, COMMIT, body, check)
+
+    def acquire(self, sock, ns, keys, salt=None, check=True):
+        body = {"ns": ns, "keys": list(keys)}
+        if salt is not None:
+            body["salt"] = salt
+        return self._l1(sock, ACQUIRE, body, check)
+
+    def release(self, sock, lease, check=True):
+        return self._l1(sock, RELEASE, {"lease": lease}, check)
+
+    def lookup(self, sock, ns, keys, salt=None, lock=None, prefetch=None, check=True):
+        body = {"ns": ns, "keys": list(keys)}
+        if salt is not None:
+            body["salt"] = salt
+        if lock is not None:
+            body["lock"] = lock
+        if prefetch is not None:
+            body["prefetch"] = prefetch
+        return self._l1(sock, LOOKUP, body, check)
+
+    def remove(self, sock, ns, keys, salt=None, check=True):
+        body = {"ns": ns, "keys": list(keys)}
+        if salt is not None:
+            body["salt"] = salt
+        return self._l1(sock, REMOVE, body, check)
+
+    def clear(self, sock, ns=None, check=True):
+        return self._l1(sock, CLEAR, {} if ns is None else {"ns": ns}, check)
+
+    def hits(self, sock, ns, keys, salt=None):
+        """LOOKUP (no lock) -> the number of leading READY keys."""
+        return self.lookup(sock, ns, keys, salt=salt)["hits"]
+
+    def present(self, sock, ns, keys, salt=None):
+        """One LOOKUP per key -> [bool]: which keys are READY, each on its own."""
+        return [self.hits(sock, ns, [k], salt=salt) == 1 for k in keys]
+
+    def store(self, sock, arena, ns, keys, payloads, salt=None):
+        """RESERVE len(payload) bytes per key, write each payload at its slot, COMMIT. Every
+        key must get a slot (none may be stored already). Returns the slots."""
+        r = self.reserve(sock, ns, keys, sizes=[len(p) for p in payloads], salt=salt)
+        slots = r["slots"]
+        assert len(slots) == len(keys) and None not in slots, \
+            "RESERVE of %d new keys gave %r" % (len(keys), slots)
+        check_slots(slots, [len(p) for p in payloads], arena.size)
+        for sl, p in zip(slots, payloads):
+            arena.write(sl["offset"], p)
+        c = self.commit(sock, r["lease"])
+        assert c["stored"] == len(keys), "COMMIT stored %r of %d" % (c, len(keys))
+        return slots
+
+    def fetch(self, sock, arena, ns, keys, salt=None):
+        """ACQUIRE, copy the bytes of every slot out of the arena, RELEASE. Returns the list of
+        byte strings of the leading keys found."""
+        r = self.acquire(sock, ns, keys, salt=salt)
+        out = [arena.read(sl["offset"], sl["length"]) for sl in r["slots"]]
+        if r["lease"]:
+            self.release(sock, r["lease"])
+        else:
+            assert not r["slots"], "ACQUIRE found %d keys but gave lease 0" % len(r["slots"])
+        return out
+
+    def l1_metrics(self):
+        """GET /metrics -> {name: value} for the L1 and lease gauges/counters (None when
+        missing)."""
+        _, samples = self.metrics()
+        return {n: metric_value(samples, n) for n in L1_METRIC_NAMES}
+
     # -- http ---------------------------------------------------------------------------
 
     def http(self, method, path, body=None, headers=None, timeout=5.0):
@@ -672,3 +774,185 @@ def run_kvtierd(args, env=None, timeout=10.0, cwd=None, binary=None):
     finally:
         if own and not os.environ.get("KVT_KEEP_TMP"):
             shutil.rmtree(cwd, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------
+# L1: the shared-memory arena, payloads, slots, and client processes
+
+PAGE = 4096
+MiB = 1 << 20
+
+L1_METRIC_NAMES = (
+    "kvtier_l1_capacity_bytes", "kvtier_l1_used_bytes", "kvtier_l1_free_bytes",
+    "kvtier_l1_largest_free_bytes", "kvtier_l1_fragmentation_ratio", "kvtier_l1_objects",
+    "kvtier_l1_reserved_objects", "kvtier_l1_evictions_total", "kvtier_leases_active",
+    "kvtier_leases_expired_total", "kvtier_l1_pinned",
+)
+
+
+def _brief(body):
+    """A request body for an assertion message, without pages of keys."""
+    if isinstance(body, dict) and isinstance(body.get("keys"), list) and len(body["keys"]) > 4:
+        body = dict(body, keys="<%d keys>" % len(body["keys"]))
+    if isinstance(body, dict) and isinstance(body.get("sizes"), list) and len(body["sizes"]) > 4:
+        body = dict(body, sizes="<%d sizes>" % len(body["sizes"]))
+    return body
+
+
+class Arena:
+    """The daemon's L1 arena mapped into this process, as a client maps it: open(path, "r+b")
+    and mmap(fileno, size) (MAP_SHARED, read-write)."""
+
+    def __init__(self, shm):
+        assert isinstance(shm, dict), "HELLO shm is not a map: %r" % (shm,)
+        self.path = shm["path"]
+        self.size = shm["size"]
+        self._f = open(self.path, "r+b")
+        self.mm = mmap.mmap(self._f.fileno(), self.size)
+
+    def write(self, offset, data):
+        assert 0 <= offset and offset + len(data) <= self.size, (offset, len(data), self.size)
+        self.mm[offset:offset + len(data)] = data
+
+    def read(self, offset, length):
+        assert 0 <= offset and offset + length <= self.size, (offset, length, self.size)
+        return self.mm[offset:offset + length]
+
+    def close(self):
+        if self.mm is not None:
+            self.mm.close()
+            self._f.close()
+            self.mm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def payload(seed, length):
+    """length pseudo-random bytes, the same for the same seed in every process."""
+    return random.Random(seed).randbytes(length)
+
+
+def pattern(k, length):
+    """A recognizable payload: the 16-byte key repeated (cut to length)."""
+    return (k * (length // len(k) + 1))[:length]
+
+
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def slot_range(sl):
+    return (sl["offset"], sl["offset"] + sl["length"])
+
+
+def ranges_overlap(a, b):
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def check_slots(slots, sizes, capacity, others=()):
+    """Asserts that every non-nil slot is {offset, length} with length == its size, a 4 KiB
+    aligned offset, inside the arena, and that no two slots (nor a slot and a range in
+    `others`) overlap."""
+    ranges = []
+    for i, sl in enumerate(slots):
+        if sl is None:
+            continue
+        assert isinstance(sl, dict) and set(sl) >= {"offset", "length"}, "slot %d: %r" % (i, sl)
+        off, ln = sl["offset"], sl["length"]
+        assert isinstance(off, int) and isinstance(ln, int), "slot %d: %r" % (i, sl)
+        assert ln == sizes[i], "slot %d has length %d, asked for %d" % (i, ln, sizes[i])
+        assert off % PAGE == 0, "slot %d offset %d is not a multiple of 4096" % (i, off)
+        assert 0 <= off and off + ln <= capacity, \
+            "slot %d [%d, %d) outside the arena of %d bytes" % (i, off, off + ln, capacity)
+        ranges.append((i, (off, off + ln)))
+    for x in range(len(ranges)):
+        for y in range(x + 1, len(ranges)):
+            assert not ranges_overlap(ranges[x][1], ranges[y][1]), \
+                "slots %d %r and %d %r overlap" % (ranges[x][0], ranges[x][1], ranges[y][0],
+                                                    ranges[y][1])
+        for o in others:
+            assert not ranges_overlap(ranges[x][1], o), \
+                "slot %d %r overlaps a live object at %r" % (ranges[x][0], ranges[x][1], o)
+
+
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "l1_worker.py")
+
+
+class WorkerProcess:
+    """A separate client process (l1_worker.py) driven over its stdin/stdout with
+    length-prefixed msgpack commands; see l1_worker.py for the commands. Every command waits
+    at most `timeout` seconds for its answer."""
+
+    def __init__(self, timeout=15.0):
+        self.timeout = timeout
+        self.proc = subprocess.Popen([sys.executable, _WORKER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     bufsize=0)
+
+    def _read_exact(self, n, deadline):
+        fd = self.proc.stdout.fileno()
+        buf = b""
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError("client process did not answer within %.0f s"
+                                     % self.timeout)
+            r, _, _ = select.select([fd], [], [], left)
+            if not r:
+                continue
+            chunk = os.read(fd, n - len(buf))
+            if not chunk:
+                self.proc.wait(5)
+                raise AssertionError("client process exited (%s); stderr:\n%s"
+                                     % (self.proc.returncode, self.stderr_text()))
+            buf += chunk
+        return buf
+
+    def cmd(self, *args, timeout=None):
+        """Runs one command in the process; returns its result or raises AssertionError with
+        the process's exception text."""
+        data = pack(list(args))
+        self.proc.stdin.write(struct.pack(">I", len(data)) + data)
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + (timeout or self.timeout)
+        n = struct.unpack(">I", self._read_exact(4, deadline))[0]
+        reply = unpack(self._read_exact(n, deadline))
+        if not reply["ok"]:
+            raise AssertionError("client process command %r failed: %s" % (args[0],
+                                                                            reply["error"]))
+        return reply["result"]
+
+    def stderr_text(self):
+        if self.proc.poll() is None:
+            return ""
+        return self.proc.stderr.read().decode("utf-8", "replace")[-3000:]
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.cmd("exit", timeout=5)
+            except (AssertionError, OSError):
+                pass
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

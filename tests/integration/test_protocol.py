@@ -175,28 +175,15 @@ def test_stats_counts_errors_and_unknown(shared_daemon):
 
 K = key(1)
 WELL_FORMED = [
-    (LOOKUP, {"ns": NS, "keys": [K, key(2)]}, (), ()),
-    (LOOKUP, {"ns": NS, "salt": "tenant-a", "keys": [K], "lock": True, "prefetch": True}, (),
-     ()),
     (PREFETCH_STATUS, {"job": 1}, (), ("not_found",)),
-    (RESERVE, {"ns": NS, "keys": [K, key(2)], "sizes": [4096, 8192]}, (), ("no_space",)),
-    (RESERVE, {"ns": NS, "keys": [K], "size": 4096}, (), ("no_space",)),
-    (COMMIT, {"lease": 1}, (), ("unknown_lease", "lease_expired", "not_found")),
-    (ACQUIRE, {"ns": NS, "keys": [K]}, (), ("not_found",)),
-    (RELEASE, {"lease": 1}, (), ("unknown_lease", "lease_expired", "not_found")),
     (PUT, {"ns": NS, "keys": [K]}, (b"x" * 4096,), ("no_space",)),
     (GET, {"ns": NS, "keys": [K]}, (), ("not_found",)),
-    (REMOVE, {"ns": NS, "keys": [K]}, (), ("not_found",)),
-    (CLEAR, {}, (), ()),
-    (CLEAR, {"ns": NS}, (), ()),
     (HASH_TOKENS, {"tokens": bytes(range(256)) * 8}, (), ()),
 ]
 
 
 @pytest.mark.parametrize("type_, body, data, later_codes", WELL_FORMED,
-                         ids=["lookup", "lookup-opts", "prefetch_status", "reserve-sizes",
-                              "reserve-size", "commit", "acquire", "release", "put", "get",
-                              "remove", "clear", "clear-ns", "hash_tokens"])
+                         ids=["prefetch_status", "put", "get", "hash_tokens"])
 def test_storage_types_answer_typed(shared_daemon, type_, body, data, later_codes):
     """Well-formed requests of the not-yet-built types: ok, or `unavailable` for now (or the
     typed refusal their later implementation gives for a missing object/lease)."""
@@ -206,6 +193,72 @@ def test_storage_types_answer_typed(shared_daemon, type_, body, data, later_code
     assert uid == 4242 and typ == type_
     if not reply["ok"]:
         assert error_code(reply) in ("unavailable",) + tuple(later_codes), reply
+    assert_still_serving(d, s)
+
+
+# The L1 types answer for real (test_l1.py covers them in depth): well-formed requests on a
+# connection that said HELLO, about keys nobody stored, in a namespace of their own.
+NS_EMPTY = NS + "/never-stored"
+L1_WELL_FORMED = [
+    (LOOKUP, {"ns": NS_EMPTY, "keys": [K, key(2)]}, {"hits": 0, "l1": 0}),
+    (LOOKUP, {"ns": NS_EMPTY, "salt": "tenant-a", "keys": [K], "lock": True, "prefetch": True},
+     {"hits": 0, "l1": 0}),
+    (RESERVE, {"ns": NS_EMPTY, "keys": [K, key(2)], "sizes": [4096, 8192]}, None),
+    (RESERVE, {"ns": NS_EMPTY, "salt": "tenant-b", "keys": [K], "size": 4096}, None),
+    (COMMIT, {"lease": 2**50}, "unknown_lease"),
+    (ACQUIRE, {"ns": NS_EMPTY, "keys": [K]}, {"slots": [], "lease": 0}),
+    (RELEASE, {"lease": 2**50}, "unknown_lease"),
+    (REMOVE, {"ns": NS_EMPTY, "keys": [K]}, {"removed": 0}),
+    (CLEAR, {"ns": NS_EMPTY}, {"removed": 0}),
+]
+
+
+@pytest.mark.parametrize("type_, body, expect", L1_WELL_FORMED,
+                         ids=["lookup", "lookup-opts", "reserve-sizes", "reserve-size",
+                              "commit", "acquire", "release", "remove", "clear-ns"])
+def test_l1_types_answer(shared_daemon, type_, body, expect):
+    d = shared_daemon
+    s = d.dealer()
+    d.hello(s, "inst-l1-types")
+    uid, typ, reply, data = d.request(s, 4343, type_, body)
+    assert (uid, typ, data) == (4343, type_, [])
+    if isinstance(expect, str):
+        assert_error(reply, expect)
+    elif type_ == RESERVE:
+        assert reply["ok"] is True and reply["lease"] > 0, reply
+        n = len(body["keys"])
+        assert len(reply["slots"]) == n and None not in reply["slots"], reply
+        assert d.ok(s, RELEASE, {"lease": reply["lease"]})["ok"] is True
+    else:
+        assert reply["ok"] is True, reply
+        for k, v in expect.items():
+            assert reply[k] == v, (k, reply)
+        if type_ == LOOKUP:
+            assert not reply.get("lease"), "a lease for 0 hits: %r" % reply
+    assert_still_serving(d, s)
+
+
+def test_clear_all_answers(daemon):
+    """CLEAR without ns (every namespace) on a daemon of its own."""
+    d = daemon
+    s = d.dealer()
+    r = d.ok(s, CLEAR, {})
+    assert isinstance(r["removed"], int) and not isinstance(r["removed"], bool)
+    assert r["removed"] == 0
+
+
+@pytest.mark.parametrize("type_, body", [
+    (RESERVE, {"ns": NS, "keys": [K], "size": 4096}),
+    (ACQUIRE, {"ns": NS, "keys": [K]}),
+    (LOOKUP, {"ns": NS, "keys": [K], "lock": True}),
+], ids=["reserve", "acquire", "lookup-lock"])
+def test_leases_need_hello(shared_daemon, type_, body):
+    d = shared_daemon
+    s = d.dealer()
+    _, typ, reply, _ = d.request(s, 88, type_, body)
+    assert typ == type_
+    assert_error(reply, "bad_request")
+    assert "hello" in reply["error"]["message"].lower(), reply
     assert_still_serving(d, s)
 
 
@@ -226,6 +279,8 @@ BAD_STORAGE = [
     (PREFETCH_STATUS, {"job": "one"}),                          # job not a uint
     (RESERVE, {"ns": NS, "keys": [K], "sizes": ["big"]}),       # sizes not uints
     (RESERVE, {"ns": NS, "keys": [K], "sizes": [-1]}),          # negative size
+    (RESERVE, {"ns": NS, "keys": [K, key(2)], "sizes": [4096]}),  # sizes shorter than keys
+    (RESERVE, {"ns": NS, "keys": [K]}),                         # neither sizes nor size
     (COMMIT, {}),                                               # no lease
     (COMMIT, {"lease": "abc"}),                                 # lease not a uint
     (COMMIT, {"lease": 1, "failed": ["x"]}),                    # failed not uints
@@ -248,6 +303,7 @@ BAD_STORAGE = [
 def test_storage_types_bad_request(shared_daemon, type_, body):
     d = shared_daemon
     s = d.dealer()
+    d.hello(s, "inst-bad-storage")    # so that RESERVE/ACQUIRE are refused for their bodies
     uid, typ, reply, data = d.request(s, 77, type_, body)
     assert (uid, typ, data) == (77, type_, [])
     assert_error(reply, "bad_request")

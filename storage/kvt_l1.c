@@ -1,0 +1,865 @@
+/* DESIGN: the L1 manager. Objects live in a striped hash index (64 shards, a mutex each, chained
+ * buckets that double when full); READY objects are also on one LRU list (head = most recent).
+ * Namespaces (ns + salt) are interned and reference-counted, so an object compares its
+ * namespace by pointer and CLEAR of one ns matches names exactly.
+ *
+ * Lock order: shard -> LRU. The allocator, lease table and namespace table locks are leaves and
+ * are never held while taking another. Eviction holds the LRU lock and only try-locks shards
+ * (a busy shard's object is skipped this round), so it cannot deadlock with the normal order.
+ * An object's state and pin count are guarded by its shard's lock.
+ *
+ * Ownership: a RESERVED object belongs to its write lease (nothing else can reach it: readers,
+ * REMOVE, CLEAR and eviction only act on READY objects). A READY object belongs to the index;
+ * removal unlinks it from the index and the LRU under its shard lock, and whoever unlinks it
+ * frees it — unless it is pinned, in which case it becomes DOOMED and the last unpin frees it. */
+#include "kvt_l1.h"
+
+#include "kvt_alloc.h"
+#include "kvt_arena.h"
+#include "kvt_error.h"
+#include "kvt_lease.h"
+#include "kvt_log.h"
+
+#include <czmq.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <xxhash.h>
+
+#define S_SHARD_BITS 6
+#define S_SHARDS (1u << S_SHARD_BITS)
+#define S_BUCKETS0 1024u
+#define S_EVICT_TICK_MS 50
+
+enum { S_RESERVED = 1, S_READY = 2, S_DOOMED = 3 };
+
+/* An interned namespace; its key (lengths + bytes) is also the ns table key. */
+typedef struct {
+    uint32_t ns_len, salt_len;
+    const uint8_t *ns, *salt;
+} s_nskey_t;
+
+typedef struct {
+    s_nskey_t key; /* first: the hash table key points here */
+    uint64_t hash;
+    uint64_t refs; /* objects + requests in flight; under ns_lock */
+    uint8_t bytes[];
+} s_ns_t;
+
+typedef struct s_obj {
+    uint8_t key[KVT_KEY_LEN];
+    uint8_t state;
+    bool in_lru;
+    uint32_t pins;
+    uint64_t hash;
+    uint64_t length;
+    s_ns_t *ns;
+    kvt_block_t *block;
+    struct s_obj *hnext;
+    struct s_obj *lru_prev, *lru_next;
+} s_obj_t;
+
+typedef struct {
+    pthread_mutex_t lock;
+    s_obj_t **buckets;
+    uint32_t nbuckets;
+    uint32_t count;
+} s_shard_t;
+
+struct kvt_l1 {
+    const kvt_config_t *cfg;
+    kvt_arena_t *arena;
+    kvt_alloc_t *alloc;
+    kvt_leases_t *leases;
+    s_shard_t shards[S_SHARDS];
+    pthread_mutex_t lru_lock;
+    s_obj_t *lru_head, *lru_tail;
+    pthread_mutex_t ns_lock;
+    zhashx_t *ns_table;
+    uint64_t capacity, high_bytes, low_bytes;
+    _Atomic uint64_t objects, reserved, evictions, evicted_bytes;
+    /* eviction controller */
+    pthread_t tid;
+    bool started;
+    _Atomic bool stop;
+    pthread_mutex_t ev_lock;
+    pthread_cond_t ev_cond;
+    kvt_sup_thread_t *beat;
+};
+
+static void s_inc(_Atomic uint64_t *v, uint64_t n)
+{
+    atomic_fetch_add_explicit(v, n, memory_order_relaxed);
+}
+
+static void s_dec(_Atomic uint64_t *v, uint64_t n)
+{
+    atomic_fetch_sub_explicit(v, n, memory_order_relaxed);
+}
+
+static uint64_t s_get(_Atomic uint64_t *v)
+{
+    return atomic_load_explicit(v, memory_order_relaxed);
+}
+
+/* ---- namespaces ---- */
+
+static size_t s_nskey_hash(const void *k)
+{
+    const s_nskey_t *key = k;
+    uint64_t h = XXH3_64bits_withSeed(key->ns, key->ns_len, key->ns_len);
+    return (size_t)XXH3_64bits_withSeed(key->salt, key->salt_len, h);
+}
+
+static int s_nskey_cmp(const void *a, const void *b)
+{
+    const s_nskey_t *x = a, *y = b;
+    if (x->ns_len != y->ns_len || x->salt_len != y->salt_len)
+        return 1;
+    return memcmp(x->ns, y->ns, x->ns_len) || memcmp(x->salt, y->salt, x->salt_len);
+}
+
+/* The interned namespace with one more reference, or NULL when absent and !create. */
+static s_ns_t *s_ns_get(kvt_l1_t *self, const kvt_nsref_t *ref, bool create)
+{
+    s_nskey_t key = {ref->ns_len, ref->salt_len, ref->ns, ref->salt ? ref->salt : ref->ns};
+    pthread_mutex_lock(&self->ns_lock);
+    s_ns_t *ns = zhashx_lookup(self->ns_table, &key);
+    if (!ns && create) {
+        ns = calloc(1, sizeof *ns + ref->ns_len + ref->salt_len);
+        kvt_assert(ns);
+        memcpy(ns->bytes, ref->ns, ref->ns_len);
+        if (ref->salt_len)
+            memcpy(ns->bytes + ref->ns_len, ref->salt, ref->salt_len);
+        ns->key = (s_nskey_t){ref->ns_len, ref->salt_len, ns->bytes, ns->bytes + ref->ns_len};
+        ns->hash = s_nskey_hash(&ns->key);
+        zhashx_insert(self->ns_table, &ns->key, ns);
+    }
+    if (ns)
+        ns->refs++;
+    pthread_mutex_unlock(&self->ns_lock);
+    return ns;
+}
+
+static void s_ns_put(kvt_l1_t *self, s_ns_t *ns)
+{
+    if (!ns)
+        return;
+    pthread_mutex_lock(&self->ns_lock);
+    if (--ns->refs == 0) {
+        zhashx_delete(self->ns_table, &ns->key);
+        free(ns);
+    }
+    pthread_mutex_unlock(&self->ns_lock);
+}
+
+static void s_ns_ref(kvt_l1_t *self, s_ns_t *ns)
+{
+    pthread_mutex_lock(&self->ns_lock);
+    ns->refs++;
+    pthread_mutex_unlock(&self->ns_lock);
+}
+
+/* ---- index ---- */
+
+static uint64_t s_hash(const s_ns_t *ns, const uint8_t *key)
+{
+    return XXH3_64bits_withSeed(key, KVT_KEY_LEN, ns->hash);
+}
+
+static s_shard_t *s_shard(kvt_l1_t *self, uint64_t h)
+{
+    return &self->shards[h >> (64 - S_SHARD_BITS)];
+}
+
+static s_obj_t *s_find(s_shard_t *sh, const s_ns_t *ns, const uint8_t *key, uint64_t h)
+{
+    for (s_obj_t *o = sh->buckets[h & (sh->nbuckets - 1)]; o; o = o->hnext)
+        if (o->hash == h && o->ns == ns && memcmp(o->key, key, KVT_KEY_LEN) == 0)
+            return o;
+    return NULL;
+}
+
+static void s_grow(s_shard_t *sh)
+{
+    uint32_t nb = sh->nbuckets * 2;
+    s_obj_t **b = calloc(nb, sizeof *b);
+    if (!b)
+        return; /* longer chains, still correct */
+    for (uint32_t i = 0; i < sh->nbuckets; i++)
+        for (s_obj_t *o = sh->buckets[i], *next; o; o = next) {
+            next = o->hnext;
+            o->hnext = b[o->hash & (nb - 1)];
+            b[o->hash & (nb - 1)] = o;
+        }
+    free(sh->buckets);
+    sh->buckets = b;
+    sh->nbuckets = nb;
+}
+
+static void s_insert(s_shard_t *sh, s_obj_t *o)
+{
+    if (sh->count >= sh->nbuckets)
+        s_grow(sh);
+    s_obj_t **head = &sh->buckets[o->hash & (sh->nbuckets - 1)];
+    o->hnext = *head;
+    *head = o;
+    sh->count++;
+}
+
+static void s_unlink(s_shard_t *sh, s_obj_t *o)
+{
+    s_obj_t **p = &sh->buckets[o->hash & (sh->nbuckets - 1)];
+    while (*p && *p != o)
+        p = &(*p)->hnext;
+    kvt_assert(*p == o);
+    *p = o->hnext;
+    o->hnext = NULL;
+    sh->count--;
+}
+
+/* ---- LRU (lru_lock held) ---- */
+
+static void s_lru_remove(kvt_l1_t *self, s_obj_t *o)
+{
+    if (!o->in_lru)
+        return;
+    if (o->lru_prev)
+        o->lru_prev->lru_next = o->lru_next;
+    else
+        self->lru_head = o->lru_next;
+    if (o->lru_next)
+        o->lru_next->lru_prev = o->lru_prev;
+    else
+        self->lru_tail = o->lru_prev;
+    o->lru_prev = o->lru_next = NULL;
+    o->in_lru = false;
+}
+
+static void s_lru_push_head(kvt_l1_t *self, s_obj_t *o)
+{
+    s_lru_remove(self, o);
+    o->lru_prev = NULL;
+    o->lru_next = self->lru_head;
+    if (self->lru_head)
+        self->lru_head->lru_prev = o;
+    self->lru_head = o;
+    if (!self->lru_tail)
+        self->lru_tail = o;
+    o->in_lru = true;
+}
+
+/* ---- objects ---- */
+
+/* Frees an object nobody can reach any more. */
+static void s_destroy_obj(kvt_l1_t *self, s_obj_t *o)
+{
+    kvt_alloc_put(self->alloc, o->block);
+    s_ns_put(self, o->ns);
+    free(o);
+}
+
+/* Unlinks a READY object from index and LRU (shard lock held). Returns true when the caller
+ * must free it (no pins); a pinned one is DOOMED and freed by its last unpin. */
+static bool s_remove_ready(kvt_l1_t *self, s_shard_t *sh, s_obj_t *o)
+{
+    s_unlink(sh, o);
+    pthread_mutex_lock(&self->lru_lock);
+    s_lru_remove(self, o);
+    pthread_mutex_unlock(&self->lru_lock);
+    s_dec(&self->objects, 1);
+    if (o->pins) {
+        o->state = S_DOOMED;
+        return false;
+    }
+    return true;
+}
+
+/* Discards a RESERVED object of a write lease. */
+static void s_discard(kvt_l1_t *self, s_obj_t *o)
+{
+    s_shard_t *sh = s_shard(self, o->hash);
+    pthread_mutex_lock(&sh->lock);
+    s_unlink(sh, o);
+    pthread_mutex_unlock(&sh->lock);
+    s_dec(&self->reserved, 1);
+    s_destroy_obj(self, o);
+}
+
+static void s_unpin(kvt_l1_t *self, s_obj_t *o)
+{
+    s_shard_t *sh = s_shard(self, o->hash);
+    pthread_mutex_lock(&sh->lock);
+    kvt_assert(o->pins > 0);
+    bool dead = --o->pins == 0 && o->state == S_DOOMED;
+    pthread_mutex_unlock(&sh->lock);
+    if (dead)
+        s_destroy_obj(self, o);
+}
+
+/* Acts on a lease taken out of the table: unpin (read) or discard (write). */
+static void s_drop_lease(kvt_lease_t *l, void *ctx)
+{
+    kvt_l1_t *self = ctx;
+    for (uint32_t i = 0; i < l->nitems; i++) {
+        s_obj_t *o = l->items[i];
+        if (!o)
+            continue;
+        if (l->kind == KVT_LEASE_WRITE)
+            s_discard(self, o);
+        else
+            s_unpin(self, o);
+    }
+}
+
+static void s_wake_evictor(kvt_l1_t *self)
+{
+    if (self->started && kvt_alloc_used(self->alloc) > self->high_bytes) {
+        pthread_mutex_lock(&self->ev_lock);
+        pthread_cond_signal(&self->ev_cond);
+        pthread_mutex_unlock(&self->ev_lock);
+    }
+}
+
+static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped);
+
+/* Allocates, evicting on demand while something evictable is left. Eviction skips objects of
+ * shards busy at that instant, so a round that freed nothing but skipped some is retried. */
+static kvt_block_t *s_alloc(kvt_l1_t *self, uint64_t size)
+{
+    kvt_block_t *b = kvt_alloc_get(self->alloc, size);
+    for (int idle_rounds = 0; !b; b = kvt_alloc_get(self->alloc, size)) {
+        uint64_t skipped = 0;
+        if (s_evict(self, size, &skipped) > 0)
+            continue;
+        if (skipped == 0 || ++idle_rounds > 1000)
+            return NULL;
+        sched_yield();
+    }
+    return b;
+}
+
+/* ---- API ---- */
+
+int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
+                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, const uint64_t *sizes,
+                   uint64_t size, kvt_slot_t *slots, uint32_t *nslots, uint64_t *lease,
+                   char *err, size_t errlen)
+{
+    *nslots = 0;
+    *lease = 0;
+    if (n == 0)
+        return 0;
+    s_ns_t *ns = s_ns_get(self, ref, true);
+    void **items = calloc(n, sizeof *items);
+    kvt_assert(items);
+    uint32_t i, nobj = 0;
+    int rc = 0;
+    for (i = 0; i < n; i++) {
+        uint64_t sz = sizes ? sizes[i] : size;
+        uint64_t h = s_hash(ns, keys[i]);
+        s_shard_t *sh = s_shard(self, h);
+        pthread_mutex_lock(&sh->lock);
+        bool present = s_find(sh, ns, keys[i], h) != NULL;
+        pthread_mutex_unlock(&sh->lock);
+        if (present) {
+            slots[i] = (kvt_slot_t){0, 0};
+            continue;
+        }
+        kvt_block_t *b = sz <= self->capacity ? s_alloc(self, sz) : NULL;
+        if (!b) {
+            if (i == 0) {
+                snprintf(err, errlen,
+                         "no space in L1 for %llu bytes (capacity %llu, %llu in use, "
+                         "nothing evictable)",
+                         (unsigned long long)sz, (unsigned long long)self->capacity,
+                         (unsigned long long)kvt_alloc_used(self->alloc));
+                rc = KVT_ENOSPC;
+            }
+            break;
+        }
+        s_obj_t *o = calloc(1, sizeof *o);
+        kvt_assert(o);
+        memcpy(o->key, keys[i], KVT_KEY_LEN);
+        o->state = S_RESERVED;
+        o->hash = h;
+        o->length = sz;
+        o->ns = ns;
+        o->block = b;
+        pthread_mutex_lock(&sh->lock);
+        if (s_find(sh, ns, keys[i], h)) { /* another writer got there first */
+            pthread_mutex_unlock(&sh->lock);
+            kvt_alloc_put(self->alloc, b);
+            free(o);
+            slots[i] = (kvt_slot_t){0, 0};
+            continue;
+        }
+        s_insert(sh, o);
+        pthread_mutex_unlock(&sh->lock);
+        s_ns_ref(self, ns);
+        s_inc(&self->reserved, 1);
+        items[i] = o;
+        nobj++;
+        slots[i] = (kvt_slot_t){kvt_block_offset(b), sz};
+    }
+    *nslots = rc ? 0 : i;
+    if (nobj)
+        *lease = kvt_leases_add(self->leases, kvt_lease_new(owner, KVT_LEASE_WRITE, items, i));
+    free(items);
+    s_ns_put(self, ns);
+    s_wake_evictor(self);
+    return rc;
+}
+
+static int s_lease_error(int rc, uint64_t id, const char *what, char *err, size_t errlen)
+{
+    if (rc == KVT_ELEXPIRED)
+        snprintf(err, errlen, "lease %llu expired: its instance was silent for over lease_ms",
+                 (unsigned long long)id);
+    else if (rc == KVT_EBADREQ)
+        snprintf(err, errlen, "lease %llu is not a %s lease", (unsigned long long)id, what);
+    else
+        snprintf(err, errlen, "no lease %llu held by this instance", (unsigned long long)id);
+    return rc;
+}
+
+int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *failed,
+                  uint32_t nfailed, uint32_t *stored, char *err, size_t errlen)
+{
+    *stored = 0;
+    kvt_lease_t *l = NULL;
+    int rc = kvt_leases_take(self->leases, id, owner, KVT_LEASE_WRITE, &l);
+    if (rc)
+        return s_lease_error(rc, id, "write", err, errlen);
+    for (uint32_t f = 0; f < nfailed; f++)
+        if (failed[f] >= l->nitems) {
+            snprintf(err, errlen, "failed index %llu out of range: the lease covers %u keys",
+                     (unsigned long long)failed[f], l->nitems);
+            kvt_leases_restore(self->leases, l);
+            return KVT_EBADREQ;
+        }
+    for (uint32_t f = 0; f < nfailed; f++) {
+        s_obj_t *o = l->items[failed[f]];
+        if (o) {
+            s_discard(self, o);
+            l->items[failed[f]] = NULL;
+        }
+    }
+    /* in reverse, so the head of the prefix ends up most recent */
+    for (uint32_t i = l->nitems; i-- > 0;) {
+        s_obj_t *o = l->items[i];
+        if (!o)
+            continue;
+        s_shard_t *sh = s_shard(self, o->hash);
+        pthread_mutex_lock(&sh->lock);
+        o->state = S_READY;
+        pthread_mutex_lock(&self->lru_lock);
+        s_lru_push_head(self, o);
+        pthread_mutex_unlock(&self->lru_lock);
+        pthread_mutex_unlock(&sh->lock);
+        s_dec(&self->reserved, 1);
+        s_inc(&self->objects, 1);
+        (*stored)++;
+    }
+    kvt_lease_free(l);
+    return 0;
+}
+
+/* Counts the leading READY keys. With `pinned`, also pins them, puts them in pinned[] and
+ * touches them in the LRU. */
+static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const uint8_t (*keys)[KVT_KEY_LEN],
+                               uint32_t n, s_obj_t **pinned)
+{
+    uint32_t k = 0;
+    for (; k < n; k++) {
+        uint64_t h = s_hash(ns, keys[k]);
+        s_shard_t *sh = s_shard(self, h);
+        pthread_mutex_lock(&sh->lock);
+        s_obj_t *o = s_find(sh, ns, keys[k], h);
+        bool ok = o && o->state == S_READY;
+        if (ok && pinned)
+            o->pins++;
+        pthread_mutex_unlock(&sh->lock);
+        if (!ok)
+            break;
+        if (pinned)
+            pinned[k] = o;
+    }
+    if (!pinned)
+        return k;
+    /* touch in reverse so the head of the prefix is the most recent */
+    for (uint32_t j = k; j-- > 0;) {
+        s_obj_t *o = pinned[j];
+        s_shard_t *sh = s_shard(self, o->hash);
+        pthread_mutex_lock(&sh->lock);
+        if (o->state == S_READY) {
+            pthread_mutex_lock(&self->lru_lock);
+            s_lru_push_head(self, o);
+            pthread_mutex_unlock(&self->lru_lock);
+        }
+        pthread_mutex_unlock(&sh->lock);
+    }
+    return k;
+}
+
+int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
+                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, kvt_slot_t *slots,
+                   uint32_t *nslots, uint64_t *lease)
+{
+    *nslots = 0;
+    *lease = 0;
+    s_ns_t *ns = n ? s_ns_get(self, ref, false) : NULL;
+    if (!ns)
+        return 0;
+    s_obj_t **pinned = malloc(n * sizeof *pinned);
+    kvt_assert(pinned);
+    uint32_t k = s_ready_prefix(self, ns, keys, n, pinned);
+    for (uint32_t j = 0; j < k; j++)
+        slots[j] = (kvt_slot_t){kvt_block_offset(pinned[j]->block), pinned[j]->length};
+    if (k)
+        *lease = kvt_leases_add(self->leases,
+                                kvt_lease_new(owner, KVT_LEASE_READ, (void *const *)pinned, k));
+    *nslots = k;
+    free(pinned);
+    s_ns_put(self, ns);
+    return 0;
+}
+
+int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
+                  const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, bool lock, uint32_t *hits,
+                  uint64_t *lease)
+{
+    *hits = 0;
+    *lease = 0;
+    if (lock) {
+        kvt_slot_t *slots = malloc((n ? n : 1) * sizeof *slots);
+        kvt_assert(slots);
+        int rc = kvt_l1_acquire(self, owner, ref, keys, n, slots, hits, lease);
+        free(slots);
+        return rc;
+    }
+    s_ns_t *ns = n ? s_ns_get(self, ref, false) : NULL;
+    if (!ns)
+        return 0;
+    *hits = s_ready_prefix(self, ns, keys, n, NULL);
+    s_ns_put(self, ns);
+    return 0;
+}
+
+int kvt_l1_release(kvt_l1_t *self, uint64_t owner, uint64_t id)
+{
+    kvt_lease_t *l = NULL;
+    int rc = kvt_leases_take(self->leases, id, owner, 0, &l);
+    if (rc)
+        return rc;
+    s_drop_lease(l, self);
+    kvt_lease_free(l);
+    return 0;
+}
+
+int kvt_l1_remove(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t (*keys)[KVT_KEY_LEN],
+                  uint32_t n, uint32_t *removed)
+{
+    *removed = 0;
+    s_ns_t *ns = n ? s_ns_get(self, ref, false) : NULL;
+    if (!ns)
+        return 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t h = s_hash(ns, keys[i]);
+        s_shard_t *sh = s_shard(self, h);
+        pthread_mutex_lock(&sh->lock);
+        s_obj_t *o = s_find(sh, ns, keys[i], h);
+        bool gone = o && o->state == S_READY;
+        bool free_it = gone && s_remove_ready(self, sh, o);
+        pthread_mutex_unlock(&sh->lock);
+        if (free_it)
+            s_destroy_obj(self, o);
+        *removed += gone;
+    }
+    s_ns_put(self, ns);
+    return 0;
+}
+
+int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *removed)
+{
+    *removed = 0;
+    for (uint32_t s = 0; s < S_SHARDS; s++) {
+        s_shard_t *sh = &self->shards[s];
+        s_obj_t *victims = NULL;
+        pthread_mutex_lock(&sh->lock);
+        for (uint32_t b = 0; b < sh->nbuckets; b++) {
+            for (s_obj_t *o = sh->buckets[b], *next; o; o = next) {
+                next = o->hnext;
+                if (o->state != S_READY)
+                    continue;
+                if (ns && (o->ns->key.ns_len != ns_len || memcmp(o->ns->key.ns, ns, ns_len)))
+                    continue;
+                (*removed)++;
+                if (s_remove_ready(self, sh, o)) {
+                    o->hnext = victims;
+                    victims = o;
+                }
+            }
+        }
+        pthread_mutex_unlock(&sh->lock);
+        for (s_obj_t *o = victims, *next; o; o = next) {
+            next = o->hnext;
+            s_destroy_obj(self, o);
+        }
+    }
+    return 0;
+}
+
+uint64_t kvt_l1_release_owner(kvt_l1_t *self, uint64_t owner, bool expired)
+{
+    size_t n = 0;
+    kvt_lease_t *l = kvt_leases_take_owner(self->leases, owner, expired, &n);
+    while (l) {
+        kvt_lease_t *next = l->next_of_owner;
+        s_drop_lease(l, self);
+        kvt_lease_free(l);
+        l = next;
+    }
+    return n;
+}
+
+uint64_t kvt_l1_evict(kvt_l1_t *self, uint64_t bytes)
+{
+    uint64_t skipped = 0;
+    return s_evict(self, bytes, &skipped);
+}
+
+static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
+{
+    uint64_t freed = 0, count = 0;
+    s_obj_t *victims = NULL;
+    pthread_mutex_lock(&self->lru_lock);
+    for (s_obj_t *o = self->lru_tail, *prev; o && freed < bytes; o = prev) {
+        prev = o->lru_prev;
+        s_shard_t *sh = s_shard(self, o->hash);
+        if (pthread_mutex_trylock(&sh->lock) != 0) {
+            (*skipped)++; /* busy shard: against the lock order, so skip it this round */
+            continue;
+        }
+        if (o->state == S_READY && o->pins == 0) {
+            s_unlink(sh, o);
+            s_lru_remove(self, o);
+            o->state = S_DOOMED;
+            o->hnext = victims;
+            victims = o;
+            freed += kvt_block_size(o->block);
+            count++;
+        }
+        pthread_mutex_unlock(&sh->lock);
+    }
+    pthread_mutex_unlock(&self->lru_lock);
+    for (s_obj_t *o = victims, *next; o; o = next) {
+        next = o->hnext;
+        s_destroy_obj(self, o);
+    }
+    s_dec(&self->objects, count);
+    s_inc(&self->evictions, count);
+    s_inc(&self->evicted_bytes, freed);
+    return freed;
+}
+
+/* ---- eviction controller ---- */
+
+static void *s_evictor(void *arg)
+{
+    kvt_l1_t *self = arg;
+    while (!atomic_load(&self->stop)) {
+        if (!kvt_sup_beat(self->beat)) {
+            kvt_sup_thread_exit(self->beat, false);
+            return NULL;
+        }
+        uint64_t used = kvt_alloc_used(self->alloc);
+        if (used > self->high_bytes) {
+            uint64_t freed = kvt_l1_evict(self, used - self->low_bytes);
+            kvt_log(KVT_LOG_DEBUG, "l1: evicted %llu bytes (used %llu > high watermark %llu)",
+                    (unsigned long long)freed, (unsigned long long)used,
+                    (unsigned long long)self->high_bytes);
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += S_EVICT_TICK_MS * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_mutex_lock(&self->ev_lock);
+        if (!atomic_load(&self->stop))
+            pthread_cond_timedwait(&self->ev_cond, &self->ev_lock, &ts);
+        pthread_mutex_unlock(&self->ev_lock);
+    }
+    kvt_sup_thread_exit(self->beat, true);
+    return NULL;
+}
+
+int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup)
+{
+    self->beat = kvt_sup_register(sup, "evictor", 2000);
+    if (pthread_create(&self->tid, NULL, s_evictor, self) != 0)
+        return KVT_EINTERNAL;
+    self->started = true;
+    return 0;
+}
+
+/* ---- life cycle ---- */
+
+kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
+{
+    kvt_arena_t *arena = kvt_arena_new(cfg, err, errlen);
+    if (!arena)
+        return NULL;
+    kvt_l1_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->cfg = cfg;
+    self->arena = arena;
+    self->capacity = kvt_arena_size(arena) / KVT_PAGE * KVT_PAGE;
+    self->alloc = kvt_alloc_new(self->capacity);
+    self->leases = kvt_leases_new();
+    kvt_assert(self->alloc);
+    self->high_bytes = (uint64_t)(cfg->high_watermark * (double)self->capacity);
+    self->low_bytes = (uint64_t)(cfg->low_watermark * (double)self->capacity);
+    for (uint32_t s = 0; s < S_SHARDS; s++) {
+        pthread_mutex_init(&self->shards[s].lock, NULL);
+        self->shards[s].nbuckets = S_BUCKETS0;
+        self->shards[s].buckets = calloc(S_BUCKETS0, sizeof(s_obj_t *));
+        kvt_assert(self->shards[s].buckets);
+    }
+    pthread_mutex_init(&self->lru_lock, NULL);
+    pthread_mutex_init(&self->ns_lock, NULL);
+    pthread_mutex_init(&self->ev_lock, NULL);
+    pthread_cond_init(&self->ev_cond, NULL);
+    self->ns_table = zhashx_new();
+    kvt_assert(self->ns_table);
+    zhashx_set_key_hasher(self->ns_table, s_nskey_hash);
+    zhashx_set_key_comparator(self->ns_table, s_nskey_cmp);
+    zhashx_set_key_duplicator(self->ns_table, NULL);
+    zhashx_set_key_destructor(self->ns_table, NULL);
+    return self;
+}
+
+void kvt_l1_destroy(kvt_l1_t **self_p)
+{
+    if (!self_p || !*self_p)
+        return;
+    kvt_l1_t *self = *self_p;
+    if (self->started) {
+        pthread_mutex_lock(&self->ev_lock);
+        atomic_store(&self->stop, true);
+        pthread_cond_signal(&self->ev_cond);
+        pthread_mutex_unlock(&self->ev_lock);
+        pthread_join(self->tid, NULL);
+    }
+    kvt_leases_destroy(&self->leases, s_drop_lease, self);
+    for (uint32_t s = 0; s < S_SHARDS; s++) {
+        s_shard_t *sh = &self->shards[s];
+        for (uint32_t b = 0; b < sh->nbuckets; b++)
+            for (s_obj_t *o = sh->buckets[b], *next; o; o = next) {
+                next = o->hnext;
+                s_destroy_obj(self, o);
+            }
+        free(sh->buckets);
+        pthread_mutex_destroy(&sh->lock);
+    }
+    zhashx_destroy(&self->ns_table);
+    kvt_alloc_destroy(&self->alloc);
+    kvt_arena_destroy(&self->arena);
+    pthread_mutex_destroy(&self->lru_lock);
+    pthread_mutex_destroy(&self->ns_lock);
+    pthread_mutex_destroy(&self->ev_lock);
+    pthread_cond_destroy(&self->ev_cond);
+    free(self);
+    *self_p = NULL;
+}
+
+const char *kvt_l1_shm_path(const kvt_l1_t *self)
+{
+    return kvt_arena_path(self->arena);
+}
+
+uint64_t kvt_l1_capacity(const kvt_l1_t *self)
+{
+    return self->capacity;
+}
+
+void *kvt_l1_base(const kvt_l1_t *self)
+{
+    return kvt_arena_base(self->arena);
+}
+
+void kvt_l1_counts(kvt_l1_t *self, kvt_l1_counts_t *out)
+{
+    out->capacity = self->capacity;
+    out->used = kvt_alloc_used(self->alloc);
+    out->objects = s_get(&self->objects);
+    out->reserved = s_get(&self->reserved);
+    out->evictions = s_get(&self->evictions);
+    out->leases_active = kvt_leases_active(self->leases);
+    out->leases_expired = kvt_leases_expired_total(self->leases);
+}
+
+void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+{
+    kvt_l1_t *self = ctx;
+    kvt_alloc_stats_t st;
+    kvt_alloc_stats(self->alloc, &st);
+    kvt_l1_counts_t c;
+    kvt_l1_counts(self, &c);
+    const struct {
+        const char *name, *help;
+        kvt_metric_kind_t kind;
+        double v;
+    } rows[] = {
+        {"l1_capacity_bytes", "Size of the L1 shared-memory arena.", KVT_METRIC_GAUGE,
+         (double)st.capacity},
+        {"l1_used_bytes", "Bytes of L1 allocated to objects (stored or reserved).",
+         KVT_METRIC_GAUGE, (double)st.used},
+        {"l1_free_bytes", "Bytes of L1 not allocated.", KVT_METRIC_GAUGE, (double)st.free},
+        {"l1_largest_free_bytes", "Largest contiguous free range of L1.", KVT_METRIC_GAUGE,
+         (double)st.largest_free},
+        {"l1_fragmentation_ratio", "1 - largest free range / free bytes.", KVT_METRIC_GAUGE,
+         st.fragmentation},
+        {"l1_objects", "Objects stored in L1 and readable.", KVT_METRIC_GAUGE, (double)c.objects},
+        {"l1_reserved_objects", "Objects reserved in L1 and not committed yet.",
+         KVT_METRIC_GAUGE, (double)c.reserved},
+        {"l1_evictions_total", "Objects evicted from L1.", KVT_METRIC_COUNTER,
+         (double)c.evictions},
+        {"l1_evicted_bytes_total", "Bytes evicted from L1.", KVT_METRIC_COUNTER,
+         (double)s_get(&self->evicted_bytes)},
+        {"l1_pinned", "1 when the L1 arena is locked in memory.", KVT_METRIC_GAUGE,
+         kvt_arena_pinned(self->arena) ? 1.0 : 0.0},
+        {"leases_active", "Leases held by clients.", KVT_METRIC_GAUGE, (double)c.leases_active},
+        {"leases_expired_total", "Leases lost because their instance went silent.",
+         KVT_METRIC_COUNTER, (double)c.leases_expired},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        kvt_sample_t s = {.name = rows[i].name, .help = rows[i].help, .kind = rows[i].kind,
+                          .value = rows[i].v};
+        emit(emit_ctx, &s);
+    }
+}
+
+json_t *kvt_l1_status_json(kvt_l1_t *self)
+{
+    kvt_alloc_stats_t st;
+    kvt_alloc_stats(self->alloc, &st);
+    kvt_l1_counts_t c;
+    kvt_l1_counts(self, &c);
+    return json_pack("{s:s,s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:I,s:I,s:b,s:b,s:I,s:I}", "shm_path",
+                     kvt_arena_path(self->arena), "capacity", (json_int_t)st.capacity, "used",
+                     (json_int_t)st.used, "free", (json_int_t)st.free, "largest_free",
+                     (json_int_t)st.largest_free, "fragmentation", st.fragmentation, "objects",
+                     (json_int_t)c.objects, "reserved", (json_int_t)c.reserved, "evictions",
+                     (json_int_t)c.evictions, "leases_active", (json_int_t)c.leases_active,
+                     "leases_expired", (json_int_t)c.leases_expired, "pinned",
+                     kvt_arena_pinned(self->arena), "huge_pages", kvt_arena_huge(self->arena),
+                     "high_watermark_bytes", (json_int_t)self->high_bytes, "low_watermark_bytes",
+                     (json_int_t)self->low_bytes);
+}

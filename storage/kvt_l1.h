@@ -1,0 +1,114 @@
+/* kvt_l1: the L1 tier — the shared-memory arena, its allocator, the object index, object
+ * states, leases, LRU and the eviction controller.
+ *
+ * Objects are keyed by (ns, salt, 16-byte key). An object is RESERVED (under a write lease,
+ * invisible to readers) until COMMIT makes it READY; READY objects may carry any number of read
+ * pins (ACQUIRE, LOOKUP with lock); eviction takes only READY objects without pins, tail of the
+ * LRU first. Within one stored or acquired prefix, later chunks are placed older, so the tail of
+ * a prefix goes before its head. Leases belong to an owner (a client instance's session id);
+ * kvt_l1_release_owner() drops them all at once (BYE, or the instance went silent).
+ *
+ * Thread safety: every call may come from any thread. The index is striped (64 shards, one
+ * mutex each); the LRU, the allocator and the lease table have a mutex each. Lock order:
+ * shard -> LRU; the allocator and lease locks are leaves. The eviction controller walks the LRU
+ * holding its lock and only try-locks shards, so it never waits against that order. */
+#ifndef KVT_L1_H
+#define KVT_L1_H
+
+#include "kvt_config.h"
+#include "kvt_metrics.h"
+#include "kvt_proto.h"
+#include "kvt_supervisor.h"
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct kvt_l1 kvt_l1_t;
+
+/* A namespace reference as it comes off the wire (ns non-empty; salt may be empty). */
+typedef struct {
+    const uint8_t *ns;
+    uint32_t ns_len;
+    const uint8_t *salt;
+    uint32_t salt_len;
+} kvt_nsref_t;
+
+/* A byte range of the arena. length == 0 means "nil": already stored (RESERVE). */
+typedef struct {
+    uint64_t offset;
+    uint64_t length;
+} kvt_slot_t;
+
+/* Creates the arena (see kvt_arena.h) and the empty tier. NULL with a sentence in err. */
+kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen);
+
+/* Stops the eviction controller, drops every object and lease, unmaps and unlinks the arena. */
+void kvt_l1_destroy(kvt_l1_t **self_p);
+
+/* Starts the eviction controller thread, supervised as "evictor". 0 or KVT_EINTERNAL. */
+int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup);
+
+const char *kvt_l1_shm_path(const kvt_l1_t *self);
+uint64_t kvt_l1_capacity(const kvt_l1_t *self);
+void *kvt_l1_base(const kvt_l1_t *self);
+
+/* RESERVE: for keys[0..n) in order, a slot of sizes[i] bytes (or `size` each when sizes is NULL)
+ * under one write lease of `owner`. A key already present (stored or being stored) gets a nil
+ * slot. When the arena is full, READY objects are evicted on demand; when even that cannot make
+ * room, the keys reserved so far are returned (*nslots < n: the longest prefix that fits). If not
+ * even the first key fits: KVT_ENOSPC. *lease is 0 when every slot is nil. */
+int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ns,
+                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, const uint64_t *sizes,
+                   uint64_t size, kvt_slot_t *slots, uint32_t *nslots, uint64_t *lease,
+                   char *err, size_t errlen);
+
+/* COMMIT: the write lease's objects become READY, except the indices in failed[], which are
+ * discarded. KVT_EUNKLEASE / KVT_ELEXPIRED / KVT_EBADREQ (a read lease, an index out of range). */
+int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t lease, const uint64_t *failed,
+                  uint32_t nfailed, uint32_t *stored, char *err, size_t errlen);
+
+/* ACQUIRE: pins the leading READY keys under one read lease; slots[0..*nslots). *lease is 0 when
+ * nothing was found. */
+int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ns,
+                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, kvt_slot_t *slots,
+                   uint32_t *nslots, uint64_t *lease);
+
+/* LOOKUP: how many leading keys are READY; with `lock`, pins them like ACQUIRE. */
+int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ns,
+                  const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, bool lock, uint32_t *hits,
+                  uint64_t *lease);
+
+/* RELEASE: drops a read lease (unpins) or a write lease (discards its reservations). */
+int kvt_l1_release(kvt_l1_t *self, uint64_t owner, uint64_t lease);
+
+/* REMOVE: removes READY objects (a pinned one disappears from the index at once and frees its
+ * space when its last pin goes). */
+int kvt_l1_remove(kvt_l1_t *self, const kvt_nsref_t *ns, const uint8_t (*keys)[KVT_KEY_LEN],
+                  uint32_t n, uint32_t *removed);
+
+/* CLEAR: removes every READY object, or those of namespace `ns` (any salt) when ns != NULL. */
+int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *removed);
+
+/* Releases every lease of `owner` (BYE, or silence past lease_ms when `expired`). Returns how
+ * many leases were released. */
+uint64_t kvt_l1_release_owner(kvt_l1_t *self, uint64_t owner, bool expired);
+
+/* Evicts LRU objects until at least `bytes` are freed or nothing evictable is left; returns the
+ * bytes freed. The controller calls it above the high watermark; tests call it directly. */
+uint64_t kvt_l1_evict(kvt_l1_t *self, uint64_t bytes);
+
+/* Metrics source: kvtier_l1_* and kvtier_leases_*. */
+void kvt_l1_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
+
+/* {shm_path, capacity, used, objects, pinned, huge_pages, ...} for /status. */
+json_t *kvt_l1_status_json(kvt_l1_t *self);
+
+typedef struct {
+    uint64_t capacity, used, objects, reserved, evictions, leases_active, leases_expired;
+} kvt_l1_counts_t;
+
+void kvt_l1_counts(kvt_l1_t *self, kvt_l1_counts_t *out);
+
+#endif
