@@ -11,7 +11,7 @@ VERSION  := 0.1.0
 PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash
 DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev libjansson-dev \
             libmicrohttpd-dev libxxhash-dev libcmocka-dev python3-zmq python3-msgpack \
-            python3-pytest curl
+            python3-pytest python3-xxhash curl
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 INC      := -Icommon -Iprotocol -Iconfig -Istorage -Il2 -Idaemon -Iclient
@@ -30,8 +30,8 @@ obj = $(patsubst %.c,$(1)/obj/%.o,$(2))
 
 CORE_OBJ   := $(call obj,$(BUILD),$(CORE_SRC) $(DAEMON_SRC))
 CLIENT_OBJ := $(call obj,$(BUILD),$(CLIENT_SRC) common/kvt_error.c protocol/kvt_msg.c \
-                protocol/kvt_proto.c)
-CLIENT_LIBS = $(shell pkg-config --libs libzmq msgpack jansson 2>/dev/null)
+                protocol/kvt_proto.c protocol/kvt_hash.c)
+CLIENT_LIBS = $(shell pkg-config --libs libzmq msgpack jansson libxxhash 2>/dev/null)
 ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))
 UNIT_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(UNIT_SRC))
 

@@ -42,9 +42,90 @@ int kvtier_ping(kvtier_t *self);
 /* STATS as a JSON text (caller frees with free()). */
 int kvtier_stats(kvtier_t *self, char **json_out);
 
+/* ---- the cache ----
+ * ns names the model and KV layout; salt (NULL or "" for none) isolates tenants. Keys are
+ * 16-byte chunk hashes (kvtier_hash_tokens). All calls are prefix calls: they stop at the first
+ * key that is missing. */
+
+#define KVTIER_KEY_LEN 16
+#define KVTIER_LOCK 1u     /* LOOKUP: pin the hits under a read lease */
+#define KVTIER_PREFETCH 2u /* LOOKUP: load the L2 part of the prefix into L1 */
+
+/* A place in the shared-memory arena. ptr points into this client's own mapping of it;
+ * ptr == NULL (length 0) is a nil slot: the key is already stored, nothing to write. */
+typedef struct {
+    void *ptr;
+    uint64_t offset;
+    uint64_t length;
+} kvtier_slot_t;
+
+/* A copy of an object's bytes from kvtier_get (free data with free()). */
+typedef struct {
+    void *data;
+    size_t len;
+} kvtier_buf_t;
+
+/* The arena as this client mapped it at connect (read-write, MAP_SHARED). */
+void *kvtier_arena(const kvtier_t *self, size_t *size);
+
+/* LOOKUP: *hits = leading keys present (any tier), *l1 = leading keys in L1. With KVTIER_LOCK,
+ * *lease pins them (0 when none); with KVTIER_PREFETCH, *job is a job id for
+ * kvtier_prefetch_status. lease, job and l1 may be NULL. */
+int kvtier_lookup(kvtier_t *self, const char *ns, const char *salt,
+                  const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, unsigned flags,
+                  uint32_t *hits, uint32_t *l1, uint64_t *lease, uint64_t *job);
+
+/* PREFETCH_STATUS of a job from kvtier_lookup. */
+int kvtier_prefetch_status(kvtier_t *self, uint64_t job, int *done, uint32_t *loaded,
+                           uint32_t *hits);
+
+/* RESERVE: slots[0..*nslots) for keys of sizes[i] bytes (sizes NULL: `size` each). *nslots < n
+ * when only a prefix fits. Write each non-nil slot through slot.ptr, then kvtier_commit. */
+int kvtier_reserve(kvtier_t *self, const char *ns, const char *salt,
+                   const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const uint64_t *sizes,
+                   uint64_t size, kvtier_slot_t *slots, uint32_t *nslots, uint64_t *lease);
+
+/* COMMIT: the reserved objects become readable, except indices failed[0..nfailed). */
+int kvtier_commit(kvtier_t *self, uint64_t lease, const uint32_t *failed, uint32_t nfailed,
+                  uint32_t *stored);
+
+/* ACQUIRE: slots of the leading keys in L1, pinned under *lease until kvtier_release. */
+int kvtier_acquire(kvtier_t *self, const char *ns, const char *salt,
+                   const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_slot_t *slots,
+                   uint32_t *nslots, uint64_t *lease);
+
+int kvtier_release(kvtier_t *self, uint64_t lease);
+
+/* PUT: stores data[i] (lens[i] bytes) under keys[i], bytes carried in the message (for remote
+ * clients and small objects). *stored counts newly stored objects. */
+int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
+               const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const void *const *data,
+               const size_t *lens, uint32_t *stored);
+
+/* GET: copies of the leading objects found in L1: out[0..*found), each freed by the caller. */
+int kvtier_get(kvtier_t *self, const char *ns, const char *salt,
+               const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
+               uint32_t *found);
+
+int kvtier_remove(kvtier_t *self, const char *ns, const char *salt,
+                  const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, uint32_t *removed);
+
+/* CLEAR: every object, or those of `ns` (any salt) when ns is not NULL. */
+int kvtier_clear(kvtier_t *self, const char *ns, uint64_t *removed);
+
+/* HASH_TOKENS computed by the daemon: keys of the full chunks of tokens[0..ntokens).
+ * chunk_tokens 0: the daemon's. keys must hold ntokens / chunk_tokens entries; *nkeys is set. */
+int kvtier_hash_tokens(kvtier_t *self, const uint32_t *tokens, size_t ntokens,
+                       uint32_t chunk_tokens, const char *salt, uint8_t (*keys)[KVTIER_KEY_LEN],
+                       uint32_t *nkeys);
+
+/* The same keys computed locally, without a round trip (no connection needed). */
+uint32_t kvtier_hash_tokens_local(const uint32_t *tokens, size_t ntokens, uint32_t chunk_tokens,
+                                  const char *salt, uint8_t (*keys)[KVTIER_KEY_LEN]);
+
 /* Sends a raw request (body: one msgpack map) and waits for its reply; *reply_body is a
- * malloc'd copy of the reply body (caller frees). For request types this header has no call for
- * yet. */
+ * malloc'd copy of the reply body (caller frees). For request types this header has no call
+ * for. */
 int kvtier_call(kvtier_t *self, uint32_t type, const void *body, size_t len, void **reply_body,
                 size_t *reply_len);
 

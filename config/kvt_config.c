@@ -144,6 +144,8 @@ static const s_opt_t s_options[] = {
           4 * S_G, "256M", 0, "SIZE", "largest request, all frames together"),
     S_NUM("max_keys", "--max-keys", "KVTIER_MAX_KEYS", S_UINT32, max_keys, 1, 1048576, "65536", 0,
           "N", "most keys in one request"),
+    S_NUM("workers", "--workers", "KVTIER_WORKERS", S_UINT32, workers, 1, 16, "2", 0, "N",
+          "worker threads for inline PUT/GET copies and CLEAR"),
     S_BOOLEAN("allow_unpinned", "--allow-unpinned", "KVTIER_ALLOW_UNPINNED", allow_unpinned,
               "false", 0, "start with a warning when the L1 arena cannot be mlock()ed"),
     S_STR("shm_group", "--shm-group", "KVTIER_SHM_GROUP", shm_group, "", 0, NULL, "GROUP",

@@ -31,6 +31,7 @@ typedef struct kvt_config {
     char *log_level; /* error | warn | info | debug */
     uint64_t max_message; /* bytes in one whole request, all frames */
     uint32_t max_keys;    /* keys in one request */
+    uint32_t workers;     /* worker threads for slow requests */
     bool allow_unpinned;
     char *shm_group; /* group allowed to map the arena (0660), "" for owner only (0600) */
     bool allow_insecure_remote;

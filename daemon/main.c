@@ -5,6 +5,7 @@
  * reverse order. Signal handlers only set a flag; a second SIGINT exits at once. */
 #include "kvt_config.h"
 #include "kvt_error.h"
+#include "kvt_events.h"
 #include "kvt_http.h"
 #include "kvt_l1.h"
 #include "kvt_log.h"
@@ -61,6 +62,16 @@ typedef struct {
     kvt_server_t *server;
     kvt_l1_t *l1;
 } s_parts_t;
+
+static const char *const s_event_names[] = {
+    [KVT_L1_STORED] = "stored", [KVT_L1_EVICTED] = "evicted", [KVT_L1_REMOVED] = "removed"};
+
+static void s_on_l1_event(void *ctx, kvt_l1_event_t event, const uint8_t *ns, uint32_t ns_len,
+                          const uint8_t *salt, uint32_t salt_len,
+                          const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n)
+{
+    kvt_events_publish(ctx, s_event_names[event], ns, ns_len, salt, salt_len, keys, n, "l1");
+}
 
 static json_t *s_status_hook(void *ctx)
 {
@@ -129,6 +140,7 @@ int main(int argc, char **argv)
     kvt_sup_t *sup = NULL;
     kvt_server_t *server = NULL;
     kvt_l1_t *l1 = NULL;
+    kvt_events_t *events = NULL;
     kvt_http_t *http = NULL;
     if (s_mkdirs(cfg->run_dir, err, sizeof err, "run_dir") ||
         s_mkdirs(cfg->data_dir, err, sizeof err, "data_dir"))
@@ -140,6 +152,13 @@ int main(int argc, char **argv)
     if (!l1)
         goto done;
     kvt_metrics_add_source(metrics, kvt_l1_metrics_source, l1);
+    if (cfg->events[0]) {
+        events = kvt_events_new(cfg->events, sup, err, sizeof err);
+        if (!events)
+            goto done;
+        kvt_metrics_add_source(metrics, kvt_events_metrics_source, events);
+        kvt_l1_set_listener(l1, s_on_l1_event, events);
+    }
     server = kvt_server_new(cfg, metrics, sup, l1, err, sizeof err);
     if (!server)
         goto done;
@@ -169,6 +188,7 @@ done:
     kvt_http_destroy(&http);
     kvt_server_destroy(&server);
     kvt_l1_destroy(&l1);
+    kvt_events_destroy(&events);
     kvt_sup_destroy(&sup);
     kvt_metrics_destroy(&metrics);
     kvt_config_destroy(&cfg);

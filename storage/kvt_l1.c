@@ -89,6 +89,8 @@ struct kvt_l1 {
     pthread_mutex_t ev_lock;
     pthread_cond_t ev_cond;
     kvt_sup_thread_t *beat;
+    kvt_l1_listener_fn listener;
+    void *listener_ctx;
 };
 
 static void s_inc(_Atomic uint64_t *v, uint64_t n)
@@ -162,6 +164,62 @@ static void s_ns_ref(kvt_l1_t *self, s_ns_t *ns)
     pthread_mutex_lock(&self->ns_lock);
     ns->refs++;
     pthread_mutex_unlock(&self->ns_lock);
+}
+
+/* ---- event batches: keys grouped by namespace, each holding a namespace reference ---- */
+
+typedef struct {
+    s_ns_t *ns;
+    uint8_t (*keys)[KVT_KEY_LEN];
+    uint32_t n, cap;
+} s_batch_t;
+
+typedef struct {
+    s_batch_t *b;
+    uint32_t n, cap;
+} s_batches_t;
+
+static void s_batches_add(kvt_l1_t *self, s_batches_t *bs, s_ns_t *ns, const uint8_t *key)
+{
+    if (!self->listener)
+        return;
+    s_batch_t *b = NULL;
+    for (uint32_t i = bs->n; i-- > 0;) /* the last batch is the likely one */
+        if (bs->b[i].ns == ns) {
+            b = &bs->b[i];
+            break;
+        }
+    if (!b) {
+        if (bs->n == bs->cap) {
+            bs->cap = bs->cap ? 2 * bs->cap : 4;
+            bs->b = realloc(bs->b, bs->cap * sizeof *bs->b);
+            kvt_assert(bs->b);
+        }
+        b = &bs->b[bs->n++];
+        *b = (s_batch_t){ns, NULL, 0, 0};
+        s_ns_ref(self, ns);
+    }
+    if (b->n == b->cap) {
+        b->cap = b->cap ? 2 * b->cap : 16;
+        b->keys = realloc(b->keys, b->cap * sizeof *b->keys);
+        kvt_assert(b->keys);
+    }
+    memcpy(b->keys[b->n++], key, KVT_KEY_LEN);
+}
+
+/* Tells the listener (no L1 lock may be held) and frees the batches. */
+static void s_batches_emit(kvt_l1_t *self, s_batches_t *bs, kvt_l1_event_t event)
+{
+    for (uint32_t i = 0; i < bs->n; i++) {
+        s_batch_t *b = &bs->b[i];
+        self->listener(self->listener_ctx, event, b->ns->key.ns, b->ns->key.ns_len,
+                       b->ns->key.salt, b->ns->key.salt_len,
+                       (const uint8_t(*)[KVT_KEY_LEN])b->keys, b->n);
+        free(b->keys);
+        s_ns_put(self, b->ns);
+    }
+    free(bs->b);
+    *bs = (s_batches_t){0};
 }
 
 /* ---- index ---- */
@@ -449,6 +507,13 @@ int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *f
             l->items[failed[f]] = NULL;
         }
     }
+    /* noted while the objects are still RESERVED (ours alone): once READY, another thread may
+     * evict them at any moment */
+    s_batches_t bs = {0};
+    for (uint32_t i = 0; i < l->nitems; i++)
+        if (l->items[i])
+            s_batches_add(self, &bs, ((s_obj_t *)l->items[i])->ns,
+                          ((s_obj_t *)l->items[i])->key);
     /* in reverse, so the head of the prefix ends up most recent */
     for (uint32_t i = l->nitems; i-- > 0;) {
         s_obj_t *o = l->items[i];
@@ -466,6 +531,7 @@ int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *f
         (*stored)++;
     }
     kvt_lease_free(l);
+    s_batches_emit(self, &bs, KVT_L1_STORED);
     return 0;
 }
 
@@ -568,18 +634,22 @@ int kvt_l1_remove(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t (*keys)[
     s_ns_t *ns = n ? s_ns_get(self, ref, false) : NULL;
     if (!ns)
         return 0;
+    s_batches_t bs = {0};
     for (uint32_t i = 0; i < n; i++) {
         uint64_t h = s_hash(ns, keys[i]);
         s_shard_t *sh = s_shard(self, h);
         pthread_mutex_lock(&sh->lock);
         s_obj_t *o = s_find(sh, ns, keys[i], h);
         bool gone = o && o->state == S_READY;
+        if (gone)
+            s_batches_add(self, &bs, ns, o->key);
         bool free_it = gone && s_remove_ready(self, sh, o);
         pthread_mutex_unlock(&sh->lock);
         if (free_it)
             s_destroy_obj(self, o);
         *removed += gone;
     }
+    s_batches_emit(self, &bs, KVT_L1_REMOVED);
     s_ns_put(self, ns);
     return 0;
 }
@@ -587,6 +657,7 @@ int kvt_l1_remove(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t (*keys)[
 int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *removed)
 {
     *removed = 0;
+    s_batches_t bs = {0};
     for (uint32_t s = 0; s < S_SHARDS; s++) {
         s_shard_t *sh = &self->shards[s];
         s_obj_t *victims = NULL;
@@ -599,6 +670,7 @@ int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *r
                 if (ns && (o->ns->key.ns_len != ns_len || memcmp(o->ns->key.ns, ns, ns_len)))
                     continue;
                 (*removed)++;
+                s_batches_add(self, &bs, o->ns, o->key);
                 if (s_remove_ready(self, sh, o)) {
                     o->hnext = victims;
                     victims = o;
@@ -611,6 +683,7 @@ int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *r
             s_destroy_obj(self, o);
         }
     }
+    s_batches_emit(self, &bs, KVT_L1_REMOVED);
     return 0;
 }
 
@@ -637,6 +710,7 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
 {
     uint64_t freed = 0, count = 0;
     s_obj_t *victims = NULL;
+    s_batches_t bs = {0};
     pthread_mutex_lock(&self->lru_lock);
     for (s_obj_t *o = self->lru_tail, *prev; o && freed < bytes; o = prev) {
         prev = o->lru_prev;
@@ -649,6 +723,7 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
             s_unlink(sh, o);
             s_lru_remove(self, o);
             o->state = S_DOOMED;
+            s_batches_add(self, &bs, o->ns, o->key);
             o->hnext = victims;
             victims = o;
             freed += kvt_block_size(o->block);
@@ -661,6 +736,7 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
         next = o->hnext;
         s_destroy_obj(self, o);
     }
+    s_batches_emit(self, &bs, KVT_L1_EVICTED);
     s_dec(&self->objects, count);
     s_inc(&self->evictions, count);
     s_inc(&self->evicted_bytes, freed);
@@ -777,6 +853,12 @@ void kvt_l1_destroy(kvt_l1_t **self_p)
     pthread_cond_destroy(&self->ev_cond);
     free(self);
     *self_p = NULL;
+}
+
+void kvt_l1_set_listener(kvt_l1_t *self, kvt_l1_listener_fn fn, void *ctx)
+{
+    self->listener = fn;
+    self->listener_ctx = ctx;
 }
 
 const char *kvt_l1_shm_path(const kvt_l1_t *self)

@@ -27,6 +27,18 @@
 
 typedef struct kvt_l1 kvt_l1_t;
 
+/* Owner of the daemon's own leases (inline PUT/GET); client owners are session ids from 1 up. */
+#define KVT_OWNER_DAEMON UINT64_MAX
+
+typedef enum { KVT_L1_STORED, KVT_L1_EVICTED, KVT_L1_REMOVED } kvt_l1_event_t;
+
+/* Told, after the fact and outside every L1 lock, which keys of one namespace became readable,
+ * were evicted or were removed; once per request (or eviction round) and namespace. Called from
+ * whichever thread did the work. */
+typedef void (*kvt_l1_listener_fn)(void *ctx, kvt_l1_event_t event, const uint8_t *ns,
+                                   uint32_t ns_len, const uint8_t *salt, uint32_t salt_len,
+                                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n);
+
 /* A namespace reference as it comes off the wire (ns non-empty; salt may be empty). */
 typedef struct {
     const uint8_t *ns;
@@ -46,6 +58,9 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen);
 
 /* Stops the eviction controller, drops every object and lease, unmaps and unlinks the arena. */
 void kvt_l1_destroy(kvt_l1_t **self_p);
+
+/* Sets the listener; start-up only, before any request. */
+void kvt_l1_set_listener(kvt_l1_t *self, kvt_l1_listener_fn fn, void *ctx);
 
 /* Starts the eviction controller thread, supervised as "evictor". 0 or KVT_EINTERNAL. */
 int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup);

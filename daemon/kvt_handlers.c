@@ -1,0 +1,504 @@
+/* DESIGN: one function per request type, picked from s_handlers[] by wire id. A handler reads
+ * the decoded body (rq->req), calls the modules in rq->svc and packs its ok body into rq->pk;
+ * on failure it returns a KVT_E* code with a sentence in rq->err and packs nothing. Handlers of
+ * WORKER types (PUT, GET, CLEAR) may run on any worker thread at the same time as each other and
+ * as the server thread's handlers: they only use thread-safe modules. */
+#include "kvt_handlers.h"
+
+#include "kvt_error.h"
+#include "kvt_hash.h"
+#include "kvt_log.h"
+#include "kvt_proto.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*s_handler_fn)(kvt_rq_t *c);
+
+/* ---- handlers ---- */
+
+static char *s_cstr(const kvt_bytes_t *b)
+{
+    char *s = malloc(b->len + 1u);
+    kvt_assert(s);
+    memcpy(s, b->ptr, b->len);
+    s[b->len] = '\0';
+    return s;
+}
+
+static int s_hello(kvt_rq_t *c)
+{
+    const kvt_config_t *cfg = c->svc->cfg;
+    if (c->req.version != KVT_PROTO_VERSION) {
+        snprintf(c->err, sizeof c->err, "server speaks protocol version %d, client asked for %llu",
+                 KVT_PROTO_VERSION, (unsigned long long)c->req.version);
+        return KVT_EVERSION;
+    }
+    if (memchr(c->req.instance.ptr, 0, c->req.instance.len) ||
+        memchr(c->req.client.ptr, 0, c->req.client.len)) {
+        snprintf(c->err, sizeof c->err, "'client' and 'instance' must not contain NUL bytes");
+        return KVT_EBADREQ;
+    }
+    char *instance = s_cstr(&c->req.instance), *client = s_cstr(&c->req.client);
+    bool created = false;
+    c->owner = kvt_sessions_hello(c->svc->sessions, zframe_data(c->rid),
+                                  zframe_size(c->rid), instance, client,
+                                  kvt_now_ms(), &created);
+    if (created)
+        kvt_log(KVT_LOG_INFO, "client %s (instance %s) connected", client, instance);
+    free(instance);
+    free(client);
+    kvt_metrics_set_clients(c->svc->metrics, kvt_sessions_count(c->svc->sessions));
+    msgpack_packer *pk = &c->pk;
+    kvt_pack_ok(pk, 6);
+    kvt_pack_str(pk, "shm");
+    msgpack_pack_map(pk, 2);
+    kvt_pack_str(pk, "path");
+    kvt_pack_str(pk, kvt_l1_shm_path(c->svc->l1));
+    kvt_pack_str(pk, "size");
+    msgpack_pack_uint64(pk, kvt_l1_capacity(c->svc->l1));
+    kvt_pack_str(pk, "version");
+    msgpack_pack_uint32(pk, KVT_PROTO_VERSION);
+    kvt_pack_str(pk, "server");
+    kvt_pack_str(pk, "kvtier " KVT_VERSION);
+    kvt_pack_str(pk, "chunk_tokens");
+    msgpack_pack_uint32(pk, cfg->chunk_tokens);
+    kvt_pack_str(pk, "lease_ms");
+    msgpack_pack_uint32(pk, cfg->lease_ms);
+    kvt_pack_str(pk, "max_message");
+    msgpack_pack_uint64(pk, cfg->max_message);
+    return 0;
+}
+
+static int s_bye(kvt_rq_t *c)
+{
+    char *instance = s_cstr(&c->req.instance);
+    int64_t released = kvt_sessions_bye(c->svc->sessions, instance);
+    if (released >= 0)
+        kvt_log(KVT_LOG_INFO, "client instance %s said bye", instance);
+    free(instance);
+    kvt_metrics_set_clients(c->svc->metrics, kvt_sessions_count(c->svc->sessions));
+    kvt_pack_ok(&c->pk, 1);
+    kvt_pack_str(&c->pk, "released");
+    msgpack_pack_uint64(&c->pk, released < 0 ? 0 : (uint64_t)released);
+    return 0;
+}
+
+static int s_ping(kvt_rq_t *c)
+{
+    kvt_pack_ok(&c->pk, 0);
+    return 0;
+}
+
+static void s_pack_json(msgpack_packer *pk, const json_t *v)
+{
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: {
+        const char *k;
+        json_t *e;
+        msgpack_pack_map(pk, json_object_size(v));
+        json_object_foreach((json_t *)v, k, e) {
+            kvt_pack_str(pk, k);
+            s_pack_json(pk, e);
+        }
+        break;
+    }
+    case JSON_ARRAY: {
+        size_t i;
+        json_t *e;
+        msgpack_pack_array(pk, json_array_size(v));
+        json_array_foreach(v, i, e) s_pack_json(pk, e);
+        break;
+    }
+    case JSON_STRING: kvt_pack_strn(pk, json_string_value(v), json_string_length(v)); break;
+    case JSON_INTEGER: msgpack_pack_int64(pk, json_integer_value(v)); break;
+    case JSON_REAL: msgpack_pack_double(pk, json_real_value(v)); break;
+    case JSON_TRUE: msgpack_pack_true(pk); break;
+    case JSON_FALSE: msgpack_pack_false(pk); break;
+    case JSON_NULL: msgpack_pack_nil(pk); break;
+    }
+}
+
+static int s_stats(kvt_rq_t *c)
+{
+    json_t *m = kvt_metrics_json(c->svc->metrics);
+    kvt_pack_ok(&c->pk, (uint32_t)json_object_size(m));
+    const char *k;
+    json_t *e;
+    json_object_foreach(m, k, e) {
+        kvt_pack_str(&c->pk, k);
+        s_pack_json(&c->pk, e);
+    }
+    json_decref(m);
+    return 0;
+}
+
+/* ---- L1 requests ---- */
+
+static kvt_nsref_t s_nsref(const kvt_req_t *r)
+{
+    return (kvt_nsref_t){r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
+}
+
+/* Requests that take a lease need an owner: the instance this connection said HELLO as. */
+static int s_need_owner(kvt_rq_t *c)
+{
+    if (c->owner)
+        return 0;
+    snprintf(c->err, sizeof c->err,
+             "%s takes a lease: send HELLO first (or again: the instance was silent for over "
+             "lease_ms and was dropped)",
+             kvt_proto_name(c->req.type));
+    return KVT_EBADREQ;
+}
+
+static void s_pack_slots(msgpack_packer *pk, const kvt_slot_t *slots, uint32_t n)
+{
+    kvt_pack_str(pk, "slots");
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < n; i++) {
+        if (slots[i].length == 0) {
+            msgpack_pack_nil(pk);
+            continue;
+        }
+        msgpack_pack_map(pk, 2);
+        kvt_pack_str(pk, "offset");
+        msgpack_pack_uint64(pk, slots[i].offset);
+        kvt_pack_str(pk, "length");
+        msgpack_pack_uint64(pk, slots[i].length);
+    }
+}
+
+static void s_pack_uint_field(msgpack_packer *pk, const char *name, uint64_t v)
+{
+    kvt_pack_str(pk, name);
+    msgpack_pack_uint64(pk, v);
+}
+
+static kvt_slot_t *s_slots(uint32_t n)
+{
+    kvt_slot_t *slots = malloc((n ? n : 1) * sizeof *slots);
+    kvt_assert(slots);
+    return slots;
+}
+
+static int s_reserve(kvt_rq_t *c)
+{
+    int rc = s_need_owner(c);
+    if (rc)
+        return rc;
+    const kvt_req_t *r = &c->req;
+    kvt_nsref_t ns = s_nsref(r);
+    kvt_slot_t *slots = s_slots(r->nkeys);
+    uint32_t n = 0;
+    uint64_t lease = 0;
+    rc = kvt_l1_reserve(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                        r->nkeys, (r->present & KVT_F_SIZES) ? r->sizes : NULL, r->size, slots,
+                        &n, &lease, c->err, sizeof c->err);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 2);
+        s_pack_slots(&c->pk, slots, n);
+        s_pack_uint_field(&c->pk, "lease", lease);
+    }
+    free(slots);
+    return rc;
+}
+
+static int s_commit(kvt_rq_t *c)
+{
+    uint32_t stored = 0;
+    int rc = kvt_l1_commit(c->svc->l1, c->owner, c->req.lease, c->req.failed, c->req.nfailed,
+                           &stored, c->err, sizeof c->err);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "stored", stored);
+    }
+    return rc;
+}
+
+static int s_acquire(kvt_rq_t *c)
+{
+    int rc = s_need_owner(c);
+    if (rc)
+        return rc;
+    const kvt_req_t *r = &c->req;
+    kvt_nsref_t ns = s_nsref(r);
+    kvt_slot_t *slots = s_slots(r->nkeys);
+    uint32_t n = 0;
+    uint64_t lease = 0;
+    rc = kvt_l1_acquire(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                        r->nkeys, slots, &n, &lease);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 2);
+        s_pack_slots(&c->pk, slots, n);
+        s_pack_uint_field(&c->pk, "lease", lease);
+    }
+    free(slots);
+    return rc;
+}
+
+static int s_release(kvt_rq_t *c)
+{
+    int rc = kvt_l1_release(c->svc->l1, c->owner, c->req.lease);
+    if (rc == KVT_ELEXPIRED)
+        snprintf(c->err, sizeof c->err,
+                 "lease %llu expired: its instance was silent for over lease_ms",
+                 (unsigned long long)c->req.lease);
+    else if (rc)
+        snprintf(c->err, sizeof c->err, "no lease %llu held by this instance",
+                 (unsigned long long)c->req.lease);
+    else
+        kvt_pack_ok(&c->pk, 0);
+    return rc;
+}
+
+static int s_lookup(kvt_rq_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    int rc = r->lock ? s_need_owner(c) : 0;
+    if (rc)
+        return rc;
+    kvt_nsref_t ns = s_nsref(r);
+    uint32_t hits = 0;
+    uint64_t lease = 0;
+    rc = kvt_l1_lookup(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                       r->nkeys, r->lock, &hits, &lease);
+    if (rc)
+        return rc;
+    uint64_t job = r->prefetch ? kvt_prefetch_start(c->svc->prefetch, hits, kvt_now_ms()) : 0;
+    kvt_pack_ok(&c->pk, 2 + (lease != 0) + (job != 0));
+    s_pack_uint_field(&c->pk, "hits", hits);
+    s_pack_uint_field(&c->pk, "l1", hits);
+    if (lease)
+        s_pack_uint_field(&c->pk, "lease", lease);
+    if (job)
+        s_pack_uint_field(&c->pk, "job", job);
+    return 0;
+}
+
+static int s_remove(kvt_rq_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    kvt_nsref_t ns = s_nsref(r);
+    uint32_t removed = 0;
+    int rc = kvt_l1_remove(c->svc->l1, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys,
+                           &removed);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "removed", removed);
+    }
+    return rc;
+}
+
+static int s_clear(kvt_rq_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    uint64_t removed = 0;
+    int rc = kvt_l1_clear(c->svc->l1, (r->present & KVT_F_NS) ? r->ns.ptr : NULL, r->ns.len,
+                          &removed);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "removed", removed);
+    }
+    return rc;
+}
+
+
+static int s_prefetch_status(kvt_rq_t *c)
+{
+    bool done = false;
+    uint32_t loaded = 0, hits = 0;
+    if (kvt_prefetch_status(c->svc->prefetch, c->req.job, &done, &loaded, &hits) != 0) {
+        snprintf(c->err, sizeof c->err,
+                 "no prefetch job %llu (never started, or finished and swept after 60 s)",
+                 (unsigned long long)c->req.job);
+        return KVT_ENOTFOUND;
+    }
+    kvt_pack_ok(&c->pk, 3);
+    kvt_pack_str(&c->pk, "done");
+    if (done)
+        msgpack_pack_true(&c->pk);
+    else
+        msgpack_pack_false(&c->pk);
+    s_pack_uint_field(&c->pk, "loaded", loaded);
+    s_pack_uint_field(&c->pk, "hits", hits);
+    return 0;
+}
+
+static int s_hash_tokens(kvt_rq_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    uint64_t chunk = (r->present & KVT_F_CHUNK_TOKENS) ? r->chunk_tokens : c->svc->cfg->chunk_tokens;
+    if (chunk > UINT32_MAX / 4) {
+        snprintf(c->err, sizeof c->err, "'chunk_tokens' %llu is too large",
+                 (unsigned long long)chunk);
+        return KVT_EBADREQ;
+    }
+    uint64_t nchunks = r->tokens.len / 4 / chunk;
+    if (nchunks > c->svc->cfg->max_keys) {
+        snprintf(c->err, sizeof c->err, "%llu chunks: at most max_keys (%u) keys per request",
+                 (unsigned long long)nchunks, c->svc->cfg->max_keys);
+        return KVT_ETOOBIG;
+    }
+    uint8_t(*keys)[KVT_KEY_LEN] = malloc((nchunks ? nchunks : 1) * KVT_KEY_LEN);
+    kvt_assert(keys);
+    uint32_t n = kvt_hash_tokens(r->tokens.ptr, r->tokens.len, (uint32_t)chunk, r->salt.ptr,
+                                 r->salt.len, keys, (uint32_t)nchunks);
+    kvt_pack_ok(&c->pk, 1);
+    kvt_pack_str(&c->pk, "keys");
+    msgpack_pack_array(&c->pk, n);
+    for (uint32_t i = 0; i < n; i++) {
+        msgpack_pack_bin(&c->pk, KVT_KEY_LEN);
+        msgpack_pack_bin_body(&c->pk, keys[i], KVT_KEY_LEN);
+    }
+    free(keys);
+    return 0;
+}
+
+/* PUT (worker thread): the data frames are copied into reserved slots, then committed. */
+static int s_put(kvt_rq_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    uint64_t *sizes = malloc((r->nkeys ? r->nkeys : 1) * sizeof *sizes);
+    kvt_slot_t *slots = s_slots(r->nkeys);
+    kvt_assert(sizes);
+    zframe_t *f = zmsg_first(c->data);
+    for (uint32_t i = 0; i < r->nkeys; i++, f = zmsg_next(c->data))
+        sizes[i] = zframe_size(f);
+    kvt_nsref_t ns = s_nsref(r);
+    uint32_t n = 0, stored = 0;
+    uint64_t lease = 0;
+    int rc = kvt_l1_reserve(c->svc->l1, KVT_OWNER_DAEMON, &ns,
+                            (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys, sizes, 0, slots,
+                            &n, &lease, c->err, sizeof c->err);
+    if (rc == 0 && lease) {
+        uint8_t *base = kvt_l1_base(c->svc->l1);
+        f = zmsg_first(c->data);
+        for (uint32_t i = 0; i < n; i++, f = zmsg_next(c->data))
+            if (slots[i].length)
+                memcpy(base + slots[i].offset, zframe_data(f), slots[i].length);
+        rc = kvt_l1_commit(c->svc->l1, KVT_OWNER_DAEMON, lease, NULL, 0, &stored, c->err,
+                           sizeof c->err);
+    }
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "stored", stored);
+    }
+    free(slots);
+    free(sizes);
+    return rc;
+}
+
+/* The read lease behind a GET reply's frames: released by libzmq's free callback of the last
+ * frame, from whichever thread drops the message (usually the ZMQ I/O thread). */
+typedef struct {
+    kvt_l1_t *l1;
+    uint64_t lease;
+    _Atomic uint32_t frames;
+} s_get_pin_t;
+
+static void s_get_frame_free(void *data, void *hint)
+{
+    (void)data;
+    s_get_pin_t *pin = hint;
+    if (atomic_fetch_sub(&pin->frames, 1) == 1) {
+        kvt_l1_release(pin->l1, KVT_OWNER_DAEMON, pin->lease);
+        free(pin);
+    }
+}
+
+/* GET (worker thread): the reply's data frames point into the arena — no copy — pinned until
+ * libzmq has sent them. */
+static int s_get(kvt_rq_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    kvt_nsref_t ns = s_nsref(r);
+    kvt_slot_t *slots = s_slots(r->nkeys);
+    uint32_t n = 0;
+    uint64_t lease = 0;
+    int rc = kvt_l1_acquire(c->svc->l1, KVT_OWNER_DAEMON, &ns,
+                            (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys, slots, &n, &lease);
+    /* a reply stays under max_message: stop before the object that would cross it */
+    uint64_t total = 0;
+    uint32_t found = 0;
+    while (found < n && (found == 0 || total + slots[found].length <= c->svc->cfg->max_message))
+        total += slots[found++].length;
+    if (rc == 0 && found) {
+        c->out = calloc(found, sizeof *c->out);
+        kvt_assert(c->out);
+        s_get_pin_t *pin = malloc(sizeof *pin);
+        kvt_assert(pin);
+        pin->l1 = c->svc->l1;
+        pin->lease = lease;
+        atomic_init(&pin->frames, found);
+        uint8_t *base = kvt_l1_base(c->svc->l1);
+        for (uint32_t i = 0; i < found; i++)
+            zmq_msg_init_data(&c->out[i], base + slots[i].offset, slots[i].length,
+                              s_get_frame_free, pin);
+        c->nout = found;
+    } else if (lease) {
+        kvt_l1_release(c->svc->l1, KVT_OWNER_DAEMON, lease);
+    }
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "found", found);
+    }
+    free(slots);
+    return rc;
+}
+
+static const s_handler_fn s_handlers[KVT_REQ_SLOTS] = {
+    [KVT_REQ_HELLO] = s_hello,
+    [KVT_REQ_BYE] = s_bye,
+    [KVT_REQ_PING] = s_ping,
+    [KVT_REQ_LOOKUP] = s_lookup,
+    [KVT_REQ_PREFETCH_STATUS] = s_prefetch_status,
+    [KVT_REQ_RESERVE] = s_reserve,
+    [KVT_REQ_COMMIT] = s_commit,
+    [KVT_REQ_ACQUIRE] = s_acquire,
+    [KVT_REQ_RELEASE] = s_release,
+    [KVT_REQ_PUT] = s_put,
+    [KVT_REQ_GET] = s_get,
+    [KVT_REQ_REMOVE] = s_remove,
+    [KVT_REQ_CLEAR] = s_clear,
+    [KVT_REQ_STATS] = s_stats,
+    [KVT_REQ_HASH_TOKENS] = s_hash_tokens,
+};
+
+int kvt_handle(kvt_rq_t *rq)
+{
+    s_handler_fn fn = rq->type < KVT_REQ_SLOTS ? s_handlers[rq->type] : NULL;
+    if (!fn) {
+        snprintf(rq->err, sizeof rq->err, "%s is not available in this version of kvtierd",
+                 kvt_proto_name(rq->type));
+        return KVT_EUNAVAIL;
+    }
+    return fn(rq);
+}
+
+int kvt_handle_check_frames(kvt_rq_t *rq)
+{
+    size_t frames = zmsg_size(rq->data);
+    if (rq->type != KVT_REQ_PUT) {
+        if (frames == 0)
+            return 0;
+        snprintf(rq->err, sizeof rq->err, "%s takes no data frames (got %zu)",
+                 kvt_proto_name(rq->type), frames);
+        return KVT_EBADREQ;
+    }
+    if (frames != rq->req.nkeys) {
+        snprintf(rq->err, sizeof rq->err, "put has %u keys but %zu data frames", rq->req.nkeys,
+                 frames);
+        return KVT_EBADREQ;
+    }
+    uint32_t i = 0;
+    for (zframe_t *f = zmsg_first(rq->data); f; f = zmsg_next(rq->data), i++)
+        if (zframe_size(f) == 0) {
+            snprintf(rq->err, sizeof rq->err, "put data frame %u is empty", i);
+            return KVT_EBADREQ;
+        }
+    return 0;
+}
+

@@ -1,0 +1,56 @@
+/* kvt_handlers: the request handlers — what each request type does once its envelope and body
+ * have been decoded — and kvt_rq_t, the per-request context they work on.
+ *
+ * The server loop (kvt_server.c) owns the socket: it builds a kvt_rq_t from a message, runs
+ * kvt_handle() inline or hands the request to a worker (types marked WORKER in KVT_REQ_MAP),
+ * and sends the reply the handler packed. Handlers of WORKER types run on worker threads and
+ * touch only thread-safe modules (L1, metrics); inline handlers run on the server thread. */
+#ifndef KVT_HANDLERS_H
+#define KVT_HANDLERS_H
+
+#include "kvt_config.h"
+#include "kvt_l1.h"
+#include "kvt_metrics.h"
+#include "kvt_msg.h"
+#include "kvt_prefetch.h"
+#include "kvt_session.h"
+
+#include <czmq.h>
+#include <stdint.h>
+
+/* The modules handlers reach; owned by the server. */
+typedef struct {
+    const kvt_config_t *cfg;
+    kvt_metrics_t *metrics;
+    kvt_sessions_t *sessions;
+    kvt_l1_t *l1;
+    kvt_prefetch_t *prefetch;
+} kvt_services_t;
+
+/* One request from receipt to reply. Owns its frames, its decoded body (whose strings point
+ * into `body`) and its reply. */
+typedef struct kvt_rq {
+    kvt_services_t *svc;
+    zframe_t *rid, *uid, *body;
+    zmsg_t *data; /* the request's data frames */
+    uint64_t type;
+    uint64_t owner; /* session of this connection, 0 before HELLO */
+    uint64_t t0_ns;
+    kvt_req_t req;
+    msgpack_sbuffer sbuf; /* the reply body */
+    msgpack_packer pk;
+    zmq_msg_t *out; /* reply data frames (GET), sent after the body */
+    uint32_t nout;
+    int rc;
+    char err[200];
+} kvt_rq_t;
+
+/* Runs the handler of rq->type on a decoded request: packs the ok body into rq->pk and returns
+ * 0, or returns a KVT_E* code with rq->err set (the caller packs the error body). */
+int kvt_handle(kvt_rq_t *rq);
+
+/* Checks that need the data frames (PUT: one non-empty frame per key; others: none).
+ * 0 or KVT_EBADREQ with rq->err set. Server thread, before kvt_handle. */
+int kvt_handle_check_frames(kvt_rq_t *rq);
+
+#endif

@@ -1,0 +1,40 @@
+/* kvt_workers: the worker pool that runs slow requests (inline PUT/GET copies, CLEAR) off the
+ * server loop, so that LOOKUPs never wait behind a large transfer.
+ *
+ * The server thread submits jobs into a bounded FIFO (a full queue answers `busy` at once, it
+ * never blocks the loop); N supervised threads run them; finished jobs come back through a
+ * done queue whose eventfd the server loop polls, and only the server thread sends replies.
+ * submit/done/fd are for the server thread; the pool's threads run only the job functions. */
+#ifndef KVT_WORKERS_H
+#define KVT_WORKERS_H
+
+#include "kvt_supervisor.h"
+
+#include <stddef.h>
+
+typedef struct kvt_workers kvt_workers_t;
+
+/* Runs on a worker thread; the job is handed back through kvt_workers_done afterwards. */
+typedef void (*kvt_job_fn)(void *job);
+
+/* Starts `n` threads (supervised as "worker-0" ...) with room for `max_queue` waiting jobs. */
+kvt_workers_t *kvt_workers_new(int n, size_t max_queue, kvt_sup_t *sup, char *err,
+                               size_t errlen);
+
+/* Stops the threads after the jobs already queued have run (their results stay in the done
+ * queue: the caller drains it first with kvt_workers_done). */
+void kvt_workers_destroy(kvt_workers_t **self_p);
+
+/* Queues a job. 0, or KVT_EBUSY when the queue is full. */
+int kvt_workers_submit(kvt_workers_t *self, kvt_job_fn fn, void *job);
+
+/* A finished job, or NULL. Reading also clears the eventfd when the done queue empties. */
+void *kvt_workers_done(kvt_workers_t *self);
+
+/* Readable when finished jobs wait in the done queue. */
+int kvt_workers_fd(const kvt_workers_t *self);
+
+/* Jobs submitted and not yet taken back with kvt_workers_done. */
+size_t kvt_workers_pending(const kvt_workers_t *self);
+
+#endif
