@@ -8,17 +8,18 @@ BUILD    := build
 Q        ?= @
 VERSION  := 0.1.0
 
-PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash
+PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash libsystemd hiredis
 DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev libjansson-dev \
             libmicrohttpd-dev libxxhash-dev libcmocka-dev python3-zmq python3-msgpack \
-            python3-pytest python3-xxhash curl
+            python3-pytest python3-xxhash curl libsystemd-dev systemd libhiredis-dev \
+            redis-server
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 INC      := -Icommon -Iprotocol -Iconfig -Istorage -Il2 -Idaemon -Iclient
 CFLAGS   ?= -O2 -g
 ALLCFLAGS = -std=gnu11 $(WARN) $(CFLAGS) -fPIC -D_GNU_SOURCE -DKVT_VERSION='"$(VERSION)"' $(INC) \
             $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
-LIBS     = $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lpthread -lm
+LIBS     = $(shell pkg-config --libs $(PKGS) 2>/dev/null) -ldl -lpthread -lm
 SAN      := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 CORE_SRC   := $(wildcard common/*.c protocol/*.c config/*.c storage/*.c l2/*.c)
@@ -34,11 +35,12 @@ CLIENT_OBJ := $(call obj,$(BUILD),$(CLIENT_SRC) common/kvt_error.c protocol/kvt_
 CLIENT_LIBS = $(shell pkg-config --libs libzmq msgpack jansson libxxhash 2>/dev/null)
 ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))
 UNIT_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(UNIT_SRC))
+PLUGIN_EXAMPLE := $(BUILD)/kvtier-l2-example.so
 
 .PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-smoke
 .DEFAULT_GOAL := all
 
-all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so
+all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE)
 
 # Installs what is missing, once; nothing when every package is present.
 deps:
@@ -72,8 +74,14 @@ $(BUILD)/libkvtier.a: $(sort $(CLIENT_OBJ))
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/libkvtier.so: $(sort $(CLIENT_OBJ))
-	$(CC) $(ALLCFLAGS) -shared -Wl,-soname,libkvtier.so.0 -o $@ $^ $(CLIENT_LIBS)
+$(BUILD)/libkvtier.so: $(sort $(CLIENT_OBJ)) client/libkvtier.map
+	$(CC) $(ALLCFLAGS) -shared -Wl,-soname,libkvtier.so.0 \
+	  -Wl,--version-script=client/libkvtier.map -o $@ $(filter %.o,$^) $(CLIENT_LIBS)
+
+# An example L2 plugin (plugin:build/kvtier-l2-example.so): self-contained, no daemon symbols.
+$(PLUGIN_EXAMPLE): l2/plugins/example_mem.c l2/kvt_l2.h common/kvt_error.h
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) -shared -o $@ $< -lpthread
 
 $(BUILD)/kvtier: $(BUILD)/obj/client/kvtier_cli.o $(BUILD)/libkvtier.a
 	$(CC) $(ALLCFLAGS) -o $@ $^ $(CLIENT_LIBS)
@@ -88,12 +96,15 @@ run: deps all
 	@mkdir -p var/run var/data
 	exec $(BUILD)/kvtierd
 
-unit: deps $(UNIT_BIN)
-	@set -e; for t in $(UNIT_BIN); do echo "== $$t"; timeout 120 $$t; done
+unit: deps $(UNIT_BIN) $(PLUGIN_EXAMPLE)
+	@set -e; for t in $(UNIT_BIN); do echo "== $$t"; \
+	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) timeout 120 $$t; done
 
 # Integration tests run against the ASan+UBSan daemon; a sanitizer report fails the test.
-integration: deps all asan
+integration: deps all asan $(BUILD)/kvtier-client-test
 	KVT_DAEMON=$(abspath $(BUILD)/asan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
+	  KVT_CLIENT_TEST=$(abspath $(BUILD)/kvtier-client-test) \
+	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
 	  timeout 900 $(PYTHON) -m pytest -q -p no:cacheprovider tests/integration
 
 check-asan: unit integration
@@ -132,10 +143,111 @@ bench-l1: deps $(BENCH_L1)
 	$(BENCH_L1) $(BENCH_L1_ARGS)
 
 # A benchmark is not a test: CI runs it only in its short smoke mode, never judging timings.
-bench-smoke: deps $(BENCH_L1)
+bench-smoke: deps $(BENCH_L1) $(BUILD)/kvtierd $(BUILD)/kvtier-bench
 	$(BENCH_L1) --quick > /dev/null
+	timeout 120 $(BUILD)/kvtier-bench --quick --daemon $(BUILD)/kvtierd > /dev/null
 
 clean:
 	rm -rf $(BUILD)
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+
+# libkvtier's integration client: scenarios that tests/integration/test_c_client.py runs as
+# separate processes. Linked against libkvtier.a alone, as an engine would link it.
+$(BUILD)/kvtier-client-test: tests/integration/c_client_test.c $(BUILD)/libkvtier.a
+	$(CC) $(ALLCFLAGS) -o $@ $^ $(CLIENT_LIBS)
+
+# ---- install ------------------------------------------------------------------------------
+# make install [PREFIX=/usr/local] [DESTDIR=/staging]: the daemon, the CLI, libkvtier (the .so
+# under its soname with the usual links, and the .a), kvtier.h, kvtier.pc, the systemd unit
+# with its sysusers.d entry, the GPU drop-in (as an example, not active), the default config and
+# the man page. The config goes to SYSCONFDIR/kvtier/ (/etc when PREFIX is /usr, else
+# PREFIX/etc) and never overwrites one that is there: a changed one stays and the new default is
+# put beside it as kvtier.json.new. The unit names /usr/bin and /etc; for another PREFIX the
+# installed copy names BINDIR and SYSCONFDIR instead. `make uninstall` removes what install
+# put there, except a config file the operator changed. See docs/operations.md.
+PREFIX       ?= /usr/local
+DESTDIR      ?=
+BINDIR       ?= $(PREFIX)/bin
+LIBDIR       ?= $(PREFIX)/lib
+INCLUDEDIR   ?= $(PREFIX)/include
+DATADIR      ?= $(PREFIX)/share
+MANDIR       ?= $(DATADIR)/man
+DOCDIR       ?= $(DATADIR)/doc/kvtier
+SYSCONFDIR   ?= $(if $(filter /usr,$(PREFIX)),/etc,$(PREFIX)/etc)
+PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
+UNITDIR      ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR  ?= $(PREFIX)/lib/sysusers.d
+INSTALL      ?= install
+SO_NAME      := libkvtier.so.0
+SO_FILE      := libkvtier.so.$(VERSION)
+# paths under PREFIX are written ${prefix}/... in kvtier.pc, so that it can be relocated
+pc_path       = $(patsubst $(PREFIX)/%,$${prefix}/%,$(1))
+
+.PHONY: install uninstall
+
+install: all
+	$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) \
+	  $(DESTDIR)$(PKGCONFIGDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR) \
+	  $(DESTDIR)$(MANDIR)/man8 $(DESTDIR)$(DOCDIR)/examples/kvtier.service.d \
+	  $(DESTDIR)$(SYSCONFDIR)/kvtier
+	$(INSTALL) -m 0755 $(BUILD)/kvtierd $(BUILD)/kvtier $(DESTDIR)$(BINDIR)/
+	$(INSTALL) -m 0755 $(BUILD)/libkvtier.so $(DESTDIR)$(LIBDIR)/$(SO_FILE)
+	ln -sf $(SO_FILE) $(DESTDIR)$(LIBDIR)/$(SO_NAME)
+	ln -sf $(SO_NAME) $(DESTDIR)$(LIBDIR)/libkvtier.so
+	$(INSTALL) -m 0644 $(BUILD)/libkvtier.a $(DESTDIR)$(LIBDIR)/
+	$(INSTALL) -m 0644 client/kvtier.h $(DESTDIR)$(INCLUDEDIR)/
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(call pc_path,$(LIBDIR))|' \
+	  -e 's|@INCLUDEDIR@|$(call pc_path,$(INCLUDEDIR))|' -e 's|@VERSION@|$(VERSION)|' \
+	  client/kvtier.pc.in > $(BUILD)/kvtier.pc
+	$(INSTALL) -m 0644 $(BUILD)/kvtier.pc $(DESTDIR)$(PKGCONFIGDIR)/
+	sed -e 's|/usr/bin/kvtierd|$(BINDIR)/kvtierd|' -e 's|/etc/kvtier/|$(SYSCONFDIR)/kvtier/|' \
+	  systemd/kvtier.service > $(BUILD)/kvtier.service
+	$(INSTALL) -m 0644 $(BUILD)/kvtier.service $(DESTDIR)$(UNITDIR)/
+	$(INSTALL) -m 0644 systemd/kvtier.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvtier.conf
+	$(INSTALL) -m 0644 systemd/kvtier-gpu.conf $(DESTDIR)$(DOCDIR)/examples/kvtier.service.d/gpu.conf
+	$(INSTALL) -m 0644 docs/kvtierd.8 $(DESTDIR)$(MANDIR)/man8/
+	@cfg=$(DESTDIR)$(SYSCONFDIR)/kvtier/kvtier.json; \
+	if [ -e "$$cfg" ] && ! cmp -s config/kvtier.json "$$cfg"; then \
+	  echo "install: keeping $$cfg (changed locally); the new default is $$cfg.new"; \
+	  $(INSTALL) -m 0644 config/kvtier.json "$$cfg.new"; \
+	else \
+	  echo "$(INSTALL) -m 0644 config/kvtier.json $$cfg"; \
+	  $(INSTALL) -m 0644 config/kvtier.json "$$cfg"; \
+	fi
+	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ]; then echo ldconfig; ldconfig; fi
+
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/kvtierd $(DESTDIR)$(BINDIR)/kvtier \
+	  $(DESTDIR)$(LIBDIR)/$(SO_FILE) $(DESTDIR)$(LIBDIR)/$(SO_NAME) \
+	  $(DESTDIR)$(LIBDIR)/libkvtier.so $(DESTDIR)$(LIBDIR)/libkvtier.a \
+	  $(DESTDIR)$(INCLUDEDIR)/kvtier.h $(DESTDIR)$(PKGCONFIGDIR)/kvtier.pc \
+	  $(DESTDIR)$(UNITDIR)/kvtier.service $(DESTDIR)$(SYSUSERSDIR)/kvtier.conf \
+	  $(DESTDIR)$(MANDIR)/man8/kvtierd.8 \
+	  $(DESTDIR)$(DOCDIR)/examples/kvtier.service.d/gpu.conf \
+	  $(DESTDIR)$(SYSCONFDIR)/kvtier/kvtier.json.new
+	rmdir $(DESTDIR)$(DOCDIR)/examples/kvtier.service.d $(DESTDIR)$(DOCDIR)/examples \
+	  $(DESTDIR)$(DOCDIR) 2>/dev/null || true
+	@cfg=$(DESTDIR)$(SYSCONFDIR)/kvtier/kvtier.json; \
+	if [ -e "$$cfg" ] && ! cmp -s config/kvtier.json "$$cfg"; then \
+	  echo "uninstall: keeping $$cfg (changed locally)"; \
+	else \
+	  echo "rm -f $$cfg"; rm -f "$$cfg"; rmdir "$(DESTDIR)$(SYSCONFDIR)/kvtier" 2>/dev/null || true; \
+	fi
+
+# ---- end-to-end benchmark -----------------------------------------------------------------
+# kvtier-bench drives a kvtierd it starts itself (private run dir, ipc) through libkvtier, with
+# its baselines (ZMQ echo, memcpy, redis-server) measured in the same run; see
+# docs/performance.md. `make bench` runs it in full (< 5 min): table to stdout, JSON to
+# build/bench.json. `make bench-smoke` runs its --quick mode, which judges no timing.
+BENCH      := $(BUILD)/kvtier-bench
+BENCH_ARGS ?= --json $(BUILD)/bench.json
+
+.PHONY: bench
+
+$(BENCH): bench/kvtier_bench.c $(BUILD)/libkvtier.a
+	$(CC) $(ALLCFLAGS) -O2 -o $@ $^ $(CLIENT_LIBS) \
+	  $(shell pkg-config --libs libczmq hiredis 2>/dev/null) -lpthread
+
+bench: deps $(BUILD)/kvtierd $(BENCH)
+	timeout 600 $(BENCH) --daemon $(BUILD)/kvtierd $(BENCH_ARGS)

@@ -4,7 +4,12 @@
  * NOT thread-safe: use one kvtier_t per thread (several per process is fine; give each its own
  * instance name, or share one name to share leases). Calls are synchronous with a per-call
  * timeout; a reply that arrives after its call timed out is discarded by uid. Every call returns
- * 0 or a negative KVT_E* code (kvt_error.h); kvtier_last_error() has the server's message. */
+ * 0 or a negative KVTIER_E* code (below); kvtier_last_error() has the server's message.
+ * Output pointers for counts (stored, removed, l1, loaded, lease, job) may be NULL.
+ *
+ * Liveness: the daemon drops an instance that sends nothing for lease_ms (kvtier_info) and
+ * releases its leases; RESERVE/ACQUIRE then answer bad_request until a new connect. A client
+ * that holds leases across long pauses calls kvtier_ping. */
 #ifndef KVTIER_H
 #define KVTIER_H
 
@@ -16,6 +21,29 @@ extern "C" {
 #endif
 
 typedef struct kvtier kvtier_t;
+
+/* Error codes (the daemon's own numbers; the wire code each maps to is in quotes). */
+#define KVTIER_EBADREQ (-1)   /* "bad_request" */
+#define KVTIER_EUNKTYPE (-2)  /* "unknown_type" */
+#define KVTIER_EVERSION (-3)  /* "unsupported_version" */
+#define KVTIER_ETOOBIG (-4)   /* "too_large" */
+#define KVTIER_ENOSPC (-5)    /* "no_space" */
+#define KVTIER_ENOTFOUND (-6) /* "not_found" */
+#define KVTIER_ELEXPIRED (-7) /* "lease_expired" */
+#define KVTIER_EUNKLEASE (-8) /* "unknown_lease" */
+#define KVTIER_EBUSY (-9)     /* "busy" */
+#define KVTIER_EINTERNAL (-10)
+#define KVTIER_EUNAVAIL (-11) /* "unavailable": also no arena mapped, daemon unreachable */
+#define KVTIER_ENOMEM (-12)
+#define KVTIER_EIO (-13)
+#define KVTIER_ETIMEDOUT (-14) /* no reply within the call's timeout */
+#define KVTIER_EINVAL (-15)    /* invalid arguments, caught before sending */
+
+/* A sentence for an error code ("no space in tier"); never NULL. */
+const char *kvtier_strerror(int code);
+
+/* The wire error code string ("no_space"); never NULL. */
+const char *kvtier_error_code(int code);
 
 /* What HELLO answered. */
 typedef struct {
@@ -102,7 +130,8 @@ int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
                const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const void *const *data,
                const size_t *lens, uint32_t *stored);
 
-/* GET: copies of the leading objects found in L1: out[0..*found), each freed by the caller. */
+/* GET: copies of the leading objects found in L1: out[0..*found), each freed by the caller.
+ * The daemon may return fewer than are present, to keep its reply under max_message. */
 int kvtier_get(kvtier_t *self, const char *ns, const char *salt,
                const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
                uint32_t *found);
@@ -119,7 +148,8 @@ int kvtier_hash_tokens(kvtier_t *self, const uint32_t *tokens, size_t ntokens,
                        uint32_t chunk_tokens, const char *salt, uint8_t (*keys)[KVTIER_KEY_LEN],
                        uint32_t *nkeys);
 
-/* The same keys computed locally, without a round trip (no connection needed). */
+/* The same keys computed locally, without a round trip (no connection needed). chunk_tokens
+ * must be given (0 yields no keys: there is no daemon default without a connection). */
 uint32_t kvtier_hash_tokens_local(const uint32_t *tokens, size_t ntokens, uint32_t chunk_tokens,
                                   const char *salt, uint8_t (*keys)[KVTIER_KEY_LEN]);
 

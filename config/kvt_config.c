@@ -18,6 +18,7 @@
 #include "kvt_log.h"
 
 #include <ctype.h>
+#include <grp.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -1123,12 +1124,35 @@ static int s_check_bind(const kvt_config_t *self, const char *name, const char *
 {
     char host[256], shown[S_SHOW_LEN + 1];
     bool tcp_like = strncmp(v, "tcp://", 6) == 0 || strcmp(name, "http") == 0;
+    /* libzmq binds addresses or interface names, never host names (it would fail with ENODEV) */
+    if (strncmp(v, "tcp://", 6) == 0 && s_host_of(v, host, sizeof host) &&
+        strcmp(host, "localhost") == 0)
+        return s_fail(err, errlen, "%s: %s: ZeroMQ binds IP addresses, not host names (use "
+                                   "127.0.0.1)",
+                      name, s_show(v, shown, sizeof shown));
     if (self->allow_insecure_remote || !tcp_like || *v == '\0')
         return 0;
     if (s_host_of(v, host, sizeof host) && s_is_loopback(host))
         return 0;
     return s_fail(err, errlen, "%s: %s is not loopback; set allow_insecure_remote to allow it",
                   name, s_show(v, shown, sizeof shown));
+}
+
+int kvt_config_shm_gid(const kvt_config_t *self, gid_t *gid)
+{
+    if (!self->shm_group || !self->shm_group[0])
+        return 1;
+    char *end = NULL;
+    long v = strtol(self->shm_group, &end, 10);
+    if (end && *end == '\0' && v >= 0) {
+        *gid = (gid_t)v;
+        return 0;
+    }
+    struct group *g = getgrnam(self->shm_group);
+    if (!g)
+        return KVT_EINVAL;
+    *gid = g->gr_gid;
+    return 0;
 }
 
 int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen)
@@ -1164,6 +1188,10 @@ int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen)
     for (int i = 0; i < self->n_l2 && self->n_l2 > 1; i++)
         if (strcmp(self->l2[i], "none") == 0)
             return s_fail(err, errlen, "l2: none cannot be combined with other adapters");
+    gid_t gid;
+    if (kvt_config_shm_gid(self, &gid) < 0)
+        return s_fail(err, errlen, "shm_group: no group named '%s' on this system",
+                      self->shm_group);
     if (!(self->low_watermark < self->high_watermark)) {
         char lo[32], hi[32];
         return s_fail(err, errlen, "low_watermark: must be below high_watermark (%s >= %s)",

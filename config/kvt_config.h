@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #define KVT_MAX_LISTEN 8
 #define KVT_MAX_L2 8
@@ -89,6 +90,10 @@ char *kvt_config_to_json(const kvt_config_t *self);
 
 /* Writes --help text to `out` (a FILE *). */
 void kvt_config_usage(void *out);
+
+/* The group of shm_group (a name or a number): 0 and *gid; 1 when shm_group is empty;
+ * KVT_EINVAL when no such group exists. */
+int kvt_config_shm_gid(const kvt_config_t *self, gid_t *gid);
 
 /* "512M", "4G", "1073741824", "64k" -> bytes (binary multiples). 0 or KVT_EINVAL. */
 int kvt_config_parse_size(const char *s, uint64_t *out);

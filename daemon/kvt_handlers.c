@@ -254,6 +254,43 @@ static int s_release(kvt_rq_t *c)
     return rc;
 }
 
+/* Upper bound of a LOOKUP's time in L2 lookups: past it the prefix is cut short. */
+#define S_L2_LOOKUP_MS 1000
+
+static void s_pack_lookup(kvt_rq_t *c, uint32_t hits, uint64_t job)
+{
+    kvt_pack_ok(&c->pk, 2 + (c->lease != 0) + (job != 0));
+    s_pack_uint_field(&c->pk, "hits", hits);
+    s_pack_uint_field(&c->pk, "l1", c->l1_hits);
+    if (c->lease)
+        s_pack_uint_field(&c->pk, "lease", c->lease);
+    if (job)
+        s_pack_uint_field(&c->pk, "job", job);
+}
+
+/* LOOKUP, part two (lookup worker): the keys past the L1 prefix, in L2; with `prefetch`, a job
+ * loads them into L1. */
+static int s_lookup_l2(kvt_rq_t *c)
+{
+    const kvt_req_t *r = &c->req;
+    kvt_nsref_t ns = s_nsref(r);
+    uint32_t rest = r->nkeys - c->l1_hits;
+    uint64_t *sizes = calloc(rest, sizeof *sizes);
+    kvt_assert(sizes);
+    const uint8_t(*keys)[KVT_KEY_LEN] = (const uint8_t(*)[KVT_KEY_LEN])r->keys + c->l1_hits;
+    uint32_t in_l2 = kvt_l2mgr_lookup(c->svc->l2, &ns, keys, rest,
+                                      kvt_now_ms() + S_L2_LOOKUP_MS, sizes);
+    uint64_t job = 0;
+    if (r->prefetch) {
+        job = kvt_prefetch_start(c->svc->prefetch, c->l1_hits + in_l2, in_l2 == 0, kvt_now_ms());
+        if (in_l2)
+            kvt_l2mgr_prefetch(c->svc->l2, job, &ns, keys, sizes, in_l2);
+    }
+    free(sizes);
+    s_pack_lookup(c, c->l1_hits + in_l2, job);
+    return 0;
+}
+
 static int s_lookup(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
@@ -267,14 +304,14 @@ static int s_lookup(kvt_rq_t *c)
                        r->nkeys, r->lock, &hits, &lease);
     if (rc)
         return rc;
-    uint64_t job = r->prefetch ? kvt_prefetch_start(c->svc->prefetch, hits, kvt_now_ms()) : 0;
-    kvt_pack_ok(&c->pk, 2 + (lease != 0) + (job != 0));
-    s_pack_uint_field(&c->pk, "hits", hits);
-    s_pack_uint_field(&c->pk, "l1", hits);
-    if (lease)
-        s_pack_uint_field(&c->pk, "lease", lease);
-    if (job)
-        s_pack_uint_field(&c->pk, "job", job);
+    c->l1_hits = hits;
+    c->lease = lease;
+    if (hits < r->nkeys && kvt_l2mgr_count(c->svc->l2)) {
+        c->cont = s_lookup_l2; /* the rest of the prefix may be in L2: not on the server loop */
+        return KVT_HANDLE_DEFER;
+    }
+    uint64_t job = r->prefetch ? kvt_prefetch_start(c->svc->prefetch, hits, true, kvt_now_ms()) : 0;
+    s_pack_lookup(c, hits, job);
     return 0;
 }
 
@@ -285,6 +322,7 @@ static int s_remove(kvt_rq_t *c)
     uint32_t removed = 0;
     int rc = kvt_l1_remove(c->svc->l1, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys,
                            &removed);
+    kvt_l2mgr_remove(c->svc->l2, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "removed", removed);

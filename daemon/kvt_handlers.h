@@ -10,6 +10,7 @@
 
 #include "kvt_config.h"
 #include "kvt_l1.h"
+#include "kvt_l2mgr.h"
 #include "kvt_metrics.h"
 #include "kvt_msg.h"
 #include "kvt_prefetch.h"
@@ -24,6 +25,7 @@ typedef struct {
     kvt_metrics_t *metrics;
     kvt_sessions_t *sessions;
     kvt_l1_t *l1;
+    kvt_l2mgr_t *l2; /* NULL or no adapters: no L2 */
     kvt_prefetch_t *prefetch;
 } kvt_services_t;
 
@@ -41,12 +43,19 @@ typedef struct kvt_rq {
     msgpack_packer pk;
     zmq_msg_t *out; /* reply data frames (GET), sent after the body */
     uint32_t nout;
+    /* a request deferred to the lookup pool (KVT_HANDLE_DEFER) resumes here */
+    int (*cont)(struct kvt_rq *rq);
+    uint32_t l1_hits;
+    uint64_t lease;
     int rc;
     char err[200];
 } kvt_rq_t;
 
 /* Runs the handler of rq->type on a decoded request: packs the ok body into rq->pk and returns
- * 0, or returns a KVT_E* code with rq->err set (the caller packs the error body). */
+ * 0, or returns a KVT_E* code with rq->err set (the caller packs the error body), or returns
+ * KVT_HANDLE_DEFER: the request needs L2 I/O, and the caller runs rq->cont(rq) on a lookup
+ * worker, which returns like a handler. */
+#define KVT_HANDLE_DEFER 1
 int kvt_handle(kvt_rq_t *rq);
 
 /* Checks that need the data frames (PUT: one non-empty frame per key; others: none).

@@ -69,10 +69,18 @@ static enum MHD_Result s_json(struct MHD_Connection *conn, unsigned status, json
     return s_send(conn, status, "application/json", body, len + 1);
 }
 
+/* Threads first, then whatever the owner adds (L2 adapters). */
+static bool s_ready(kvt_http_t *self, char *why, size_t whylen)
+{
+    if (!kvt_sup_ready(self->sup, why, whylen))
+        return false;
+    return !self->hooks.ready || self->hooks.ready(self->hooks.ctx, why, whylen);
+}
+
 static json_t *s_status(kvt_http_t *self)
 {
     char why[256];
-    bool ready = kvt_sup_ready(self->sup, why, sizeof why);
+    bool ready = s_ready(self, why, sizeof why);
     json_t *cfg = NULL;
     char *cfgtext = kvt_config_to_json(self->cfg);
     if (cfgtext) {
@@ -118,7 +126,7 @@ static enum MHD_Result s_route(void *cls, struct MHD_Connection *conn, const cha
         if (!get)
             return s_text(conn, 405, "method not allowed\n");
         char why[256], line[300];
-        if (kvt_sup_ready(self->sup, why, sizeof why))
+        if (s_ready(self, why, sizeof why))
             return s_text(conn, 200, "ready\n");
         snprintf(line, sizeof line, "not ready: %s\n", why);
         return s_text(conn, 503, line);

@@ -17,6 +17,7 @@
 #include "kvt_supervisor.h"
 
 #include <jansson.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -27,6 +28,8 @@ typedef struct {
     json_t *(*status)(void *ctx);
     /* removes cached objects of `ns` (NULL: all); returns 0 or a KVT_E* code */
     int (*clear)(void *ctx, const char *ns, uint64_t *removed);
+    /* readiness beyond the supervised threads (L2 adapters answering); NULL: none */
+    bool (*ready)(void *ctx, char *why, size_t whylen);
     void *ctx;
 } kvt_http_hooks_t;
 

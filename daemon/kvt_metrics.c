@@ -15,21 +15,15 @@
 
 #define S_MAX_SOURCES 16
 
-static const double s_bounds[] = {10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3,
-                                  2.5e-3, 5e-3,  10e-3, 25e-3,  50e-3,  100e-3, 250e-3,
-                                  500e-3, 1.0,   2.5,   5.0,   10.0};
-#define S_NB (int)(sizeof s_bounds / sizeof s_bounds[0])
-
-typedef struct {
-    _Atomic uint64_t count;
-    _Atomic uint64_t sum_ns;
-    _Atomic uint64_t buckets[S_NB]; /* per bucket, made cumulative when read */
-} s_hist_t;
+static const double s_bounds[KVT_HIST_BOUNDS] = {
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3,
+    25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0};
+#define S_NB KVT_HIST_BOUNDS
 
 struct kvt_metrics {
     _Atomic uint64_t requests[KVT_REQ_SLOTS];
     _Atomic uint64_t errors[KVT_WIRE_ERRORS];
-    s_hist_t durations[KVT_REQ_SLOTS];
+    kvt_hist_t durations[KVT_REQ_SLOTS]; /* buckets per bucket, made cumulative when read */
     _Atomic uint64_t dropped;
     _Atomic uint64_t reply_failed;
     _Atomic uint64_t clients;
@@ -66,7 +60,11 @@ void kvt_metrics_request(kvt_metrics_t *self, uint64_t type, int rc, uint64_t ns
     if (rc)
         atomic_fetch_add_explicit(&self->errors[kvt_err_wire_index(rc)], 1,
                                   memory_order_relaxed);
-    s_hist_t *h = &self->durations[t];
+    kvt_hist_observe(&self->durations[t], ns);
+}
+
+void kvt_hist_observe(kvt_hist_t *h, uint64_t ns)
+{
     double s = (double)ns / 1e9;
     int b = 0;
     while (b < S_NB && s > s_bounds[b])
@@ -105,6 +103,22 @@ static uint64_t s_load(_Atomic uint64_t *v)
     return atomic_load_explicit(v, memory_order_relaxed);
 }
 
+void kvt_hist_emit(kvt_hist_t *h, const char *name, const char *help, const char *label,
+                   const char *label_value, kvt_sample_fn emit, void *emit_ctx)
+{
+    uint64_t cum[S_NB], acc = 0;
+    for (int b = 0; b < S_NB; b++) {
+        acc += s_load(&h->buckets[b]);
+        cum[b] = acc;
+    }
+    uint64_t count = s_load(&h->count);
+    kvt_sample_t s = {.name = name, .help = help, .kind = KVT_METRIC_HISTOGRAM, .label = label,
+                      .label_value = label_value, .bounds = s_bounds, .buckets = cum,
+                      .nbounds = S_NB, .count = count < acc ? acc : count,
+                      .sum = (double)s_load(&h->sum_ns) / 1e9};
+    emit(emit_ctx, &s);
+}
+
 static void s_scalar(kvt_sample_fn emit, void *ctx, const char *name, const char *help,
                      kvt_metric_kind_t kind, double v)
 {
@@ -130,24 +144,11 @@ void kvt_metrics_each(kvt_metrics_t *self, kvt_sample_fn emit, void *ctx)
                           .label_value = kvt_err_wire_name(e), .value = (double)s_load(&self->errors[e])};
         emit(ctx, &s);
     }
-    for (size_t t = 0; t < KVT_REQ_SLOTS; t++) {
-        if (t && !kvt_proto_info(t))
-            continue;
-        s_hist_t *h = &self->durations[t];
-        uint64_t cum[S_NB], acc = 0;
-        for (int b = 0; b < S_NB; b++) {
-            acc += s_load(&h->buckets[b]);
-            cum[b] = acc;
-        }
-        uint64_t count = s_load(&h->count);
-        kvt_sample_t s = {.name = "request_duration_seconds",
-                          .help = "Time from receiving a request to sending its reply.",
-                          .kind = KVT_METRIC_HISTOGRAM, .label = "type",
-                          .label_value = kvt_proto_name(t), .bounds = s_bounds, .buckets = cum,
-                          .nbounds = S_NB, .count = count < acc ? acc : count,
-                          .sum = (double)s_load(&h->sum_ns) / 1e9};
-        emit(ctx, &s);
-    }
+    for (size_t t = 0; t < KVT_REQ_SLOTS; t++)
+        if (t == 0 || kvt_proto_info(t))
+            kvt_hist_emit(&self->durations[t], "request_duration_seconds",
+                          "Time from receiving a request to sending its reply.", "type",
+                          kvt_proto_name(t), emit, ctx);
     s_scalar(emit, ctx, "messages_dropped_total",
              "Messages dropped without a reply because their first frame was not a uid.",
              KVT_METRIC_COUNTER, (double)s_load(&self->dropped));
@@ -182,8 +183,19 @@ static void s_labels(FILE *f, const kvt_sample_t *s, const char *le)
     if (!s->label && !le)
         return;
     fputc('{', f);
-    if (s->label)
-        fprintf(f, "%s=\"%s\"", s->label, s->label_value);
+    if (s->label) {
+        /* label values may come from configuration (adapter specs): escape per the format */
+        fprintf(f, "%s=\"", s->label);
+        for (const char *c = s->label_value; *c; c++) {
+            if (*c == '\\' || *c == '"')
+                fputc('\\', f);
+            if (*c == '\n')
+                fputs("\\n", f);
+            else
+                fputc(*c, f);
+        }
+        fputc('"', f);
+    }
     if (le)
         fprintf(f, "%sle=\"%s\"", s->label ? "," : "", le);
     fputc('}', f);

@@ -9,6 +9,7 @@
 #define KVT_METRICS_H
 
 #include <jansson.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -34,6 +35,21 @@ typedef struct {
 
 typedef void (*kvt_sample_fn)(void *emit_ctx, const kvt_sample_t *s);
 typedef void (*kvt_source_fn)(void *src_ctx, kvt_sample_fn emit, void *emit_ctx);
+
+/* A latency histogram (seconds, buckets from 10 us to 10 s) of relaxed atomics: observe from
+ * any thread, emit from a metrics source. Zero-initialised memory is an empty histogram. */
+#define KVT_HIST_BOUNDS 19
+typedef struct {
+    _Atomic uint64_t count;
+    _Atomic uint64_t sum_ns;
+    _Atomic uint64_t buckets[KVT_HIST_BOUNDS];
+} kvt_hist_t;
+
+void kvt_hist_observe(kvt_hist_t *h, uint64_t ns);
+
+/* Emits the histogram as one sample of family `name` (label may be NULL). */
+void kvt_hist_emit(kvt_hist_t *h, const char *name, const char *help, const char *label,
+                   const char *label_value, kvt_sample_fn emit, void *emit_ctx);
 
 kvt_metrics_t *kvt_metrics_new(void);
 void kvt_metrics_destroy(kvt_metrics_t **self_p);

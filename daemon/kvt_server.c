@@ -23,6 +23,7 @@
 
 #include <czmq.h>
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -34,7 +35,6 @@
 #define S_SWEEP_MS 100
 #define S_DRAIN_MS 5000
 #define S_WORKER_QUEUE 1024
-#define S_PREFETCH_KEEP_MS 60000
 
 struct kvt_server {
     const kvt_config_t *cfg;
@@ -42,6 +42,7 @@ struct kvt_server {
     kvt_sup_thread_t *beat;
     kvt_services_t svc;
     kvt_workers_t *workers;
+    kvt_workers_t *lookups; /* LOOKUPs that need L2 (only with an L2 tier) */
     zsock_t *router;
     kvt_limits_t lim;
     uint64_t next_sweep_ms;
@@ -132,6 +133,12 @@ static void s_run_job(void *job)
     rq->rc = kvt_handle(rq);
 }
 
+static void s_run_cont(void *job)
+{
+    kvt_rq_t *rq = job;
+    rq->rc = rq->cont(rq);
+}
+
 /* Decodes and validates; returns 0 when the request can run. */
 static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, size_t total)
 {
@@ -202,6 +209,14 @@ static void s_handle_message(kvt_server_t *self, zmsg_t *msg)
         rq->rc = KVT_EBUSY;
     } else if (rq->rc == 0) {
         rq->rc = kvt_handle(rq);
+        if (rq->rc == KVT_HANDLE_DEFER) {
+            if (self->lookups && kvt_workers_submit(self->lookups, s_run_cont, rq) == 0)
+                return;
+            kvt_l1_release(self->svc.l1, rq->owner, rq->lease);
+            snprintf(rq->err, sizeof rq->err, "%s: the L2 lookup queue is full, retry later",
+                     info->name);
+            rq->rc = KVT_EBUSY;
+        }
     }
     s_finish(self, rq);
 }
@@ -210,6 +225,8 @@ static void s_collect(kvt_server_t *self)
 {
     kvt_rq_t *rq;
     while ((rq = kvt_workers_done(self->workers)) != NULL)
+        s_finish(self, rq);
+    while (self->lookups && (rq = kvt_workers_done(self->lookups)) != NULL)
         s_finish(self, rq);
 }
 
@@ -248,8 +265,25 @@ static uint64_t s_on_gone(void *ctx, uint64_t owner, bool expired)
     return kvt_l1_release_owner(self->svc.l1, owner, expired);
 }
 
+/* The socket file is created under umask 077; with shm_group its members may connect, like
+ * they may map the arena. */
+static int s_share_ipc(const kvt_config_t *cfg, const char *path, char *err, size_t errlen)
+{
+    gid_t gid;
+    int rc = kvt_config_shm_gid(cfg, &gid);
+    if (rc > 0)
+        return 0;
+    if (rc < 0 || chown(path, (uid_t)-1, gid) != 0 || chmod(path, 0660) != 0) {
+        snprintf(err, errlen, "listen: cannot give %s to group %s: %s", path, cfg->shm_group,
+                 rc < 0 ? "no such group" : strerror(errno));
+        return KVT_EINVAL;
+    }
+    return 0;
+}
+
 kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_sup_t *sup,
-                             kvt_l1_t *l1, char *err, size_t errlen)
+                             kvt_l1_t *l1, kvt_l2mgr_t *l2, kvt_prefetch_t *prefetch, char *err,
+                             size_t errlen)
 {
     kvt_server_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
@@ -259,11 +293,17 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
     self->svc.metrics = metrics;
     self->svc.l1 = l1;
     self->svc.sessions = kvt_sessions_new(s_on_gone, self);
-    self->svc.prefetch = kvt_prefetch_new(S_PREFETCH_KEEP_MS);
+    self->svc.l2 = l2;
+    self->svc.prefetch = prefetch;
     kvt_limits_init(&self->lim, cfg->max_message, cfg->max_keys);
-    self->workers = kvt_workers_new((int)cfg->workers, S_WORKER_QUEUE, sup, err, errlen);
+    self->workers = kvt_workers_new("worker", (int)cfg->workers, S_WORKER_QUEUE, sup, err, errlen);
     if (!self->workers)
         goto fail;
+    if (kvt_l2mgr_count(l2)) {
+        self->lookups = kvt_workers_new("lookup", 2, S_WORKER_QUEUE, sup, err, errlen);
+        if (!self->lookups)
+            goto fail;
+    }
     self->router = zsock_new(ZMQ_ROUTER);
     if (!self->router) {
         snprintf(err, errlen, "cannot create the ROUTER socket: %s", zmq_strerror(errno));
@@ -284,6 +324,8 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
             goto fail;
         }
         self->nbound = i + 1;
+        if (strncmp(ep, "ipc://", 6) == 0 && s_share_ipc(cfg, ep + 6, err, errlen) != 0)
+            goto fail;
         kvt_log(KVT_LOG_INFO, "listening on %s", ep);
     }
     self->beat = kvt_sup_register(sup, "server", 1000);
@@ -302,12 +344,12 @@ void kvt_server_destroy(kvt_server_t **self_p)
         s_collect(self); /* kvt_server_run drained; this only catches a failed start */
         kvt_workers_destroy(&self->workers);
     }
+    kvt_workers_destroy(&self->lookups);
     zsock_destroy(&self->router);
     for (int i = 0; i < self->nbound; i++)
         if (strncmp(self->cfg->listen[i], "ipc://", 6) == 0)
             unlink(self->cfg->listen[i] + 6);
     kvt_sessions_destroy(&self->svc.sessions);
-    kvt_prefetch_destroy(&self->svc.prefetch);
     free(self);
     *self_p = NULL;
 }
@@ -323,26 +365,34 @@ static void s_periodic(kvt_server_t *self)
     kvt_prefetch_sweep(self->svc.prefetch, now);
 }
 
+static size_t s_in_flight(const kvt_server_t *self)
+{
+    return kvt_workers_pending(self->workers) +
+           (self->lookups ? kvt_workers_pending(self->lookups) : 0);
+}
+
 /* After a stop: no new requests; answer the jobs already with the workers (bounded). */
 static void s_drain(kvt_server_t *self)
 {
     uint64_t deadline = kvt_now_ms() + S_DRAIN_MS;
-    while (kvt_workers_pending(self->workers) > 0 && kvt_now_ms() < deadline) {
-        zmq_pollitem_t item = {NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0};
-        zmq_poll(&item, 1, 50);
+    while (s_in_flight(self) > 0 && kvt_now_ms() < deadline) {
+        zmq_pollitem_t items[2] = {{NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0},
+                                   {NULL, self->lookups ? kvt_workers_fd(self->lookups) : -1,
+                                    ZMQ_POLLIN, 0}};
+        zmq_poll(items, self->lookups ? 2 : 1, 50);
         s_collect(self);
         kvt_sup_beat(self->beat);
     }
-    if (kvt_workers_pending(self->workers) > 0)
-        kvt_log(KVT_LOG_WARN, "stopping with %zu requests still running",
-                kvt_workers_pending(self->workers));
+    if (s_in_flight(self) > 0)
+        kvt_log(KVT_LOG_WARN, "stopping with %zu requests still running", s_in_flight(self));
 }
 
 int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
 {
-    zmq_pollitem_t items[2] = {
+    zmq_pollitem_t items[3] = {
         {zsock_resolve(self->router), 0, ZMQ_POLLIN, 0},
         {NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0},
+        {NULL, self->lookups ? kvt_workers_fd(self->lookups) : -1, ZMQ_POLLIN, 0},
     };
     int rc = 0;
     while (!*stop) {
@@ -350,7 +400,7 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
             rc = KVT_EINTERNAL;
             break;
         }
-        if (zmq_poll(items, 2, S_POLL_MS) < 0 && errno != EINTR) {
+        if (zmq_poll(items, self->lookups ? 3 : 2, S_POLL_MS) < 0 && errno != EINTR) {
             kvt_log(KVT_LOG_ERROR, "server: poll failed: %s", zmq_strerror(errno));
             rc = KVT_EINTERNAL;
             break;
@@ -376,6 +426,6 @@ json_t *kvt_server_status_json(kvt_server_t *self)
         json_array_append_new(eps, json_string(self->cfg->listen[i]));
     return json_pack("{s:o,s:o,s:I,s:I}", "endpoints", eps, "clients",
                      kvt_sessions_json(self->svc.sessions, kvt_now_ms()), "requests_in_workers",
-                     (json_int_t)kvt_workers_pending(self->workers), "prefetch_jobs",
+                     (json_int_t)s_in_flight(self), "prefetch_jobs",
                      (json_int_t)kvt_prefetch_jobs(self->svc.prefetch));
 }

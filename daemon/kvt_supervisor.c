@@ -2,11 +2,14 @@
  * supervised thread runs, then read by everyone. Slot fields that change are atomics (last
  * beat, state), so beats and readiness checks take no lock. The supervisor thread wakes every
  * 200 ms, logs state changes once each (stuck, recovered, dead) and beats for itself; if it
- * dies, its own slot goes stale and /readyz says so. */
+ * dies, its own slot goes stale and /readyz says so. Under systemd (Type=notify, WatchdogSec=)
+ * the same tick sends WATCHDOG=1, but only while kvt_sup_ready() holds: a stuck or dead thread
+ * (the supervisor itself included) stops the keep-alives and the service manager restarts us. */
 #include "kvt_supervisor.h"
 
 #include "kvt_error.h"
 #include "kvt_log.h"
+#include "kvt_notify.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -43,6 +46,10 @@ struct kvt_sup {
     bool started;
     _Atomic bool stop;
     uint64_t started_ms;
+    /* service manager (supervisor thread only after start) */
+    uint64_t wd_interval_ms; /* 0: no watchdog asked for */
+    uint64_t wd_last_ms;
+    bool notified_ready;
 };
 
 kvt_sup_t *kvt_sup_new(const kvt_config_t *cfg)
@@ -147,10 +154,30 @@ bool kvt_sup_ready(kvt_sup_t *self, char *why, size_t whylen)
     return true;
 }
 
+/* Health as the service manager sees it: a STATUS= line on each change, and WATCHDOG=1 only
+ * while every thread is healthy, sent at the last tick before the interval would pass. */
+static void s_notify(kvt_sup_t *self, uint64_t now)
+{
+    char why[128];
+    bool ok = kvt_sup_ready(self, why, sizeof why);
+    if (ok != self->notified_ready) {
+        kvt_notify_health(ok, why);
+        self->notified_ready = ok;
+    }
+    if (ok && self->wd_interval_ms && now - self->wd_last_ms + S_TICK_MS > self->wd_interval_ms) {
+        kvt_notify_watchdog();
+        self->wd_last_ms = now;
+    }
+}
+
 static void *s_run(void *arg)
 {
     kvt_sup_t *self = arg;
     kvt_sup_thread_t *me = self->self_slot;
+    /* a watchdog shorter than our tick (tests, odd units) still gets its keep-alives in time */
+    uint64_t tick_ms = self->wd_interval_ms && self->wd_interval_ms < S_TICK_MS
+                           ? self->wd_interval_ms
+                           : S_TICK_MS;
     while (!atomic_load(&self->stop)) {
         if (!kvt_sup_beat(me)) {
             kvt_sup_thread_exit(me, false);
@@ -174,7 +201,8 @@ static void *s_run(void *arg)
                 t->logged_stuck = false;
             }
         }
-        struct timespec ts = {0, S_TICK_MS * 1000000L};
+        s_notify(self, now);
+        struct timespec ts = {0, (long)tick_ms * 1000000L};
         nanosleep(&ts, NULL);
     }
     kvt_sup_thread_exit(me, true);
@@ -184,6 +212,11 @@ static void *s_run(void *arg)
 int kvt_sup_start(kvt_sup_t *self)
 {
     self->self_slot = kvt_sup_register(self, "supervisor", 5 * S_TICK_MS);
+    self->wd_interval_ms = kvt_notify_watchdog_interval_ms();
+    self->notified_ready = true;
+    if (self->wd_interval_ms)
+        kvt_log(KVT_LOG_INFO, "supervisor: watchdog keep-alive every %llu ms while healthy",
+                (unsigned long long)self->wd_interval_ms);
     if (pthread_create(&self->tid, NULL, s_run, self) != 0)
         return KVT_EINTERNAL;
     self->started = true;

@@ -120,8 +120,8 @@ static void *s_run(void *arg)
     return NULL;
 }
 
-kvt_workers_t *kvt_workers_new(int n, size_t max_queue, kvt_sup_t *sup, char *err,
-                               size_t errlen)
+kvt_workers_t *kvt_workers_new(const char *name, int n, size_t max_queue, kvt_sup_t *sup,
+                               char *err, size_t errlen)
 {
     if (n < 1 || n > S_MAX_THREADS) {
         snprintf(err, errlen, "workers: %d threads, want 1 to %d", n, S_MAX_THREADS);
@@ -138,11 +138,11 @@ kvt_workers_t *kvt_workers_new(int n, size_t max_queue, kvt_sup_t *sup, char *er
         goto fail;
     }
     for (int i = 0; i < n; i++) {
-        char name[32];
-        snprintf(name, sizeof name, "worker-%d", i);
+        char tname[32];
+        snprintf(tname, sizeof tname, "%s-%d", name, i);
         s_thread_t *t = &self->threads[i];
         t->pool = self;
-        t->beat = kvt_sup_register(sup, name, 10000);
+        t->beat = kvt_sup_register(sup, tname, 10000);
         if (pthread_create(&t->tid, NULL, s_run, t) != 0) {
             snprintf(err, errlen, "workers: cannot start thread %d", i);
             goto fail;

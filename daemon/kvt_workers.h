@@ -17,9 +17,9 @@ typedef struct kvt_workers kvt_workers_t;
 /* Runs on a worker thread; the job is handed back through kvt_workers_done afterwards. */
 typedef void (*kvt_job_fn)(void *job);
 
-/* Starts `n` threads (supervised as "worker-0" ...) with room for `max_queue` waiting jobs. */
-kvt_workers_t *kvt_workers_new(int n, size_t max_queue, kvt_sup_t *sup, char *err,
-                               size_t errlen);
+/* Starts `n` threads (supervised as "<name>-0" ...) with room for `max_queue` waiting jobs. */
+kvt_workers_t *kvt_workers_new(const char *name, int n, size_t max_queue, kvt_sup_t *sup,
+                               char *err, size_t errlen);
 
 /* Stops the threads after the jobs already queued have run (their results stay in the done
  * queue: the caller drains it first with kvt_workers_done). */

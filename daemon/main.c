@@ -2,14 +2,19 @@
  *
  * DESIGN: the main thread loads the config, builds the modules in dependency order (metrics,
  * supervisor, server, http), runs the server loop, and on SIGTERM/SIGINT tears them down in
- * reverse order. Signal handlers only set a flag; a second SIGINT exits at once. */
+ * reverse order. Signal handlers only set a flag; a second SIGINT exits at once. Under systemd
+ * (Type=notify) READY=1 goes out only once every socket is bound, the arena is pinned and every
+ * thread runs, and STOPPING=1 as soon as the loop ends (kvt_notify). */
 #include "kvt_config.h"
 #include "kvt_error.h"
 #include "kvt_events.h"
 #include "kvt_http.h"
 #include "kvt_l1.h"
+#include "kvt_l2mgr.h"
+#include "kvt_prefetch.h"
 #include "kvt_log.h"
 #include "kvt_metrics.h"
+#include "kvt_notify.h"
 #include "kvt_server.h"
 #include "kvt_supervisor.h"
 
@@ -57,20 +62,42 @@ fail:
     return KVT_EIO;
 }
 
-/* What the HTTP hooks reach. */
+/* What the L1 listener and the HTTP hooks reach. */
 typedef struct {
+    const kvt_config_t *cfg;
     kvt_server_t *server;
     kvt_l1_t *l1;
+    kvt_l2mgr_t *l2;
+    kvt_events_t *events;
+    kvt_sup_t *sup;
 } s_parts_t;
 
-static const char *const s_event_names[] = {
-    [KVT_L1_STORED] = "stored", [KVT_L1_EVICTED] = "evicted", [KVT_L1_REMOVED] = "removed"};
+static const char *const s_event_names[] = {[KVT_L1_STORED] = "stored",
+                                            [KVT_L1_EVICTED] = "evicted",
+                                            [KVT_L1_REMOVED] = "removed",
+                                            [KVT_L1_LOADED] = "stored"};
 
+/* L1 changes feed the events socket and, for objects clients stored, L2 write-behind. */
 static void s_on_l1_event(void *ctx, kvt_l1_event_t event, const uint8_t *ns, uint32_t ns_len,
                           const uint8_t *salt, uint32_t salt_len,
                           const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n)
 {
-    kvt_events_publish(ctx, s_event_names[event], ns, ns_len, salt, salt_len, keys, n, "l1");
+    s_parts_t *p = ctx;
+    if (p->events)
+        kvt_events_publish(p->events, s_event_names[event], ns, ns_len, salt, salt_len, keys, n,
+                           "l1");
+    if (event == KVT_L1_STORED) {
+        kvt_nsref_t ref = {ns, ns_len, salt, salt_len};
+        kvt_l2mgr_on_stored(p->l2, &ref, keys, n);
+    }
+}
+
+static void s_on_l2_event(void *ctx, const char *event, const uint8_t *ns, uint32_t ns_len,
+                          const uint8_t *salt, uint32_t salt_len,
+                          const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, const char *adapter)
+{
+    (void)adapter;
+    kvt_events_publish(ctx, event, ns, ns_len, salt, salt_len, keys, n, "l2");
 }
 
 static json_t *s_status_hook(void *ctx)
@@ -78,13 +105,49 @@ static json_t *s_status_hook(void *ctx)
     s_parts_t *p = ctx;
     json_t *st = kvt_server_status_json(p->server);
     json_object_set_new(st, "l1", kvt_l1_status_json(p->l1));
+    json_object_set_new(st, "l2", kvt_l2mgr_status_json(p->l2));
+    /* the effective config, with adapter secrets masked (--print-config keeps them) */
+    char *text = kvt_config_to_json(p->cfg);
+    json_t *cfg = text ? json_loads(text, 0, NULL) : NULL;
+    free(text);
+    json_t *l2 = cfg ? json_object_get(cfg, "l2") : NULL;
+    size_t i;
+    json_t *spec;
+    json_array_foreach(l2, i, spec)
+    {
+        char shown[512];
+        kvt_l2mgr_redact(json_string_value(spec), shown, sizeof shown);
+        json_string_set(spec, shown);
+    }
+    if (cfg)
+        json_object_set_new(st, "config", cfg);
     return st;
+}
+
+static bool s_ready_hook(void *ctx, char *why, size_t whylen)
+{
+    s_parts_t *p = ctx;
+    return kvt_l2mgr_ready(p->l2, why, whylen);
 }
 
 static int s_clear_hook(void *ctx, const char *ns, uint64_t *removed)
 {
     s_parts_t *p = ctx;
     return kvt_l1_clear(p->l1, (const uint8_t *)ns, ns ? (uint32_t)strlen(ns) : 0, removed);
+}
+
+/* The STATUS= line `systemctl status kvtier` shows while serving. */
+static void s_ready_status(const kvt_config_t *cfg, kvt_l1_t *l1, char *buf, size_t len)
+{
+    size_t n = (size_t)snprintf(buf, len, "serving on");
+    for (int i = 0; i < cfg->n_listen && n < len; i++)
+        n += (size_t)snprintf(buf + n, len - n, "%s %s", i ? "," : "", cfg->listen[i]);
+    json_t *st = kvt_l1_status_json(l1);
+    bool pinned = json_is_true(json_object_get(st, "pinned"));
+    json_decref(st);
+    if (n < len)
+        snprintf(buf + n, len - n, ", L1 %llu bytes %s",
+                 (unsigned long long)kvt_l1_capacity(l1), pinned ? "pinned" : "NOT pinned");
 }
 
 int main(int argc, char **argv)
@@ -114,6 +177,11 @@ int main(int argc, char **argv)
         return text ? 0 : 1;
     }
     case KVT_CONFIG_CHECK:
+        if (kvt_l2mgr_check(cfg, err, sizeof err) != 0) {
+            fprintf(stderr, "kvtierd: %s\n", err);
+            kvt_config_destroy(&cfg);
+            return 2;
+        }
         printf("kvtierd: configuration is valid\n");
         kvt_config_destroy(&cfg);
         return 0;
@@ -140,6 +208,8 @@ int main(int argc, char **argv)
     kvt_sup_t *sup = NULL;
     kvt_server_t *server = NULL;
     kvt_l1_t *l1 = NULL;
+    kvt_prefetch_t *prefetch = NULL;
+    kvt_l2mgr_t *l2 = NULL;
     kvt_events_t *events = NULL;
     kvt_http_t *http = NULL;
     if (s_mkdirs(cfg->run_dir, err, sizeof err, "run_dir") ||
@@ -157,18 +227,32 @@ int main(int argc, char **argv)
         if (!events)
             goto done;
         kvt_metrics_add_source(metrics, kvt_events_metrics_source, events);
-        kvt_l1_set_listener(l1, s_on_l1_event, events);
     }
-    server = kvt_server_new(cfg, metrics, sup, l1, err, sizeof err);
+    prefetch = kvt_prefetch_new(60000);
+    int l2rc = 0;
+    l2 = kvt_l2mgr_new(cfg, l1, prefetch, sup, &l2rc, err, sizeof err);
+    if (!l2) {
+        status = l2rc == KVT_EINVAL ? 2 : 1; /* a bad adapter spec is a bad configuration */
+        goto done;
+    }
+    kvt_metrics_add_source(metrics, kvt_l2mgr_metrics_source, l2);
+    if (events)
+        kvt_l2mgr_set_events(l2, s_on_l2_event, events);
+    s_parts_t parts = {cfg, NULL, l1, l2, events, sup};
+    kvt_l1_set_listener(l1, s_on_l1_event, &parts);
+    server = kvt_server_new(cfg, metrics, sup, l1, l2, prefetch, err, sizeof err);
     if (!server)
         goto done;
     if (kvt_l1_start(l1, sup) != 0) {
         snprintf(err, sizeof err, "cannot start the eviction thread");
         goto done;
     }
-    s_parts_t parts = {server, l1};
+    parts.server = server;
     if (cfg->http[0]) {
-        kvt_http_hooks_t hooks = {s_status_hook, s_clear_hook, &parts};
+        kvt_http_hooks_t hooks = {.status = s_status_hook,
+                                  .clear = s_clear_hook,
+                                  .ready = s_ready_hook,
+                                  .ctx = &parts};
         http = kvt_http_new(cfg, metrics, sup, &hooks, err, sizeof err);
         if (!http)
             goto done;
@@ -179,16 +263,32 @@ int main(int argc, char **argv)
     }
     kvt_log(KVT_LOG_INFO, "kvtierd %s ready (pid %d, chunk_tokens %u, lease_ms %u)", KVT_VERSION,
             (int)getpid(), cfg->chunk_tokens, cfg->lease_ms);
+    char ready[256];
+    s_ready_status(cfg, l1, ready, sizeof ready);
+    kvt_notify_ready(ready);
     int rc = kvt_server_run(server, &s_stop);
+    kvt_notify_stopping();
     kvt_log(KVT_LOG_INFO, "kvtierd stopping%s", rc ? " after a server loop failure" : "");
     status = rc ? 1 : 0;
 done:
-    if (err[0])
+    if (err[0]) {
         kvt_log(KVT_LOG_ERROR, "%s", err);
+        kvt_notify_status("failed: %s", err);
+    }
     kvt_http_destroy(&http);
     kvt_server_destroy(&server);
-    kvt_l1_destroy(&l1);
+    if (l1)
+        kvt_l1_stop(l1); /* no evictions (and their events) from here on */
+    /* before L1: queued write-behind reaches L2, running loads end */
+    kvt_l2mgr_destroy(&l2);
+    kvt_prefetch_destroy(&prefetch);
+    if (l1)
+        kvt_l1_set_listener(l1, NULL, NULL);
     kvt_events_destroy(&events);
+    /* GET replies still lingering in libzmq point into the arena and unpin it from their free
+     * callbacks: the ZMQ context must be gone (all messages freed) before L1 is */
+    zsys_shutdown();
+    kvt_l1_destroy(&l1);
     kvt_sup_destroy(&sup);
     kvt_metrics_destroy(&metrics);
     kvt_config_destroy(&cfg);

@@ -10,7 +10,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <grp.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
@@ -61,21 +60,6 @@ static void s_remove_stale(const char *prefix)
     closedir(d);
 }
 
-static int s_group(const char *spec, gid_t *gid)
-{
-    char *end = NULL;
-    long v = strtol(spec, &end, 10);
-    if (end && *end == '\0' && v >= 0) {
-        *gid = (gid_t)v;
-        return 0;
-    }
-    struct group *g = getgrnam(spec);
-    if (!g)
-        return KVT_EINVAL;
-    *gid = g->gr_gid;
-    return 0;
-}
-
 kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
 {
     kvt_arena_t *self = calloc(1, sizeof *self);
@@ -99,12 +83,13 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
                  strerror(errno));
         goto fail_nounlink;
     }
-    if (cfg->shm_group && cfg->shm_group[0]) {
-        gid_t gid;
-        if (s_group(cfg->shm_group, &gid) != 0) {
-            snprintf(err, errlen, "shm_group: no group '%s'", cfg->shm_group);
-            goto fail;
-        }
+    gid_t gid;
+    int grc = kvt_config_shm_gid(cfg, &gid);
+    if (grc < 0) {
+        snprintf(err, errlen, "shm_group: no group '%s'", cfg->shm_group);
+        goto fail;
+    }
+    if (grc == 0) {
         if (fchown(fd, (uid_t)-1, gid) != 0 || fchmod(fd, 0660) != 0) {
             snprintf(err, errlen, "shm_group: cannot give %s to group %s: %s", self->path,
                      cfg->shm_group, strerror(errno));

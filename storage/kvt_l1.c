@@ -54,6 +54,7 @@ typedef struct s_obj {
     uint8_t key[KVT_KEY_LEN];
     uint8_t state;
     bool in_lru;
+    uint8_t l2_pending; /* adapters that have not written it yet: not evictable until 0 */
     uint32_t pins;
     uint64_t hash;
     uint64_t length;
@@ -91,6 +92,8 @@ struct kvt_l1 {
     kvt_sup_thread_t *beat;
     kvt_l1_listener_fn listener;
     void *listener_ctx;
+    uint32_t l2_writes;
+    _Atomic uint64_t l2_pending_objects;
 };
 
 static void s_inc(_Atomic uint64_t *v, uint64_t n)
@@ -330,6 +333,10 @@ static bool s_remove_ready(kvt_l1_t *self, s_shard_t *sh, s_obj_t *o)
     s_lru_remove(self, o);
     pthread_mutex_unlock(&self->lru_lock);
     s_dec(&self->objects, 1);
+    if (o->l2_pending) {
+        s_dec(&self->l2_pending_objects, 1);
+        o->l2_pending = 0;
+    }
     if (o->pins) {
         o->state = S_DOOMED;
         return false;
@@ -485,8 +492,8 @@ static int s_lease_error(int rc, uint64_t id, const char *what, char *err, size_
     return rc;
 }
 
-int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *failed,
-                  uint32_t nfailed, uint32_t *stored, char *err, size_t errlen)
+static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *failed,
+                    uint32_t nfailed, bool loaded, uint32_t *stored, char *err, size_t errlen)
 {
     *stored = 0;
     kvt_lease_t *l = NULL;
@@ -522,6 +529,9 @@ int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *f
         s_shard_t *sh = s_shard(self, o->hash);
         pthread_mutex_lock(&sh->lock);
         o->state = S_READY;
+        o->l2_pending = loaded ? 0 : (uint8_t)self->l2_writes;
+        if (o->l2_pending)
+            s_inc(&self->l2_pending_objects, 1);
         pthread_mutex_lock(&self->lru_lock);
         s_lru_push_head(self, o);
         pthread_mutex_unlock(&self->lru_lock);
@@ -531,8 +541,40 @@ int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *f
         (*stored)++;
     }
     kvt_lease_free(l);
-    s_batches_emit(self, &bs, KVT_L1_STORED);
+    s_batches_emit(self, &bs, loaded ? KVT_L1_LOADED : KVT_L1_STORED);
     return 0;
+}
+
+int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *failed,
+                  uint32_t nfailed, uint32_t *stored, char *err, size_t errlen)
+{
+    return s_commit(self, owner, id, failed, nfailed, false, stored, err, errlen);
+}
+
+int kvt_l1_commit_loaded(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *failed,
+                         uint32_t nfailed, uint32_t *stored, char *err, size_t errlen)
+{
+    return s_commit(self, owner, id, failed, nfailed, true, stored, err, errlen);
+}
+
+void kvt_l1_set_l2_writes(kvt_l1_t *self, uint32_t n)
+{
+    self->l2_writes = n > 255 ? 255 : n;
+}
+
+void kvt_l1_l2_written(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t key[KVT_KEY_LEN])
+{
+    s_ns_t *ns = s_ns_get(self, ref, false);
+    if (!ns)
+        return;
+    uint64_t h = s_hash(ns, key);
+    s_shard_t *sh = s_shard(self, h);
+    pthread_mutex_lock(&sh->lock);
+    s_obj_t *o = s_find(sh, ns, key, h);
+    if (o && o->state == S_READY && o->l2_pending && --o->l2_pending == 0)
+        s_dec(&self->l2_pending_objects, 1);
+    pthread_mutex_unlock(&sh->lock);
+    s_ns_put(self, ns);
 }
 
 /* Counts the leading READY keys. With `pinned`, also pins them, puts them in pinned[] and
@@ -719,7 +761,7 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
             (*skipped)++; /* busy shard: against the lock order, so skip it this round */
             continue;
         }
-        if (o->state == S_READY && o->pins == 0) {
+        if (o->state == S_READY && o->pins == 0 && o->l2_pending == 0) {
             s_unlink(sh, o);
             s_lru_remove(self, o);
             o->state = S_DOOMED;
@@ -787,6 +829,18 @@ int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup)
 
 /* ---- life cycle ---- */
 
+void kvt_l1_stop(kvt_l1_t *self)
+{
+    if (!self->started)
+        return;
+    pthread_mutex_lock(&self->ev_lock);
+    atomic_store(&self->stop, true);
+    pthread_cond_signal(&self->ev_cond);
+    pthread_mutex_unlock(&self->ev_lock);
+    pthread_join(self->tid, NULL);
+    self->started = false;
+}
+
 kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
 {
     kvt_arena_t *arena = kvt_arena_new(cfg, err, errlen);
@@ -826,13 +880,7 @@ void kvt_l1_destroy(kvt_l1_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvt_l1_t *self = *self_p;
-    if (self->started) {
-        pthread_mutex_lock(&self->ev_lock);
-        atomic_store(&self->stop, true);
-        pthread_cond_signal(&self->ev_cond);
-        pthread_mutex_unlock(&self->ev_lock);
-        pthread_join(self->tid, NULL);
-    }
+    kvt_l1_stop(self);
     kvt_leases_destroy(&self->leases, s_drop_lease, self);
     for (uint32_t s = 0; s < S_SHARDS; s++) {
         s_shard_t *sh = &self->shards[s];
@@ -915,6 +963,9 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
          (double)c.evictions},
         {"l1_evicted_bytes_total", "Bytes evicted from L1.", KVT_METRIC_COUNTER,
          (double)s_get(&self->evicted_bytes)},
+        {"l1_l2_pending_objects",
+         "Objects not yet written to every L2 adapter (not evictable until they are).",
+         KVT_METRIC_GAUGE, (double)s_get(&self->l2_pending_objects)},
         {"l1_pinned", "1 when the L1 arena is locked in memory.", KVT_METRIC_GAUGE,
          kvt_arena_pinned(self->arena) ? 1.0 : 0.0},
         {"leases_active", "Leases held by clients.", KVT_METRIC_GAUGE, (double)c.leases_active},

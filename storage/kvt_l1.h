@@ -30,7 +30,8 @@ typedef struct kvt_l1 kvt_l1_t;
 /* Owner of the daemon's own leases (inline PUT/GET); client owners are session ids from 1 up. */
 #define KVT_OWNER_DAEMON UINT64_MAX
 
-typedef enum { KVT_L1_STORED, KVT_L1_EVICTED, KVT_L1_REMOVED } kvt_l1_event_t;
+/* STORED: committed by a client; LOADED: committed by a prefetch from L2 (already there). */
+typedef enum { KVT_L1_STORED, KVT_L1_EVICTED, KVT_L1_REMOVED, KVT_L1_LOADED } kvt_l1_event_t;
 
 /* Told, after the fact and outside every L1 lock, which keys of one namespace became readable,
  * were evicted or were removed; once per request (or eviction round) and namespace. Called from
@@ -65,6 +66,10 @@ void kvt_l1_set_listener(kvt_l1_t *self, kvt_l1_listener_fn fn, void *ctx);
 /* Starts the eviction controller thread, supervised as "evictor". 0 or KVT_EINTERNAL. */
 int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup);
 
+/* Stops the eviction controller (idempotent; destroy does it too). After it, and once no
+ * request runs, nothing in L1 calls the listener any more. */
+void kvt_l1_stop(kvt_l1_t *self);
+
 const char *kvt_l1_shm_path(const kvt_l1_t *self);
 uint64_t kvt_l1_capacity(const kvt_l1_t *self);
 void *kvt_l1_base(const kvt_l1_t *self);
@@ -80,9 +85,24 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ns,
                    char *err, size_t errlen);
 
 /* COMMIT: the write lease's objects become READY, except the indices in failed[], which are
- * discarded. KVT_EUNKLEASE / KVT_ELEXPIRED / KVT_EBADREQ (a read lease, an index out of range). */
+ * discarded. KVT_EUNKLEASE / KVT_ELEXPIRED / KVT_EBADREQ (a read lease, an index out of range).
+ * While L2 write-behind is on (kvt_l1_set_l2_writes), a committed object cannot be evicted
+ * until every adapter has written it (kvt_l1_l2_written). */
 int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t lease, const uint64_t *failed,
                   uint32_t nfailed, uint32_t *stored, char *err, size_t errlen);
+
+/* COMMIT of objects a prefetch loaded from L2: they are in L2 already (evictable at once) and
+ * are announced as KVT_L1_LOADED. */
+int kvt_l1_commit_loaded(kvt_l1_t *self, uint64_t owner, uint64_t lease, const uint64_t *failed,
+                         uint32_t nfailed, uint32_t *stored, char *err, size_t errlen);
+
+/* Write-behind: every committed object must be written by `n` adapters before it may be
+ * evicted (0, the default: no L2). Start-up only. */
+void kvt_l1_set_l2_writes(kvt_l1_t *self, uint32_t n);
+
+/* One adapter wrote the object (or gave up on it): one step closer to evictable. A key no
+ * longer present is ignored. */
+void kvt_l1_l2_written(kvt_l1_t *self, const kvt_nsref_t *ns, const uint8_t key[KVT_KEY_LEN]);
 
 /* ACQUIRE: pins the leading READY keys under one read lease; slots[0..*nslots). *lease is 0 when
  * nothing was found. */

@@ -74,12 +74,12 @@ static void s_drop_oldest(kvt_prefetch_t *self)
     zhashx_delete(self->jobs, key);
 }
 
-uint64_t kvt_prefetch_start(kvt_prefetch_t *self, uint32_t hits, uint64_t now_ms)
+uint64_t kvt_prefetch_start(kvt_prefetch_t *self, uint32_t hits, bool done, uint64_t now_ms)
 {
     s_job_t *j = calloc(1, sizeof *j);
     kvt_assert(j);
     j->hits = hits;
-    j->done = true; /* no L2: the whole prefix is already in L1 */
+    j->done = done;
     j->done_ms = now_ms;
     char key[17];
     pthread_mutex_lock(&self->lock);
@@ -92,6 +92,23 @@ uint64_t kvt_prefetch_start(kvt_prefetch_t *self, uint32_t hits, uint64_t now_ms
     uint64_t id = j->id;
     pthread_mutex_unlock(&self->lock);
     return id;
+}
+
+void kvt_prefetch_update(kvt_prefetch_t *self, uint64_t job, uint32_t loaded, bool done,
+                         uint64_t now_ms)
+{
+    char key[17];
+    s_hex(job, key);
+    pthread_mutex_lock(&self->lock);
+    s_job_t *j = zhashx_lookup(self->jobs, key);
+    if (j) {
+        j->loaded += loaded;
+        if (done && !j->done) {
+            j->done = true;
+            j->done_ms = now_ms;
+        }
+    }
+    pthread_mutex_unlock(&self->lock);
 }
 
 int kvt_prefetch_status(kvt_prefetch_t *self, uint64_t job, bool *done, uint32_t *loaded,

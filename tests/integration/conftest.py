@@ -13,14 +13,22 @@ Fixtures:
   shared_daemon   a started Daemon shared by the module (flags: module-level KVT_SHARED_ARGS)
   kvt_daemon_bin  absolute path of the daemon (KVT_DAEMON)
   kvt_cli_bin     absolute path of the kvtier CLI (KVT_CLI); skips the test when unset
+  redis_factory(port=None, password=None) -> a started RedisServer (a private redis-server on
+                  127.0.0.1); skips the test when redis-server is not installed
+
+A module attribute KVT_DAEMON_ARGS (a tuple of flags) goes before the extra arguments of every
+daemon that daemon_factory, daemon and shared_daemon start for that module: the L1-only suites
+set ("--l2", "none"), since the default fs L2 changes what LOOKUP, CLEAR and eviction show.
 """
 
 import os
+import shutil
 import signal
+import tempfile
 
 import pytest
 
-from kvtest import Daemon, cli_path, daemon_path, sanitizer_report
+from kvtest import Daemon, RedisServer, cli_path, daemon_path, redis_server_path, sanitizer_report
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -100,10 +108,11 @@ def daemon_factory(request, kvt_daemon_bin):
     daemon spawned is stopped at teardown and its stderr checked."""
     daemons = []
     request.node._kvt_daemons = daemons
+    module_args = tuple(getattr(request.module, "KVT_DAEMON_ARGS", ()))
 
     def spawn(*extra_args, env=None, args=None, start=True, wait=True, prefix=()):
-        d = Daemon(binary=kvt_daemon_bin, extra_args=extra_args, env=env, args=args,
-                   prefix=prefix)
+        d = Daemon(binary=kvt_daemon_bin, extra_args=module_args + tuple(extra_args), env=env,
+                   args=args, prefix=prefix)
         daemons.append(d)
         if start:
             d.start(wait=wait)
@@ -158,7 +167,9 @@ class _SharedHolder:
 
 @pytest.fixture(scope="module")
 def _kvt_shared_holder(request, kvt_daemon_bin):
-    holder = _SharedHolder(kvt_daemon_bin, getattr(request.module, "KVT_SHARED_ARGS", ()))
+    holder = _SharedHolder(kvt_daemon_bin,
+                           tuple(getattr(request.module, "KVT_DAEMON_ARGS", ()))
+                           + tuple(getattr(request.module, "KVT_SHARED_ARGS", ())))
     yield holder
     problems = holder.retire(keep_dir=False)
     if problems:
@@ -187,3 +198,28 @@ def shared_daemon(request, _kvt_shared_holder):
     if problems:
         problems += _kvt_shared_holder.retire(keep_dir=True)
         pytest.fail("\n\n".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def redis_factory(request):
+    """spawn(port=None, password=None) -> a started RedisServer (127.0.0.1, no persistence,
+    files in a temp dir). Every server is killed at teardown. Skips the test when
+    redis-server is missing."""
+    binary = redis_server_path()
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server, or set "
+                    "KVT_REDIS_SERVER)")
+    servers = []
+    root = tempfile.mkdtemp(prefix="kvt-redis-", dir=os.environ.get("KVT_TMPDIR", "/tmp"))
+
+    def spawn(port=None, password=None):
+        r = RedisServer(binary, os.path.join(root, str(len(servers))), port=port,
+                        password=password)
+        servers.append(r)
+        return r.start()
+
+    yield spawn
+    for r in servers:
+        r.kill()
+    if not os.environ.get("KVT_KEEP_TMP") and not _test_failed(request.node):
+        shutil.rmtree(root, ignore_errors=True)

@@ -221,7 +221,8 @@ def sanitizer_env(extra=None, base=None):
     (tests must be hermetic), sanitizer options defaulted, then `extra` on top."""
     env = dict(os.environ if base is None else base)
     for k in list(env):
-        if k.startswith("KVTIER_") or k == "JOURNAL_STREAM":
+        if k.startswith("KVTIER_") or k in ("JOURNAL_STREAM", "NOTIFY_SOCKET", "WATCHDOG_USEC",
+                                             "WATCHDOG_PID"):
             del env[k]
     for k, v in SANITIZER_ENV_DEFAULTS.items():
         env.setdefault(k, v)
@@ -956,3 +957,142 @@ class WorkerProcess:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ----------------------------------------------------------------------------------------
+# L2: a private redis-server for the redis adapter tests
+
+
+def redis_server_path():
+    """Absolute path of redis-server (KVT_REDIS_SERVER, else $PATH, else /usr/bin), or None."""
+    for p in (os.environ.get("KVT_REDIS_SERVER"), shutil.which("redis-server"),
+              "/usr/bin/redis-server"):
+        if p and os.path.isfile(p) and os.access(p, os.X_OK):
+            return os.path.abspath(p)
+    return None
+
+
+def _resp_encode(args):
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        a = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def _resp_read(f):
+    line = f.readline()
+    if not line.endswith(b"\r\n"):
+        raise OSError("redis: connection closed mid-reply")
+    kind, rest = line[:1], line[1:-2]
+    if kind == b"+":
+        return rest.decode()
+    if kind == b"-":
+        raise RuntimeError("redis error: " + rest.decode("utf-8", "replace"))
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        n = int(rest)
+        if n < 0:
+            return None
+        data = f.read(n + 2)
+        if len(data) != n + 2:
+            raise OSError("redis: connection closed mid-reply")
+        return data[:-2]
+    if kind == b"*":
+        n = int(rest)
+        return None if n < 0 else [_resp_read(f) for _ in range(n)]
+    raise OSError("redis: bad reply line %r" % line)
+
+
+class RedisServer:
+    """One redis-server on 127.0.0.1 with no persistence (--save '' --appendonly no), its
+    files in `workdir`. start() waits (bounded) until it answers PING; kill()/stop() end it;
+    start() again reuses the same port (a restart, as an outage would end). With `password`
+    the server requires it (--requirepass) and command() authenticates."""
+
+    def __init__(self, binary, workdir, port=None, password=None):
+        self.binary = binary
+        self.password = password
+        self.dir = workdir
+        os.makedirs(self.dir, exist_ok=True)
+        self.port = port or free_port()
+        self.fixed_port = port is not None
+        self.log_path = os.path.join(self.dir, "redis.log")
+        self.proc = None
+
+    @property
+    def addr(self):
+        return "127.0.0.1:%d" % self.port
+
+    def start(self, timeout=10.0):
+        assert not self.alive(), "redis-server already running"
+        for attempt in range(3):
+            argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                    "--save", "", "--appendonly", "no", "--dir", self.dir,
+                    "--daemonize", "no", "--logfile", self.log_path, "--loglevel", "warning"]
+            if self.password:
+                argv += ["--requirepass", self.password]
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         start_new_session=True)
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    if self.command("PING", timeout=0.5) == "PONG":
+                        self.fixed_port = True      # a restart comes back on this port
+                        return self
+                except (OSError, RuntimeError):
+                    pass
+                time.sleep(0.05)
+            if self.proc.poll() is None:
+                self.kill()
+                raise AssertionError("redis-server on port %d did not answer PING within "
+                                     "%.0f s\n%s" % (self.port, timeout, self.log_tail()))
+            # exited: most likely the port was taken between free_port() and the bind
+            if self.fixed_port or attempt == 2:
+                raise AssertionError("redis-server on port %d exited with %s\n%s"
+                                     % (self.port, self.proc.returncode, self.log_tail()))
+            self.port = free_port()
+        return self
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self):
+        """SIGKILL: an outage, nothing flushed."""
+        if self.alive():
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def stop(self):
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def command(self, *args, timeout=2.0):
+        """One command over a fresh connection (after AUTH when the server has a password);
+        the decoded reply."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+            with s.makefile("rb") as f:
+                if self.password is not None:
+                    s.sendall(_resp_encode(("AUTH", self.password)))
+                    _resp_read(f)
+                s.sendall(_resp_encode(args))
+                return _resp_read(f)
+
+    def keys(self, pattern_="*"):
+        return sorted(self.command("KEYS", pattern_) or [])
+
+    def log_tail(self, lines=20):
+        try:
+            with open(self.log_path, "rb") as f:
+                text = f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return "(no redis log)"
+        return "\n".join(text.splitlines()[-lines:])

@@ -25,6 +25,9 @@ from kvtest import (ACQUIRE, BYE, COMMIT, RELEASE, RESERVE, STATS, MiB, PAGE, Ar
 NS = "l1-test/kv-v1"
 CAP = 64 * MiB            # the Daemon helper starts every daemon with --l1-size 64M
 QUIET = ("--high-watermark", "1.0", "--low-watermark", "0.99")   # controller out of the way
+# L1 alone: with an L2 tier (the default fs:DATA_DIR/l2) LOOKUP also counts L2 hits, CLEAR and
+# REMOVE leave or race with L2 copies, and write-behind pins objects (tests/integration/test_l2.py)
+KVT_DAEMON_ARGS = ("--l2", "none")
 
 
 def assert_error(body, code, *mentions):

@@ -1,0 +1,1305 @@
+/* kvtier-bench: end-to-end benchmark of the kvtier daemon through libkvtier, each case with its
+ * baseline measured in the same run and the ratio to it, judged against the targets of the
+ * benchmarks issue (PASS / MISS; --quick judges nothing).
+ *
+ *   build/kvtier-bench [--quick] [--json FILE] [--daemon PATH] [--redis PATH]
+ *
+ * DESIGN: the benchmark owns everything it measures. It makes a private run dir (mkdtemp),
+ * spawns build/kvtierd there (ipc only, --http "", --l2 none unless the case needs L2, --l1-size
+ * sized for the case), a redis-server on a free loopback port (no persistence) and an in-process
+ * czmq ROUTER echo thread on another ipc path, and kills all of them at the end (children also
+ * die with it: PR_SET_PDEATHSIG). Every loop is bounded by a count and a deadline; an alarm
+ * ends a run that hangs. Cases:
+ *   1 LOOKUP of a 64-key prefix (all hits), p50/p99/p999, vs a DEALER->ROUTER echo of the same
+ *     request size;
+ *   2 RESERVE->memcpy->COMMIT and ACQUIRE->memcpy->RELEASE of 4 MiB vs memcpy through the
+ *     same arena mapping;
+ *   3 inline PUT/GET of 4 MiB vs redis-server SET/GET via hiredis;
+ *   4 PING and LOOKUP requests/s with 1, 8, 32 client threads (one kvtier_t each), with p99;
+ *   5 store throughput with continuous eviction (4x L1 stored, --l2 none) vs below watermark;
+ *   6 LOOKUP p99 while 16x4 MiB GETs run in another thread, and while a slow L2
+ *     (mock:latency_ms=20) loads prefetches, vs the idle p99 of the same daemon;
+ *   7 LOOKUP cost at 10k/100k/1M objects of 4 KiB and daemon RSS minus shared memory per
+ *     object.
+ * --quick is a smoke mode (< 20 s): small counts, same code paths, no verdicts. */
+#include "kvtier.h"
+
+#include <czmq.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <hiredis/hiredis.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#define MiB (1024ull * 1024ull)
+#define LOOKUP_KEYS 64
+/* bytes of a 64-key LOOKUP request on the wire (header + msgpack map with ns and 64 bin16 keys),
+ * the size of the echo baseline's message */
+#define ECHO_BYTES (64 * 18 + 64)
+#define BIG (4 * MiB)
+#define CALL_TIMEOUT_MS 20000
+#define MAX_THREADS 32
+
+typedef uint8_t key16_t[KVTIER_KEY_LEN];
+
+typedef struct {
+    bool quick;
+    const char *json_path;
+    const char *daemon;
+    const char *redis;
+    char run_dir[128];
+} opts_t;
+
+typedef struct {
+    pid_t pid;
+    char endpoint[300];
+    char dir[200];
+} daemon_t;
+
+static opts_t s_opt;
+static json_t *s_json;
+static int s_npass, s_nmiss, s_nerr;
+static pid_t s_children[8];
+static int s_nchildren;
+
+/* ---- small helpers ------------------------------------------------------------------------ */
+
+static double s_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t s_mix(uint64_t x)
+{
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* 128-bit chunk-hash-like keys, distinct per (tag, id). */
+static void s_key(uint8_t *k, uint64_t id, uint64_t tag)
+{
+    uint64_t a = s_mix(id ^ (tag << 48)), b = s_mix(a ^ id);
+    memcpy(k, &a, 8);
+    memcpy(k + 8, &b, 8);
+}
+
+static key16_t *s_keys(uint32_t n, uint64_t tag)
+{
+    key16_t *k = malloc((size_t)n * sizeof *k);
+    if (!k) {
+        fprintf(stderr, "kvtier-bench: out of memory\n");
+        exit(1);
+    }
+    for (uint32_t i = 0; i < n; i++)
+        s_key(k[i], i, tag);
+    return k;
+}
+
+static void *s_xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "kvtier-bench: out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    return p;
+}
+
+static int s_cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Percentile q (0..1) of v[0..n), sorting v in place; microseconds in, microseconds out. */
+static double s_pct(double *v, size_t n, double q)
+{
+    if (!n)
+        return 0;
+    qsort(v, n, sizeof *v, s_cmp_double);
+    size_t i = (size_t)(q * (double)(n - 1) + 0.5);
+    return v[i < n ? i : n - 1];
+}
+
+static void s_fail(const char *what, int rc, kvtier_t *c)
+{
+    fprintf(stderr, "kvtier-bench: %s failed: %s (%s)\n", what, kvtier_strerror(rc),
+            c ? kvtier_last_error(c) : "");
+    s_nerr++;
+}
+
+/* ---- results ------------------------------------------------------------------------------ */
+
+/* One line of the table and of the JSON: `value` and `base` in `unit`, `ratio` as the case
+ * defines it (NAN: none), `target` a sentence, `judge` whether the line gets a verdict. */
+static void s_row(int ncase, const char *what, double value, double base, const char *unit,
+                  double ratio, const char *target, bool judge, bool pass)
+{
+    const char *verdict = "-";
+    if (judge && !s_opt.quick) {
+        verdict = pass ? "PASS" : "MISS";
+        if (pass)
+            s_npass++;
+        else
+            s_nmiss++;
+    }
+    char vb[32], bb[32], rb[32];
+    snprintf(vb, sizeof vb, "%.4g", value);
+    snprintf(bb, sizeof bb, base == base ? "%.4g" : "-", base);
+    snprintf(rb, sizeof rb, ratio == ratio ? "%.3g" : "-", ratio);
+    printf("%-2d %-46s %10s %10s %-7s %7s  %-24s %s\n", ncase, what, vb, bb, unit, rb,
+           target ? target : "", verdict);
+    fflush(stdout);
+    json_t *o = json_pack("{s:i, s:s, s:f, s:s, s:s, s:s}", "case", ncase, "what", what,
+                          "value", value, "unit", unit, "target", target ? target : "",
+                          "verdict", verdict);
+    if (base == base)
+        json_object_set_new(o, "baseline", json_real(base));
+    if (ratio == ratio)
+        json_object_set_new(o, "ratio", json_real(ratio));
+    json_array_append_new(json_object_get(s_json, "results"), o);
+}
+
+static double s_t0;
+
+static void s_header(const char *title)
+{
+    printf("-- %s [t=%.1f s]\n", title, s_now() - s_t0);
+}
+
+/* ---- child processes ---------------------------------------------------------------------- */
+
+static pid_t s_spawn(char *const argv[], const char *log)
+{
+    pid_t pid = fork();
+    if (pid < 0) {
+        perror("fork");
+        exit(1);
+    }
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        int nul = open("/dev/null", O_RDONLY);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        if (nul >= 0)
+            dup2(nul, 0);
+        execv(argv[0], argv);
+        fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
+        _exit(127);
+    }
+    if (s_nchildren < (int)(sizeof s_children / sizeof s_children[0]))
+        s_children[s_nchildren++] = pid;
+    return pid;
+}
+
+/* SIGTERM, then SIGKILL after 10 s. */
+static void s_stop(pid_t pid)
+{
+    if (pid <= 0)
+        return;
+    kill(pid, SIGTERM);
+    for (int i = 0; i < 1000; i++) {
+        if (waitpid(pid, NULL, WNOHANG) == pid)
+            goto gone;
+        usleep(10000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+gone:
+    for (int i = 0; i < s_nchildren; i++)
+        if (s_children[i] == pid)
+            s_children[i] = 0;
+}
+
+static void s_on_alarm(int sig)
+{
+    (void)sig;
+    static const char msg[] = "kvtier-bench: time limit reached, killing children\n";
+    if (write(2, msg, sizeof msg - 1) < 0) {
+    }
+    for (int i = 0; i < s_nchildren; i++)
+        if (s_children[i] > 0)
+            kill(s_children[i], SIGKILL);
+    _exit(3);
+}
+
+static int s_free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    int port = -1;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    if (fd >= 0)
+        close(fd);
+    return port;
+}
+
+static kvtier_t *s_connect(const daemon_t *d, const char *instance, int timeout_ms)
+{
+    char err[256] = "";
+    kvtier_t *c = kvtier_connect(d->endpoint, "kvtier-bench", instance, timeout_ms, err,
+                                 sizeof err);
+    if (!c && timeout_ms >= CALL_TIMEOUT_MS)
+        fprintf(stderr, "kvtier-bench: connect %s: %s\n", d->endpoint, err);
+    return c;
+}
+
+/* Starts kvtierd on its own dir under the run dir; waits (<= 90 s) until it answers HELLO. */
+static bool s_daemon_start(daemon_t *d, const char *name, const char *l1_size, const char *l2,
+                           const char *hwm, const char *lwm)
+{
+    snprintf(d->dir, sizeof d->dir, "%s/%s", s_opt.run_dir, name);
+    mkdir(d->dir, 0700);
+    char data[320], log[320];
+    snprintf(data, sizeof data, "%s/data", d->dir);
+    snprintf(log, sizeof log, "%s/kvtierd.log", d->dir);
+    mkdir(data, 0700);
+    snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/kvtier.sock", d->dir);
+    char *argv[32];
+    int n = 0;
+    argv[n++] = (char *)s_opt.daemon;
+    argv[n++] = "--run-dir";
+    argv[n++] = d->dir;
+    argv[n++] = "--data-dir";
+    argv[n++] = data;
+    argv[n++] = "--listen";
+    argv[n++] = d->endpoint;
+    argv[n++] = "--http";
+    argv[n++] = "";
+    argv[n++] = "--l1-size";
+    argv[n++] = (char *)l1_size;
+    argv[n++] = "--l2";
+    argv[n++] = (char *)l2;
+    argv[n++] = "--log-level";
+    argv[n++] = "warn";
+    argv[n++] = "--allow-unpinned";
+    argv[n++] = "--lease-ms";
+    argv[n++] = "120000";
+    if (hwm) {
+        argv[n++] = "--high-watermark";
+        argv[n++] = (char *)hwm;
+        argv[n++] = "--low-watermark";
+        argv[n++] = (char *)lwm;
+    }
+    argv[n] = NULL;
+    d->pid = s_spawn(argv, log);
+    double deadline = s_now() + 90;
+    while (s_now() < deadline) {
+        if (waitpid(d->pid, NULL, WNOHANG) == d->pid) {
+            fprintf(stderr, "kvtier-bench: kvtierd (%s) exited at start; see %s\n", name, log);
+            d->pid = 0;
+            s_nerr++;
+            return false;
+        }
+        kvtier_t *c = s_connect(d, "probe", 300);
+        if (c) {
+            kvtier_close(&c);
+            return true;
+        }
+        usleep(50000);
+    }
+    fprintf(stderr, "kvtier-bench: kvtierd (%s) not ready in 90 s; see %s\n", name, log);
+    s_stop(d->pid);
+    d->pid = 0;
+    s_nerr++;
+    return false;
+}
+
+static void s_daemon_stop(daemon_t *d)
+{
+    s_stop(d->pid);
+    d->pid = 0;
+}
+
+/* Daemon RSS minus its shared memory (the arena), in bytes, from /proc/PID/status. */
+static int64_t s_private_rss(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    long long rss = -1, shm = 0, v;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "VmRSS: %lld kB", &v) == 1)
+            rss = v;
+        else if (sscanf(line, "RssShmem: %lld kB", &v) == 1)
+            shm = v;
+    }
+    fclose(f);
+    return rss < 0 ? -1 : (int64_t)(rss - shm) * 1024;
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+/* Maps every page of this client's arena mapping writable now (MADV_POPULATE_WRITE: page tables
+ * only, contents unchanged), so that no case times the first-touch faults of its mapping. */
+static void s_prefault(kvtier_t *c)
+{
+    size_t size = 0;
+    void *a = kvtier_arena(c, &size);
+    if (a && size && madvise(a, size, MADV_POPULATE_WRITE) != 0)
+        fprintf(stderr, "kvtier-bench: MADV_POPULATE_WRITE: %s (first touches are timed)\n",
+                strerror(errno));
+}
+
+/* ---- common operations -------------------------------------------------------------------- */
+
+/* Stores n objects of `size` bytes (keys[i]) with RESERVE (batches of `batch`) + COMMIT,
+ * copying `src` (when not NULL) into each slot. Retries a partial reservation and no_space (the
+ * eviction catching up) within a deadline of 60 s. Returns the count stored, or -1. */
+static int64_t s_store(kvtier_t *c, const char *ns, const key16_t *keys, uint32_t n,
+                       uint64_t size, const void *src, uint32_t batch, uint64_t *retries)
+{
+    kvtier_slot_t slots[64];
+    if (batch > 64)
+        batch = 64;
+    uint32_t i = 0;
+    double deadline = s_now() + 60;
+    while (i < n) {
+        uint32_t want = n - i < batch ? n - i : batch, got = 0;
+        uint64_t lease = 0;
+        int rc = kvtier_reserve(c, ns, NULL, keys + i, want, NULL, size, slots, &got, &lease);
+        if (rc == KVTIER_ENOSPC || (rc == 0 && got == 0)) {
+            if (lease)
+                kvtier_commit(c, lease, NULL, 0, NULL);
+            if (retries)
+                (*retries)++;
+            if (s_now() > deadline) {
+                fprintf(stderr, "kvtier-bench: store: no space for 60 s\n");
+                return -1;
+            }
+            usleep(500);
+            continue;
+        }
+        if (rc) {
+            s_fail("reserve", rc, c);
+            return -1;
+        }
+        if (src)
+            for (uint32_t j = 0; j < got; j++)
+                if (slots[j].ptr)
+                    memcpy(slots[j].ptr, src, size);
+        rc = kvtier_commit(c, lease, NULL, 0, NULL);
+        if (rc) {
+            s_fail("commit", rc, c);
+            return -1;
+        }
+        if (got < want && retries)
+            (*retries)++;
+        i += got;
+    }
+    return i;
+}
+
+static void s_remove_all(kvtier_t *c, const char *ns, const key16_t *keys, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i += 64) {
+        uint32_t m = n - i < 64 ? n - i : 64;
+        kvtier_remove(c, ns, NULL, keys + i, m, NULL);
+    }
+}
+
+/* n LOOKUPs of keys[0..LOOKUP_KEYS) into lat[] (µs); returns the count that hit fully. */
+static uint32_t s_lookups(kvtier_t *c, const char *ns, const key16_t *keys, uint32_t n,
+                          double *lat, double max_s)
+{
+    uint32_t ok = 0, i;
+    double deadline = s_now() + max_s;
+    for (i = 0; i < n; i++) {
+        uint32_t hits = 0;
+        double t0 = s_now();
+        int rc = kvtier_lookup(c, ns, NULL, keys, LOOKUP_KEYS, 0, &hits, NULL, NULL, NULL);
+        lat[i] = (s_now() - t0) * 1e6;
+        if (rc) {
+            s_fail("lookup", rc, c);
+            break;
+        }
+        ok += hits == LOOKUP_KEYS;
+        if ((i & 255) == 255 && s_now() > deadline) {
+            i++;
+            break;
+        }
+    }
+    return ok == i ? i : ok;
+}
+
+/* ---- case 1: LOOKUP vs echo --------------------------------------------------------------- */
+
+static volatile int s_echo_stop;
+
+static void *s_echo_thread(void *arg)
+{
+    zsock_t *router = arg;
+    while (!s_echo_stop) {
+        zmsg_t *m = zmsg_recv(router);
+        if (!m)
+            continue;
+        zmsg_send(&m, router);
+    }
+    return NULL;
+}
+
+/* p50/p99/p999 of a DEALER->ROUTER round trip of ECHO_BYTES over ipc, czmq on both ends. */
+static bool s_echo(uint32_t n, double out[3])
+{
+    char ep[320];
+    snprintf(ep, sizeof ep, "ipc://%s/echo.sock", s_opt.run_dir);
+    zsock_t *router = zsock_new_router(ep);
+    zsock_t *dealer = zsock_new_dealer(ep);
+    if (!router || !dealer) {
+        fprintf(stderr, "kvtier-bench: echo sockets on %s failed\n", ep);
+        zsock_destroy(&router);
+        zsock_destroy(&dealer);
+        s_nerr++;
+        return false;
+    }
+    zsock_set_rcvtimeo(router, 100);
+    zsock_set_rcvtimeo(dealer, 5000);
+    s_echo_stop = 0;
+    pthread_t th;
+    pthread_create(&th, NULL, s_echo_thread, router);
+    char *buf = s_xmalloc(ECHO_BYTES);
+    memset(buf, 0xA5, ECHO_BYTES);
+    double *lat = s_xmalloc(n * sizeof *lat);
+    uint32_t i;
+    bool ok = true;
+    for (i = 0; i < n + n / 10; i++) { /* the first n/10 are warm-up */
+        double t0 = s_now();
+        zframe_t *f = zframe_new(buf, ECHO_BYTES);
+        zframe_send(&f, dealer, 0);
+        zframe_t *r = zframe_recv(dealer);
+        double dt = (s_now() - t0) * 1e6;
+        if (!r) {
+            fprintf(stderr, "kvtier-bench: echo reply timed out\n");
+            ok = false;
+            s_nerr++;
+            break;
+        }
+        zframe_destroy(&r);
+        if (i >= n / 10)
+            lat[i - n / 10] = dt;
+    }
+    s_echo_stop = 1;
+    pthread_join(th, NULL);
+    if (ok) {
+        out[0] = s_pct(lat, n, 0.50);
+        out[1] = s_pct(lat, n, 0.99);
+        out[2] = s_pct(lat, n, 0.999);
+    }
+    free(lat);
+    free(buf);
+    zsock_destroy(&dealer);
+    zsock_destroy(&router);
+    return ok;
+}
+
+static void s_case_lookup(const daemon_t *d, const key16_t *lk, double *idle_p99)
+{
+    s_header("case 1: LOOKUP of a 64-key prefix (all hits) vs DEALER->ROUTER echo");
+    uint32_t n = s_opt.quick ? 500 : 20000;
+    double echo[3];
+    if (!s_echo(n, echo))
+        return;
+    kvtier_t *c = s_connect(d, "c1", CALL_TIMEOUT_MS);
+    if (!c) {
+        s_nerr++;
+        return;
+    }
+    double *lat = s_xmalloc(n * sizeof *lat);
+    s_lookups(c, "bench", lk, n / 10, lat, 10); /* warm-up */
+    uint32_t got = s_lookups(c, "bench", lk, n, lat, 60);
+    if (got < n)
+        fprintf(stderr, "kvtier-bench: case 1: %u of %u LOOKUPs were full hits\n", got, n);
+    double p50 = s_pct(lat, got, 0.50), p99 = s_pct(lat, got, 0.99);
+    double p999 = s_pct(lat, got, 0.999);
+    *idle_p99 = p99;
+    s_row(1, "LOOKUP 64 keys p50 (base: echo p50)", p50, echo[0], "us", p50 / echo[0],
+          "<= 1.5x echo p50", true, p50 <= 1.5 * echo[0]);
+    s_row(1, "LOOKUP 64 keys p99 (base: echo p50)", p99, echo[0], "us", p99 / echo[0],
+          "<= 3x echo p50", true, p99 <= 3 * echo[0]);
+    s_row(1, "LOOKUP 64 keys p999 (base: echo p999)", p999, echo[2], "us", p999 / echo[2], "",
+          false, false);
+    s_row(1, "echo p99 (1216 B DEALER->ROUTER, ipc)", echo[1], NAN, "us", NAN, "", false, false);
+    free(lat);
+    kvtier_close(&c);
+}
+
+/* ---- case 2: shared-memory store / retrieve of 4 MiB vs memcpy ---------------------------- */
+
+static void s_case_shm(const daemon_t *d)
+{
+    s_header("case 2: 4 MiB via shared memory (RESERVE/COMMIT, ACQUIRE/RELEASE) vs memcpy");
+    uint32_t nobj = s_opt.quick ? 8 : 96, rounds = s_opt.quick ? 1 : 4;
+    kvtier_t *c = s_connect(d, "c2", CALL_TIMEOUT_MS);
+    if (!c) {
+        s_nerr++;
+        return;
+    }
+    size_t asize = 0;
+    uint8_t *arena = kvtier_arena(c, &asize);
+    if (!arena || asize < (nobj + 1) * BIG) {
+        fprintf(stderr, "kvtier-bench: case 2: arena not mapped or too small\n");
+        s_nerr++;
+        kvtier_close(&c);
+        return;
+    }
+    s_prefault(c);
+    uint8_t *src = s_xmalloc(BIG), *dst = s_xmalloc(BIG);
+    for (size_t i = 0; i < BIG; i++)
+        src[i] = (uint8_t)s_mix(i);
+    memset(dst, 0, BIG);
+    /* baseline: memcpy into / out of the same mapping, nothing stored yet (free arena space);
+     * the first pass also maps the pages in this process, as the kvtier passes need too */
+    for (uint32_t i = 0; i < nobj; i++)
+        memcpy(arena + (size_t)i * BIG, src, BIG);
+    double t0 = s_now();
+    for (uint32_t r = 0; r < rounds; r++)
+        for (uint32_t i = 0; i < nobj; i++)
+            memcpy(arena + (size_t)i * BIG, src, BIG);
+    double base_w = (double)rounds * nobj * BIG / (s_now() - t0) / 1e9;
+    t0 = s_now();
+    for (uint32_t r = 0; r < rounds; r++)
+        for (uint32_t i = 0; i < nobj; i++)
+            memcpy(dst, arena + (size_t)i * BIG, BIG);
+    double base_r = (double)rounds * nobj * BIG / (s_now() - t0) / 1e9;
+
+    key16_t *keys = s_keys(nobj, 2);
+    double store_s = 0;
+    bool ok = true;
+    for (uint32_t r = 0; r < rounds && ok; r++) {
+        s_remove_all(c, "bench2", keys, nobj);
+        t0 = s_now();
+        ok = s_store(c, "bench2", keys, nobj, BIG, src, 1, NULL) == nobj;
+        store_s += s_now() - t0;
+    }
+    double load_s = 0;
+    kvtier_slot_t slot;
+    for (uint32_t r = 0; r < rounds && ok; r++) {
+        t0 = s_now();
+        for (uint32_t i = 0; i < nobj && ok; i++) {
+            uint32_t got = 0;
+            uint64_t lease = 0;
+            int rc = kvtier_acquire(c, "bench2", NULL, keys + i, 1, &slot, &got, &lease);
+            if (rc || got != 1) {
+                s_fail("acquire", rc ? rc : KVTIER_ENOTFOUND, c);
+                ok = false;
+                break;
+            }
+            memcpy(dst, slot.ptr, BIG);
+            kvtier_release(c, lease);
+        }
+        load_s += s_now() - t0;
+    }
+    /* the same, 16 objects per RESERVE / ACQUIRE (an engine stores a prompt's chunks at once) */
+    double bstore_s = 0, bload_s = 0;
+    kvtier_slot_t bs[16];
+    for (uint32_t r = 0; r < rounds && ok; r++) {
+        s_remove_all(c, "bench2", keys, nobj);
+        t0 = s_now();
+        ok = s_store(c, "bench2", keys, nobj, BIG, src, 16, NULL) == nobj;
+        bstore_s += s_now() - t0;
+        t0 = s_now();
+        for (uint32_t i = 0; i < nobj && ok; i += 16) {
+            uint32_t want = nobj - i < 16 ? nobj - i : 16, got = 0;
+            uint64_t lease = 0;
+            int rc = kvtier_acquire(c, "bench2", NULL, keys + i, want, bs, &got, &lease);
+            if (rc || got != want) {
+                s_fail("acquire", rc ? rc : KVTIER_ENOTFOUND, c);
+                ok = false;
+                break;
+            }
+            for (uint32_t j = 0; j < got; j++)
+                memcpy(dst, bs[j].ptr, BIG);
+            kvtier_release(c, lease);
+        }
+        bload_s += s_now() - t0;
+    }
+    if (ok && memcmp(dst, src, BIG) != 0) {
+        fprintf(stderr, "kvtier-bench: case 2: retrieved bytes differ from stored ones\n");
+        s_nerr++;
+        ok = false;
+    }
+    s_remove_all(c, "bench2", keys, nobj);
+    if (ok) {
+        double w = (double)rounds * nobj * BIG / store_s / 1e9;
+        double rd = (double)rounds * nobj * BIG / load_s / 1e9;
+        s_row(2, "store RESERVE+memcpy+COMMIT 4 MiB (b: memcpy)", w, base_w, "GB/s", w / base_w,
+              ">= 0.8x memcpy", true, w >= 0.8 * base_w);
+        s_row(2, "load ACQUIRE+memcpy+RELEASE 4 MiB (b: memcpy)", rd, base_r, "GB/s",
+              rd / base_r, ">= 0.8x memcpy", true, rd >= 0.8 * base_r);
+        w = (double)rounds * nobj * BIG / bstore_s / 1e9;
+        rd = (double)rounds * nobj * BIG / bload_s / 1e9;
+        s_row(2, "  store, 16 objects per RESERVE (b: memcpy)", w, base_w, "GB/s", w / base_w, "",
+              false, false);
+        s_row(2, "  load, 16 objects per ACQUIRE (b: memcpy)", rd, base_r, "GB/s", rd / base_r,
+              "", false, false);
+    }
+    free(keys);
+    free(src);
+    free(dst);
+    kvtier_close(&c);
+}
+
+/* ---- case 3: inline PUT/GET of 4 MiB vs Redis SET/GET ------------------------------------- */
+
+static pid_t s_redis_start(int *port_out, redisContext **rc_out)
+{
+    int port = s_free_port();
+    char pbuf[16], log[320];
+    snprintf(pbuf, sizeof pbuf, "%d", port);
+    snprintf(log, sizeof log, "%s/redis.log", s_opt.run_dir);
+    char *argv[] = {(char *)s_opt.redis, "--port", pbuf, "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "no", "--dir", s_opt.run_dir, "--protected-mode", "yes",
+                    NULL};
+    pid_t pid = s_spawn(argv, log);
+    double deadline = s_now() + 10;
+    while (s_now() < deadline) {
+        struct timeval tv = {.tv_sec = 1};
+        redisContext *r = redisConnectWithTimeout("127.0.0.1", port, tv);
+        if (r && !r->err) {
+            redisReply *rep = redisCommand(r, "PING");
+            bool up = rep && rep->type == REDIS_REPLY_STATUS;
+            if (rep)
+                freeReplyObject(rep);
+            if (up) {
+                redisSetTimeout(r, (struct timeval){.tv_sec = 20});
+                *port_out = port;
+                *rc_out = r;
+                return pid;
+            }
+        }
+        if (r)
+            redisFree(r);
+        if (waitpid(pid, NULL, WNOHANG) == pid)
+            break;
+        usleep(50000);
+    }
+    fprintf(stderr, "kvtier-bench: redis-server did not start; see %s\n", log);
+    s_stop(pid);
+    return 0;
+}
+
+static void s_case_inline(const daemon_t *d)
+{
+    s_header("case 3: inline PUT/GET of 4 MiB vs redis-server SET/GET (hiredis, loopback)");
+    uint32_t n = s_opt.quick ? 8 : 64, rounds = s_opt.quick ? 1 : 3;
+    int port = 0;
+    redisContext *r = NULL;
+    pid_t rpid = s_redis_start(&port, &r);
+    if (!rpid) {
+        s_nerr++;
+        return;
+    }
+    kvtier_t *c = s_connect(d, "c3", CALL_TIMEOUT_MS);
+    if (!c) {
+        s_nerr++;
+        redisFree(r);
+        s_stop(rpid);
+        return;
+    }
+    uint8_t *val = s_xmalloc(BIG);
+    for (size_t i = 0; i < BIG; i++)
+        val[i] = (uint8_t)s_mix(i * 7);
+    key16_t *keys = s_keys(n, 3);
+    size_t m = (size_t)n * rounds;
+    double *kput = s_xmalloc(m * sizeof(double)), *kget = s_xmalloc(m * sizeof(double));
+    double *rset = s_xmalloc(m * sizeof(double)), *rget = s_xmalloc(m * sizeof(double));
+    bool ok = true;
+    size_t k = 0;
+    for (uint32_t rd = 0; rd < rounds && ok; rd++) {
+        s_remove_all(c, "bench3", keys, n);
+        redisReply *rep = redisCommand(r, "FLUSHALL");
+        if (rep)
+            freeReplyObject(rep);
+        for (uint32_t i = 0; i < n && ok; i++, k++) {
+            const void *data = val;
+            size_t len = BIG;
+            uint32_t stored = 0;
+            double t0 = s_now();
+            int rc = kvtier_put(c, "bench3", NULL, keys + i, 1, &data, &len, &stored);
+            kput[k] = (s_now() - t0) * 1e6;
+            if (rc) {
+                s_fail("put", rc, c);
+                ok = false;
+                break;
+            }
+            t0 = s_now();
+            rep = redisCommand(r, "SET %b %b", keys[i], (size_t)KVTIER_KEY_LEN, val, len);
+            rset[k] = (s_now() - t0) * 1e6;
+            if (!rep || rep->type != REDIS_REPLY_STATUS) {
+                fprintf(stderr, "kvtier-bench: redis SET failed\n");
+                ok = false;
+                s_nerr++;
+            }
+            if (rep)
+                freeReplyObject(rep);
+        }
+        for (uint32_t i = 0; i < n && ok; i++) {
+            kvtier_buf_t buf = {0};
+            uint32_t found = 0;
+            double t0 = s_now();
+            int rc = kvtier_get(c, "bench3", NULL, keys + i, 1, &buf, &found);
+            kget[k - n + i] = (s_now() - t0) * 1e6;
+            if (rc || found != 1 || buf.len != BIG) {
+                s_fail("get", rc ? rc : KVTIER_ENOTFOUND, c);
+                ok = false;
+            }
+            if (rd == 0 && i == 0 && ok && memcmp(buf.data, val, BIG) != 0) {
+                fprintf(stderr, "kvtier-bench: case 3: GET bytes differ from PUT ones\n");
+                ok = false;
+                s_nerr++;
+            }
+            free(buf.data);
+            t0 = s_now();
+            rep = redisCommand(r, "GET %b", keys[i], (size_t)KVTIER_KEY_LEN);
+            rget[k - n + i] = (s_now() - t0) * 1e6;
+            if (!rep || rep->type != REDIS_REPLY_STRING || rep->len != BIG) {
+                fprintf(stderr, "kvtier-bench: redis GET failed\n");
+                ok = false;
+                s_nerr++;
+            }
+            if (rep)
+                freeReplyObject(rep);
+        }
+    }
+    s_remove_all(c, "bench3", keys, n);
+    if (ok) {
+        double kp = s_pct(kput, m, 0.5), kg = s_pct(kget, m, 0.5);
+        double rs = s_pct(rset, m, 0.5), rg = s_pct(rget, m, 0.5);
+        s_row(3, "GET 4 MiB p50 (b: Redis GET p50), speedup", kg, rg, "us", rg / kg,
+              ">= 1.5x Redis", true, rg / kg >= 1.5);
+        s_row(3, "PUT 4 MiB p50 (b: Redis SET p50), speedup", kp, rs, "us", rs / kp, "", false,
+              false);
+        s_row(3, "GET 4 MiB p99 (b: Redis GET p99)", s_pct(kget, m, 0.99),
+              s_pct(rget, m, 0.99), "us", NAN, "", false, false);
+    }
+    free(kput);
+    free(kget);
+    free(rset);
+    free(rget);
+    free(keys);
+    free(val);
+    kvtier_close(&c);
+    redisFree(r);
+    s_stop(rpid);
+}
+
+/* ---- case 4: control requests/s with 1, 8, 32 clients ------------------------------------- */
+
+typedef struct {
+    const daemon_t *d;
+    const key16_t *keys;
+    bool lookup;
+    int idx;
+    double *lat;
+    size_t cap, n;
+    double dur;
+    pthread_barrier_t *bar;
+    int err;
+} load_t;
+
+static void *s_load_thread(void *arg)
+{
+    load_t *t = arg;
+    char inst[32];
+    snprintf(inst, sizeof inst, "c4-%d", t->idx);
+    kvtier_t *c = s_connect(t->d, inst, CALL_TIMEOUT_MS);
+    pthread_barrier_wait(t->bar);
+    if (!c) {
+        t->err = 1;
+        return NULL;
+    }
+    double end = s_now() + t->dur;
+    while (t->n < t->cap) {
+        double t0 = s_now();
+        uint32_t hits = 0;
+        int rc = t->lookup ? kvtier_lookup(c, "bench", NULL, t->keys, LOOKUP_KEYS, 0, &hits,
+                                           NULL, NULL, NULL)
+                           : kvtier_ping(c);
+        double t1 = s_now();
+        if (rc) {
+            t->err = rc;
+            break;
+        }
+        t->lat[t->n++] = (t1 - t0) * 1e6;
+        if (t1 >= end)
+            break;
+    }
+    kvtier_close(&c);
+    return NULL;
+}
+
+/* Runs nthr clients for dur seconds; returns the aggregate rate, *p99 in µs. */
+static double s_load(const daemon_t *d, const key16_t *keys, bool lookup, int nthr, double dur,
+                     double *p99)
+{
+    load_t t[MAX_THREADS];
+    pthread_t th[MAX_THREADS];
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, (unsigned)nthr + 1);
+    size_t cap = 400000;
+    for (int i = 0; i < nthr; i++) {
+        t[i] = (load_t){.d = d, .keys = keys, .lookup = lookup, .idx = i, .cap = cap,
+                        .dur = dur, .bar = &bar};
+        t[i].lat = s_xmalloc(cap * sizeof(double));
+        pthread_create(&th[i], NULL, s_load_thread, &t[i]);
+    }
+    pthread_barrier_wait(&bar);
+    double t0 = s_now();
+    for (int i = 0; i < nthr; i++)
+        pthread_join(th[i], NULL);
+    double el = s_now() - t0;
+    pthread_barrier_destroy(&bar);
+    size_t total = 0;
+    for (int i = 0; i < nthr; i++)
+        total += t[i].n;
+    double *all = s_xmalloc(total * sizeof(double));
+    size_t k = 0;
+    for (int i = 0; i < nthr; i++) {
+        if (t[i].err) {
+            fprintf(stderr, "kvtier-bench: case 4: client %d failed (%d)\n", i, t[i].err);
+            s_nerr++;
+        }
+        memcpy(all + k, t[i].lat, t[i].n * sizeof(double));
+        k += t[i].n;
+        free(t[i].lat);
+    }
+    *p99 = s_pct(all, total, 0.99);
+    free(all);
+    return (double)total / el;
+}
+
+static void s_case_rate(const daemon_t *d, const key16_t *lk)
+{
+    s_header("case 4: control requests/s, N client threads (one kvtier_t each)");
+    static const int counts[] = {1, 8, 32};
+    double dur = s_opt.quick ? 0.3 : 2.0;
+    for (int op = 0; op < 2; op++) {
+        double best = 0;
+        for (int i = 0; i < 3; i++) {
+            double p99 = 0, rate = s_load(d, lk, op == 1, counts[i], dur, &p99);
+            char what[96];
+            snprintf(what, sizeof what, "%s, %d client%s: req/s (p99 us as base)",
+                     op ? "LOOKUP 64 keys" : "PING", counts[i], counts[i] > 1 ? "s" : "");
+            s_row(4, what, rate, p99, "req/s", NAN, "", false, false);
+            if (rate > best)
+                best = rate;
+        }
+        s_row(4, op ? "LOOKUP peak aggregate" : "PING peak aggregate", best, NAN, "req/s", NAN,
+              ">= 100k req/s", true, best >= 100000);
+    }
+}
+
+/* ---- case 6: LOOKUP p99 under load -------------------------------------------------------- */
+
+typedef struct {
+    const daemon_t *d;
+    const key16_t *keys;
+    uint32_t nkeys;
+    volatile int stop;
+    uint64_t ops;
+    uint64_t bytes;
+    int err;
+} bg_t;
+
+static void *s_get_thread(void *arg)
+{
+    bg_t *b = arg;
+    kvtier_t *c = s_connect(b->d, "c6-get", CALL_TIMEOUT_MS);
+    if (!c) {
+        b->err = 1;
+        return NULL;
+    }
+    kvtier_buf_t out[16];
+    double end = s_now() + 120;
+    while (!b->stop && s_now() < end) {
+        uint32_t found = 0;
+        int rc = kvtier_get(c, "bench6", NULL, b->keys, b->nkeys, out, &found);
+        if (rc) {
+            b->err = rc;
+            break;
+        }
+        for (uint32_t i = 0; i < found; i++) {
+            b->bytes += out[i].len;
+            free(out[i].data);
+        }
+        b->ops++;
+    }
+    kvtier_close(&c);
+    return NULL;
+}
+
+/* Loops: LOOKUP with prefetch of L2-only keys, PREFETCH_STATUS until done, CLEAR of their ns. */
+static void *s_prefetch_thread(void *arg)
+{
+    bg_t *b = arg;
+    kvtier_t *c = s_connect(b->d, "c6-l2", CALL_TIMEOUT_MS);
+    if (!c) {
+        b->err = 1;
+        return NULL;
+    }
+    double end = s_now() + 120;
+    while (!b->stop && s_now() < end) {
+        uint64_t job = 0;
+        uint32_t hits = 0;
+        int rc = kvtier_lookup(c, "bench6l2", NULL, b->keys, b->nkeys, KVTIER_PREFETCH, &hits,
+                               NULL, NULL, &job);
+        if (rc) {
+            b->err = rc;
+            break;
+        }
+        int done = !job;
+        uint32_t loaded = 0;
+        double jend = s_now() + 10;
+        while (!done && !b->stop && s_now() < jend) {
+            usleep(2000);
+            if (kvtier_prefetch_status(c, job, &done, &loaded, NULL))
+                break;
+        }
+        b->bytes += loaded;
+        b->ops++;
+        kvtier_clear(c, "bench6l2", NULL);
+    }
+    kvtier_close(&c);
+    return NULL;
+}
+
+static double s_p99_with(const daemon_t *d, const key16_t *lk, uint32_t n, double max_s,
+                         void *(*fn)(void *), bg_t *bg)
+{
+    kvtier_t *c = s_connect(d, "c6", CALL_TIMEOUT_MS);
+    if (!c) {
+        s_nerr++;
+        return NAN;
+    }
+    double *lat = s_xmalloc(n * sizeof *lat);
+    pthread_t th;
+    if (fn) {
+        pthread_create(&th, NULL, fn, bg);
+        usleep(200000); /* let the background work get going */
+    }
+    uint32_t got = s_lookups(c, "bench", lk, n, lat, max_s);
+    if (fn) {
+        bg->stop = 1;
+        pthread_join(th, NULL);
+        if (bg->err) {
+            fprintf(stderr, "kvtier-bench: case 6: background client failed (%d)\n", bg->err);
+            s_nerr++;
+        }
+    }
+    double p99 = s_pct(lat, got, 0.99);
+    free(lat);
+    kvtier_close(&c);
+    return p99;
+}
+
+static void s_case_busy_get(const daemon_t *d, const key16_t *lk)
+{
+    s_header("case 6a: LOOKUP p99 while 16 x 4 MiB GETs run in another thread");
+    uint32_t n = s_opt.quick ? 2000 : 30000;
+    double max_s = s_opt.quick ? 0.5 : 3.0;
+    kvtier_t *c = s_connect(d, "c6-fill", CALL_TIMEOUT_MS);
+    if (!c) {
+        s_nerr++;
+        return;
+    }
+    key16_t *keys = s_keys(16, 6);
+    uint8_t *src = s_xmalloc(BIG);
+    memset(src, 0x5A, BIG);
+    if (s_store(c, "bench6", keys, 16, BIG, src, 16, NULL) != 16) {
+        kvtier_close(&c);
+        free(keys);
+        free(src);
+        s_nerr++;
+        return;
+    }
+    double idle = s_p99_with(d, lk, n, max_s, NULL, NULL);
+    bg_t bg = {.d = d, .keys = (const key16_t *)keys, .nkeys = 16};
+    double t0 = s_now();
+    double busy = s_p99_with(d, lk, n, max_s, s_get_thread, &bg);
+    double el = s_now() - t0;
+    s_row(6, "LOOKUP p99 during 16x4 MiB GETs (b: idle p99)", busy, idle, "us", busy / idle,
+          "<= 1.2x idle p99", true, busy <= 1.2 * idle);
+    s_row(6, "  background GET throughput", (double)bg.bytes / el / 1e9, NAN, "GB/s", NAN, "",
+          false, false);
+    s_remove_all(c, "bench6", keys, 16);
+    kvtier_close(&c);
+    free(keys);
+    free(src);
+}
+
+static void s_case_busy_l2(const key16_t *lk)
+{
+    s_header("case 6b: LOOKUP p99 while a slow L2 (mock:latency_ms=20) loads prefetches");
+    daemon_t d = {0};
+    if (!s_daemon_start(&d, "d6", s_opt.quick ? "64M" : "256M", "mock:latency_ms=20", NULL,
+                        NULL))
+        return;
+    uint32_t n = s_opt.quick ? 4000 : 30000, nl2 = 16;
+    double max_s = s_opt.quick ? 0.8 : 3.0;
+    kvtier_t *c = s_connect(&d, "c6-fill", CALL_TIMEOUT_MS);
+    key16_t *keys = s_keys(nl2, 61);
+    uint8_t *src = s_xmalloc(256 * 1024);
+    memset(src, 0x3C, 256 * 1024);
+    /* the l2 keys first: their write-behind (20 ms each, one adapter thread) must be done
+     * before CLEAR, which drops what is still queued; then CLEAR leaves them in L2 only */
+    bool ok = c && s_store(c, "bench6l2", keys, nl2, 256 * 1024, src, 16, NULL) == nl2;
+    uint32_t hits = 0;
+    if (ok) {
+        usleep(nl2 * 20000 * 2 + 300000);
+        kvtier_clear(c, "bench6l2", NULL);
+        kvtier_lookup(c, "bench6l2", NULL, keys, nl2, 0, &hits, NULL, NULL, NULL);
+        ok = s_store(c, "bench", lk, LOOKUP_KEYS, 4096, NULL, 64, NULL) == LOOKUP_KEYS;
+    }
+    if (ok && hits == 0) {
+        fprintf(stderr, "kvtier-bench: case 6b: no key reached the mock L2\n");
+        s_nerr++;
+        ok = false;
+    }
+    if (ok) {
+        double idle = s_p99_with(&d, lk, n, max_s, NULL, NULL);
+        bg_t bg = {.d = &d, .keys = (const key16_t *)keys, .nkeys = hits};
+        double busy = s_p99_with(&d, lk, n, max_s, s_prefetch_thread, &bg);
+        s_row(6, "LOOKUP p99 during slow-L2 prefetch (b: idle)", busy, idle, "us", busy / idle,
+              "<= 1.2x idle p99", true, busy <= 1.2 * idle);
+        s_row(6, "  prefetch jobs of 16 L2 keys run meanwhile", (double)bg.ops, NAN, "jobs", NAN,
+              "", false, false);
+    }
+    kvtier_close(&c);
+    free(keys);
+    free(src);
+    s_daemon_stop(&d);
+}
+
+/* ---- case 5: store with continuous eviction ----------------------------------------------- */
+
+static void s_case_evict(void)
+{
+    s_header("case 5: store throughput with continuous eviction vs below the watermark");
+    uint64_t l1 = (s_opt.quick ? 64 : 256) * MiB, obj = MiB;
+    char size[32];
+    snprintf(size, sizeof size, "%lluM", (unsigned long long)(l1 / MiB));
+    daemon_t d = {0};
+    if (!s_daemon_start(&d, "d5", size, "none", NULL, NULL))
+        return;
+    kvtier_t *c = s_connect(&d, "c5", CALL_TIMEOUT_MS);
+    if (!c) {
+        s_nerr++;
+        s_daemon_stop(&d);
+        return;
+    }
+    s_prefault(c);
+    uint32_t per = (uint32_t)(l1 / obj), below = per * 3 / 4, total = per * 4;
+    key16_t *keys = s_keys(total, 5);
+    uint8_t *src = s_xmalloc(obj);
+    memset(src, 0x77, obj);
+    uint64_t retries = 0;
+    double t0 = s_now();
+    bool ok = s_store(c, "bench5", keys, below, obj, src, 8, &retries) == below;
+    double ta = s_now() - t0;
+    ok = ok && s_store(c, "bench5", keys + below, per - below, obj, src, 8, &retries) ==
+                   per - below;
+    uint64_t retries_a = retries;
+    t0 = s_now();
+    ok = ok && s_store(c, "bench5", keys + per, total - per, obj, src, 8, &retries) ==
+                   total - per;
+    double tb = s_now() - t0;
+    if (ok) {
+        double ra = (double)below * obj / ta / 1e9, rb = (double)(total - per) * obj / tb / 1e9;
+        s_row(5, "store 1 MiB, evicting (b: below watermark)", rb, ra, "GB/s", rb / ra,
+              ">= 0.95x below", true, rb >= 0.95 * ra);
+        s_row(5, "  RESERVE retries (partial / no_space) evicting", (double)(retries - retries_a),
+              NAN, "count", NAN, "", false, false);
+    }
+    free(keys);
+    free(src);
+    kvtier_close(&c);
+    s_daemon_stop(&d);
+}
+
+/* ---- case 7: object-count scale ----------------------------------------------------------- */
+
+static void s_case_scale(void)
+{
+    s_header("case 7: LOOKUP cost and daemon metadata per object at 10k / 100k / 1M objects");
+    static const uint32_t full[] = {10000, 100000, 1000000}, quick[] = {10000, 20000};
+    const uint32_t *stages = s_opt.quick ? quick : full;
+    int nst = s_opt.quick ? 2 : 3;
+    daemon_t d = {0};
+    if (!s_daemon_start(&d, "d7", s_opt.quick ? "96M" : "4224M", "none", "0.99", "0.98"))
+        return;
+    kvtier_t *c = s_connect(&d, "c7", CALL_TIMEOUT_MS);
+    if (!c) {
+        s_nerr++;
+        s_daemon_stop(&d);
+        return;
+    }
+    uint32_t n = s_opt.quick ? 300 : 5000, maxobj = stages[nst - 1];
+    key16_t *keys = s_keys(maxobj, 7);
+    double *lat = s_xmalloc(n * sizeof *lat);
+    /* the first LOOKUP creates nothing; a first store of one batch brings in the namespace */
+    int64_t rss0 = s_private_rss(d.pid);
+    uint32_t have = 0;
+    double p50_first = 0;
+    for (int s = 0; s < nst; s++) {
+        if (s_store(c, "bench7", keys + have, stages[s] - have, 4096, NULL, 64, NULL) !=
+            stages[s] - have)
+            break;
+        have = stages[s];
+        int64_t rss = s_private_rss(d.pid);
+        /* LOOKUPs of 64-key prefixes starting at spread positions, every key a hit */
+        uint32_t done = 0;
+        double deadline = s_now() + 30;
+        for (uint32_t i = 0; i < n && s_now() < deadline; i++, done++) {
+            uint32_t start = (uint32_t)(s_mix(i) % (have - LOOKUP_KEYS)), hits = 0;
+            double t0 = s_now();
+            int rc = kvtier_lookup(c, "bench7", NULL, keys + start, LOOKUP_KEYS, 0, &hits, NULL,
+                                   NULL, NULL);
+            lat[i] = (s_now() - t0) * 1e6;
+            if (rc || hits != LOOKUP_KEYS) {
+                s_fail("lookup (scale)", rc ? rc : KVTIER_ENOTFOUND, c);
+                break;
+            }
+        }
+        double p50 = s_pct(lat, done, 0.5);
+        if (s == 0)
+            p50_first = p50;
+        char what[96];
+        snprintf(what, sizeof what, "LOOKUP 64 keys p50, %u objects (b: at %u)", have,
+                 stages[0]);
+        s_row(7, what, p50, p50_first, "us", p50 / p50_first, s ? "<= 1.5x (flat)" : "",
+              s > 0, p50 <= 1.5 * p50_first);
+        double per = rss0 >= 0 && rss >= 0 ? (double)(rss - rss0) / have : NAN;
+        snprintf(what, sizeof what, "daemon RSS - shmem per object, %u objects", have);
+        s_row(7, what, per, NAN, "B", NAN, s == nst - 1 ? "< 256 B" : "", s == nst - 1,
+              per < 256);
+    }
+    free(lat);
+    free(keys);
+    kvtier_close(&c);
+    s_daemon_stop(&d);
+}
+
+/* ---- main --------------------------------------------------------------------------------- */
+
+static void s_usage(void)
+{
+    fprintf(stderr, "usage: kvtier-bench [--quick] [--json FILE] [--daemon PATH] [--redis PATH]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv)
+{
+    s_opt.daemon = "build/kvtierd";
+    s_opt.redis = "/usr/bin/redis-server";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick"))
+            s_opt.quick = true;
+        else if (!strcmp(argv[i], "--json") && i + 1 < argc)
+            s_opt.json_path = argv[++i];
+        else if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
+            s_opt.daemon = argv[++i];
+        else if (!strcmp(argv[i], "--redis") && i + 1 < argc)
+            s_opt.redis = argv[++i];
+        else
+            s_usage();
+    }
+    if (access(s_opt.daemon, X_OK) != 0) {
+        fprintf(stderr, "kvtier-bench: %s is not executable (make build/kvtierd)\n",
+                s_opt.daemon);
+        return 2;
+    }
+    const char *tmp = getenv("TMPDIR");
+    snprintf(s_opt.run_dir, sizeof s_opt.run_dir, "%s/kvtier-bench-XXXXXX",
+             tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(s_opt.run_dir)) {
+        perror("mkdtemp");
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    signal(SIGALRM, s_on_alarm);
+    alarm(s_opt.quick ? 60 : 420);
+    zsys_init();
+    zsys_handler_set(NULL);
+    s_json = json_pack("{s:s, s:b, s:i, s:[]}", "benchmark", "kvtier-bench", "quick",
+                       s_opt.quick, "cpus", (int)sysconf(_SC_NPROCESSORS_ONLN), "results");
+    double t_start = s_now();
+    s_t0 = t_start;
+    printf("kvtier-bench%s: %ld CPUs, run dir %s\n", s_opt.quick ? " --quick (no verdicts)" : "",
+           sysconf(_SC_NPROCESSORS_ONLN), s_opt.run_dir);
+    printf("%-2s %-46s %10s %10s %-7s %7s  %-24s %s\n", "#", "measurement", "value", "baseline",
+           "unit", "ratio", "target", "verdict");
+
+    /* daemon A: cases 1-4 and 6a, L2 none, arena for 96 x 4 MiB + 16 x 4 MiB */
+    daemon_t a = {0};
+    if (s_daemon_start(&a, "dA", s_opt.quick ? "160M" : "1G", "none", NULL, NULL)) {
+        kvtier_t *c = s_connect(&a, "fill", CALL_TIMEOUT_MS);
+        key16_t *lk = s_keys(LOOKUP_KEYS, 1);
+        if (c && s_store(c, "bench", lk, LOOKUP_KEYS, 4096, NULL, 64, NULL) == LOOKUP_KEYS) {
+            double idle_p99 = 0;
+            s_case_lookup(&a, lk, &idle_p99);
+            s_case_shm(&a);
+            s_case_inline(&a);
+            s_case_rate(&a, lk);
+            s_case_busy_get(&a, lk);
+        } else {
+            s_nerr++;
+        }
+        kvtier_close(&c);
+        s_daemon_stop(&a);
+        s_case_busy_l2(lk);
+        free(lk);
+    }
+    s_case_evict();
+    s_case_scale();
+
+    double total = s_now() - t_start;
+    printf("%d PASS, %d MISS, %d errors; %.1f s\n", s_npass, s_nmiss, s_nerr, total);
+    json_object_set_new(s_json, "pass", json_integer(s_npass));
+    json_object_set_new(s_json, "miss", json_integer(s_nmiss));
+    json_object_set_new(s_json, "errors", json_integer(s_nerr));
+    json_object_set_new(s_json, "seconds", json_real(total));
+    if (s_opt.json_path && json_dump_file(s_json, s_opt.json_path, JSON_INDENT(2)) != 0) {
+        fprintf(stderr, "kvtier-bench: cannot write %s\n", s_opt.json_path);
+        s_nerr++;
+    }
+    json_decref(s_json);
+    if (!s_nerr) { /* keep the logs of a failed run */
+        char cmd[400];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", s_opt.run_dir);
+        if (system(cmd) != 0) {
+        }
+    } else {
+        fprintf(stderr, "kvtier-bench: logs kept in %s\n", s_opt.run_dir);
+    }
+    return s_nerr ? 1 : 0;
+}

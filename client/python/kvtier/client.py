@@ -1,0 +1,495 @@
+"""Client: one DEALER connection to kvtierd speaking wire protocol v1 (docs/protocol.md).
+
+Thread-safety: a Client is NOT thread-safe (neither is its ZeroMQ socket). Use one Client per
+thread; several Clients may share one process, one instance name, and one zmq Context.
+
+Every request gets a fresh uid; replies are matched by uid, and a reply nobody waits for any
+more (its call timed out) is discarded when it turns up. A call waits at most `timeout_ms` for
+its reply and then raises kvtier.Timeout.
+
+The payload path: HELLO names the daemon's shared-memory arena, which the Client maps
+(MAP_SHARED, read-write). RESERVE hands out writable memoryviews into it, ACQUIRE read-only
+ones — zero-copy; the bytes never cross the socket. A view is valid while its lease is:
+COMMIT / RELEASE (and close()) release the views, after which touching them raises
+ValueError instead of reading memory the daemon may have reused. When the arena file cannot be
+opened (a client on another machine, over tcp) `.arena` is None, RESERVE / ACQUIRE raise
+Unavailable, and PUT / GET carry the bytes inline instead.
+
+Leases are renewed by any request of the instance; a client that holds leases for longer than
+`lease_ms` between requests must call ping().
+"""
+
+import collections
+import contextlib
+import itertools
+import mmap
+import os
+import time
+
+import msgpack
+import zmq
+
+from . import hashing
+from .errors import KvtierError, ProtocolError, Timeout, Unavailable, error_for, \
+    LeaseExpired, UnknownLease
+
+__all__ = [
+    "Client", "Lookup", "PrefetchStatus", "Reservation", "Acquired", "PROTO_VERSION",
+    "HELLO", "BYE", "PING", "LOOKUP", "PREFETCH_STATUS", "RESERVE", "COMMIT", "ACQUIRE",
+    "RELEASE", "PUT", "GET", "REMOVE", "CLEAR", "STATS", "HASH_TOKENS",
+]
+
+PROTO_VERSION = 1
+
+HELLO = 1
+BYE = 2
+PING = 3
+LOOKUP = 4
+PREFETCH_STATUS = 5
+RESERVE = 6
+COMMIT = 7
+ACQUIRE = 8
+RELEASE = 9
+PUT = 10
+GET = 11
+REMOVE = 12
+CLEAR = 13
+STATS = 14
+HASH_TOKENS = 15
+
+# hits: leading keys present in any tier; l1: leading keys in L1; lease: read lease pinning the
+# hits (LOOKUP lock=True and hits > 0), else 0; job: prefetch job id (prefetch=True), else None.
+Lookup = collections.namedtuple("Lookup", "hits l1 lease job")
+PrefetchStatus = collections.namedtuple("PrefetchStatus", "done loaded hits")
+# slots: one writable memoryview per reserved key (None: already stored, do not write), maybe
+# fewer than keys (the longest prefix that fits); lease: the write lease (0 when all None).
+Reservation = collections.namedtuple("Reservation", "slots lease")
+# views: read-only memoryviews of the leading keys found in L1; lease: 0 when none found.
+Acquired = collections.namedtuple("Acquired", "views lease")
+
+_instance_seq = itertools.count(1)
+
+
+def _pack(obj):
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(buf):
+    return msgpack.unpackb(buf, raw=False, strict_map_key=False)
+
+
+def _keys(keys):
+    """Keys as the wire wants them: a list of bytes (bin). Checking them (16 bytes each) is
+    the daemon's job: a bad key comes back as BadRequest."""
+    return [bytes(k) if isinstance(k, (bytearray, memoryview)) else k for k in keys]
+
+
+class Client:
+    """A connection to kvtierd: DEALER connect + HELLO.
+
+    endpoint   "ipc:///run/kvtier/kvtier.sock" or "tcp://127.0.0.1:5555"
+    client     a name for the daemon's logs and metrics
+    instance   stable per client process; leases belong to it (default "{client}-{pid}-{n}")
+    timeout_ms how long any call waits for its reply
+    context    a zmq.Context (default: the process-wide zmq.Context.instance())
+    map_arena  False: never map the arena (behave as a remote client)
+
+    Attributes: info (the HELLO reply body), instance, arena (mmap or None), chunk_tokens,
+    lease_ms, max_message.
+    """
+
+    def __init__(self, endpoint, client="python", instance=None, timeout_ms=5000,
+                 context=None, map_arena=True):
+        self.endpoint = endpoint
+        self.client = client
+        self.instance = instance or "%s-%d-%d" % (client, os.getpid(), next(_instance_seq))
+        self.timeout_ms = int(timeout_ms)
+        self.info = None
+        self.arena = None
+        self._arena_view = None
+        self._uids = itertools.count(1)
+        self._waiting = {}          # uid -> reply frames (or None while still outstanding)
+        self._views = {}            # lease -> memoryviews handed out under it
+        self._closed = False
+        ctx = context or zmq.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+        try:
+            self._sock.connect(endpoint)
+            self.hello()
+            if map_arena:
+                self._map_arena(self.info.get("shm"))
+        except BaseException:
+            self._sock.close(linger=0)
+            self._closed = True
+            raise
+
+    # -- session ------------------------------------------------------------------------
+
+    def hello(self):
+        """Says HELLO (again): binds this connection to `instance`. The constructor does it;
+        call it again after the daemon dropped a silent instance (lease_expired)."""
+        self.info = self.call(HELLO, {"version": PROTO_VERSION, "client": self.client,
+                                      "instance": self.instance})[0]
+        return self.info
+
+    @property
+    def chunk_tokens(self):
+        return self.info["chunk_tokens"]
+
+    @property
+    def lease_ms(self):
+        return self.info["lease_ms"]
+
+    @property
+    def max_message(self):
+        return self.info["max_message"]
+
+    def _map_arena(self, shm):
+        if not isinstance(shm, dict) or not shm.get("path") or not shm.get("size"):
+            return
+        try:
+            with open(shm["path"], "r+b") as f:      # mmap keeps its own dup of the fd
+                if os.fstat(f.fileno()).st_size < shm["size"]:
+                    return                             # not the daemon's arena (another host)
+                self.arena = mmap.mmap(f.fileno(), shm["size"])
+        except OSError:
+            self.arena = None
+            return
+        self._arena_view = memoryview(self.arena)
+
+    def bye(self):
+        """Says BYE: the daemon releases every lease of this instance at once. Returns how
+        many it released. Views handed out are released too."""
+        released = self.call(BYE, {"instance": self.instance})[0].get("released", 0)
+        for lease in list(self._views):
+            self._drop_views(lease)
+        return released
+
+    def close(self):
+        """BYE (best effort), release every view, unmap the arena, close the socket.
+        Idempotent. If the caller still holds views derived from the arena (slices of a
+        released view, numpy arrays), the mapping stays until those are gone."""
+        if self._closed:
+            return
+        try:
+            timeout, self.timeout_ms = self.timeout_ms, min(self.timeout_ms, 1000)
+            self.bye()
+        except (KvtierError, zmq.ZMQError):
+            pass
+        finally:
+            self.timeout_ms = timeout
+            for lease in list(self._views):
+                self._drop_views(lease)
+            if self._arena_view is not None:
+                with contextlib.suppress(BufferError):
+                    self._arena_view.release()
+                self._arena_view = None
+            if self.arena is not None:
+                try:
+                    self.arena.close()
+                except BufferError:             # caller still holds exports of the mapping
+                    pass
+                self.arena = None
+            self._sock.close(linger=0)
+            self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return "<kvtier.Client %s instance=%s%s>" % (
+            self.endpoint, self.instance, " closed" if self._closed else
+            (" arena=%d" % len(self.arena) if self.arena is not None else " remote"))
+
+    # -- raw requests ---------------------------------------------------------------------
+
+    def send(self, type_, body=None, data=()):
+        """Sends one request [uid, type, body, *data] without waiting; returns its uid for
+        recv(). body is a dict (packed with bin types) or None for {}; data are bytes-like
+        (sent zero-copy: do not modify them until the reply arrived)."""
+        if self._closed:
+            raise ValueError("kvtier.Client is closed")
+        uid = next(self._uids)
+        frames = [_pack(uid), _pack(type_), _pack({} if body is None else body)]
+        frames.extend(data)
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise Timeout("request type %d not sent within %d ms (is the daemon up?)"
+                          % (type_, self.timeout_ms), type_) from None
+        self._waiting[uid] = None
+        return uid
+
+    def recv(self, uid, timeout_ms=None, check=True, copy=True):
+        """Waits for the reply to request `uid` (from send()). Returns (body, data): body the
+        decoded reply map, data its raw data frames (bytes, or zero-copy memoryviews with
+        copy=False). Raises the KvtierError of a failed reply (unless check=False), Timeout
+        after timeout_ms (default: the client's). Replies to other outstanding requests are
+        kept for their own recv(); replies nobody waits for are discarded."""
+        if uid not in self._waiting:
+            raise ValueError("no outstanding request with uid %r" % (uid,))
+        timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
+        deadline = _now_ms() + timeout_ms
+        frames = self._waiting[uid]
+        while frames is None:
+            left = deadline - _now_ms()
+            if left <= 0 or not self._sock.poll(max(0, int(left)), zmq.POLLIN):
+                del self._waiting[uid]       # its reply, if it ever comes, is stale
+                raise Timeout("no reply to request %d within %d ms" % (uid, timeout_ms))
+            got = self._sock.recv_multipart(copy=False)
+            try:
+                ruid = _unpack(got[0].bytes)
+            except Exception:                # noqa: BLE001 - garbage cannot be matched
+                continue
+            if ruid == uid:
+                frames = got
+            elif self._waiting.get(ruid, 0) is None:
+                self._waiting[ruid] = got
+            # else: stale (its call timed out) - dropped
+        del self._waiting[uid]
+        return self._decode(frames, check, copy)
+
+    def call(self, type_, body=None, data=(), check=True, copy=True, timeout_ms=None):
+        """send() + recv(): one request, its (body, data)."""
+        return self.recv(self.send(type_, body, data), timeout_ms=timeout_ms, check=check,
+                         copy=copy)
+
+    @staticmethod
+    def _decode(frames, check, copy):
+        if len(frames) < 3:
+            raise ProtocolError("reply of %d frames (need uid, type, body)" % len(frames))
+        try:
+            rtype = _unpack(frames[1].bytes)
+            body = _unpack(frames[2].bytes)
+        except Exception as e:               # noqa: BLE001
+            raise ProtocolError("reply does not decode: %s" % e) from None
+        if not isinstance(body, dict) or not isinstance(body.get("ok"), bool):
+            raise ProtocolError("reply body is not a map with 'ok': %r" % (body,))
+        if check and not body["ok"]:
+            err = body.get("error") or {}
+            raise error_for(err.get("code", "internal"), err.get("message", ""), rtype)
+        data = [f.bytes if copy else f.buffer for f in frames[3:]]
+        return body, data
+
+    # -- helpers ------------------------------------------------------------------------
+
+    @staticmethod
+    def _keyed(ns, keys, salt):
+        body = {"ns": ns, "keys": _keys(keys)}
+        if salt:
+            body["salt"] = salt
+        return body
+
+    def _need_arena(self, what):
+        if self.arena is None:
+            raise Unavailable("%s needs the shared-memory arena, which this client could not "
+                              "map (remote client?); use put()/get()" % what)
+
+    def _view(self, slot, writable):
+        try:
+            off, length = int(slot["offset"]), int(slot["length"])
+        except (TypeError, KeyError, ValueError):
+            raise ProtocolError("bad slot %r" % (slot,)) from None
+        if off < 0 or length < 0 or off + length > len(self.arena):
+            raise ProtocolError("slot [%d, +%d) outside the arena of %d bytes"
+                                % (off, length, len(self.arena)))
+        v = self._arena_view[off:off + length]
+        if writable:
+            return v
+        ro = v.toreadonly()
+        v.release()
+        return ro
+
+    def _views_for(self, body, writable):
+        slots = body.get("slots")
+        lease = body.get("lease", 0) or 0
+        if not isinstance(slots, list):
+            raise ProtocolError("reply without slots: %r" % (body,))
+        try:
+            views = [None if s is None else self._view(s, writable) for s in slots]
+        except ProtocolError:
+            if lease:
+                with contextlib.suppress(KvtierError):
+                    self.call(RELEASE, {"lease": lease})
+            raise
+        if lease:
+            self._views.setdefault(lease, []).extend(v for v in views if v is not None)
+        return views, lease
+
+    def _drop_views(self, lease):
+        for v in self._views.pop(lease, ()):
+            with contextlib.suppress(BufferError):
+                v.release()
+
+    # -- the requests -----------------------------------------------------------------------
+
+    def ping(self):
+        """PING: a round trip; also renews this instance's leases."""
+        self.call(PING, {})
+
+    def stats(self):
+        """STATS -> dict of the daemon's counters and gauges (docs/protocol.md)."""
+        body = self.call(STATS, {})[0]
+        body.pop("ok", None)
+        return body
+
+    def lookup(self, ns, keys, salt=None, lock=False, prefetch=False):
+        """LOOKUP -> Lookup(hits, l1, lease, job). lock=True pins the hits under `lease`
+        (release it with release()); prefetch=True starts an L2 -> L1 load (`job`)."""
+        body = self._keyed(ns, keys, salt)
+        if lock:
+            body["lock"] = True
+        if prefetch:
+            body["prefetch"] = True
+        r = self.call(LOOKUP, body)[0]
+        return Lookup(r.get("hits", 0), r.get("l1", 0), r.get("lease", 0) or 0, r.get("job"))
+
+    def prefetch_status(self, job):
+        """PREFETCH_STATUS -> PrefetchStatus(done, loaded, hits); NotFound for an unknown job."""
+        r = self.call(PREFETCH_STATUS, {"job": job})[0]
+        return PrefetchStatus(r.get("done"), r.get("loaded"), r.get("hits"))
+
+    def reserve(self, ns, keys, sizes, salt=None):
+        """RESERVE -> Reservation(slots, lease). `sizes` is one int for every key or one per
+        key. Each slot is a writable memoryview of exactly the size asked for, or None (already
+        stored: do not write); there may be fewer slots than keys (the longest prefix that
+        fits). Write the bytes, then commit(lease). NoSpace when not even the first fits."""
+        self._need_arena("RESERVE")
+        body = self._keyed(ns, keys, salt)
+        if isinstance(sizes, int):
+            body["size"] = sizes
+        else:
+            body["sizes"] = list(sizes)
+        views, lease = self._views_for(self.call(RESERVE, body)[0], True)
+        return Reservation(views, lease)
+
+    def commit(self, lease, failed=()):
+        """COMMIT -> stored (objects that became readable). `failed`: indices (into the
+        RESERVE's keys) whose bytes could not be written; they are discarded. The write views
+        of the lease are released."""
+        body = {"lease": lease}
+        if failed:
+            body["failed"] = list(failed)
+        try:
+            r = self.call(COMMIT, body)[0]
+        except (LeaseExpired, UnknownLease):
+            self._drop_views(lease)
+            raise
+        self._drop_views(lease)
+        return r.get("stored", 0)
+
+    def acquire(self, ns, keys, salt=None):
+        """ACQUIRE -> Acquired(views, lease): read-only memoryviews into the arena (zero-copy)
+        for the leading keys found in L1, pinned until release(lease). lease is 0 when none
+        was found."""
+        self._need_arena("ACQUIRE")
+        views, lease = self._views_for(self.call(ACQUIRE, self._keyed(ns, keys, salt))[0],
+                                       False)
+        return Acquired(views, lease)
+
+    def release(self, lease):
+        """RELEASE: ends a read lease (ACQUIRE, LOOKUP lock) or abandons a write lease
+        (RESERVE). Releases its views. A lease of 0 (nothing was pinned) is a no-op."""
+        if not lease:
+            return
+        try:
+            self.call(RELEASE, {"lease": lease})
+        except (LeaseExpired, UnknownLease):
+            self._drop_views(lease)
+            raise
+        self._drop_views(lease)
+
+    @contextlib.contextmanager
+    def acquired(self, ns, keys, salt=None):
+        """with client.acquired(ns, keys) as views: ... — ACQUIRE, then RELEASE on exit."""
+        views, lease = self.acquire(ns, keys, salt)
+        try:
+            yield views
+        except BaseException:
+            with contextlib.suppress(KvtierError):
+                self.release(lease)
+            raise
+        self.release(lease)
+
+    @contextlib.contextmanager
+    def reserved(self, ns, keys, sizes, salt=None):
+        """with client.reserved(ns, keys, sizes) as slots: write into the non-None slots.
+        COMMIT on a normal exit; on an exception the reservation is abandoned (RELEASE)."""
+        slots, lease = self.reserve(ns, keys, sizes, salt)
+        try:
+            yield slots
+        except BaseException:
+            with contextlib.suppress(KvtierError):
+                self.release(lease)
+            raise
+        if lease:
+            self.commit(lease)
+
+    def store(self, ns, keys, datas, salt=None):
+        """RESERVE + copy into the arena + COMMIT: stores the objects that are not stored yet
+        (up to what fits). Returns how many became readable."""
+        datas = list(datas)
+        slots, lease = self.reserve(ns, keys, [len(d) for d in datas], salt)
+        if not lease:
+            return 0
+        for slot, d in zip(slots, datas):
+            if slot is not None:
+                slot[:] = d
+        return self.commit(lease)
+
+    def fetch(self, ns, keys, salt=None):
+        """ACQUIRE + copy out + RELEASE -> list of bytes of the leading keys found in L1."""
+        with self.acquired(ns, keys, salt) as views:
+            return [bytes(v) for v in views]
+
+    def put(self, ns, keys, datas, salt=None):
+        """PUT: the bytes ride the socket (one raw frame per key) — for clients without the
+        arena, or small objects. Returns `stored` (new objects only)."""
+        return self.call(PUT, self._keyed(ns, keys, salt), list(datas))[0].get("stored", 0)
+
+    def get(self, ns, keys, salt=None, copy=True):
+        """GET -> the bytes of the leading keys found, in key order (a list of bytes; of
+        zero-copy memoryviews with copy=False). The daemon may stop early to keep the reply
+        under max_message: ask again for the rest when the list is short."""
+        body, data = self.call(GET, self._keyed(ns, keys, salt), copy=copy)
+        found = body.get("found", len(data))
+        if found != len(data):
+            raise ProtocolError("GET reply says found %r but carries %d data frames"
+                                % (found, len(data)))
+        return data
+
+    def remove(self, ns, keys, salt=None):
+        """REMOVE -> removed."""
+        return self.call(REMOVE, self._keyed(ns, keys, salt))[0].get("removed", 0)
+
+    def clear(self, ns=None):
+        """CLEAR (one namespace, or everything when ns is None) -> removed."""
+        return self.call(CLEAR, {} if ns is None else {"ns": ns})[0].get("removed", 0)
+
+    def hash_tokens(self, tokens, chunk_tokens=None, salt=None):
+        """HASH_TOKENS, computed by the daemon -> list of 16-byte keys of the full chunks.
+        chunk_tokens defaults to the daemon's (HELLO's chunk_tokens)."""
+        body = {"tokens": hashing.token_bytes(tokens, check=False)}
+        if chunk_tokens is not None:
+            body["chunk_tokens"] = chunk_tokens
+        if salt:
+            body["salt"] = salt
+        return self.call(HASH_TOKENS, body)[0].get("keys", [])
+
+    def chunk_keys(self, tokens, chunk_tokens=None, salt=None):
+        """The chunk keys of `tokens`: computed locally when xxhash is installed, else asked
+        of the daemon. chunk_tokens defaults to the daemon's."""
+        if chunk_tokens is None:
+            chunk_tokens = self.chunk_tokens
+        if hashing.have_xxhash():
+            return hashing.hash_tokens(tokens, chunk_tokens, salt)
+        return self.hash_tokens(tokens, chunk_tokens, salt)
+
+
+def _now_ms():
+    return time.monotonic() * 1000.0

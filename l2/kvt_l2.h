@@ -1,0 +1,67 @@
+/* kvt_l2: the L2 adapter interface — what every second-tier store implements (fs, redis,
+ * mock, and plugins loaded with dlopen).
+ *
+ * An adapter is a table of synchronous operations on opaque object names. The daemon never
+ * calls them from the server loop: each configured adapter gets its own threads and queues in
+ * kvt_l2mgr, which turns these calls into asynchronous submissions with deadlines and
+ * completion callbacks. That split keeps adapters (and third-party plugins) simple — plain
+ * blocking code — while the daemon keeps the promise that a slow backend never blocks a request.
+ * An adapter's state may be used by several of its threads at once: an adapter that cannot
+ * allow that sets `max_threads` to 1.
+ *
+ * Names are 65 printable ASCII bytes + NUL: 32 hex digits of the namespace hash, '-', 32 hex
+ * digits of the key (kvt_l2_name). Adapters treat them as opaque. */
+#ifndef KVT_L2_H
+#define KVT_L2_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVT_L2_NAME_LEN 66 /* 65 characters + NUL */
+#define KVT_L2_ABI 1
+
+typedef struct kvt_l2_ops {
+    uint32_t abi;         /* KVT_L2_ABI */
+    const char *kind;     /* "fs", "redis", "mock", or the plugin's own */
+    uint32_t max_threads; /* threads that may call into one state at once (>= 1) */
+
+    /* Opens an adapter from the part of the spec after "kind:" ("DIR,capacity=10G"). Returns 0
+     * and *state, or a negative KVT_E* code with one line in err. */
+    int (*open)(const char *args, void **state, char *err, size_t errlen);
+    void (*close)(void *state);
+
+    /* Stores `len` bytes under `name`, replacing any previous object. Atomic: a crash leaves
+     * either the old object, the new one, or none — never a torn one. */
+    int (*store)(void *state, const char *name, const void *data, size_t len);
+
+    /* 0 and the object's size when present; KVT_ENOTFOUND when absent. */
+    int (*lookup)(void *state, const char *name, size_t *len);
+
+    /* Reads the object into buf (cap bytes, 4 KiB aligned, cap a multiple of 4 KiB); *len is
+     * its size. KVT_ENOTFOUND when absent, KVT_ENOSPC when it is larger than cap. */
+    int (*load)(void *state, const char *name, void *buf, size_t cap, size_t *len);
+
+    /* Removes the object; KVT_ENOTFOUND when absent. */
+    int (*remove)(void *state, const char *name);
+
+    /* 0 when the backend answers; otherwise a negative code and a sentence (for /readyz). */
+    int (*health)(void *state, char *why, size_t whylen);
+
+    /* Adapter-specific gauges for /status and /metrics (may be NULL): bytes and objects held. */
+    void (*usage)(void *state, uint64_t *bytes, uint64_t *objects);
+} kvt_l2_ops_t;
+
+/* A plugin shared object exports this function (plugin:PATH.so). */
+typedef const kvt_l2_ops_t *(*kvt_l2_plugin_fn)(void);
+#define KVT_L2_PLUGIN_SYMBOL "kvt_l2_plugin_v1"
+
+/* The built-in adapters. */
+const kvt_l2_ops_t *kvt_l2_fs_ops(void);
+const kvt_l2_ops_t *kvt_l2_redis_ops(void);
+const kvt_l2_ops_t *kvt_l2_mock_ops(void);
+
+/* The name of (ns, salt, key): hex(XXH3_128(le32(ns_len) || ns || salt)) '-' hex(key). */
+void kvt_l2_name(const uint8_t *ns, uint32_t ns_len, const uint8_t *salt, uint32_t salt_len,
+                 const uint8_t key[16], char out[KVT_L2_NAME_LEN]);
+
+#endif

@@ -1,0 +1,882 @@
+/* DESIGN: one s_adapter_t per configured spec, each with a FIFO of write-behind jobs (store or
+ * remove, one namespace and a batch of keys each) under its own mutex and condition variable,
+ * served by S_ADAPTER_THREADS supervised threads that also probe the backend's health every
+ * second. Prefetch loads go to one manager-wide FIFO served by S_PREFETCH_THREADS threads.
+ * Lookups are synchronous on the caller's thread. Adapter operations are thread-safe by the
+ * contract of kvt_l2.h, so the three kinds of callers may use one adapter at once.
+ *
+ * A store job pins each object in L1 (a daemon read lease) for the time of the write, so the
+ * bytes cannot be reused under it; whatever the outcome, the object is then reported written
+ * (kvt_l1_l2_written) so that it becomes evictable. Lock order: an adapter's lock and the
+ * prefetch lock are leaves; L1 is called without them. */
+#include "kvt_l2mgr.h"
+
+#include "kvt_alloc.h"
+#include "kvt_error.h"
+#include "kvt_l2.h"
+#include "kvt_l2_plugin.h"
+#include "kvt_log.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define S_MAX_ADAPTERS 8
+/* One write-behind thread per adapter keeps each adapter's writes and removals in submission
+ * order (a REMOVE right after a PUT must not be overtaken by the PUT's write). */
+#define S_ADAPTER_THREADS 1
+#define S_PREFETCH_THREADS 2
+#define S_QUEUE_KEYS 65536   /* write-behind keys waiting per adapter before drops */
+#define S_TICK_MS 1000       /* health probe period */
+#define S_STORE_DEADLINE_MS 60000
+#define S_DRAIN_MS 5000
+#define S_RETRIES 3
+
+typedef enum { S_STORE, S_REMOVE, S_LOAD } s_kind_t;
+
+typedef struct s_job {
+    struct s_job *next;
+    s_kind_t kind;
+    uint64_t deadline_ms;
+    uint64_t prefetch_job;
+    uint32_t n;
+    uint32_t ns_len, salt_len;
+    uint8_t *ns, *salt; /* point into bytes */
+    uint8_t (*keys)[KVT_KEY_LEN];
+    uint64_t *sizes; /* loads */
+    uint8_t bytes[];
+} s_job_t;
+
+typedef struct {
+    s_job_t *head, *tail;
+    size_t keys; /* keys in all queued jobs */
+} s_fifo_t;
+
+typedef struct s_adapter {
+    struct kvt_l2mgr *mgr;
+    int index;
+    char label[256]; /* the spec, as configured */
+    const kvt_l2_ops_t *ops;
+    void *state;
+    void *plugin; /* dlopen handle of a plugin adapter */
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    s_fifo_t queue;
+    int busy; /* jobs being run right now (under lock): a stop waits for them */
+    pthread_t tids[S_ADAPTER_THREADS];
+    kvt_sup_thread_t *beats[S_ADAPTER_THREADS];
+    int nthreads;
+    uint64_t next_probe_ms; /* under lock */
+    _Atomic bool healthy;
+    char last_error[256]; /* under lock */
+    _Atomic uint64_t stored, loaded, removed, errors, dropped, bytes_stored, bytes_loaded;
+    kvt_hist_t latency;
+    kvt_errrep_t rep;
+} s_adapter_t;
+
+struct kvt_l2mgr {
+    const kvt_config_t *cfg;
+    kvt_l1_t *l1;
+    kvt_prefetch_t *prefetch;
+    s_adapter_t adapters[S_MAX_ADAPTERS];
+    uint32_t nadapters;
+    _Atomic bool stop;
+    kvt_l2_event_fn on_event;
+    void *event_ctx;
+    /* prefetch loads */
+    pthread_mutex_t plock;
+    pthread_cond_t pcond;
+    s_fifo_t loads;
+    pthread_t ptids[S_PREFETCH_THREADS];
+    kvt_sup_thread_t *pbeats[S_PREFETCH_THREADS];
+    int npthreads;
+};
+
+typedef struct {
+    s_adapter_t *a;
+    int slot;
+} s_thread_arg_t;
+
+static uint64_t s_inc(_Atomic uint64_t *v, uint64_t n)
+{
+    return atomic_fetch_add_explicit(v, n, memory_order_relaxed) + n;
+}
+
+static uint64_t s_get(_Atomic uint64_t *v)
+{
+    return atomic_load_explicit(v, memory_order_relaxed);
+}
+
+static void s_deadline_ts(struct timespec *ts, uint64_t ms)
+{
+    clock_gettime(CLOCK_REALTIME, ts);
+    ts->tv_sec += (time_t)(ms / 1000);
+    ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+static void s_sleep_ms(uint64_t ms)
+{
+    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* ---- jobs ---- */
+
+static s_job_t *s_job_new(s_kind_t kind, const kvt_nsref_t *ns,
+                          const uint8_t (*keys)[KVT_KEY_LEN], const uint64_t *sizes, uint32_t n)
+{
+    size_t extra = (size_t)ns->ns_len + ns->salt_len + (size_t)n * KVT_KEY_LEN +
+                   (sizes ? (size_t)n * sizeof(uint64_t) : 0) + sizeof(uint64_t);
+    s_job_t *j = calloc(1, sizeof *j + extra);
+    kvt_assert(j);
+    j->kind = kind;
+    j->n = n;
+    j->ns_len = ns->ns_len;
+    j->salt_len = ns->salt_len;
+    uint8_t *p = j->bytes;
+    if (sizes) { /* first, for alignment */
+        j->sizes = (uint64_t *)(void *)p;
+        memcpy(j->sizes, sizes, (size_t)n * sizeof(uint64_t));
+        p += (size_t)n * sizeof(uint64_t);
+    }
+    j->keys = (uint8_t(*)[KVT_KEY_LEN])p;
+    memcpy(p, keys, (size_t)n * KVT_KEY_LEN);
+    p += (size_t)n * KVT_KEY_LEN;
+    j->ns = p;
+    memcpy(p, ns->ns, ns->ns_len);
+    p += ns->ns_len;
+    j->salt = p;
+    if (ns->salt_len)
+        memcpy(p, ns->salt, ns->salt_len);
+    return j;
+}
+
+static kvt_nsref_t s_job_ns(const s_job_t *j)
+{
+    return (kvt_nsref_t){j->ns, j->ns_len, j->salt, j->salt_len};
+}
+
+static void s_push(s_fifo_t *q, s_job_t *j)
+{
+    j->next = NULL;
+    if (q->tail)
+        q->tail->next = j;
+    else
+        q->head = j;
+    q->tail = j;
+    q->keys += j->n;
+}
+
+static s_job_t *s_pop(s_fifo_t *q)
+{
+    s_job_t *j = q->head;
+    if (j) {
+        q->head = j->next;
+        if (!q->head)
+            q->tail = NULL;
+        q->keys -= j->n;
+    }
+    return j;
+}
+
+/* Every key of a store job that will not be written is still reported, so it can be evicted. */
+static void s_give_up(kvt_l2mgr_t *m, const s_job_t *j)
+{
+    kvt_nsref_t ns = s_job_ns(j);
+    for (uint32_t i = 0; i < j->n; i++)
+        kvt_l1_l2_written(m->l1, &ns, j->keys[i]);
+}
+
+static void s_event(kvt_l2mgr_t *m, const char *event, const s_job_t *j,
+                    const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, const s_adapter_t *a)
+{
+    if (m->on_event && n)
+        m->on_event(m->event_ctx, event, j->ns, j->ns_len, j->salt, j->salt_len, keys, n,
+                    a->label);
+}
+
+static void s_note_error(s_adapter_t *a, int rc, const char *op, const char *name)
+{
+    s_inc(&a->errors, 1);
+    pthread_mutex_lock(&a->lock);
+    snprintf(a->last_error, sizeof a->last_error, "%s %s: %s", op, name, kvt_strerror(rc));
+    pthread_mutex_unlock(&a->lock);
+    /* health is the probe's call (every second): one failed call must not flap /readyz */
+    kvt_errrep_report(&a->rep, KVT_LOG_WARN, "l2 %s: %s %s failed: %s", a->label, op, name,
+                      kvt_strerror(rc));
+}
+
+static void s_probe(s_adapter_t *a);
+
+/* ---- write-behind (adapter threads) ---- */
+
+static void s_do_store(s_adapter_t *a, s_job_t *j)
+{
+    kvt_l2mgr_t *m = a->mgr;
+    kvt_nsref_t ns = s_job_ns(j);
+    uint8_t *base = kvt_l1_base(m->l1);
+    uint8_t(*done)[KVT_KEY_LEN] = malloc((size_t)j->n * KVT_KEY_LEN);
+    kvt_assert(done);
+    uint32_t ndone = 0;
+    for (uint32_t i = 0; i < j->n; i++) {
+        kvt_slot_t slot;
+        uint32_t got = 0;
+        uint64_t lease = 0;
+        kvt_l1_acquire(m->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])&j->keys[i],
+                       1, &slot, &got, &lease);
+        if (got == 0) { /* removed since: nothing to write */
+            kvt_l1_l2_written(m->l1, &ns, j->keys[i]);
+            continue;
+        }
+        char name[KVT_L2_NAME_LEN];
+        kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
+        int rc = atomic_load(&a->healthy) ? KVT_ETIMEDOUT : KVT_EUNAVAIL;
+        for (int attempt = 0; attempt < S_RETRIES && atomic_load(&a->healthy); attempt++) {
+            if (kvt_now_ms() > j->deadline_ms)
+                break;
+            uint64_t t0 = kvt_now_ns();
+            rc = a->ops->store(a->state, name, base + slot.offset, slot.length);
+            kvt_hist_observe(&a->latency, kvt_now_ns() - t0);
+            if (rc == 0 || rc == KVT_ENOSPC)
+                break; /* done, or retrying cannot help */
+            /* a failure is a good moment to ask the backend how it is: a dead one is not
+             * retried (and /readyz learns it now, not at the next tick) */
+            s_probe(a);
+            if (!atomic_load(&a->healthy))
+                break;
+            s_sleep_ms(50u << (2 * attempt)); /* 50, 200 ms */
+        }
+        kvt_l1_release(m->l1, KVT_OWNER_DAEMON, lease);
+        kvt_l1_l2_written(m->l1, &ns, j->keys[i]);
+        if (rc == 0) {
+            s_inc(&a->stored, 1);
+            s_inc(&a->bytes_stored, slot.length);
+            memcpy(done[ndone++], j->keys[i], KVT_KEY_LEN);
+        } else {
+            s_note_error(a, rc, "store", name);
+        }
+    }
+    s_event(m, "l2_stored", j, (const uint8_t(*)[KVT_KEY_LEN])done, ndone, a);
+    free(done);
+}
+
+static void s_do_remove(s_adapter_t *a, s_job_t *j)
+{
+    uint8_t(*done)[KVT_KEY_LEN] = malloc((size_t)j->n * KVT_KEY_LEN);
+    kvt_assert(done);
+    uint32_t ndone = 0;
+    for (uint32_t i = 0; i < j->n && !atomic_load(&a->mgr->stop); i++) {
+        char name[KVT_L2_NAME_LEN];
+        kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
+        int rc = a->ops->remove(a->state, name);
+        if (rc == 0) {
+            s_inc(&a->removed, 1);
+            memcpy(done[ndone++], j->keys[i], KVT_KEY_LEN);
+        } else if (rc != KVT_ENOTFOUND) {
+            s_note_error(a, rc, "remove", name);
+        }
+    }
+    s_event(a->mgr, "l2_removed", j, (const uint8_t(*)[KVT_KEY_LEN])done, ndone, a);
+    free(done);
+}
+
+static void s_probe(s_adapter_t *a)
+{
+    char why[200] = "";
+    int rc = a->ops->health(a->state, why, sizeof why);
+    bool was = atomic_exchange(&a->healthy, rc == 0);
+    if (rc) {
+        pthread_mutex_lock(&a->lock);
+        snprintf(a->last_error, sizeof a->last_error, "%s", why[0] ? why : kvt_strerror(rc));
+        pthread_mutex_unlock(&a->lock);
+        if (was)
+            kvt_log(KVT_LOG_ERROR, "l2 %s: unhealthy: %s", a->label, why);
+    } else if (!was) {
+        kvt_log(KVT_LOG_WARN, "l2 %s: healthy again", a->label);
+    }
+}
+
+static void *s_adapter_run(void *arg)
+{
+    s_thread_arg_t *ta = arg;
+    s_adapter_t *a = ta->a;
+    kvt_sup_thread_t *beat = a->beats[ta->slot];
+    free(ta);
+    kvt_l2mgr_t *m = a->mgr;
+    pthread_mutex_lock(&a->lock);
+    for (;;) {
+        s_job_t *j = s_pop(&a->queue);
+        a->busy += j != NULL;
+        bool probe = false;
+        if (!j) {
+            if (atomic_load(&m->stop))
+                break;
+            struct timespec ts;
+            s_deadline_ts(&ts, 200);
+            pthread_cond_timedwait(&a->cond, &a->lock, &ts);
+        }
+        uint64_t now = kvt_now_ms();
+        if (now >= a->next_probe_ms) {
+            a->next_probe_ms = now + S_TICK_MS;
+            probe = true;
+        }
+        pthread_mutex_unlock(&a->lock);
+        if (!kvt_sup_beat(beat)) {
+            if (j)
+                s_give_up(m, j);
+            free(j);
+            kvt_sup_thread_exit(beat, false);
+            return NULL;
+        }
+        if (probe)
+            s_probe(a);
+        if (j) {
+            if (j->kind == S_STORE && !atomic_load(&a->healthy)) {
+                /* fail fast: the backend is down, the objects must not wait in L1 for it */
+                s_inc(&a->errors, j->n);
+                s_give_up(m, j);
+            } else if (j->kind == S_STORE) {
+                s_do_store(a, j);
+            } else {
+                s_do_remove(a, j);
+            }
+            free(j);
+        }
+        pthread_mutex_lock(&a->lock);
+        a->busy -= j != NULL;
+    }
+    pthread_mutex_unlock(&a->lock);
+    kvt_sup_thread_exit(beat, true);
+    return NULL;
+}
+
+static void s_enqueue(s_adapter_t *a, s_job_t *j)
+{
+    s_job_t *dropped = NULL;
+    pthread_mutex_lock(&a->lock);
+    /* full: the oldest writes go, never the caller's time */
+    while (a->queue.head && a->queue.keys + j->n > S_QUEUE_KEYS) {
+        s_job_t *old = s_pop(&a->queue);
+        old->next = dropped;
+        dropped = old;
+    }
+    s_push(&a->queue, j);
+    pthread_cond_signal(&a->cond);
+    pthread_mutex_unlock(&a->lock);
+    while (dropped) {
+        s_job_t *next = dropped->next;
+        if (dropped->kind == S_STORE) {
+            s_inc(&a->dropped, dropped->n);
+            s_give_up(a->mgr, dropped);
+            kvt_errrep_report(&a->rep, KVT_LOG_WARN,
+                              "l2 %s: write-behind queue full: dropped %u oldest writes",
+                              a->label, dropped->n);
+        }
+        free(dropped);
+        dropped = next;
+    }
+}
+
+void kvt_l2mgr_on_stored(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
+                         const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n)
+{
+    if (!self || n == 0)
+        return;
+    for (uint32_t i = 0; i < self->nadapters; i++) {
+        s_job_t *j = s_job_new(S_STORE, ns, keys, NULL, n);
+        j->deadline_ms = kvt_now_ms() + S_STORE_DEADLINE_MS;
+        s_enqueue(&self->adapters[i], j);
+    }
+}
+
+void kvt_l2mgr_remove(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
+                      const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n)
+{
+    if (!self || n == 0)
+        return;
+    for (uint32_t i = 0; i < self->nadapters; i++) {
+        s_job_t *j = s_job_new(S_REMOVE, ns, keys, NULL, n);
+        j->deadline_ms = kvt_now_ms() + S_STORE_DEADLINE_MS;
+        s_enqueue(&self->adapters[i], j);
+    }
+}
+
+/* ---- lookup (caller's thread) ---- */
+
+uint32_t kvt_l2mgr_lookup(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
+                          const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, uint64_t deadline_ms,
+                          uint64_t *sizes)
+{
+    uint32_t k = 0;
+    for (; self && k < n && kvt_now_ms() < deadline_ms; k++) {
+        char name[KVT_L2_NAME_LEN];
+        kvt_l2_name(ns->ns, ns->ns_len, ns->salt, ns->salt_len, keys[k], name);
+        bool found = false;
+        for (uint32_t i = 0; i < self->nadapters && !found; i++) {
+            s_adapter_t *a = &self->adapters[i];
+            if (!atomic_load(&a->healthy))
+                continue;
+            size_t len = 0;
+            int rc = a->ops->lookup(a->state, name, &len);
+            if (rc == 0 && len > 0) {
+                sizes[k] = len;
+                found = true;
+            } else if (rc && rc != KVT_ENOTFOUND) {
+                s_note_error(a, rc, "lookup", name);
+            }
+        }
+        if (!found)
+            break;
+    }
+    return k;
+}
+
+/* ---- prefetch (manager threads) ---- */
+
+/* Loads one key into its reserved slot from the first adapter that has it. */
+static int s_load_one(kvt_l2mgr_t *m, const s_job_t *j, uint32_t i, const kvt_slot_t *slot)
+{
+    char name[KVT_L2_NAME_LEN];
+    kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
+    uint8_t *dst = (uint8_t *)kvt_l1_base(m->l1) + slot->offset;
+    size_t cap = (slot->length + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE; /* the block is page-sized */
+    int rc = KVT_ENOTFOUND;
+    for (uint32_t a_i = 0; a_i < m->nadapters; a_i++) {
+        s_adapter_t *a = &m->adapters[a_i];
+        if (!atomic_load(&a->healthy))
+            continue;
+        size_t len = 0;
+        uint64_t t0 = kvt_now_ns();
+        rc = a->ops->load(a->state, name, dst, cap, &len);
+        kvt_hist_observe(&a->latency, kvt_now_ns() - t0);
+        if (rc == 0 && len == slot->length) {
+            s_inc(&a->loaded, 1);
+            s_inc(&a->bytes_loaded, len);
+            return 0;
+        }
+        if (rc == 0)
+            rc = KVT_EIO; /* it changed size since the lookup: do not serve it */
+        if (rc != KVT_ENOTFOUND)
+            s_note_error(a, rc, "load", name);
+    }
+    return rc;
+}
+
+static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
+{
+    kvt_nsref_t ns = s_job_ns(j);
+    kvt_slot_t *slots = calloc(j->n, sizeof *slots);
+    uint64_t *failed = calloc(j->n, sizeof *failed);
+    kvt_assert(slots && failed);
+    uint32_t nslots = 0, nfailed = 0, stored = 0, present = 0;
+    uint64_t lease = 0;
+    char err[160];
+    kvt_l1_reserve(m->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])j->keys, j->n,
+                   j->sizes, 0, slots, &nslots, &lease, err, sizeof err);
+    for (uint32_t i = 0; i < nslots; i++) {
+        if (slots[i].length == 0) {
+            present++; /* already in L1 (stored meanwhile) */
+            continue;
+        }
+        if (atomic_load(&m->stop) || kvt_now_ms() > j->deadline_ms ||
+            s_load_one(m, j, i, &slots[i]) != 0)
+            failed[nfailed++] = i;
+    }
+    if (lease)
+        kvt_l1_commit_loaded(m->l1, KVT_OWNER_DAEMON, lease, failed, nfailed, &stored, err,
+                             sizeof err);
+    kvt_prefetch_update(m->prefetch, j->prefetch_job, stored + present, true, kvt_now_ms());
+    free(slots);
+    free(failed);
+}
+
+static void *s_prefetch_run(void *arg)
+{
+    s_thread_arg_t *ta = arg;
+    kvt_l2mgr_t *m = ta->a->mgr;
+    kvt_sup_thread_t *beat = m->pbeats[ta->slot];
+    free(ta);
+    pthread_mutex_lock(&m->plock);
+    for (;;) {
+        s_job_t *j = s_pop(&m->loads);
+        if (!j) {
+            if (atomic_load(&m->stop))
+                break;
+            struct timespec ts;
+            s_deadline_ts(&ts, 200);
+            pthread_cond_timedwait(&m->pcond, &m->plock, &ts);
+        }
+        pthread_mutex_unlock(&m->plock);
+        bool go_on = kvt_sup_beat(beat);
+        if (j) {
+            if (go_on && !atomic_load(&m->stop))
+                s_do_load(m, j);
+            else
+                kvt_prefetch_update(m->prefetch, j->prefetch_job, 0, true, kvt_now_ms());
+            free(j);
+        }
+        if (!go_on) {
+            kvt_sup_thread_exit(beat, false);
+            return NULL;
+        }
+        pthread_mutex_lock(&m->plock);
+    }
+    pthread_mutex_unlock(&m->plock);
+    kvt_sup_thread_exit(beat, true);
+    return NULL;
+}
+
+void kvt_l2mgr_prefetch(kvt_l2mgr_t *self, uint64_t job, const kvt_nsref_t *ns,
+                        const uint8_t (*keys)[KVT_KEY_LEN], const uint64_t *sizes, uint32_t n)
+{
+    s_job_t *j = s_job_new(S_LOAD, ns, keys, sizes, n);
+    j->prefetch_job = job;
+    j->deadline_ms = kvt_now_ms() + self->cfg->lease_ms;
+    pthread_mutex_lock(&self->plock);
+    s_push(&self->loads, j);
+    pthread_cond_signal(&self->pcond);
+    pthread_mutex_unlock(&self->plock);
+}
+
+/* ---- life cycle ---- */
+
+void kvt_l2mgr_redact(const char *spec, char *out, size_t outlen)
+{
+    size_t o = 0;
+    for (const char *p = spec; *p && o + 1 < outlen;) {
+        if (strncmp(p, "password=", 9) == 0 && (p == spec || p[-1] == ',' || p[-1] == ':')) {
+            int w = snprintf(out + o, outlen - o, "password=***");
+            o += w > 0 ? (size_t)w : 0;
+            p += strcspn(p, ",");
+            continue;
+        }
+        out[o++] = *p++;
+    }
+    out[o < outlen ? o : outlen - 1] = '\0';
+}
+
+/* The adapter table for a spec (loading a plugin), and where its own arguments start. */
+static int s_resolve(const char *spec, const char *label, const kvt_l2_ops_t **ops,
+                     void **plugin, const char **args_out, char *err, size_t errlen)
+{
+    const char *colon = strchr(spec, ':');
+    size_t kind_len = colon ? (size_t)(colon - spec) : strlen(spec);
+    const char *args = colon ? colon + 1 : "";
+    *plugin = NULL;
+    if (kind_len == 2 && strncmp(spec, "fs", 2) == 0) {
+        *ops = kvt_l2_fs_ops();
+    } else if (kind_len == 5 && strncmp(spec, "redis", 5) == 0) {
+        *ops = kvt_l2_redis_ops();
+    } else if (kind_len == 4 && strncmp(spec, "mock", 4) == 0) {
+        *ops = kvt_l2_mock_ops();
+    } else if (kind_len == 6 && strncmp(spec, "plugin", 6) == 0) {
+        /* plugin:PATH.so[,ARGS]: the plugin's own options follow the first comma */
+        char path[4096], perr[200] = "";
+        const char *comma = strchr(args, ',');
+        size_t plen = comma ? (size_t)(comma - args) : strlen(args);
+        if (plen >= sizeof path) {
+            snprintf(err, errlen, "l2: %s: path too long", label);
+            return KVT_EINVAL;
+        }
+        memcpy(path, args, plen);
+        path[plen] = '\0';
+        if (kvt_l2_plugin_load(path, ops, plugin, perr, sizeof perr) != 0) {
+            snprintf(err, errlen, "l2: %s: %s", label, perr);
+            return KVT_EINVAL;
+        }
+        args = comma ? comma + 1 : "";
+    } else {
+        snprintf(err, errlen, "l2: %s: unknown adapter kind", label);
+        return KVT_EINVAL;
+    }
+    *args_out = args;
+    return 0;
+}
+
+int kvt_l2mgr_check(const kvt_config_t *cfg, char *err, size_t errlen)
+{
+    for (int i = 0; i < cfg->n_l2; i++) {
+        if (strcmp(cfg->l2[i], "none") == 0)
+            continue;
+        char label[256], aerr[200] = "";
+        kvt_l2mgr_redact(cfg->l2[i], label, sizeof label);
+        const kvt_l2_ops_t *ops;
+        void *plugin, *state = NULL;
+        const char *args;
+        int rc = s_resolve(cfg->l2[i], label, &ops, &plugin, &args, err, errlen);
+        if (rc)
+            return rc;
+        rc = ops->open(args, &state, aerr, sizeof aerr);
+        if (rc == 0)
+            ops->close(state);
+        if (plugin)
+            kvt_l2_plugin_unload(plugin);
+        if (rc && rc != KVT_EBUSY) { /* busy: in use by a running daemon, so it is valid */
+            snprintf(err, errlen, "l2: %s: %s", label, aerr[0] ? aerr : kvt_strerror(rc));
+            return rc;
+        }
+    }
+    return 0;
+}
+
+static int s_open_adapter(kvt_l2mgr_t *m, s_adapter_t *a, const char *spec, kvt_sup_t *sup,
+                          char *err, size_t errlen)
+{
+    const char *args;
+    kvt_l2mgr_redact(spec, a->label, sizeof a->label);
+    a->mgr = m;
+    a->rep = (kvt_errrep_t)KVT_ERRREP_INIT(10000);
+    pthread_mutex_init(&a->lock, NULL);
+    pthread_cond_init(&a->cond, NULL);
+    int rrc = s_resolve(spec, a->label, &a->ops, &a->plugin, &args, err, errlen);
+    if (rrc)
+        return rrc;
+    char aerr[200] = "";
+    int rc = a->ops->open(args, &a->state, aerr, sizeof aerr);
+    if (rc) {
+        snprintf(err, errlen, "l2: %s: %s", a->label, aerr[0] ? aerr : kvt_strerror(rc));
+        a->ops = NULL;
+        return rc;
+    }
+    atomic_store(&a->healthy, true);
+    s_probe(a);
+    a->next_probe_ms = kvt_now_ms() + S_TICK_MS;
+    int nthreads = a->ops->max_threads < S_ADAPTER_THREADS ? (int)a->ops->max_threads
+                                                            : S_ADAPTER_THREADS;
+    for (int t = 0; t < (nthreads > 0 ? nthreads : 1); t++) {
+        char name[32];
+        snprintf(name, sizeof name, "l2-%d-%d", a->index, t);
+        a->beats[t] = kvt_sup_register(sup, name, 30000 + S_TICK_MS);
+        s_thread_arg_t *ta = malloc(sizeof *ta);
+        kvt_assert(ta);
+        *ta = (s_thread_arg_t){a, t};
+        if (pthread_create(&a->tids[t], NULL, s_adapter_run, ta) != 0) {
+            free(ta);
+            snprintf(err, errlen, "l2: %s: cannot start a thread", a->label);
+            return KVT_EINTERNAL;
+        }
+        a->nthreads = t + 1;
+    }
+    kvt_log(KVT_LOG_INFO, "l2 %s: open (%s)", a->label,
+            atomic_load(&a->healthy) ? "healthy" : "not answering yet");
+    return 0;
+}
+
+kvt_l2mgr_t *kvt_l2mgr_new(const kvt_config_t *cfg, kvt_l1_t *l1, kvt_prefetch_t *prefetch,
+                           kvt_sup_t *sup, int *code, char *err, size_t errlen)
+{
+    *code = KVT_EINTERNAL;
+    kvt_l2mgr_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->cfg = cfg;
+    self->l1 = l1;
+    self->prefetch = prefetch;
+    pthread_mutex_init(&self->plock, NULL);
+    pthread_cond_init(&self->pcond, NULL);
+    for (int i = 0; i < cfg->n_l2 && i < S_MAX_ADAPTERS; i++) {
+        if (strcmp(cfg->l2[i], "none") == 0)
+            continue;
+        s_adapter_t *a = &self->adapters[self->nadapters];
+        a->index = (int)self->nadapters;
+        self->nadapters++;
+        int rc = s_open_adapter(self, a, cfg->l2[i], sup, err, errlen);
+        if (rc != 0) {
+            *code = rc;
+            goto fail;
+        }
+    }
+    if (self->nadapters) {
+        for (int t = 0; t < S_PREFETCH_THREADS; t++) {
+            char name[32];
+            snprintf(name, sizeof name, "prefetch-%d", t);
+            self->pbeats[t] = kvt_sup_register(sup, name, 2000);
+            s_thread_arg_t *ta = malloc(sizeof *ta);
+            kvt_assert(ta);
+            *ta = (s_thread_arg_t){&self->adapters[0], t};
+            if (pthread_create(&self->ptids[t], NULL, s_prefetch_run, ta) != 0) {
+                free(ta);
+                snprintf(err, errlen, "l2: cannot start a prefetch thread");
+                goto fail;
+            }
+            self->npthreads = t + 1;
+        }
+        kvt_l1_set_l2_writes(l1, self->nadapters);
+    }
+    *code = 0;
+    return self;
+fail:
+    kvt_l2mgr_destroy(&self);
+    return NULL;
+}
+
+void kvt_l2mgr_destroy(kvt_l2mgr_t **self_p)
+{
+    if (!self_p || !*self_p)
+        return;
+    kvt_l2mgr_t *self = *self_p;
+    /* write what is queued first, for a bounded time: acknowledged data should reach L2 */
+    uint64_t deadline = kvt_now_ms() + S_DRAIN_MS;
+    for (uint32_t i = 0; i < self->nadapters; i++) {
+        s_adapter_t *a = &self->adapters[i];
+        for (;;) {
+            pthread_mutex_lock(&a->lock);
+            bool empty = a->queue.head == NULL && a->busy == 0;
+            pthread_mutex_unlock(&a->lock);
+            if (empty || !a->nthreads || kvt_now_ms() > deadline)
+                break;
+            s_sleep_ms(10);
+        }
+    }
+    atomic_store(&self->stop, true);
+    pthread_mutex_lock(&self->plock);
+    pthread_cond_broadcast(&self->pcond);
+    pthread_mutex_unlock(&self->plock);
+    for (int t = 0; t < self->npthreads; t++)
+        pthread_join(self->ptids[t], NULL);
+    for (s_job_t *j; (j = s_pop(&self->loads)) != NULL;)
+        free(j);
+    for (uint32_t i = 0; i < self->nadapters; i++) {
+        s_adapter_t *a = &self->adapters[i];
+        pthread_mutex_lock(&a->lock);
+        pthread_cond_broadcast(&a->cond);
+        pthread_mutex_unlock(&a->lock);
+        for (int t = 0; t < a->nthreads; t++)
+            pthread_join(a->tids[t], NULL);
+        size_t lost = 0;
+        for (s_job_t *j; (j = s_pop(&a->queue)) != NULL; free(j))
+            lost += j->kind == S_STORE ? j->n : 0;
+        if (lost)
+            kvt_log(KVT_LOG_WARN, "l2 %s: %zu queued writes not done at stop", a->label, lost);
+        if (a->ops)
+            a->ops->close(a->state);
+        if (a->plugin)
+            kvt_l2_plugin_unload(a->plugin);
+        pthread_cond_destroy(&a->cond);
+        pthread_mutex_destroy(&a->lock);
+    }
+    pthread_cond_destroy(&self->pcond);
+    pthread_mutex_destroy(&self->plock);
+    free(self);
+    *self_p = NULL;
+}
+
+uint32_t kvt_l2mgr_count(const kvt_l2mgr_t *self)
+{
+    return self ? self->nadapters : 0;
+}
+
+void kvt_l2mgr_set_events(kvt_l2mgr_t *self, kvt_l2_event_fn fn, void *ctx)
+{
+    self->on_event = fn;
+    self->event_ctx = ctx;
+}
+
+bool kvt_l2mgr_ready(kvt_l2mgr_t *self, char *why, size_t whylen)
+{
+    for (uint32_t i = 0; self && i < self->nadapters; i++) {
+        s_adapter_t *a = &self->adapters[i];
+        if (atomic_load(&a->healthy))
+            continue;
+        pthread_mutex_lock(&a->lock);
+        snprintf(why, whylen, "l2 %s: %s", a->label, a->last_error);
+        pthread_mutex_unlock(&a->lock);
+        return false;
+    }
+    return true;
+}
+
+void kvt_l2mgr_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+{
+    kvt_l2mgr_t *self = ctx;
+    static const struct {
+        const char *name, *help;
+        kvt_metric_kind_t kind;
+        size_t off;
+    } rows[] = {
+        {"l2_stored_total", "Objects written to the L2 adapter.", KVT_METRIC_COUNTER,
+         offsetof(s_adapter_t, stored)},
+        {"l2_loaded_total", "Objects loaded from the L2 adapter into L1.", KVT_METRIC_COUNTER,
+         offsetof(s_adapter_t, loaded)},
+        {"l2_removed_total", "Objects removed from the L2 adapter.", KVT_METRIC_COUNTER,
+         offsetof(s_adapter_t, removed)},
+        {"l2_errors_total", "Failed L2 operations (after retries).", KVT_METRIC_COUNTER,
+         offsetof(s_adapter_t, errors)},
+        {"l2_dropped_total", "Writes dropped because the write-behind queue was full.",
+         KVT_METRIC_COUNTER, offsetof(s_adapter_t, dropped)},
+        {"l2_stored_bytes_total", "Bytes written to the L2 adapter.", KVT_METRIC_COUNTER,
+         offsetof(s_adapter_t, bytes_stored)},
+        {"l2_loaded_bytes_total", "Bytes loaded from the L2 adapter.", KVT_METRIC_COUNTER,
+         offsetof(s_adapter_t, bytes_loaded)},
+    };
+    for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++)
+        for (uint32_t i = 0; i < self->nadapters; i++) {
+            s_adapter_t *a = &self->adapters[i];
+            kvt_sample_t s = {.name = rows[r].name, .help = rows[r].help, .kind = rows[r].kind,
+                              .label = "adapter", .label_value = a->label,
+                              .value = (double)s_get((_Atomic uint64_t *)((char *)a + rows[r].off))};
+            emit(emit_ctx, &s);
+        }
+    for (uint32_t i = 0; i < self->nadapters; i++) {
+        s_adapter_t *a = &self->adapters[i];
+        pthread_mutex_lock(&a->lock);
+        double depth = (double)a->queue.keys;
+        pthread_mutex_unlock(&a->lock);
+        kvt_sample_t s = {.name = "l2_queue_depth", .help = "Writes waiting for the adapter.",
+                          .kind = KVT_METRIC_GAUGE, .label = "adapter", .label_value = a->label,
+                          .value = depth};
+        emit(emit_ctx, &s);
+    }
+    for (uint32_t i = 0; i < self->nadapters; i++) {
+        s_adapter_t *a = &self->adapters[i];
+        kvt_sample_t s = {.name = "l2_up", .help = "1 when the adapter answers its health probe.",
+                          .kind = KVT_METRIC_GAUGE, .label = "adapter", .label_value = a->label,
+                          .value = atomic_load(&a->healthy) ? 1.0 : 0.0};
+        emit(emit_ctx, &s);
+    }
+    for (uint32_t i = 0; i < self->nadapters; i++) {
+        s_adapter_t *a = &self->adapters[i];
+        uint64_t bytes = 0, objects = 0;
+        if (a->ops->usage)
+            a->ops->usage(a->state, &bytes, &objects);
+        kvt_sample_t s = {.name = "l2_bytes", .help = "Bytes the adapter holds (as it reports).",
+                          .kind = KVT_METRIC_GAUGE, .label = "adapter", .label_value = a->label,
+                          .value = (double)bytes};
+        emit(emit_ctx, &s);
+    }
+    for (uint32_t i = 0; i < self->nadapters; i++)
+        kvt_hist_emit(&self->adapters[i].latency, "l2_operation_duration_seconds",
+                      "Time of one L2 store or load.", "adapter", self->adapters[i].label, emit,
+                      emit_ctx);
+}
+
+json_t *kvt_l2mgr_status_json(kvt_l2mgr_t *self)
+{
+    json_t *arr = json_array();
+    for (uint32_t i = 0; self && i < self->nadapters; i++) {
+        s_adapter_t *a = &self->adapters[i];
+        uint64_t bytes = 0, objects = 0;
+        if (a->ops->usage)
+            a->ops->usage(a->state, &bytes, &objects);
+        pthread_mutex_lock(&a->lock);
+        json_t *o = json_pack("{s:s,s:s,s:b,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "adapter",
+                              a->label, "kind", a->ops->kind, "healthy",
+                              atomic_load(&a->healthy), "last_error", a->last_error,
+                              "queue_depth", (json_int_t)a->queue.keys, "stored",
+                              (json_int_t)s_get(&a->stored), "loaded",
+                              (json_int_t)s_get(&a->loaded), "errors",
+                              (json_int_t)s_get(&a->errors), "dropped",
+                              (json_int_t)s_get(&a->dropped), "removed",
+                              (json_int_t)s_get(&a->removed), "bytes", (json_int_t)bytes,
+                              "objects", (json_int_t)objects);
+        pthread_mutex_unlock(&a->lock);
+        json_array_append_new(arr, o);
+    }
+    return arr;
+}

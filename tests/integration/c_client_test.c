@@ -1,0 +1,579 @@
+/* kvtier-client-test: libkvtier against a running kvtierd, one scenario per process, so that
+ * test_c_client.py can run the store and the load of one prefix in different processes (the
+ * data-parallel case: rank 0 computes a prefix, rank 1 finds it).
+ *
+ *   kvtier-client-test ENDPOINT SCENARIO
+ *
+ *   rank-store  hash 4 chunks of a known token sequence locally, RESERVE, write a per-chunk
+ *               pattern through slot.ptr, COMMIT
+ *   rank-load   LOOKUP (hits 4), ACQUIRE, check every byte, RELEASE (after rank-store)
+ *   salt        the same keys under other salts are other objects
+ *   embed       PUT/GET round trip of objects of 1, 4097 and 3 MiB bytes
+ *   hash        kvtier_hash_tokens_local == kvtier_hash_tokens == the documented vectors
+ *   errors      unknown leases, invalid arguments, an unreachable daemon
+ *   prefetch    LOOKUP with KVTIER_PREFETCH, PREFETCH_STATUS (and not_found for a bad job)
+ *   remote      a client that cannot map the arena: RESERVE/ACQUIRE refuse, PUT/GET work
+ *
+ * Uses only the public API: kvtier.h and the KVT_E* codes of kvt_error.h. Prints one line per
+ * scenario; exit 0 passed, 1 failed (the failed check on stderr), 2 usage. */
+#include "kvt_error.h"
+#include "kvtier.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define S_NS "c-client-test"
+#define S_CHUNKS 4
+
+/* On failure: say where and why, then leave through the scenario's `out:` cleanup. */
+#define S_CHECK(cond, ...)                                                                         \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);               \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+            rc = 1;                                                                                \
+            goto out;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+/* A call that must succeed; on failure shows the code and the daemon's message. */
+#define S_OK(c, call)                                                                              \
+    do {                                                                                           \
+        int s_rc_ = (call);                                                                        \
+        S_CHECK(s_rc_ == 0, "%s: %s", kvt_err_name(s_rc_), kvtier_last_error(c));                  \
+    } while (0)
+
+/* A call that must fail with `code` and say why. */
+#define S_FAILS(c, code, call)                                                                     \
+    do {                                                                                           \
+        int s_rc_ = (call);                                                                        \
+        S_CHECK(s_rc_ == (code), "got %s (%s), want %s", kvt_err_name(s_rc_),                      \
+                kvtier_last_error(c), kvt_err_name(code));                                         \
+        S_CHECK(kvtier_last_error(c)[0] != '\0', "no message with %s", kvt_err_name(code));        \
+    } while (0)
+
+typedef const uint8_t (*s_keys_t)[KVTIER_KEY_LEN];
+
+/* ---- the shared prefix of rank-store and rank-load ---- */
+
+static uint32_t s_token(size_t i)
+{
+    return (uint32_t)(i * 2654435761u) ^ 0x5bd1e995u;
+}
+
+static uint64_t s_chunk_size(uint32_t i)
+{
+    return 64 * 1024 + i * 4096 + 100; /* odd sizes: lengths must come back exact */
+}
+
+static uint8_t s_pattern(uint32_t chunk, uint64_t j)
+{
+    return (uint8_t)((chunk + 1) * 37u + j * 13u + (j >> 9));
+}
+
+/* Keys of the first n chunks of the known sequence, at the daemon's chunk_tokens. */
+static uint32_t s_prefix_keys(kvtier_t *c, const char *salt, uint32_t n,
+                              uint8_t (*keys)[KVTIER_KEY_LEN])
+{
+    uint32_t ct = kvtier_info(c)->chunk_tokens;
+    size_t ntokens = (size_t)ct * n + ct / 2; /* a partial chunk at the end gets no key */
+    uint32_t *tokens = malloc(ntokens * sizeof *tokens);
+    if (!tokens)
+        return 0;
+    for (size_t i = 0; i < ntokens; i++)
+        tokens[i] = s_token(i);
+    uint32_t got = kvtier_hash_tokens_local(tokens, ntokens, ct, salt, keys);
+    free(tokens);
+    return got;
+}
+
+static int s_rank_store(kvtier_t *c)
+{
+    int rc = 0;
+    uint8_t keys[S_CHUNKS][KVTIER_KEY_LEN];
+    kvtier_slot_t slots[S_CHUNKS];
+    uint64_t sizes[S_CHUNKS], lease = 0;
+    uint32_t nslots = 0, stored = 0;
+    size_t arena_size = 0;
+    uint8_t *arena = kvtier_arena(c, &arena_size);
+    S_CHECK(arena && arena_size > 0, "no arena mapped");
+    S_CHECK(s_prefix_keys(c, NULL, S_CHUNKS, keys) == S_CHUNKS, "local hash");
+    for (uint32_t i = 0; i < S_CHUNKS; i++)
+        sizes[i] = s_chunk_size(i);
+    S_OK(c,
+         kvtier_reserve(c, S_NS, NULL, (s_keys_t)keys, S_CHUNKS, sizes, 0, slots, &nslots, &lease));
+    S_CHECK(nslots == S_CHUNKS && lease != 0, "nslots %u lease %llu", nslots,
+            (unsigned long long)lease);
+    for (uint32_t i = 0; i < S_CHUNKS; i++) {
+        S_CHECK(slots[i].ptr == arena + slots[i].offset, "slot %u ptr is not arena + offset", i);
+        S_CHECK(slots[i].length == sizes[i], "slot %u length %llu", i,
+                (unsigned long long)slots[i].length);
+        S_CHECK(slots[i].offset % 4096 == 0, "slot %u offset not 4 KiB aligned", i);
+        uint8_t *p = slots[i].ptr;
+        for (uint64_t j = 0; j < slots[i].length; j++)
+            p[j] = s_pattern(i, j);
+    }
+    S_OK(c, kvtier_commit(c, lease, NULL, 0, &stored));
+    S_CHECK(stored == S_CHUNKS, "stored %u", stored);
+    /* a second writer of the same prefix gets nil slots and nothing to commit */
+    S_OK(c,
+         kvtier_reserve(c, S_NS, NULL, (s_keys_t)keys, S_CHUNKS, sizes, 0, slots, &nslots, &lease));
+    S_CHECK(nslots == S_CHUNKS && lease == 0, "re-reserve: nslots %u lease %llu", nslots,
+            (unsigned long long)lease);
+    for (uint32_t i = 0; i < S_CHUNKS; i++)
+        S_CHECK(!slots[i].ptr && slots[i].length == 0, "re-reserve: slot %u is not nil", i);
+    printf("rank-store: stored %u chunks\n", stored);
+out:
+    return rc;
+}
+
+static int s_rank_load(kvtier_t *c)
+{
+    int rc = 0;
+    uint8_t keys[S_CHUNKS + 1][KVTIER_KEY_LEN];
+    kvtier_slot_t slots[S_CHUNKS + 1];
+    uint64_t lease = 0;
+    uint32_t hits = 0, l1 = 0, nslots = 0;
+    S_CHECK(kvtier_arena(c, NULL), "no arena mapped");
+    /* one chunk more than rank-store wrote: the prefix stops at 4 */
+    S_CHECK(s_prefix_keys(c, NULL, S_CHUNKS + 1, keys) == S_CHUNKS + 1, "local hash");
+    S_OK(c, kvtier_lookup(c, S_NS, NULL, (s_keys_t)keys, S_CHUNKS + 1, 0, &hits, &l1, NULL, NULL));
+    S_CHECK(hits == S_CHUNKS && l1 == S_CHUNKS, "lookup: hits %u l1 %u", hits, l1);
+    S_OK(c, kvtier_acquire(c, S_NS, NULL, (s_keys_t)keys, S_CHUNKS + 1, slots, &nslots, &lease));
+    S_CHECK(nslots == S_CHUNKS && lease != 0, "acquire: nslots %u lease %llu", nslots,
+            (unsigned long long)lease);
+    for (uint32_t i = 0; i < S_CHUNKS; i++) {
+        S_CHECK(slots[i].ptr && slots[i].length == s_chunk_size(i), "slot %u: length %llu", i,
+                (unsigned long long)slots[i].length);
+        const uint8_t *p = slots[i].ptr;
+        for (uint64_t j = 0; j < slots[i].length; j++)
+            S_CHECK(p[j] == s_pattern(i, j), "chunk %u byte %llu is %u, want %u", i,
+                    (unsigned long long)j, p[j], s_pattern(i, j));
+    }
+    S_OK(c, kvtier_release(c, lease));
+    S_FAILS(c, KVT_EUNKLEASE, kvtier_release(c, lease));
+    /* LOOKUP with lock pins the hits under a lease of its own */
+    S_OK(c, kvtier_lookup(c, S_NS, NULL, (s_keys_t)keys, S_CHUNKS, KVTIER_LOCK, &hits, NULL, &lease,
+                          NULL));
+    S_CHECK(hits == S_CHUNKS && lease != 0, "locked lookup: hits %u lease %llu", hits,
+            (unsigned long long)lease);
+    S_OK(c, kvtier_release(c, lease));
+    printf("rank-load: %u chunks verified\n", nslots);
+out:
+    return rc;
+}
+
+/* ---- salt isolation ---- */
+
+static int s_store_fill(kvtier_t *c, const char *salt, s_keys_t keys, uint32_t n, uint8_t fill)
+{
+    int rc = 0;
+    kvtier_slot_t slots[4];
+    uint64_t lease = 0;
+    uint32_t nslots = 0, stored = 0;
+    S_OK(c, kvtier_reserve(c, S_NS "-salt", salt, keys, n, NULL, 4096, slots, &nslots, &lease));
+    S_CHECK(nslots == n && lease, "reserve under salt '%s': nslots %u", salt ? salt : "", nslots);
+    for (uint32_t i = 0; i < n; i++) {
+        S_CHECK(slots[i].ptr, "slot %u nil under salt '%s'", i, salt ? salt : "");
+        memset(slots[i].ptr, fill, slots[i].length);
+    }
+    S_OK(c, kvtier_commit(c, lease, NULL, 0, &stored));
+    S_CHECK(stored == n, "stored %u", stored);
+out:
+    return rc;
+}
+
+static int s_first_byte(kvtier_t *c, const char *salt, s_keys_t keys, int *byte)
+{
+    int rc = 0;
+    kvtier_slot_t slots[1];
+    uint64_t lease = 0;
+    uint32_t nslots = 0;
+    *byte = -1;
+    S_OK(c, kvtier_acquire(c, S_NS "-salt", salt, keys, 1, slots, &nslots, &lease));
+    if (nslots == 1)
+        *byte = *(const uint8_t *)slots[0].ptr;
+    if (lease)
+        S_OK(c, kvtier_release(c, lease));
+out:
+    return rc;
+}
+
+static int s_salt(kvtier_t *c)
+{
+    int rc = 0, byte = -1;
+    uint8_t plain[2][KVTIER_KEY_LEN], salted[2][KVTIER_KEY_LEN];
+    uint32_t hits = 9, removed = 0, nslots = 9;
+    uint64_t lease = 9, cleared = 0;
+    kvtier_slot_t slots[2];
+    S_CHECK(s_prefix_keys(c, NULL, 2, plain) == 2, "local hash");
+    S_CHECK(s_prefix_keys(c, "tenant-a", 2, salted) == 2, "local hash");
+    S_CHECK(memcmp(plain, salted, sizeof plain) != 0, "a salt does not change the keys");
+    S_CHECK(s_store_fill(c, "tenant-a", (s_keys_t)salted, 2, 0xa1) == 0, "store tenant-a");
+    S_OK(c, kvtier_lookup(c, S_NS "-salt", "tenant-a", (s_keys_t)salted, 2, 0, &hits, NULL, NULL,
+                          NULL));
+    S_CHECK(hits == 2, "tenant-a: hits %u", hits);
+    static const char *const others[] = {NULL, "", "tenant-b", "tenant-a "};
+    for (size_t i = 0; i < sizeof others / sizeof others[0]; i++) {
+        S_OK(c, kvtier_lookup(c, S_NS "-salt", others[i], (s_keys_t)salted, 2, 0, &hits, NULL, NULL,
+                              NULL));
+        S_CHECK(hits == 0, "salt '%s' sees tenant-a's keys: hits %u",
+                others[i] ? others[i] : "(null)", hits);
+    }
+    S_OK(c,
+         kvtier_acquire(c, S_NS "-salt", "tenant-b", (s_keys_t)salted, 2, slots, &nslots, &lease));
+    S_CHECK(nslots == 0 && lease == 0, "tenant-b acquires tenant-a's keys: %u", nslots);
+    /* the same key bytes under another salt are another object with other bytes */
+    S_CHECK(s_store_fill(c, "tenant-b", (s_keys_t)salted, 2, 0xb2) == 0, "store tenant-b");
+    S_CHECK(s_first_byte(c, "tenant-a", (s_keys_t)salted, &byte) == 0 && byte == 0xa1,
+            "tenant-a reads %d", byte);
+    S_CHECK(s_first_byte(c, "tenant-b", (s_keys_t)salted, &byte) == 0 && byte == 0xb2,
+            "tenant-b reads %d", byte);
+    S_OK(c, kvtier_remove(c, S_NS "-salt", "tenant-a", (s_keys_t)salted, 2, &removed));
+    S_CHECK(removed == 2, "removed %u", removed);
+    S_OK(c, kvtier_lookup(c, S_NS "-salt", "tenant-b", (s_keys_t)salted, 2, 0, &hits, NULL, NULL,
+                          NULL));
+    S_CHECK(hits == 2, "removing tenant-a's objects removed tenant-b's: hits %u", hits);
+    S_OK(c, kvtier_clear(c, S_NS "-salt", &cleared));
+    S_CHECK(cleared == 2, "clear removed %llu", (unsigned long long)cleared);
+    printf("salt: isolated\n");
+out:
+    return rc;
+}
+
+/* ---- PUT/GET ---- */
+
+static void s_fill_random(uint8_t *p, size_t n, uint64_t seed)
+{
+    uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        p[i] = (uint8_t)x;
+    }
+}
+
+static void s_free_bufs(kvtier_buf_t *b, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        free(b[i].data);
+        b[i].data = NULL;
+    }
+}
+
+static int s_embed(kvtier_t *c)
+{
+    enum { N = 3 };
+    static const size_t lens[N] = {1, 4097, 3u << 20};
+    int rc = 0;
+    uint8_t *data[N] = {0}, keys[N][KVTIER_KEY_LEN], gapped[3][KVTIER_KEY_LEN];
+    kvtier_buf_t out[N] = {{0}};
+    uint32_t stored = 0, found = 0, hits = 0, removed = 0;
+    uint64_t cleared = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        data[i] = malloc(lens[i]);
+        S_CHECK(data[i], "out of memory");
+        s_fill_random(data[i], lens[i], i + 1);
+        /* any 16 bytes make a key; a media hash would do, here a one-chunk token hash */
+        uint32_t tokens[2] = {0xe3b0c442u, i};
+        S_CHECK(kvtier_hash_tokens_local(tokens, 2, 2, "embed", &keys[i]) == 1, "local hash");
+    }
+    const void *const ptrs[N] = {data[0], data[1], data[2]};
+    S_OK(c, kvtier_put(c, S_NS "-embed", NULL, (s_keys_t)keys, N, ptrs, lens, &stored));
+    S_CHECK(stored == N, "put stored %u", stored);
+    S_OK(c, kvtier_put(c, S_NS "-embed", NULL, (s_keys_t)keys, N, ptrs, lens, &stored));
+    S_CHECK(stored == 0, "a second put of the same keys stored %u", stored);
+    S_OK(c, kvtier_get(c, S_NS "-embed", NULL, (s_keys_t)keys, N, out, &found));
+    S_CHECK(found == N, "get found %u", found);
+    for (uint32_t i = 0; i < N; i++)
+        S_CHECK(out[i].len == lens[i] && memcmp(out[i].data, data[i], lens[i]) == 0,
+                "object %u: %zu bytes back for %zu, or other bytes", i, out[i].len, lens[i]);
+    s_free_bufs(out, N);
+    S_OK(c, kvtier_lookup(c, S_NS "-embed", NULL, (s_keys_t)keys, N, 0, &hits, NULL, NULL, NULL));
+    S_CHECK(hits == N, "lookup hits %u", hits);
+    /* prefix semantics: GET stops at the first missing key */
+    memcpy(gapped[0], keys[0], KVTIER_KEY_LEN);
+    memset(gapped[1], 0x5a, KVTIER_KEY_LEN);
+    memcpy(gapped[2], keys[2], KVTIER_KEY_LEN);
+    S_OK(c, kvtier_get(c, S_NS "-embed", NULL, (s_keys_t)gapped, 3, out, &found));
+    S_CHECK(found == 1 && out[0].len == 1 && out[1].data == NULL, "gapped get found %u", found);
+    s_free_bufs(out, 1);
+    S_OK(c, kvtier_get(c, S_NS "-embed", NULL, (s_keys_t)&gapped[1], 1, out, &found));
+    S_CHECK(found == 0 && out[0].data == NULL, "get of a missing key found %u", found);
+    S_OK(c, kvtier_get(c, S_NS "-embed", "tenant-a", (s_keys_t)keys, N, out, &found));
+    S_CHECK(found == 0, "get under another salt found %u", found);
+    S_OK(c, kvtier_remove(c, S_NS "-embed", NULL, (s_keys_t)&keys[2], 1, &removed));
+    S_CHECK(removed == 1, "removed %u", removed);
+    S_OK(c, kvtier_get(c, S_NS "-embed", NULL, (s_keys_t)keys, N, out, &found));
+    S_CHECK(found == 2, "get after remove found %u", found);
+    s_free_bufs(out, found);
+    S_OK(c, kvtier_clear(c, S_NS "-embed", &cleared));
+    S_CHECK(cleared == 2, "clear removed %llu", (unsigned long long)cleared);
+    printf("embed: %zu, %zu and %zu bytes round-tripped\n", lens[0], lens[1], lens[2]);
+out:
+    s_free_bufs(out, N);
+    for (uint32_t i = 0; i < N; i++)
+        free(data[i]);
+    return rc;
+}
+
+/* ---- token hashing ---- */
+
+static void s_hex(const uint8_t *k, char out[2 * KVTIER_KEY_LEN + 1])
+{
+    for (int i = 0; i < KVTIER_KEY_LEN; i++)
+        snprintf(out + 2 * i, 3, "%02x", k[i]);
+}
+
+static int s_hash(kvtier_t *c)
+{
+    static const struct {
+        const char *salt;
+        const char *keys[2];
+    } vec[] = {
+        {NULL, {"361d40d624bc45847cb55c04878d9596", "390d55d1f642cbe361c5f27bacda5d77"}},
+        {"tenant-a", {"d94d032fdacc9824ff9e899c1d74acfc", "dafdfb4cdf651f440368d67cab9efb68"}},
+    };
+    int rc = 0;
+    uint32_t tokens[10] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, *many = NULL, nkeys = 0;
+    uint8_t local[4][KVTIER_KEY_LEN], remote[4][KVTIER_KEY_LEN], (*lk)[KVTIER_KEY_LEN] = NULL,
+                                                                 (*rk)[KVTIER_KEY_LEN] = NULL;
+    char hex[2 * KVTIER_KEY_LEN + 1];
+    for (size_t v = 0; v < sizeof vec / sizeof vec[0]; v++) {
+        /* 8 tokens: two full chunks; 10 tokens: the partial third chunk gets no key */
+        for (size_t nt = 8; nt <= 10; nt += 2) {
+            S_CHECK(kvtier_hash_tokens_local(tokens, nt, 4, vec[v].salt, local) == 2,
+                    "local: not 2 keys");
+            S_OK(c, kvtier_hash_tokens(c, tokens, nt, 4, vec[v].salt, remote, &nkeys));
+            S_CHECK(nkeys == 2, "daemon: %u keys", nkeys);
+            for (int i = 0; i < 2; i++) {
+                s_hex(local[i], hex);
+                S_CHECK(strcmp(hex, vec[v].keys[i]) == 0, "local key %d (salt %s): %s", i,
+                        vec[v].salt ? vec[v].salt : "none", hex);
+                s_hex(remote[i], hex);
+                S_CHECK(strcmp(hex, vec[v].keys[i]) == 0, "daemon key %d (salt %s): %s", i,
+                        vec[v].salt ? vec[v].salt : "none", hex);
+            }
+        }
+    }
+    /* "" is no salt, as NULL is */
+    S_OK(c, kvtier_hash_tokens(c, tokens, 8, 4, "", remote, &nkeys));
+    s_hex(remote[0], hex);
+    S_CHECK(nkeys == 2 && strcmp(hex, vec[0].keys[0]) == 0, "salt \"\": %s", hex);
+    S_CHECK(kvtier_hash_tokens_local(tokens, 8, 4, "", local) == 2 &&
+                memcmp(local, remote, 2 * KVTIER_KEY_LEN) == 0,
+            "local salt \"\" differs");
+    /* fewer tokens than one chunk: no keys */
+    S_OK(c, kvtier_hash_tokens(c, tokens, 3, 4, NULL, remote, &nkeys));
+    S_CHECK(nkeys == 0 && kvtier_hash_tokens_local(tokens, 3, 4, NULL, local) == 0, "3 tokens");
+    /* chunk_tokens 0: the daemon's, from HELLO */
+    uint32_t ct = kvtier_info(c)->chunk_tokens;
+    size_t nt = (size_t)ct * 3 + 5;
+    many = malloc(nt * sizeof *many);
+    lk = malloc(3 * KVTIER_KEY_LEN);
+    rk = malloc(3 * KVTIER_KEY_LEN);
+    S_CHECK(ct && many && lk && rk, "chunk_tokens %u / out of memory", ct);
+    for (size_t i = 0; i < nt; i++)
+        many[i] = s_token(i);
+    S_OK(c, kvtier_hash_tokens(c, many, nt, 0, "tenant-a", rk, &nkeys));
+    S_CHECK(nkeys == 3, "daemon default chunk: %u keys", nkeys);
+    S_CHECK(kvtier_hash_tokens_local(many, nt, ct, "tenant-a", lk) == 3 &&
+                memcmp(lk, rk, 3 * KVTIER_KEY_LEN) == 0,
+            "local and daemon keys differ at chunk_tokens %u", ct);
+    S_CHECK(kvtier_hash_tokens_local(many, nt, 0, NULL, lk) == 0, "local chunk_tokens 0");
+    printf("hash: local == daemon == documented vectors\n");
+out:
+    free(many);
+    free(lk);
+    free(rk);
+    return rc;
+}
+
+/* ---- error paths ---- */
+
+static int s_errors(kvtier_t *c)
+{
+    int rc = 0;
+    uint8_t keys[2][KVTIER_KEY_LEN] = {{1}, {2}};
+    kvtier_slot_t slots[2];
+    kvtier_buf_t out[2];
+    uint64_t lease = 0, sizes[2] = {4096, 0};
+    uint32_t n = 0, hits = 0, tk[8] = {0};
+    size_t lens[2] = {1, 1};
+    const void *data[2] = {"a", NULL};
+    char longns[300], err[256] = "";
+    memset(longns, 'n', sizeof longns - 1);
+    longns[sizeof longns - 1] = '\0';
+    const uint64_t bogus = 0x7ead5eedull;
+
+    S_FAILS(c, KVT_EUNKLEASE, kvtier_release(c, bogus));
+    S_FAILS(c, KVT_EUNKLEASE, kvtier_commit(c, bogus, NULL, 0, NULL));
+    S_OK(c, kvtier_ping(c));
+    S_CHECK(kvtier_last_error(c)[0] == '\0', "last_error after a success: %s",
+            kvtier_last_error(c));
+
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_lookup(c, NULL, NULL, (s_keys_t)keys, 2, 0, &hits, NULL, NULL, NULL));
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_lookup(c, longns, NULL, (s_keys_t)keys, 2, 0, &hits, NULL, NULL, NULL));
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_lookup(c, S_NS, longns, (s_keys_t)keys, 2, 0, &hits, NULL, NULL, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_lookup(c, S_NS, NULL, NULL, 2, 0, &hits, NULL, NULL, NULL));
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_lookup(c, S_NS, NULL, (s_keys_t)keys, 2, 0, NULL, NULL, NULL, NULL));
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_lookup(c, S_NS, NULL, (s_keys_t)keys, 2, 0x80, &hits, NULL, NULL, NULL));
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_lookup(c, S_NS, NULL, (s_keys_t)keys, 2, KVTIER_LOCK, &hits, NULL, NULL, NULL));
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_reserve(c, S_NS, NULL, (s_keys_t)keys, 2, NULL, 0, slots, &n, &lease));
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_reserve(c, S_NS, NULL, (s_keys_t)keys, 2, sizes, 0, slots, &n, &lease));
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_reserve(c, S_NS, NULL, (s_keys_t)keys, 2, NULL, 4096, NULL, &n, &lease));
+    S_FAILS(c, KVT_EINVAL,
+            kvtier_reserve(c, "", NULL, (s_keys_t)keys, 2, NULL, 4096, slots, &n, &lease));
+    S_FAILS(c, KVT_EINVAL, kvtier_commit(c, bogus, NULL, 1, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_acquire(c, S_NS, NULL, NULL, 2, slots, &n, &lease));
+    S_FAILS(c, KVT_EINVAL, kvtier_acquire(c, S_NS, NULL, (s_keys_t)keys, 2, slots, NULL, &lease));
+    S_FAILS(c, KVT_EINVAL, kvtier_put(c, S_NS, NULL, (s_keys_t)keys, 2, data, NULL, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_put(c, S_NS, NULL, (s_keys_t)keys, 2, NULL, lens, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_put(c, S_NS, NULL, (s_keys_t)keys, 2, data, lens, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_put(c, NULL, NULL, (s_keys_t)keys, 1, data, lens, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_get(c, S_NS, NULL, (s_keys_t)keys, 2, NULL, &n));
+    S_FAILS(c, KVT_EINVAL, kvtier_get(c, S_NS, NULL, (s_keys_t)keys, 2, out, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_remove(c, S_NS, NULL, NULL, 2, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_clear(c, "", NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_hash_tokens(c, NULL, 8, 4, NULL, keys, &n));
+    S_FAILS(c, KVT_EINVAL, kvtier_hash_tokens(c, tk, 8, 4, NULL, keys, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_hash_tokens(c, tk, 8, 4, NULL, NULL, &n));
+    S_FAILS(c, KVT_EINVAL, kvtier_stats(c, NULL));
+    S_CHECK(kvtier_ping(NULL) == KVT_EINVAL && kvtier_release(NULL, 1) == KVT_EINVAL,
+            "NULL handle");
+    S_CHECK(kvtier_last_error(NULL) != NULL, "last_error(NULL)");
+    S_CHECK(kvtier_hash_tokens_local(NULL, 8, 4, NULL, keys) == 0, "local hash of NULL");
+    /* the connection is still good after all that */
+    S_OK(c, kvtier_ping(c));
+
+    /* a daemon that is not there: connect fails in bounded time, with a sentence */
+    kvtier_t *none = kvtier_connect("ipc:///nonexistent/kvtier-test.sock", "c-client-test", NULL,
+                                    300, err, sizeof err);
+    S_CHECK(none == NULL && err[0], "connect to nowhere: %p '%s'", (void *)none, err);
+    err[0] = '\0';
+    none = kvtier_connect("bogus://endpoint", "c-client-test", NULL, 300, err, sizeof err);
+    S_CHECK(none == NULL && err[0], "connect to a bogus endpoint: '%s'", err);
+    kvtier_close(&none); /* accepts NULL */
+    printf("errors: ok\n");
+out:
+    return rc;
+}
+
+/* ---- prefetch ---- */
+
+static int s_prefetch(kvtier_t *c)
+{
+    int rc = 0, done = 0;
+    uint8_t keys[1][KVTIER_KEY_LEN] = {{0x42}};
+    const void *data[1] = {"prefetched"};
+    size_t lens[1] = {10};
+    uint32_t stored = 0, hits = 0, loaded = 0, phits = 0;
+    uint64_t job = 0;
+    S_OK(c, kvtier_put(c, S_NS "-prefetch", NULL, (s_keys_t)keys, 1, data, lens, &stored));
+    S_OK(c, kvtier_lookup(c, S_NS "-prefetch", NULL, (s_keys_t)keys, 1, KVTIER_PREFETCH, &hits,
+                          NULL, NULL, &job));
+    S_CHECK(hits == 1, "hits %u", hits);
+    if (job) {
+        struct timespec t0, now, nap = {0, 10 * 1000 * 1000};
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (;;) {
+            S_OK(c, kvtier_prefetch_status(c, job, &done, &loaded, &phits));
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if (done || now.tv_sec - t0.tv_sec > 10)
+                break;
+            nanosleep(&nap, NULL);
+        }
+        S_CHECK(done, "prefetch job %llu not done within 10 s", (unsigned long long)job);
+    }
+    printf("prefetch: job %llu done %d loaded %u hits %u\n", (unsigned long long)job, done, loaded,
+           phits);
+    S_FAILS(c, KVT_ENOTFOUND, kvtier_prefetch_status(c, 0x7fffffffffffull, &done, NULL, NULL));
+    S_OK(c, kvtier_clear(c, S_NS "-prefetch", NULL));
+out:
+    return rc;
+}
+
+/* ---- a client that cannot map the arena ---- */
+
+static int s_remote(kvtier_t *c)
+{
+    int rc = 0;
+    uint8_t keys[1][KVTIER_KEY_LEN] = {{0x7e}};
+    kvtier_slot_t slots[1];
+    kvtier_buf_t out[1] = {{0}};
+    uint64_t lease = 0;
+    uint32_t n = 0, stored = 0, found = 0;
+    size_t size = 1, lens[1] = {4097};
+    uint8_t *data = malloc(lens[0]);
+    S_CHECK(data, "out of memory");
+    s_fill_random(data, lens[0], 7);
+    S_CHECK(kvtier_arena(c, &size) == NULL && size == 0, "the arena was mapped");
+    S_FAILS(
+        c, KVT_EUNAVAIL,
+        kvtier_reserve(c, S_NS "-remote", NULL, (s_keys_t)keys, 1, NULL, 4096, slots, &n, &lease));
+    S_CHECK(strstr(kvtier_last_error(c), "arena"), "unclear message: %s", kvtier_last_error(c));
+    S_FAILS(c, KVT_EUNAVAIL,
+            kvtier_acquire(c, S_NS "-remote", NULL, (s_keys_t)keys, 1, slots, &n, &lease));
+    const void *ptrs[1] = {data};
+    S_OK(c, kvtier_put(c, S_NS "-remote", NULL, (s_keys_t)keys, 1, ptrs, lens, &stored));
+    S_CHECK(stored == 1, "stored %u", stored);
+    S_OK(c, kvtier_get(c, S_NS "-remote", NULL, (s_keys_t)keys, 1, out, &found));
+    S_CHECK(found == 1 && out[0].len == lens[0] && !memcmp(out[0].data, data, lens[0]),
+            "get found %u", found);
+    S_OK(c, kvtier_clear(c, S_NS "-remote", NULL));
+    printf("remote: no arena, put/get work\n");
+out:
+    free(out[0].data);
+    free(data);
+    return rc;
+}
+
+static const struct {
+    const char *name;
+    int (*run)(kvtier_t *c);
+} s_scenarios[] = {
+    {"rank-store", s_rank_store}, {"rank-load", s_rank_load}, {"salt", s_salt},
+    {"embed", s_embed},           {"hash", s_hash},           {"errors", s_errors},
+    {"prefetch", s_prefetch},     {"remote", s_remote},
+};
+
+int main(int argc, char **argv)
+{
+    size_t ns = sizeof s_scenarios / sizeof s_scenarios[0], i = 0;
+    for (; argc == 3 && i < ns; i++)
+        if (!strcmp(argv[2], s_scenarios[i].name))
+            break;
+    if (argc != 3 || i == ns) {
+        fprintf(stderr, "usage: kvtier-client-test ENDPOINT SCENARIO\nscenarios:");
+        for (size_t j = 0; j < ns; j++)
+            fprintf(stderr, " %s", s_scenarios[j].name);
+        fputc('\n', stderr);
+        return 2;
+    }
+    char err[256];
+    kvtier_t *c = kvtier_connect(argv[1], "c-client-test", NULL, 10000, err, sizeof err);
+    if (!c) {
+        fprintf(stderr, "%s: %s\n", argv[2], err);
+        return 1;
+    }
+    int rc = s_scenarios[i].run(c);
+    kvtier_close(&c);
+    if (rc)
+        fprintf(stderr, "%s: FAILED\n", argv[2]);
+    return rc;
+}

@@ -1,0 +1,257 @@
+"""libkvtier (the C client, client/kvtier.h) and the kvtier CLI against the real daemon.
+
+The C side is build/kvtier-client-test (tests/integration/c_client_test.c, KVT_CLIENT_TEST):
+each scenario runs in its own process, so the store of a prefix (rank-store) and its load
+(rank-load) happen in different processes, as they do for two data-parallel ranks of one
+engine. The CLI tests (KVT_CLI) cover put/get/lookup/clear/hash. Without KVT_CLIENT_TEST the
+scenario tests are skipped; without KVT_CLI the CLI tests are.
+"""
+
+import os
+import random
+import shutil
+import subprocess
+
+import pytest
+
+from kvtest import MiB
+
+VECTOR = ["361d40d624bc45847cb55c04878d9596", "390d55d1f642cbe361c5f27bacda5d77"]
+VECTOR_SALTED = ["d94d032fdacc9824ff9e899c1d74acfc", "dafdfb4cdf651f440368d67cab9efb68"]
+
+SCENARIO_TIMEOUT_S = 60
+# L1 alone: after CLEAR an L2 tier would still answer LOOKUP (CLEAR empties L1 only)
+KVT_DAEMON_ARGS = ("--l2", "none")
+
+
+def _client_test_bin():
+    p = os.environ.get("KVT_CLIENT_TEST")
+    if not p or not os.path.isfile(p) or not os.access(p, os.X_OK):
+        return None
+    return os.path.abspath(p)
+
+
+needs_client_test = pytest.mark.skipif(
+    _client_test_bin() is None,
+    reason="KVT_CLIENT_TEST is unset or not executable (make build/kvtier-client-test and set "
+           "KVT_CLIENT_TEST=/abs/build/kvtier-client-test)")
+
+
+def _env():
+    e = dict(os.environ)
+    e.pop("KVTIER_ENDPOINT", None)
+    return e
+
+
+def _start_scenario(endpoint, name):
+    return subprocess.Popen([_client_test_bin(), endpoint, name], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+
+
+def _finish(proc, name, daemon):
+    try:
+        out, err = proc.communicate(timeout=SCENARIO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError("scenario %s did not finish within %d s\n%s%s"
+                             % (name, SCENARIO_TIMEOUT_S, out, err))
+    assert proc.returncode == 0, ("scenario %s failed (exit %s)\n--- stdout ---\n%s"
+                                  "--- stderr ---\n%s--- kvtierd stderr tail ---\n%s"
+                                  % (name, proc.returncode, out, err, daemon.stderr_tail(30)))
+    return out
+
+
+def run_scenario(daemon, name, endpoint=None):
+    """Runs one scenario of kvtier-client-test in its own process; returns its stdout."""
+    return _finish(_start_scenario(endpoint or daemon.ipc, name), name, daemon)
+
+
+# ----------------------------------------------------------------------------------------
+# libkvtier scenarios
+
+
+@needs_client_test
+def test_rank_store_then_rank_load(daemon):
+    """Rank 0 stores a 4-chunk prefix through the arena; other processes find and read it."""
+    out = run_scenario(daemon, "rank-store")
+    assert "stored 4 chunks" in out, out
+    out = run_scenario(daemon, "rank-load")
+    assert "4 chunks verified" in out, out
+    # two more ranks at once, one over tcp (same host: it maps the arena too)
+    procs = [(_start_scenario(ep, "rank-load"), ep) for ep in (daemon.ipc, daemon.tcp)]
+    for p, ep in procs:
+        assert "4 chunks verified" in _finish(p, "rank-load (%s)" % ep, daemon)
+    # every lease was released: nothing stays pinned after the ranks said BYE
+    assert daemon.stats()["leases_active"] == 0
+
+
+@needs_client_test
+def test_rank_load_without_store_fails(daemon):
+    p = _start_scenario(daemon.ipc, "rank-load")
+    out, err = p.communicate(timeout=SCENARIO_TIMEOUT_S)
+    assert p.returncode == 1, (out, err)
+    assert "hits 0" in err, err
+
+
+@needs_client_test
+def test_salt_isolation(daemon):
+    assert "isolated" in run_scenario(daemon, "salt")
+
+
+@needs_client_test
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_embedding_put_get(daemon, transport):
+    out = run_scenario(daemon, "embed", daemon.endpoint(transport))
+    assert "3145728 bytes round-tripped" in out, out
+
+
+@needs_client_test
+def test_hash_local_equals_daemon(daemon):
+    assert "documented vectors" in run_scenario(daemon, "hash")
+
+
+@needs_client_test
+def test_error_paths(daemon):
+    assert "errors: ok" in run_scenario(daemon, "errors")
+
+
+@needs_client_test
+def test_prefetch(daemon):
+    assert "prefetch:" in run_scenario(daemon, "prefetch")
+
+
+def _can_unshare():
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        cp = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                             "mount -t tmpfs none /dev/shm"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return cp.returncode == 0
+
+
+@needs_client_test
+def test_client_without_the_arena(daemon_factory):
+    """A client that cannot open HELLO's shm.path (as on another host) still connects;
+    RESERVE/ACQUIRE refuse locally with unavailable, PUT/GET work. The daemon runs in its own
+    mount namespace with a private /dev/shm, so its arena file is invisible to the client."""
+    if not _can_unshare():
+        pytest.skip("needs unshare -m and mount (root or CAP_SYS_ADMIN) for a private /dev/shm")
+    d = daemon_factory(prefix=["unshare", "-m", "--propagation", "private", "sh", "-c",
+                               'mount -t tmpfs none /dev/shm && exec "$0" "$@"'])
+    assert "put/get work" in run_scenario(d, "remote")
+
+
+# ----------------------------------------------------------------------------------------
+# The CLI
+
+
+def cli(kvt_cli_bin, *args, endpoint=None, timeout=30, text=True):
+    argv = [kvt_cli_bin] + (["-e", endpoint] if endpoint else []) + [str(a) for a in args]
+    try:
+        return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=text,
+                              env=_env(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("kvtier %s did not exit within %d s" % (" ".join(args), timeout))
+
+
+def test_cli_put_get_lookup_clear(daemon, kvt_cli_bin, tmp_path):
+    data = random.Random(1).randbytes(MiB + 4097)
+    src = tmp_path / "embedding.bin"
+    src.write_bytes(data)
+    cp = cli(kvt_cli_bin, "put", src, endpoint=daemon.ipc)
+    assert cp.returncode == 0, cp.stderr
+    lines = cp.stdout.split()
+    assert len(lines) == 3 and lines[1:] == ["stored", "1"], cp.stdout
+    key = lines[0]
+    assert len(key) == 32 and int(key, 16) >= 0, key
+    try:
+        import xxhash
+    except ImportError:
+        xxhash = None
+    if xxhash is not None:  # the default key is XXH3-128 of the bytes, canonical big-endian
+        assert key == xxhash.xxh3_128_hexdigest(data), key
+    # the same bytes again: same key, nothing new stored
+    cp = cli(kvt_cli_bin, "put", src, endpoint=daemon.ipc)
+    assert cp.returncode == 0 and cp.stdout.split() == [key, "stored", "0"], cp
+
+    out = tmp_path / "back.bin"
+    cp = cli(kvt_cli_bin, "get", "-o", out, key, endpoint=daemon.tcp)
+    assert cp.returncode == 0, cp.stderr
+    assert out.read_bytes() == data
+    cp = cli(kvt_cli_bin, "get", key, endpoint=daemon.ipc, text=False)
+    assert cp.returncode == 0 and cp.stdout == data, cp.stderr
+
+    cp = cli(kvt_cli_bin, "lookup", key, endpoint=daemon.ipc)
+    assert cp.returncode == 0 and cp.stdout.strip() == "hits 1 l1 1", (cp.stdout, cp.stderr)
+    cp = cli(kvt_cli_bin, "lookup", key, "00" * 16, key, endpoint=daemon.ipc)
+    assert cp.returncode == 0 and cp.stdout.strip() == "hits 1 l1 1", cp.stdout
+    # another namespace or salt does not see it
+    for extra in (("--ns", "other"), ("--salt", "tenant-a")):
+        cp = cli(kvt_cli_bin, "lookup", *extra, key, endpoint=daemon.ipc)
+        assert cp.returncode == 0 and cp.stdout.strip() == "hits 0 l1 0", (extra, cp.stdout)
+        cp = cli(kvt_cli_bin, "get", *extra, key, endpoint=daemon.ipc)
+        assert cp.returncode == 1 and "not found" in cp.stderr, (extra, cp)
+
+    cp = cli(kvt_cli_bin, "clear", endpoint=daemon.ipc)
+    assert cp.returncode == 0, cp.stderr
+    removed = cp.stdout.split()
+    assert removed[0] == "removed" and int(removed[1]) >= 1, cp.stdout
+    cp = cli(kvt_cli_bin, "get", "-o", tmp_path / "gone.bin", key, endpoint=daemon.ipc)
+    assert cp.returncode == 1 and "not found" in cp.stderr, cp
+    assert not (tmp_path / "gone.bin").exists()
+    cp = cli(kvt_cli_bin, "lookup", key, endpoint=daemon.ipc)
+    assert cp.stdout.strip() == "hits 0 l1 0", cp.stdout
+
+
+def test_cli_put_with_key_salt_and_ns(daemon, kvt_cli_bin, tmp_path):
+    src = tmp_path / "one.bin"
+    src.write_bytes(b"\x01")
+    key = "0123456789abcdef0123456789ABCDEF"
+    base = ("--ns", "cli-test", "--salt", "tenant-a")
+    cp = cli(kvt_cli_bin, "put", *base, "--key", key, src, endpoint=daemon.ipc)
+    assert cp.returncode == 0 and cp.stdout.split() == [key.lower(), "stored", "1"], cp
+    cp = cli(kvt_cli_bin, "get", *base, key, endpoint=daemon.ipc, text=False)
+    assert cp.returncode == 0 and cp.stdout == b"\x01", cp
+    # clear of the default namespace leaves cli-test alone; clear --ns cli-test removes it
+    cp = cli(kvt_cli_bin, "clear", endpoint=daemon.ipc)
+    assert cp.returncode == 0 and cp.stdout.strip() == "removed 0", cp.stdout
+    cp = cli(kvt_cli_bin, "clear", "--ns", "cli-test", endpoint=daemon.ipc)
+    assert cp.returncode == 0 and cp.stdout.strip() == "removed 1", cp.stdout
+    cp = cli(kvt_cli_bin, "put", "--key", key, src, endpoint=daemon.ipc)
+    assert cp.returncode == 0, cp.stderr
+    cp = cli(kvt_cli_bin, "clear", "--all", endpoint=daemon.ipc)
+    assert cp.returncode == 0 and cp.stdout.strip() == "removed 1", cp.stdout
+
+
+def test_cli_hash(kvt_cli_bin):
+    """Local hashing: no daemon, no endpoint needed; the documented vectors."""
+    toks = [str(t) for t in range(8)]
+    cp = cli(kvt_cli_bin, "hash", "--chunk-tokens", "4", *toks, endpoint="ipc:///nonexistent")
+    assert cp.returncode == 0 and cp.stdout.split() == VECTOR, (cp.stdout, cp.stderr)
+    cp = cli(kvt_cli_bin, "hash", "--chunk-tokens", "4", "--salt", "tenant-a", *toks, "8")
+    assert cp.returncode == 0 and cp.stdout.split() == VECTOR_SALTED, (cp.stdout, cp.stderr)
+    cp = cli(kvt_cli_bin, "hash", *toks)  # default 256 tokens a chunk: no full chunk
+    assert cp.returncode == 0 and cp.stdout == "", cp.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("put",), ("put", "a", "b"), ("get",), ("get", "xyz"), ("get", "00" * 15),
+    ("lookup",), ("lookup", "g" * 32), ("clear", "--ns"), ("clear", "--ns", "x", "--all"),
+    ("hash",), ("hash", "-1"), ("hash", "4294967296"), ("hash", "--chunk-tokens", "0", "1"),
+    ("put", "--bogus", "f"), ("ping", "extra"), ("-t", "abc", "ping"),
+])
+def test_cli_usage_errors(kvt_cli_bin, args):
+    cp = cli(kvt_cli_bin, *args, endpoint="ipc:///nonexistent/kvtier.sock")
+    assert cp.returncode == 2, (args, cp.returncode, cp.stdout, cp.stderr)
+    assert cp.stderr.strip()
+
+
+def test_cli_errors(daemon, kvt_cli_bin, tmp_path):
+    cp = cli(kvt_cli_bin, "put", tmp_path / "missing.bin", endpoint=daemon.ipc)
+    assert cp.returncode == 1 and "missing.bin" in cp.stderr, cp
+    cp = cli(kvt_cli_bin, "-t", "300", "get", "00" * 16, endpoint="ipc:///nonexistent/k.sock")
+    assert cp.returncode == 1 and cp.stderr.strip(), cp
