@@ -109,7 +109,7 @@ integration: deps all asan $(BUILD)/kvtier-client-test
 
 check-asan: unit integration
 
-test: deps all unit tsan integration bench-smoke
+test: deps all unit tsan bench-smoke fuzz-smoke integration
 
 # ThreadSanitizer: the L1 concurrency test, built with its own objects in build/tsan/ (a TSan
 # report fails the target: halt_on_error, and TSan's non-zero exit code). The objects are
@@ -251,3 +251,69 @@ $(BENCH): bench/kvtier_bench.c $(BUILD)/libkvtier.a
 
 bench: deps $(BUILD)/kvtierd $(BENCH)
 	timeout 600 $(BENCH) --daemon $(BUILD)/kvtierd $(BENCH_ARGS)
+
+# ---- fuzzing ------------------------------------------------------------------------------
+# libFuzzer harnesses (tests/fuzz/), built with clang and ASan+UBSan from the sources they
+# need (not the gcc objects): fuzz_decode drives the request decoder (kvt_msg_decode,
+# kvt_msg_prescan, kvt_msg_read_uint), fuzz_config the JSON config loader and its
+# --print-config round trip. `make fuzz` runs each for FUZZ_SECONDS on a fresh copy of its
+# seed corpus in build/fuzz/ (the repo's corpus is never written); any crash, leak, timeout or
+# sanitizer report fails it, the input left in build/fuzz/artifacts/. `make fuzz-smoke` is the
+# CI run (60 s each). Seeds: tests/fuzz/corpus/; decode seeds come from tests/fuzz/gen_corpus.py.
+FUZZ_CC       ?= clang
+FUZZ_SECONDS  ?= 60
+FUZZ_DEB_PKGS := clang libclang-rt-14-dev
+FUZZ_DIR      := $(BUILD)/fuzz
+FUZZ_SAN      := -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+                 -fno-omit-frame-pointer -g -O1
+FUZZ_CFLAGS    = -std=gnu11 $(WARN) -D_GNU_SOURCE -DKVT_VERSION='"$(VERSION)"' $(INC) $(FUZZ_SAN)
+FUZZ_RUN_ARGS  = -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
+                 -print_final_stats=1
+FUZZ_DECODE_SRC := tests/fuzz/fuzz_decode.c protocol/kvt_msg.c protocol/kvt_proto.c \
+                   common/kvt_error.c common/kvt_log.c
+FUZZ_CONFIG_SRC := tests/fuzz/fuzz_config.c config/kvt_config.c common/kvt_error.c common/kvt_log.c
+FUZZ_BINS     := $(FUZZ_DIR)/fuzz_decode $(FUZZ_DIR)/fuzz_config
+
+.PHONY: fuzz fuzz-smoke fuzz-build fuzz-deps
+
+# Like deps: installs clang and libFuzzer's runtime when missing, nothing otherwise.
+fuzz-deps: deps
+	@missing=""; for p in $(FUZZ_DEB_PKGS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "fuzz-deps: installing$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+$(FUZZ_DIR)/fuzz_decode: $(FUZZ_DECODE_SRC) $(wildcard common/*.h protocol/*.h)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(shell pkg-config --cflags msgpack 2>/dev/null) -o $@ \
+	  $(FUZZ_DECODE_SRC) $(shell pkg-config --libs msgpack 2>/dev/null)
+
+$(FUZZ_DIR)/fuzz_config: $(FUZZ_CONFIG_SRC) $(wildcard common/*.h config/*.h)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(shell pkg-config --cflags jansson 2>/dev/null) -o $@ \
+	  $(FUZZ_CONFIG_SRC) $(shell pkg-config --libs jansson 2>/dev/null) -lm
+
+fuzz-build: fuzz-deps
+	@$(MAKE) --no-print-directory $(FUZZ_BINS)
+
+# Each run starts from a fresh copy of the seeds; libFuzzer exits non-zero on any finding.
+fuzz: fuzz-build
+	@set -e; mkdir -p $(FUZZ_DIR)/artifacts; for t in decode config; do \
+	  rm -rf $(FUZZ_DIR)/corpus-$$t; mkdir -p $(FUZZ_DIR)/corpus-$$t; \
+	  cp tests/fuzz/corpus/$$t/* $(FUZZ_DIR)/corpus-$$t/; \
+	  echo "== fuzz_$$t ($(FUZZ_SECONDS) s)"; \
+	  $(FUZZ_DIR)/fuzz_$$t $(FUZZ_RUN_ARGS) -dict=tests/fuzz/$$t.dict \
+	    -artifact_prefix=$(abspath $(FUZZ_DIR))/artifacts/$$t- $(FUZZ_DIR)/corpus-$$t \
+	    > $(FUZZ_DIR)/fuzz_$$t.log 2>&1 || { tail -n 60 $(FUZZ_DIR)/fuzz_$$t.log; \
+	    echo "fuzz_$$t: FAILED (log: $(FUZZ_DIR)/fuzz_$$t.log, input: $(FUZZ_DIR)/artifacts/)"; \
+	    exit 1; }; \
+	  grep -E '^(Done|stat::)' $(FUZZ_DIR)/fuzz_$$t.log | tr '\n' ' '; echo; \
+	done
+
+fuzz-smoke:
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=60
