@@ -126,6 +126,10 @@ def test_arena_shm_group(daemon_factory, form):
     st = os.stat(path)
     assert st.st_mode & 0o777 == 0o660, "arena mode %o, want 660" % (st.st_mode & 0o777)
     assert st.st_gid == g.gr_gid, "arena gid %d, want %d (%s)" % (st.st_gid, g.gr_gid, g.gr_name)
+    # the ipc socket is shared with the same group, so its members can connect
+    sock = os.stat(d.ipc_path)
+    assert sock.st_mode & 0o777 == 0o660, "ipc socket mode %o, want 660" % (sock.st_mode & 0o777)
+    assert sock.st_gid == g.gr_gid, "ipc socket gid %d, want %d" % (sock.st_gid, g.gr_gid)
 
 
 def test_arena_of_killed_daemon_removed_on_restart(daemon_factory):

@@ -371,3 +371,21 @@ def test_supervisor_exit_is_noticed(daemon_factory):
     wait_until(lambda: [l for l in d.log_lines(max_level=4) if "supervisor" in l],
                timeout=3, what="a warn/error log line naming the supervisor thread")
     d.ping(d.dealer())
+
+
+def test_missing_shm_group_is_a_config_error(kvt_daemon_bin, tmp_path):
+    """A shm_group that does not exist is refused by --check-config (exit 2, one line naming the
+    option) instead of failing later at start."""
+    cp = run_kvtierd(scratch_args(tmp_path) + ["--shm-group", "kvt-no-such-group-42",
+                                               "--check-config"])
+    assert cp.returncode == 2, cp
+    lines = [l for l in cp.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "shm_group" in lines[0], cp.stderr
+
+
+def test_localhost_tcp_listen_is_refused_with_a_hint(kvt_daemon_bin, tmp_path):
+    """libzmq cannot bind a host name: tcp://localhost is a config error that says what to use."""
+    cp = run_kvtierd(scratch_args(tmp_path) + ["--listen", "tcp://localhost:5555",
+                                               "--check-config"])
+    assert cp.returncode == 2, cp
+    assert "127.0.0.1" in cp.stderr and "listen" in cp.stderr, cp.stderr
