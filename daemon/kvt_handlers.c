@@ -184,19 +184,24 @@ static kvt_slot_t *s_slots(uint32_t n)
     return slots;
 }
 
-static int s_reserve(kvt_rq_t *c)
+/* RESERVE and ACQUIRE: both take a lease for the leading keys and answer {slots, lease}. */
+static int s_slots_request(kvt_rq_t *c, bool reserve)
 {
     int rc = s_need_owner(c);
     if (rc)
         return rc;
     const kvt_req_t *r = &c->req;
     kvt_nsref_t ns = s_nsref(r);
+    const uint8_t(*keys)[KVT_KEY_LEN] = (const uint8_t(*)[KVT_KEY_LEN])r->keys;
     kvt_slot_t *slots = s_slots(r->nkeys);
     uint32_t n = 0;
     uint64_t lease = 0;
-    rc = kvt_l1_reserve(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                        r->nkeys, (r->present & KVT_F_SIZES) ? r->sizes : NULL, r->size, slots,
-                        &n, &lease, c->err, sizeof c->err);
+    if (reserve)
+        rc = kvt_l1_reserve(c->svc->l1, c->owner, &ns, keys, r->nkeys,
+                            (r->present & KVT_F_SIZES) ? r->sizes : NULL, r->size, slots, &n,
+                            &lease, c->err, sizeof c->err);
+    else
+        rc = kvt_l1_acquire(c->svc->l1, c->owner, &ns, keys, r->nkeys, slots, &n, &lease);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 2);
         s_pack_slots(&c->pk, slots, n);
@@ -204,6 +209,11 @@ static int s_reserve(kvt_rq_t *c)
     }
     free(slots);
     return rc;
+}
+
+static int s_reserve(kvt_rq_t *c)
+{
+    return s_slots_request(c, true);
 }
 
 static int s_commit(kvt_rq_t *c)
@@ -220,23 +230,7 @@ static int s_commit(kvt_rq_t *c)
 
 static int s_acquire(kvt_rq_t *c)
 {
-    int rc = s_need_owner(c);
-    if (rc)
-        return rc;
-    const kvt_req_t *r = &c->req;
-    kvt_nsref_t ns = s_nsref(r);
-    kvt_slot_t *slots = s_slots(r->nkeys);
-    uint32_t n = 0;
-    uint64_t lease = 0;
-    rc = kvt_l1_acquire(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                        r->nkeys, slots, &n, &lease);
-    if (rc == 0) {
-        kvt_pack_ok(&c->pk, 2);
-        s_pack_slots(&c->pk, slots, n);
-        s_pack_uint_field(&c->pk, "lease", lease);
-    }
-    free(slots);
-    return rc;
+    return s_slots_request(c, false);
 }
 
 static int s_release(kvt_rq_t *c)
