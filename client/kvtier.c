@@ -31,6 +31,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -50,6 +52,7 @@ struct kvtier {
     size_t arena_size;
     char arena_why[384]; /* why arena is NULL: the message of a local KVT_EUNAVAIL */
     char error[256];
+    uint64_t spin_ns; /* busy-poll for a reply this long before sleeping (0: never) */
 };
 
 static _Atomic unsigned s_seq;
@@ -64,6 +67,62 @@ static int s_fail(kvtier_t *self, int code, const char *fmt, ...)
     vsnprintf(self->error, sizeof self->error, fmt, ap);
     va_end(ap);
     return code;
+}
+
+/* ---- the process's zmq context ---- */
+
+/* One zmq context for every connection of a process, as zmq intends: eight threads with a
+ * connection each would otherwise run eight I/O threads, and on a small machine those, not the
+ * daemon, bound the request rate. It has two I/O threads (KVTIER_IO_THREADS), and zmq puts a
+ * new connection on the less loaded one, so a connection moving bulk GETs does not hold up the
+ * replies of another. Created at the first connect, terminated after the last close. A child
+ * forked while connections were open gets a context of its own (the parent's has no I/O thread
+ * in the child). */
+static pthread_mutex_t s_ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *s_ctx;
+static unsigned s_ctx_refs;
+static pid_t s_ctx_pid;
+
+/* An integer from the environment within [lo, hi], else def. */
+static int s_env_int(const char *name, int def, int lo, int hi)
+{
+    const char *v = getenv(name);
+    char *end;
+    long n = v && *v ? strtol(v, &end, 10) : def;
+    return v && *v && (*end || n < lo || n > hi) ? def : (int)n;
+}
+
+static void *s_ctx_acquire(void)
+{
+    pthread_mutex_lock(&s_ctx_lock);
+    if (s_ctx && s_ctx_pid != getpid()) {
+        s_ctx = NULL; /* the parent's: left alone */
+        s_ctx_refs = 0;
+    }
+    if (!s_ctx) {
+        s_ctx = zmq_ctx_new();
+        if (s_ctx)
+            zmq_ctx_set(s_ctx, ZMQ_IO_THREADS, s_env_int("KVTIER_IO_THREADS", 2, 1, 16));
+        s_ctx_pid = getpid();
+    }
+    void *ctx = s_ctx;
+    if (ctx)
+        s_ctx_refs++;
+    pthread_mutex_unlock(&s_ctx_lock);
+    return ctx;
+}
+
+static void s_ctx_release(void *ctx)
+{
+    if (!ctx)
+        return;
+    pthread_mutex_lock(&s_ctx_lock);
+    bool last = ctx == s_ctx && --s_ctx_refs == 0;
+    if (last)
+        s_ctx = NULL;
+    pthread_mutex_unlock(&s_ctx_lock);
+    if (last)
+        zmq_ctx_term(ctx); /* its sockets are closed (linger 0): returns at once */
 }
 
 /* ---- envelope ---- */
@@ -86,14 +145,25 @@ static int s_pack_uint(char *buf, uint64_t v)
     return n;
 }
 
+/* What a call keeps of a reply's data frames: nothing, copies, or the frames themselves. */
+typedef enum { S_DATA_NONE, S_DATA_COPY, S_DATA_KEEP } s_data_mode_t;
+
+/* Data frames kept as received (kvtier_get_frames): the caller's views point into them. */
+struct kvtier_frames {
+    uint32_t n, cap;
+    zmq_msg_t *msgs;
+};
+
 /* A reply: body copied out of its frame (msgpack objects point into it) and, when the caller
- * asked for them, copies of the data frames. s_reply_free releases whatever is still owned. */
+ * asked for them, copies of the data frames or the frames themselves. s_reply_free releases
+ * whatever is still owned. */
 typedef struct {
     void *buf;
     size_t len;
     msgpack_unpacked up;
     kvtier_buf_t *data;
     uint32_t ndata, cap;
+    kvtier_frames_t *frames;
 } s_reply_t;
 
 static void s_reply_init(s_reply_t *r)
@@ -112,6 +182,39 @@ static void s_reply_free(s_reply_t *r)
     free(r->data);
     r->data = NULL;
     r->ndata = r->cap = 0;
+    kvtier_frames_free(&r->frames);
+}
+
+void kvtier_frames_free(kvtier_frames_t **frames_p)
+{
+    if (!frames_p || !*frames_p)
+        return;
+    kvtier_frames_t *f = *frames_p;
+    for (uint32_t i = 0; i < f->n; i++)
+        zmq_msg_close(&f->msgs[i]);
+    free(f->msgs);
+    free(f);
+    *frames_p = NULL;
+}
+
+/* Moves a received data frame into r->frames (no copy of its bytes). */
+static int s_keep_frame(s_reply_t *r, zmq_msg_t *part)
+{
+    if (!r->frames && !(r->frames = calloc(1, sizeof *r->frames)))
+        return KVT_ENOMEM;
+    kvtier_frames_t *f = r->frames;
+    if (f->n == f->cap) {
+        uint32_t cap = f->cap ? f->cap * 2 : 8;
+        zmq_msg_t *m = realloc(f->msgs, cap * sizeof *m);
+        if (!m)
+            return KVT_ENOMEM;
+        f->msgs = m;
+        f->cap = cap;
+    }
+    zmq_msg_init(&f->msgs[f->n]);
+    zmq_msg_move(&f->msgs[f->n], part);
+    f->n++;
+    return 0;
 }
 
 static int s_keep_data(s_reply_t *r, const zmq_msg_t *part)
@@ -152,10 +255,31 @@ static int s_send_request(kvtier_t *self, uint64_t uid, uint32_t type, const voi
     return 0;
 }
 
-/* Receives until the reply to `uid` arrives (copying its body, and its data frames when
- * want_data), skipping replies to earlier calls that timed out. Every message is read to its
+static uint64_t s_mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Busy-polls for the first part of a message for up to spin_ns: a reply that comes back within
+ * it costs no sleep and wake-up of this thread (tens of microseconds on a VM). -1 when none
+ * came (the caller then blocks). */
+static int s_spin_recv(kvtier_t *self, zmq_msg_t *part)
+{
+    uint64_t end = s_mono_ns() + self->spin_ns;
+    do {
+        int n = zmq_msg_recv(part, self->sock, ZMQ_DONTWAIT);
+        if (n >= 0 || zmq_errno() != EAGAIN)
+            return n;
+    } while (s_mono_ns() < end);
+    return -1;
+}
+
+/* Receives until the reply to `uid` arrives (copying its body, and copying or keeping its data
+ * frames as `mode` says), skipping replies to earlier calls that timed out. Every message is read to its
  * last part, so the socket never gets out of step, even when a copy fails. */
-static int s_recv_reply(kvtier_t *self, uint64_t uid, bool want_data, s_reply_t *r)
+static int s_recv_reply(kvtier_t *self, uint64_t uid, s_data_mode_t mode, s_reply_t *r)
 {
     for (;;) {
         bool mine = false;
@@ -164,7 +288,8 @@ static int s_recv_reply(kvtier_t *self, uint64_t uid, bool want_data, s_reply_t 
         while (more) {
             zmq_msg_t part;
             zmq_msg_init(&part);
-            if (zmq_msg_recv(&part, self->sock, 0) < 0) {
+            int got = idx == 0 && self->spin_ns ? s_spin_recv(self, &part) : -1;
+            if (got < 0 && zmq_msg_recv(&part, self->sock, 0) < 0) {
                 int e = zmq_errno();
                 zmq_msg_close(&part);
                 if (idx > 0 && e == EINTR)
@@ -185,8 +310,10 @@ static int s_recv_reply(kvtier_t *self, uint64_t uid, bool want_data, s_reply_t 
                     memcpy(r->buf, zmq_msg_data(&part), r->len);
                 else
                     rc = KVT_ENOMEM;
-            } else if (mine && idx > 2 && want_data && rc == 0) {
+            } else if (mine && idx > 2 && mode == S_DATA_COPY && rc == 0) {
                 rc = s_keep_data(r, &part);
+            } else if (mine && idx > 2 && mode == S_DATA_KEEP && rc == 0) {
+                rc = s_keep_frame(r, &part);
             }
             zmq_msg_close(&part);
             idx++;
@@ -204,12 +331,12 @@ static int s_recv_reply(kvtier_t *self, uint64_t uid, bool want_data, s_reply_t 
 
 static int s_exchange(kvtier_t *self, uint32_t type, const void *body, size_t len,
                       const void *const *data, const size_t *lens, uint32_t ndata,
-                      bool want_data, s_reply_t *r)
+                      s_data_mode_t mode, s_reply_t *r)
 {
     self->error[0] = '\0';
     uint64_t uid = self->next_uid++;
     int rc = s_send_request(self, uid, type, body, len, data, lens, ndata);
-    return rc ? rc : s_recv_reply(self, uid, want_data, r);
+    return rc ? rc : s_recv_reply(self, uid, mode, r);
 }
 
 int kvtier_call(kvtier_t *self, uint32_t type, const void *body, size_t len, void **reply_body,
@@ -221,7 +348,7 @@ int kvtier_call(kvtier_t *self, uint32_t type, const void *body, size_t len, voi
     *reply_len = 0;
     s_reply_t r;
     s_reply_init(&r);
-    int rc = s_exchange(self, type, body, len, NULL, NULL, 0, false, &r);
+    int rc = s_exchange(self, type, body, len, NULL, NULL, 0, S_DATA_NONE, &r);
     if (rc == 0) {
         *reply_body = r.buf;
         *reply_len = r.len;
@@ -263,10 +390,10 @@ static int s_bad_reply(kvtier_t *self, uint32_t type, const char *field, const c
  * caller frees r either way. */
 static int s_call_data(kvtier_t *self, uint32_t type, msgpack_sbuffer *body,
                        const void *const *data, const size_t *lens, uint32_t ndata,
-                       bool want_data, s_reply_t *r)
+                       s_data_mode_t mode, s_reply_t *r)
 {
     s_reply_init(r);
-    int rc = s_exchange(self, type, body->data, body->size, data, lens, ndata, want_data, r);
+    int rc = s_exchange(self, type, body->data, body->size, data, lens, ndata, mode, r);
     msgpack_sbuffer_destroy(body);
     if (rc)
         return rc;
@@ -293,7 +420,7 @@ static int s_call_data(kvtier_t *self, uint32_t type, msgpack_sbuffer *body,
 
 static int s_call(kvtier_t *self, uint32_t type, msgpack_sbuffer *body, s_reply_t *r)
 {
-    return s_call_data(self, type, body, NULL, NULL, 0, false, r);
+    return s_call_data(self, type, body, NULL, NULL, 0, S_DATA_NONE, r);
 }
 
 /* A required non-negative integer of a reply body. */
@@ -485,7 +612,8 @@ kvtier_t *kvtier_connect(const char *endpoint, const char *client, const char *i
     else
         snprintf(self->instance, sizeof self->instance, "%s-%d-%u", client, (int)getpid(),
                  atomic_fetch_add(&s_seq, 1));
-    self->ctx = zmq_ctx_new();
+    self->spin_ns = (uint64_t)s_env_int("KVTIER_SPIN_US", 0, 0, 100000) * 1000u;
+    self->ctx = s_ctx_acquire();
     self->sock = self->ctx ? zmq_socket(self->ctx, ZMQ_DEALER) : NULL;
     if (!self->sock) {
         snprintf(err, errlen, "cannot create a socket: %s", zmq_strerror(zmq_errno()));
@@ -530,8 +658,7 @@ kvtier_t *kvtier_connect(const char *endpoint, const char *client, const char *i
 fail:
     if (self->sock)
         zmq_close(self->sock);
-    if (self->ctx)
-        zmq_ctx_term(self->ctx);
+    s_ctx_release(self->ctx);
     free(self);
     return NULL;
 }
@@ -552,7 +679,7 @@ void kvtier_close(kvtier_t **self_p)
     if (self->arena)
         munmap(self->arena, self->arena_size);
     zmq_close(self->sock);
-    zmq_ctx_term(self->ctx);
+    s_ctx_release(self->ctx);
     free(self);
     *self_p = NULL;
 }
@@ -985,7 +1112,7 @@ int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
                       (unsigned long long)self->info.max_message);
     }
     s_reply_t r;
-    rc = s_call_data(self, KVT_REQ_PUT, &sb, data, lens, n, false, &r);
+    rc = s_call_data(self, KVT_REQ_PUT, &sb, data, lens, n, S_DATA_NONE, &r);
     uint64_t st = 0;
     if (rc == 0)
         rc = s_need_count(self, KVT_REQ_PUT, &r.up.data, "stored", n, &st);
@@ -995,12 +1122,16 @@ int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
     return rc;
 }
 
-int kvtier_get(kvtier_t *self, const char *ns, const char *salt,
-               const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
-               uint32_t *found)
+/* GET with the data frames copied (S_DATA_COPY: out[i] owned by the caller) or kept
+ * (S_DATA_KEEP: out[i] point into *frames). */
+static int s_get_data(kvtier_t *self, const char *ns, const char *salt,
+                 const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
+                 uint32_t *found, s_data_mode_t mode, kvtier_frames_t **frames)
 {
     if (found)
         *found = 0;
+    if (frames)
+        *frames = NULL;
     for (uint32_t i = 0; out && i < n; i++)
         out[i] = (kvtier_buf_t){NULL, 0};
     if (!self)
@@ -1008,29 +1139,51 @@ int kvtier_get(kvtier_t *self, const char *ns, const char *salt,
     int rc = s_check_keyed(self, "get", ns, salt, keys, n);
     if (rc)
         return rc;
-    if (!found || (n && !out))
-        return s_fail(self, KVT_EINVAL, "get: out and found must not be NULL");
+    if (!found || (n && !out) || (mode == S_DATA_KEEP && !frames))
+        return s_fail(self, KVT_EINVAL, "get: out, found and frames must not be NULL");
     msgpack_sbuffer sb;
     msgpack_packer pk;
     s_body_keyed(&sb, &pk, ns, salt, keys, n, 0);
     s_reply_t r;
-    rc = s_call_data(self, KVT_REQ_GET, &sb, NULL, NULL, 0, true, &r);
+    rc = s_call_data(self, KVT_REQ_GET, &sb, NULL, NULL, 0, mode, &r);
     uint64_t f = 0;
+    uint32_t got = mode == S_DATA_KEEP ? (r.frames ? r.frames->n : 0) : r.ndata;
     if (rc == 0)
         rc = s_need_count(self, KVT_REQ_GET, &r.up.data, "found", n, &f);
-    if (rc == 0 && f != r.ndata)
+    if (rc == 0 && f != got)
         rc = s_fail(self, KVT_EINTERNAL,
                     "malformed get reply from the daemon: found %llu with %u data frames",
-                    (unsigned long long)f, r.ndata);
-    if (rc == 0) {
+                    (unsigned long long)f, got);
+    if (rc == 0 && mode == S_DATA_COPY) {
         /* the copies change owner: the caller frees them */
         for (uint32_t i = 0; i < r.ndata; i++)
             out[i] = r.data[i];
         r.ndata = 0;
-        *found = (uint32_t)f;
+    } else if (rc == 0 && got) {
+        for (uint32_t i = 0; i < got; i++)
+            out[i] = (kvtier_buf_t){zmq_msg_data(&r.frames->msgs[i]),
+                                    zmq_msg_size(&r.frames->msgs[i])};
+        *frames = r.frames;
+        r.frames = NULL;
     }
+    if (rc == 0)
+        *found = (uint32_t)f;
     s_reply_free(&r);
     return rc;
+}
+
+int kvtier_get(kvtier_t *self, const char *ns, const char *salt,
+               const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
+               uint32_t *found)
+{
+    return s_get_data(self, ns, salt, keys, n, out, found, S_DATA_COPY, NULL);
+}
+
+int kvtier_get_frames(kvtier_t *self, const char *ns, const char *salt,
+                      const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
+                      uint32_t *found, kvtier_frames_t **frames)
+{
+    return s_get_data(self, ns, salt, keys, n, out, found, S_DATA_KEEP, frames);
 }
 
 int kvtier_remove(kvtier_t *self, const char *ns, const char *salt,

@@ -56,7 +56,13 @@ typedef struct {
 
 /* Connects to `endpoint` ("ipc:///run/kvtier/kvtier.sock", "tcp://127.0.0.1:5555"), says HELLO
  * as `client` with instance `instance` (NULL: "<client>-<pid>-<n>"). NULL on failure with a
- * sentence in err. `timeout_ms` bounds every later call (0: 5000). */
+ * sentence in err. `timeout_ms` bounds every later call (0: 5000).
+ *
+ * Every connection of a process shares one zmq context with KVTIER_IO_THREADS I/O threads
+ * (environment, read at the first connect; default 2). KVTIER_SPIN_US (read at each connect;
+ * default 0) makes the calls of this connection busy-poll for their reply up to that many
+ * microseconds before sleeping: lower latency for a thread that waits on the daemon, paid for
+ * with a busy core — for engines with cores to spare, not for many threads on a few cores. */
 kvtier_t *kvtier_connect(const char *endpoint, const char *client, const char *instance,
                          int timeout_ms, char *err, size_t errlen);
 
@@ -135,6 +141,15 @@ int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
 int kvtier_get(kvtier_t *self, const char *ns, const char *salt,
                const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
                uint32_t *found);
+
+/* GET without a copy: out[0..*found) point into the reply's frames as libzmq received them,
+ * valid until kvtier_frames_free(frames) (never free() out[i].data). The fast way for a process
+ * that only reads the bytes once: it saves a copy and the page faults of a fresh buffer. */
+typedef struct kvtier_frames kvtier_frames_t;
+int kvtier_get_frames(kvtier_t *self, const char *ns, const char *salt,
+                      const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
+                      uint32_t *found, kvtier_frames_t **frames);
+void kvtier_frames_free(kvtier_frames_t **frames);
 
 int kvtier_remove(kvtier_t *self, const char *ns, const char *salt,
                   const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, uint32_t *removed);

@@ -147,6 +147,8 @@ static const s_opt_t s_options[] = {
           "N", "most keys in one request"),
     S_NUM("workers", "--workers", "KVTIER_WORKERS", S_UINT32, workers, 1, 16, "2", 0, "N",
           "worker threads for inline PUT/GET copies and CLEAR"),
+    S_NUM("io_threads", "--io-threads", "KVTIER_IO_THREADS", S_UINT32, io_threads, 1, 16, "2", 0,
+          "N", "zmq I/O threads of the request socket (connections are spread over them)"),
     S_BOOLEAN("allow_unpinned", "--allow-unpinned", "KVTIER_ALLOW_UNPINNED", allow_unpinned,
               "false", 0, "start with a warning when the L1 arena cannot be mlock()ed"),
     S_STR("shm_group", "--shm-group", "KVTIER_SHM_GROUP", shm_group, "", 0, NULL, "GROUP",

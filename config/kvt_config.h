@@ -33,6 +33,7 @@ typedef struct kvt_config {
     uint64_t max_message; /* bytes in one whole request, all frames */
     uint32_t max_keys;    /* keys in one request */
     uint32_t workers;     /* worker threads for slow requests */
+    uint32_t io_threads;  /* zmq I/O threads */
     bool allow_unpinned;
     char *shm_group; /* group allowed to map the arena (0660), "" for owner only (0600) */
     bool allow_insecure_remote;

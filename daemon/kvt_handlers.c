@@ -43,8 +43,8 @@ static int s_hello(kvt_rq_t *c)
     }
     char *instance = s_cstr(&c->req.instance), *client = s_cstr(&c->req.client);
     bool created = false;
-    c->owner = kvt_sessions_hello(c->svc->sessions, zframe_data(c->rid),
-                                  zframe_size(c->rid), instance, client,
+    c->owner = kvt_sessions_hello(c->svc->sessions, zmq_msg_data(&c->rid),
+                                  zmq_msg_size(&c->rid), instance, client,
                                   kvt_now_ms(), &created);
     if (created)
         kvt_log(KVT_LOG_INFO, "client %s (instance %s) connected", client, instance);
@@ -396,9 +396,8 @@ static int s_put(kvt_rq_t *c)
     uint64_t *sizes = malloc((r->nkeys ? r->nkeys : 1) * sizeof *sizes);
     kvt_slot_t *slots = s_slots(r->nkeys);
     kvt_assert(sizes);
-    zframe_t *f = zmsg_first(c->data);
-    for (uint32_t i = 0; i < r->nkeys; i++, f = zmsg_next(c->data))
-        sizes[i] = zframe_size(f);
+    for (uint32_t i = 0; i < r->nkeys; i++)
+        sizes[i] = zmq_msg_size(&c->data[i]);
     kvt_nsref_t ns = s_nsref(r);
     uint32_t n = 0, stored = 0;
     uint64_t lease = 0;
@@ -407,10 +406,9 @@ static int s_put(kvt_rq_t *c)
                             &n, &lease, c->err, sizeof c->err);
     if (rc == 0 && lease) {
         uint8_t *base = kvt_l1_base(c->svc->l1);
-        f = zmsg_first(c->data);
-        for (uint32_t i = 0; i < n; i++, f = zmsg_next(c->data))
+        for (uint32_t i = 0; i < n; i++)
             if (slots[i].length)
-                memcpy(base + slots[i].offset, zframe_data(f), slots[i].length);
+                memcpy(base + slots[i].offset, zmq_msg_data(&c->data[i]), slots[i].length);
         rc = kvt_l1_commit(c->svc->l1, KVT_OWNER_DAEMON, lease, NULL, 0, &stored, c->err,
                            sizeof c->err);
     }
@@ -512,7 +510,7 @@ int kvt_handle(kvt_rq_t *rq)
 
 int kvt_handle_check_frames(kvt_rq_t *rq)
 {
-    size_t frames = zmsg_size(rq->data);
+    size_t frames = rq->ndata;
     if (rq->type != KVT_REQ_PUT) {
         if (frames == 0)
             return 0;
@@ -525,9 +523,8 @@ int kvt_handle_check_frames(kvt_rq_t *rq)
                  frames);
         return KVT_EBADREQ;
     }
-    uint32_t i = 0;
-    for (zframe_t *f = zmsg_first(rq->data); f; f = zmsg_next(rq->data), i++)
-        if (zframe_size(f) == 0) {
+    for (uint32_t i = 0; i < rq->ndata; i++)
+        if (zmq_msg_size(&rq->data[i]) == 0) {
             snprintf(rq->err, sizeof rq->err, "put data frame %u is empty", i);
             return KVT_EBADREQ;
         }

@@ -30,11 +30,12 @@ typedef struct {
 } kvt_services_t;
 
 /* One request from receipt to reply. Owns its frames, its decoded body (whose strings point
- * into `body`) and its reply. */
+ * into `body`) and its reply. The frames are libzmq messages as received (no copies). */
 typedef struct kvt_rq {
     kvt_services_t *svc;
-    zframe_t *rid, *uid, *body;
-    zmsg_t *data; /* the request's data frames */
+    zmq_msg_t rid, uid, body;
+    zmq_msg_t *data; /* the request's data frames, data[0..ndata) */
+    uint32_t ndata, data_cap;
     uint64_t type;
     uint64_t owner; /* session of this connection, 0 before HELLO */
     uint64_t t0_ns;

@@ -35,6 +35,8 @@
 #define S_SWEEP_MS 100
 #define S_DRAIN_MS 5000
 #define S_WORKER_QUEUE 1024
+#define S_SPARE_FRAMES 64     /* a spare request keeps a data array up to this many frames */
+#define S_SPARE_REPLY 65536   /* and a reply buffer up to this size */
 
 struct kvt_server {
     const kvt_config_t *cfg;
@@ -44,6 +46,9 @@ struct kvt_server {
     kvt_workers_t *workers;
     kvt_workers_t *lookups; /* LOOKUPs that need L2 (only with an L2 tier) */
     zsock_t *router;
+    void *sock; /* the router's libzmq socket */
+    kvt_rq_t *spare; /* a finished request kept for reuse */
+    uint32_t max_frames; /* data frames one request may carry (PUT: one per key) */
     kvt_limits_t lim;
     uint64_t next_sweep_ms;
     int nbound; /* cfg->listen[0..nbound) are bound: their ipc files are ours to remove */
@@ -54,30 +59,52 @@ static kvt_errrep_t s_rep_send = KVT_ERRREP_INIT(10000);
 
 /* ---- requests ---- */
 
-static kvt_rq_t *s_rq_new(kvt_server_t *self, zframe_t *rid, zframe_t *uid, zmsg_t *msg)
+/* A request's frames are received straight into libzmq messages (no czmq frame objects, no
+ * copies), and one finished request is kept for the next message with its buffers (data frame
+ * array, reply buffer): the control path allocates nothing per request but the decoded body. */
+static kvt_rq_t *s_rq_new(kvt_server_t *self)
 {
-    kvt_rq_t *rq = calloc(1, sizeof *rq);
-    kvt_assert(rq);
+    kvt_rq_t *rq = self->spare;
+    self->spare = NULL;
+    if (!rq) {
+        rq = calloc(1, sizeof *rq);
+        kvt_assert(rq);
+        msgpack_sbuffer_init(&rq->sbuf);
+        msgpack_packer_init(&rq->pk, &rq->sbuf, msgpack_sbuffer_write);
+    }
     rq->svc = &self->svc;
-    rq->rid = rid;
-    rq->uid = uid;
-    rq->data = msg;
-    rq->t0_ns = kvt_now_ns();
-    msgpack_sbuffer_init(&rq->sbuf);
-    msgpack_packer_init(&rq->pk, &rq->sbuf, msgpack_sbuffer_write);
+    zmq_msg_init(&rq->rid);
+    zmq_msg_init(&rq->uid);
+    zmq_msg_init(&rq->body);
     return rq;
 }
 
-static void s_rq_free(kvt_rq_t *rq)
+static void s_rq_free(kvt_server_t *self, kvt_rq_t *rq)
 {
     kvt_req_release(&rq->req);
-    zframe_destroy(&rq->rid);
-    zframe_destroy(&rq->uid);
-    zframe_destroy(&rq->body);
-    zmsg_destroy(&rq->data);
+    zmq_msg_close(&rq->rid);
+    zmq_msg_close(&rq->uid);
+    zmq_msg_close(&rq->body);
+    for (uint32_t i = 0; i < rq->ndata; i++)
+        zmq_msg_close(&rq->data[i]);
     for (uint32_t i = 0; i < rq->nout; i++)
         zmq_msg_close(&rq->out[i]); /* frames not sent: their free callbacks unpin */
     free(rq->out);
+    if (self && !self->spare && rq->data_cap <= S_SPARE_FRAMES && rq->sbuf.alloc <= S_SPARE_REPLY) {
+        /* kept for the next request, with its data array and reply buffer */
+        zmq_msg_t *data = rq->data;
+        uint32_t cap = rq->data_cap;
+        msgpack_sbuffer sbuf = rq->sbuf;
+        memset(rq, 0, sizeof *rq);
+        rq->data = data;
+        rq->data_cap = cap;
+        rq->sbuf = sbuf;
+        msgpack_sbuffer_clear(&rq->sbuf);
+        msgpack_packer_init(&rq->pk, &rq->sbuf, msgpack_sbuffer_write);
+        self->spare = rq;
+        return;
+    }
+    free(rq->data);
     msgpack_sbuffer_destroy(&rq->sbuf);
     free(rq);
 }
@@ -107,9 +134,9 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
     msgpack_packer tpk;
     msgpack_packer_init(&tpk, &tbuf, msgpack_sbuffer_write);
     msgpack_pack_uint64(&tpk, rq->type);
-    void *sock = zsock_resolve(self->router);
-    if (s_send_buf(sock, zframe_data(rq->rid), zframe_size(rq->rid), true) == 0) {
-        s_send_buf(sock, zframe_data(rq->uid), zframe_size(rq->uid), true);
+    void *sock = self->sock;
+    if (s_send_buf(sock, zmq_msg_data(&rq->rid), zmq_msg_size(&rq->rid), true) == 0) {
+        s_send_buf(sock, zmq_msg_data(&rq->uid), zmq_msg_size(&rq->uid), true);
         s_send_buf(sock, tbuf.data, tbuf.size, true);
         s_send_buf(sock, rq->sbuf.data, rq->sbuf.size, rq->nout > 0);
         for (uint32_t i = 0; i < rq->nout; i++)
@@ -122,7 +149,7 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
         kvt_errrep_report(&s_rep_send, KVT_LOG_WARN, "reply dropped: %s", zmq_strerror(errno));
     }
     kvt_metrics_request(self->metrics, rq->type, rq->rc, kvt_now_ns() - rq->t0_ns);
-    s_rq_free(rq);
+    s_rq_free(self, rq);
 }
 
 static void s_run_job(void *job)
@@ -137,25 +164,88 @@ static void s_run_cont(void *job)
     rq->rc = rq->cont(rq);
 }
 
-/* Decodes and validates; returns 0 when the request can run. */
-static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, size_t total)
+/* One received message: its routing id and uid are in rq, the type frame in `type`, the
+ * body and data frames in rq; `parts` counts the frames after the routing id. */
+typedef struct {
+    zmq_msg_t type;
+    uint32_t parts;
+    size_t total;         /* bytes of every frame after the routing id */
+    bool too_many_frames; /* data frames past the limit were read and dropped */
+} s_msg_t;
+
+/* Where part n (0 = the uid) of a message goes; NULL: read and drop it. */
+static zmq_msg_t *s_part_slot(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m, uint32_t n)
 {
-    zframe_t *typef = zmsg_pop(rq->data);
+    if (n == 0)
+        return &rq->uid;
+    if (n == 1)
+        return &m->type;
+    if (n == 2)
+        return &rq->body;
+    if (rq->ndata >= self->max_frames) {
+        m->too_many_frames = true;
+        return NULL;
+    }
+    if (rq->ndata == rq->data_cap) {
+        uint32_t cap = rq->data_cap ? rq->data_cap * 2 : 8;
+        zmq_msg_t *d = realloc(rq->data, cap * sizeof *d);
+        kvt_assert(d);
+        rq->data = d;
+        rq->data_cap = cap;
+    }
+    return &rq->data[rq->ndata++];
+}
+
+/* Receives one whole message if one is waiting: 1 when read, 0 when none is, -1 on a socket
+ * error. Every part is read, whatever it holds, so the socket stays in step. */
+static int s_recv(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
+{
+    if (zmq_msg_recv(&rq->rid, self->sock, ZMQ_DONTWAIT) < 0)
+        return errno == EAGAIN || errno == EINTR ? 0 : -1;
+    rq->t0_ns = kvt_now_ns();
+    bool more = zmq_msg_more(&rq->rid);
+    while (more) {
+        zmq_msg_t drop;
+        zmq_msg_t *part = s_part_slot(self, rq, m, m->parts);
+        if (!part)
+            part = &drop;
+        zmq_msg_init(part);
+        if (zmq_msg_recv(part, self->sock, ZMQ_DONTWAIT) < 0) {
+            /* cannot happen once the first part is in (libzmq delivers messages whole);
+             * the request is answered as truncated */
+            zmq_msg_close(part);
+            if (part != &drop && m->parts >= 3)
+                rq->ndata--;
+            else if (part != &drop)
+                zmq_msg_init(part); /* s_rq_free closes it again */
+            break;
+        }
+        more = zmq_msg_more(part);
+        m->total += zmq_msg_size(part);
+        m->parts++;
+        if (part == &drop)
+            zmq_msg_close(&drop);
+    }
+    return 1;
+}
+
+/* Decodes and validates; returns 0 when the request can run. */
+static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
+{
     int rc = 0;
-    if (!typef) {
+    if (m->parts < 2) {
         snprintf(rq->err, sizeof rq->err, "expected frames [uid, type, body, data...]");
         return KVT_EBADREQ;
     }
-    rc = kvt_msg_read_uint(zframe_data(typef), zframe_size(typef), &rq->type);
-    zframe_destroy(&typef);
+    rc = kvt_msg_read_uint(zmq_msg_data(&m->type), zmq_msg_size(&m->type), &rq->type);
     if (rc) {
         rq->type = 0;
         snprintf(rq->err, sizeof rq->err, "the type frame is not a msgpack uint");
         return KVT_EBADREQ;
     }
-    if (total > self->cfg->max_message) {
-        snprintf(rq->err, sizeof rq->err, "message of %zu bytes exceeds max_message %llu", total,
-                 (unsigned long long)self->cfg->max_message);
+    if (m->total > self->cfg->max_message) {
+        snprintf(rq->err, sizeof rq->err, "message of %zu bytes exceeds max_message %llu",
+                 m->total, (unsigned long long)self->cfg->max_message);
         return KVT_ETOOBIG;
     }
     const kvt_req_info_t *info = kvt_proto_info(rq->type);
@@ -164,13 +254,17 @@ static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, size_t total)
                  (unsigned long long)rq->type);
         return KVT_EUNKTYPE;
     }
-    rq->body = zmsg_pop(rq->data);
-    if (!rq->body) {
+    if (m->parts < 3) {
         snprintf(rq->err, sizeof rq->err, "expected frames [uid, type, body, data...]");
         return KVT_EBADREQ;
     }
-    rc = kvt_msg_decode(zframe_data(rq->body), zframe_size(rq->body), info->type, &self->lim,
-                        &rq->req);
+    if (m->too_many_frames) {
+        snprintf(rq->err, sizeof rq->err, "%s: more than %u data frames", info->name,
+                 self->max_frames);
+        return KVT_EBADREQ;
+    }
+    rc = kvt_msg_decode(zmq_msg_data(&rq->body), zmq_msg_size(&rq->body), info->type,
+                        &self->lim, &rq->req);
     if (rc) {
         snprintf(rq->err, sizeof rq->err, "%s", rq->req.error);
         return rc;
@@ -178,26 +272,22 @@ static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, size_t total)
     return kvt_handle_check_frames(rq);
 }
 
-static void s_handle_message(kvt_server_t *self, zmsg_t *msg)
+/* Runs one received message to its reply, or hands it to a worker. */
+static void s_handle_message(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
 {
-    zframe_t *rid = zmsg_pop(msg);
-    zframe_t *uid = zmsg_pop(msg);
     uint64_t uidv;
-    if (!rid || !uid || kvt_msg_read_uint(zframe_data(uid), zframe_size(uid), &uidv) != 0) {
+    if (m->parts < 1 || kvt_msg_read_uint(zmq_msg_data(&rq->uid), zmq_msg_size(&rq->uid),
+                                          &uidv) != 0) {
         /* without a uid there is nothing a reply could be matched to */
         kvt_metrics_dropped(self->metrics);
         kvt_errrep_report(&s_rep_bad, KVT_LOG_WARN,
                           "dropped a message whose first frame is not a msgpack uint uid");
-        zframe_destroy(&rid);
-        zframe_destroy(&uid);
-        zmsg_destroy(&msg);
+        s_rq_free(self, rq);
         return;
     }
-    size_t total = zmsg_content_size(msg) + zframe_size(uid);
-    kvt_rq_t *rq = s_rq_new(self, rid, uid, msg);
-    rq->owner = kvt_sessions_touch(self->svc.sessions, zframe_data(rid), zframe_size(rid),
-                                   kvt_now_ms());
-    rq->rc = s_prepare(self, rq, total);
+    rq->owner = kvt_sessions_touch(self->svc.sessions, zmq_msg_data(&rq->rid),
+                                   zmq_msg_size(&rq->rid), kvt_now_ms());
+    rq->rc = s_prepare(self, rq, m);
     const kvt_req_info_t *info = kvt_proto_info(rq->type);
     if (rq->rc == 0 && info->run == KVT_RUN_WORKER) {
         if (kvt_workers_submit(self->workers, s_run_job, rq) == 0)
@@ -217,6 +307,24 @@ static void s_handle_message(kvt_server_t *self, zmsg_t *msg)
         }
     }
     s_finish(self, rq);
+}
+
+/* Reads and handles up to S_BATCH waiting messages. */
+static void s_intake(kvt_server_t *self, volatile sig_atomic_t *stop)
+{
+    for (int i = 0; i < S_BATCH && !*stop; i++) {
+        kvt_rq_t *rq = s_rq_new(self);
+        s_msg_t m = {.parts = 0};
+        zmq_msg_init(&m.type);
+        int got = s_recv(self, rq, &m);
+        if (got == 1)
+            s_handle_message(self, rq, &m);
+        else
+            s_rq_free(self, rq);
+        zmq_msg_close(&m.type);
+        if (got != 1)
+            break;
+    }
 }
 
 static void s_collect(kvt_server_t *self)
@@ -307,6 +415,8 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
         snprintf(err, errlen, "cannot create the ROUTER socket: %s", zmq_strerror(errno));
         goto fail;
     }
+    self->sock = zsock_resolve(self->router);
+    self->max_frames = cfg->max_keys;
     zsock_set_router_mandatory(self->router, 1);
     zsock_set_linger(self->router, 1000);
     /* one frame far above max_message is cut at the transport instead of being buffered */
@@ -343,6 +453,11 @@ void kvt_server_destroy(kvt_server_t **self_p)
         kvt_workers_destroy(&self->workers);
     }
     kvt_workers_destroy(&self->lookups);
+    if (self->spare) {
+        kvt_rq_t *spare = self->spare;
+        self->spare = NULL;
+        s_rq_free(NULL, spare);
+    }
     zsock_destroy(&self->router);
     for (int i = 0; i < self->nbound; i++)
         if (strncmp(self->cfg->listen[i], "ipc://", 6) == 0)
@@ -388,7 +503,7 @@ static void s_drain(kvt_server_t *self)
 int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
 {
     zmq_pollitem_t items[3] = {
-        {zsock_resolve(self->router), 0, ZMQ_POLLIN, 0},
+        {self->sock, 0, ZMQ_POLLIN, 0},
         {NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0},
         {NULL, self->lookups ? kvt_workers_fd(self->lookups) : -1, ZMQ_POLLIN, 0},
     };
@@ -403,12 +518,7 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
             rc = KVT_EINTERNAL;
             break;
         }
-        for (int i = 0; i < S_BATCH && !*stop && (zsock_events(self->router) & ZMQ_POLLIN); i++) {
-            zmsg_t *msg = zmsg_recv(self->router);
-            if (!msg)
-                break;
-            s_handle_message(self, msg);
-        }
+        s_intake(self, stop);
         s_collect(self);
         s_periodic(self);
     }

@@ -196,6 +196,9 @@ int main(int argc, char **argv)
     umask(0077);
     zsys_handler_set(NULL);
     zsys_set_logstream(NULL);
+    /* before the first socket: a connection moving a large GET reply then holds up only the
+     * connections on its own I/O thread */
+    zsys_set_io_threads(cfg->io_threads);
 
     struct sigaction sa = {.sa_handler = s_on_signal};
     sigemptyset(&sa.sa_mask);

@@ -274,6 +274,7 @@ static int s_embed(kvtier_t *c)
     int rc = 0;
     uint8_t *data[N] = {0}, keys[N][KVTIER_KEY_LEN], gapped[3][KVTIER_KEY_LEN];
     kvtier_buf_t out[N] = {{0}};
+    kvtier_frames_t *frames = NULL;
     uint32_t stored = 0, found = 0, hits = 0, removed = 0;
     uint64_t cleared = 0;
     for (uint32_t i = 0; i < N; i++) {
@@ -295,6 +296,16 @@ static int s_embed(kvtier_t *c)
         S_CHECK(out[i].len == lens[i] && memcmp(out[i].data, data[i], lens[i]) == 0,
                 "object %u: %zu bytes back for %zu, or other bytes", i, out[i].len, lens[i]);
     s_free_bufs(out, N);
+    /* the zero-copy GET: the same bytes, read in place from the received frames */
+    S_OK(c, kvtier_get_frames(c, S_NS "-embed", NULL, (s_keys_t)keys, N, out, &found, &frames));
+    S_CHECK(found == N && frames, "get_frames found %u", found);
+    for (uint32_t i = 0; i < N; i++)
+        S_CHECK(out[i].len == lens[i] && memcmp(out[i].data, data[i], lens[i]) == 0,
+                "get_frames object %u: %zu bytes back for %zu, or other bytes", i, out[i].len,
+                lens[i]);
+    kvtier_frames_free(&frames);
+    S_CHECK(frames == NULL, "kvtier_frames_free left the pointer set");
+    memset(out, 0, sizeof out);
     S_OK(c, kvtier_lookup(c, S_NS "-embed", NULL, (s_keys_t)keys, N, 0, &hits, NULL, NULL, NULL));
     S_CHECK(hits == N, "lookup hits %u", hits);
     /* prefix semantics: GET stops at the first missing key */
@@ -306,6 +317,9 @@ static int s_embed(kvtier_t *c)
     s_free_bufs(out, 1);
     S_OK(c, kvtier_get(c, S_NS "-embed", NULL, (s_keys_t)&gapped[1], 1, out, &found));
     S_CHECK(found == 0 && out[0].data == NULL, "get of a missing key found %u", found);
+    S_OK(c, kvtier_get_frames(c, S_NS "-embed", NULL, (s_keys_t)&gapped[1], 1, out, &found,
+                              &frames));
+    S_CHECK(found == 0 && frames == NULL, "get_frames of a missing key found %u", found);
     S_OK(c, kvtier_get(c, S_NS "-embed", "tenant-a", (s_keys_t)keys, N, out, &found));
     S_CHECK(found == 0, "get under another salt found %u", found);
     S_OK(c, kvtier_remove(c, S_NS "-embed", NULL, (s_keys_t)&keys[2], 1, &removed));
@@ -317,6 +331,7 @@ static int s_embed(kvtier_t *c)
     S_CHECK(cleared == 2, "clear removed %llu", (unsigned long long)cleared);
     printf("embed: %zu, %zu and %zu bytes round-tripped\n", lens[0], lens[1], lens[2]);
 out:
+    kvtier_frames_free(&frames);
     s_free_bufs(out, N);
     for (uint32_t i = 0; i < N; i++)
         free(data[i]);
@@ -448,6 +463,7 @@ static int s_errors(kvtier_t *c)
     S_FAILS(c, KVT_EINVAL, kvtier_put(c, NULL, NULL, (s_keys_t)keys, 1, data, lens, NULL));
     S_FAILS(c, KVT_EINVAL, kvtier_get(c, S_NS, NULL, (s_keys_t)keys, 2, NULL, &n));
     S_FAILS(c, KVT_EINVAL, kvtier_get(c, S_NS, NULL, (s_keys_t)keys, 2, out, NULL));
+    S_FAILS(c, KVT_EINVAL, kvtier_get_frames(c, S_NS, NULL, (s_keys_t)keys, 2, out, &n, NULL));
     S_FAILS(c, KVT_EINVAL, kvtier_remove(c, S_NS, NULL, NULL, 2, NULL));
     S_FAILS(c, KVT_EINVAL, kvtier_clear(c, "", NULL));
     S_FAILS(c, KVT_EINVAL, kvtier_hash_tokens(c, NULL, 8, 4, NULL, keys, &n));

@@ -449,6 +449,24 @@ def test_hostile_body_burst_then_ping(shared_daemon):
 # max_message
 
 
+def test_data_frames_bounded_by_max_keys(daemon_factory):
+    """A request carries at most max_keys data frames: more are read and dropped (no memory
+    per frame) and the request is refused; at the bound it is an ordinary PUT."""
+    d = daemon_factory("--max-keys", "4")
+    s = d.dealer()
+    d.hello(s, "inst-frames")
+    keys = [key(i) for i in range(4)]
+    _, typ, body, _ = d.request(s, 1, PUT, {"ns": NS, "keys": keys}, *[b"x" * 10] * 4)
+    assert typ == PUT and body["ok"] and body["stored"] == 4
+    _, typ, body, _ = d.request(s, 2, PUT, {"ns": NS, "keys": keys}, *[b"y" * 10] * 5000)
+    assert typ == PUT
+    assert_error(body, "bad_request", "more than 4 data frames")
+    _, typ, body, _ = d.request(s, 3, PING, {}, *[b""] * 5)
+    assert_error(body, "bad_request")
+    _, _, body, data = d.request(s, 4, GET, {"ns": NS, "keys": keys})
+    assert body["found"] == 4 and data == [b"x" * 10] * 4
+
+
 def test_max_message(daemon_factory):
     d = daemon_factory("--max-message", "65536")
     s = d.dealer()
