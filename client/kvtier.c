@@ -1078,6 +1078,22 @@ int kvtier_release(kvtier_t *self, uint64_t lease)
     return rc;
 }
 
+int kvtier_release_async(kvtier_t *self, uint64_t lease)
+{
+    if (!self)
+        return KVT_EINVAL;
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    s_body_begin(&sb, &pk, 1);
+    s_pack_uint_field(&pk, "lease", lease);
+    self->error[0] = '\0';
+    /* the reply is skipped by a later call's receive loop, like a timed-out call's */
+    int rc = s_send_request(self, self->next_uid++, KVT_REQ_RELEASE, sb.data, sb.size, NULL, NULL,
+                            0);
+    msgpack_sbuffer_destroy(&sb);
+    return rc;
+}
+
 int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
                const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const void *const *data,
                const size_t *lens, uint32_t *stored)

@@ -130,6 +130,12 @@ int kvtier_acquire(kvtier_t *self, const char *ns, const char *salt,
 
 int kvtier_release(kvtier_t *self, uint64_t lease);
 
+/* RELEASE without waiting for the answer: returns once the request is queued (a round trip
+ * less per read). The daemon handles a connection's requests in order, so the next call on this
+ * connection already sees the lease released; its answer is read and dropped by a later call.
+ * A failure on the daemon's side (an unknown lease) is not reported. */
+int kvtier_release_async(kvtier_t *self, uint64_t lease);
+
 /* PUT: stores data[i] (lens[i] bytes) under keys[i], bytes carried in the message (for remote
  * clients and small objects). *stored counts newly stored objects. */
 int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
