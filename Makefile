@@ -12,7 +12,7 @@ PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash libsystemd hi
 DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev libjansson-dev \
             libmicrohttpd-dev libxxhash-dev libcmocka-dev python3-zmq python3-msgpack \
             python3-pytest python3-xxhash curl libsystemd-dev systemd libhiredis-dev \
-            redis-server
+            redis-server iproute2
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 INC      := -Icommon -Iprotocol -Iconfig -Istorage -Il2 -Idaemon -Iclient

@@ -37,6 +37,7 @@
 #define S_WORKER_QUEUE 1024
 #define S_SPARE_FRAMES 64     /* a spare request keeps a data array up to this many frames */
 #define S_SPARE_REPLY 65536   /* and a reply buffer up to this size */
+#define S_SNDBUF (4 << 20)    /* send buffer of an accepted connection: a 4 MiB chunk at once */
 
 struct kvt_server {
     const kvt_config_t *cfg;
@@ -47,6 +48,7 @@ struct kvt_server {
     kvt_workers_t *lookups; /* LOOKUPs that need L2 (only with an L2 tier) */
     zsock_t *router;
     void *sock; /* the router's libzmq socket */
+    zsock_t *monitor; /* its accepted connections (s_monitor), NULL without */
     kvt_rq_t *spare; /* a finished request kept for reuse */
     uint32_t max_frames; /* data frames one request may carry (PUT: one per key) */
     kvt_limits_t lim;
@@ -387,6 +389,44 @@ static int s_share_ipc(const kvt_config_t *cfg, const char *path, char *err, siz
     return 0;
 }
 
+/* libzmq applies ZMQ_SNDBUF to tcp connections only: on ipc a 4 MiB GET reply would leave
+ * through the default unix socket buffer (208 KiB) in some twenty writes, each one waking the
+ * client's I/O thread. The socket monitor reports the descriptor of every accepted connection,
+ * whose send buffer is raised here (the kernel caps it at net.core.wmem_max). */
+static void s_monitor_start(kvt_server_t *self)
+{
+    char ep[64];
+    snprintf(ep, sizeof ep, "inproc://kvt-monitor-%p", (void *)self);
+    if (zmq_socket_monitor(self->sock, ep, ZMQ_EVENT_ACCEPTED) != 0)
+        return;
+    self->monitor = zsock_new(ZMQ_PAIR);
+    if (self->monitor && zsock_connect(self->monitor, "%s", ep) != 0)
+        zsock_destroy(&self->monitor);
+    if (!self->monitor)
+        kvt_log(KVT_LOG_WARN, "no socket monitor: replies use the default socket buffers");
+}
+
+static void s_monitor(kvt_server_t *self)
+{
+    for (int i = 0; i < S_BATCH; i++) {
+        zmsg_t *ev = zmsg_recv_nowait(self->monitor);
+        if (!ev)
+            return;
+        zframe_t *f = zmsg_first(ev);
+        if (f && zframe_size(f) == 6) {
+            uint16_t event;
+            int32_t fd;
+            memcpy(&event, zframe_data(f), 2);
+            memcpy(&fd, zframe_data(f) + 2, 4);
+            int size = S_SNDBUF;
+            if (event == ZMQ_EVENT_ACCEPTED && fd >= 0 &&
+                setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof size) != 0)
+                kvt_log(KVT_LOG_DEBUG, "SO_SNDBUF on a new connection: %s", strerror(errno));
+        }
+        zmsg_destroy(&ev);
+    }
+}
+
 kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_sup_t *sup,
                              kvt_l1_t *l1, kvt_l2mgr_t *l2, kvt_prefetch_t *prefetch, char *err,
                              size_t errlen)
@@ -436,6 +476,7 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
             goto fail;
         kvt_log(KVT_LOG_INFO, "listening on %s", ep);
     }
+    s_monitor_start(self);
     self->beat = kvt_sup_register(sup, "server", 1000);
     return self;
 fail:
@@ -458,6 +499,9 @@ void kvt_server_destroy(kvt_server_t **self_p)
         self->spare = NULL;
         s_rq_free(NULL, spare);
     }
+    zsock_destroy(&self->monitor);
+    if (self->sock)
+        zmq_socket_monitor(self->sock, NULL, 0);
     zsock_destroy(&self->router);
     for (int i = 0; i < self->nbound; i++)
         if (strncmp(self->cfg->listen[i], "ipc://", 6) == 0)
@@ -502,9 +546,10 @@ static void s_drain(kvt_server_t *self)
 
 int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
 {
-    zmq_pollitem_t items[3] = {
+    zmq_pollitem_t items[4] = {
         {self->sock, 0, ZMQ_POLLIN, 0},
         {NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0},
+        {self->monitor ? zsock_resolve(self->monitor) : NULL, -1, ZMQ_POLLIN, 0},
         {NULL, self->lookups ? kvt_workers_fd(self->lookups) : -1, ZMQ_POLLIN, 0},
     };
     int rc = 0;
@@ -513,13 +558,15 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
             rc = KVT_EINTERNAL;
             break;
         }
-        if (zmq_poll(items, self->lookups ? 3 : 2, S_POLL_MS) < 0 && errno != EINTR) {
+        if (zmq_poll(items, self->lookups ? 4 : 3, S_POLL_MS) < 0 && errno != EINTR) {
             kvt_log(KVT_LOG_ERROR, "server: poll failed: %s", zmq_strerror(errno));
             rc = KVT_EINTERNAL;
             break;
         }
         s_intake(self, stop);
         s_collect(self);
+        if (items[2].revents & ZMQ_POLLIN)
+            s_monitor(self);
         s_periodic(self);
     }
     s_drain(self);

@@ -3,6 +3,9 @@ pipelining, sessions and leases of silent instances."""
 
 import collections
 import random
+import re
+import shutil
+import subprocess
 import time
 
 import msgpack
@@ -674,3 +677,33 @@ def test_random_frames(shared_daemon):
     uid, typ, body, _ = d.request(s, 2**64 - 2, PING, {})
     assert body["ok"] is True
     assert d.alive()
+
+
+def test_ipc_connections_get_a_large_send_buffer(daemon):
+    """libzmq sizes only tcp socket buffers; the daemon raises the send buffer of every accepted
+    ipc connection itself (socket monitor), so a 4 MiB GET leaves in a few writes."""
+    ss = shutil.which("ss")
+    if not ss:
+        pytest.skip("ss (iproute2) is not installed")
+    s = daemon.dealer()
+    daemon.hello(s, "inst-sndbuf")
+    with open("/proc/sys/net/core/wmem_default") as f:
+        default = int(f.read())
+    pid = "pid=%d," % daemon.proc.pid
+    deadline = time.monotonic() + 5
+    while True:
+        out = subprocess.run([ss, "-x", "-m", "-p"], capture_output=True, text=True).stdout
+        lines = out.splitlines()
+        sizes = []
+        for i, line in enumerate(lines):
+            # the accepted side: local address is the daemon's socket path, owned by the daemon
+            if daemon.ipc_path in line and pid in line:
+                m = re.search(r"tb(\d+)", line + " " + (lines[i + 1] if i + 1 < len(lines) else ""))
+                if m:
+                    sizes.append(int(m.group(1)))
+        if sizes and max(sizes) > default or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sizes, "no connection of the daemon on %s in ss output:\n%s" % (daemon.ipc_path, out)
+    assert max(sizes) > default, "send buffers %r, default %d" % (sizes, default)
+
