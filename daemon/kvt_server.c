@@ -260,6 +260,7 @@ static int s_check_ipc(const char *endpoint, char *err, size_t errlen)
 static uint64_t s_on_gone(void *ctx, uint64_t owner, bool expired)
 {
     kvt_server_t *self = ctx;
+    kvt_gpu_owner_gone(self->svc.gpu, owner); /* never blocks: closing is the gpu's thread's */
     return kvt_l1_release_owner(self->svc.l1, owner, expired);
 }
 
@@ -293,6 +294,7 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
     self->svc.sessions = kvt_sessions_new(s_on_gone, self);
     self->svc.l2 = l2;
     self->svc.prefetch = prefetch;
+    self->svc.gpu = kvt_gpu_new(l1); /* touches no CUDA until a GPU request */
     kvt_limits_init(&self->lim, cfg->max_message, cfg->max_keys);
     self->workers = kvt_workers_new("worker", (int)cfg->workers, S_WORKER_QUEUE, sup, err, errlen);
     if (!self->workers)
@@ -343,6 +345,7 @@ void kvt_server_destroy(kvt_server_t **self_p)
         kvt_workers_destroy(&self->workers);
     }
     kvt_workers_destroy(&self->lookups);
+    kvt_gpu_destroy(&self->svc.gpu); /* after the workers, before L1 goes */
     zsock_destroy(&self->router);
     for (int i = 0; i < self->nbound; i++)
         if (strncmp(self->cfg->listen[i], "ipc://", 6) == 0)
