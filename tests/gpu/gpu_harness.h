@@ -36,7 +36,7 @@ typedef struct {
     pid_t pid;
 } h_daemon_t;
 
-static double h_now(void)
+static inline double h_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -66,7 +66,7 @@ static double h_now(void)
 
 /* Forks a child that asks CUDA for devices: 0 when there is one, else H_SKIP with the
  * reason in why. */
-static int h_probe(char *why, size_t len)
+static inline int h_probe(char *why, size_t len)
 {
     int fds[2];
     if (pipe(fds) != 0)
@@ -95,14 +95,14 @@ static int h_probe(char *why, size_t len)
     return WIFEXITED(st) ? WEXITSTATUS(st) : 1;
 }
 
-static kvtier_t *h_connect(const h_daemon_t *d, const char *instance, int timeout_ms)
+static inline kvtier_t *h_connect(const h_daemon_t *d, const char *instance, int timeout_ms)
 {
     char err[256];
     return kvtier_connect(d->endpoint, "kvt-gpu", instance, timeout_ms, err, sizeof err);
 }
 
 /* Starts `daemon` on a private run dir (ipc only, no L2, no HTTP) with an L1 of l1_size. */
-static bool h_daemon_start(h_daemon_t *d, const char *daemon, const char *l1_size)
+static inline bool h_daemon_start(h_daemon_t *d, const char *daemon, const char *l1_size)
 {
     memset(d, 0, sizeof *d);
     snprintf(d->dir, sizeof d->dir, "/tmp/kvt-gpu-XXXXXX");
@@ -147,7 +147,7 @@ static bool h_daemon_start(h_daemon_t *d, const char *daemon, const char *l1_siz
 }
 
 /* SIGTERM (SIGKILL after 10 s); returns the exit status, -1 when killed. */
-static int h_daemon_stop(h_daemon_t *d)
+static inline int h_daemon_stop(h_daemon_t *d)
 {
     if (d->pid <= 0)
         return -1;
@@ -167,7 +167,7 @@ static int h_daemon_stop(h_daemon_t *d)
 }
 
 /* True when the daemon's log contains `s`. */
-static bool h_log_has(const h_daemon_t *d, const char *s)
+static inline bool h_log_has(const h_daemon_t *d, const char *s)
 {
     FILE *f = fopen(d->log, "r");
     if (!f)
@@ -181,7 +181,7 @@ static bool h_log_has(const h_daemon_t *d, const char *s)
 }
 
 /* Runs fn(arg) in a forked child (the engine); returns its exit status (-1: killed). */
-static int h_run_child(int (*fn)(void *), void *arg)
+static inline int h_run_child(int (*fn)(void *), void *arg)
 {
     fflush(stdout);
     pid_t pid = fork();
@@ -197,7 +197,7 @@ static int h_run_child(int (*fn)(void *), void *arg)
 }
 
 /* Shuffles a[0..n) with a fixed-seed xorshift (reproducible runs). */
-static void h_shuffle(uint64_t *a, uint32_t n, uint64_t seed)
+static inline void h_shuffle(uint64_t *a, uint32_t n, uint64_t seed)
 {
     uint64_t x = seed | 1;
     for (uint32_t i = n; i > 1; i--) {
