@@ -156,3 +156,26 @@ def test_no_gpu_register_then_bye_and_silence(daemon_factory):
     time.sleep(0.8)  # past lease_ms: the session (and any registration) is dropped
     assert_error(d.call(s2, STORE_GPU, copy_body()), "bad_request", "HELLO")
     d.call(d.dealer(), PING, {})
+
+
+@pytest.mark.skipif(have_cuda_device(), reason="a CUDA device is present: make test-gpu")
+def test_python_client_gpu_calls_without_gpu(daemon):
+    """The Python client's GPU calls reach the daemon and raise the typed errors."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "client", "python"))
+    import kvtier
+    with kvtier.Client(daemon.endpoint(), instance="py-gpu") as c:
+        with pytest.raises(kvtier.Unavailable, match="no CUDA device"):
+            c.register_gpu(0, [HANDLE, HANDLE], num_blocks=8, block_tokens=16,
+                           token_bytes=256, dtype="float16", offsets=[0, 4096])
+        with pytest.raises(kvtier.BadRequest, match="dtype"):
+            c.register_gpu(0, [HANDLE], num_blocks=8, block_tokens=16, token_bytes=256,
+                           dtype="float13")
+        with pytest.raises(kvtier.Unavailable):
+            c.store_gpu(NS, [key(1)], [0, 1], event=HANDLE)
+        with pytest.raises(kvtier.Unavailable):
+            c.retrieve_gpu(NS, [key(1)], [0, 1])
+        with pytest.raises(kvtier.NotFound):
+            c.unregister_gpu(0)
+        c.ping()
