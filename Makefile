@@ -35,6 +35,9 @@ CUDA      ?= $(if $(NVCC),1,0)
 ifeq ($(CUDA),1)
 CUDA_CFLAGS := -DKVT_HAVE_CUDA -DKVT_CUDA_LIBDIR='"$(CUDA_HOME)/lib64"' -isystem $(CUDA_HOME)/include
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
+CUDART_MAJOR := $(shell awk '/^\#define CUDART_VERSION/ {print int($$3/1000)}' \
+                  $(CUDA_HOME)/include/cuda_runtime_api.h 2>/dev/null)
+MOCK_CUDART  := $(BUILD)/mock-cudart/libcudart.so.$(CUDART_MAJOR)
 endif
 
 CORE_SRC   := $(wildcard common/*.c protocol/*.c config/*.c storage/*.c l2/*.c)
@@ -127,8 +130,9 @@ unit: deps $(UNIT_BIN) $(PLUGIN_EXAMPLE)
 	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) timeout 120 $$t; done
 
 # Integration tests run against the ASan+UBSan daemon; a sanitizer report fails the test.
-integration: deps all asan $(BUILD)/kvtier-client-test
+integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART)
 	KVT_DAEMON=$(abspath $(BUILD)/asan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
+	  KVT_MOCK_CUDART=$(if $(MOCK_CUDART),$(abspath $(MOCK_CUDART))) \
 	  KVT_CLIENT_TEST=$(abspath $(BUILD)/kvtier-client-test) \
 	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
 	  timeout 900 $(PYTHON) -m pytest -q -p no:cacheprovider tests/integration
@@ -174,6 +178,16 @@ bench-gpu: deps $(BUILD)/kvtierd $(GPU_BENCH)
 else
 test-gpu bench-gpu:
 	@echo "$@: skipped: no CUDA toolkit (no nvcc under $(CUDA_HOME), or CUDA=0)"
+endif
+
+# A stand-in libcudart (tests/gpu/mock_cudart.c: "device memory" is a file, copies are memcpy)
+# that the integration tests put on the daemon's LD_LIBRARY_PATH, so the GPU path runs end to
+# end without a GPU. Test-only: never installed. Needs the toolkit's headers for the types.
+ifeq ($(CUDA),1)
+$(MOCK_CUDART): tests/gpu/mock_cudart.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=gnu11 $(WARN) -O1 -g -fPIC -D_GNU_SOURCE -isystem $(CUDA_HOME)/include -shared \
+	  -Wl,-soname,libcudart.so.$(CUDART_MAJOR) -o $@ $< -lpthread
 endif
 
 # ThreadSanitizer: the L1 concurrency test, built with its own objects in build/tsan/ (a TSan

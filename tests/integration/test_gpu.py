@@ -179,3 +179,234 @@ def test_python_client_gpu_calls_without_gpu(daemon):
         with pytest.raises(kvtier.NotFound):
             c.unregister_gpu(0)
         c.ping()
+
+
+# ----------------------------------------------------------------------------------------
+# The whole GPU path against the stand-in CUDA runtime (tests/gpu/mock_cudart.c): device
+# memory is a file under /dev/shm, an IPC handle is "KVTMOCK\0" + its path, copies are memcpy.
+# The daemon finds the mock by soname through LD_LIBRARY_PATH, exactly as it finds libcudart.
+
+MOCK = os.environ.get("KVT_MOCK_CUDART")
+needs_mock = pytest.mark.skipif(not MOCK, reason="no mock libcudart (KVT_MOCK_CUDART; CUDA=0)")
+
+import random  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+from kvtest import BYE, GET, wait_until  # noqa: E402
+
+
+class MockEngine:
+    """An engine's paged KV cache in files: `layers` buffers of num_blocks blocks; with
+    `shared`, the last two layers live in one allocation (one handle, two offsets)."""
+
+    def __init__(self, layers=3, num_blocks=32, block_tokens=4, token_bytes=256, shared=True,
+                 seed=1):
+        self.dir = tempfile.mkdtemp(prefix="kvm", dir="/dev/shm")
+        self.layers, self.num_blocks = layers, num_blocks
+        self.block_tokens, self.token_bytes = block_tokens, token_bytes
+        self.block_bytes = block_tokens * token_bytes
+        self.layer_bytes = num_blocks * self.block_bytes
+        rnd = random.Random(seed)
+        self.where = []  # per layer: (path, offset)
+        for l in range(layers):
+            if shared and layers >= 2 and l == layers - 1:
+                path, off = self.where[-1][0], self.layer_bytes + 4096
+            else:
+                path, off = os.path.join(self.dir, "l%d" % l), 0
+                size = self.layer_bytes * (2 if shared and l == layers - 2 else 1) + 4096
+                with open(path, "wb") as f:
+                    f.write(bytes(size))
+            self.where.append((path, off))
+            self.write_layer(l, rnd.randbytes(self.layer_bytes))
+        self.orig = [self.read_layer(l) for l in range(layers)]
+
+    def handle(self, l):
+        path = self.where[l][0].encode()
+        assert len(path) <= 56
+        return b"KVTMOCK\0" + path.ljust(56, b"\0")
+
+    def read_layer(self, l):
+        path, off = self.where[l]
+        with open(path, "rb") as f:
+            f.seek(off)
+            return f.read(self.layer_bytes)
+
+    def write_layer(self, l, data):
+        path, off = self.where[l]
+        with open(path, "r+b") as f:
+            f.seek(off)
+            f.write(data)
+
+    def block(self, data, b):
+        return data[b * self.block_bytes:(b + 1) * self.block_bytes]
+
+    def clear(self):
+        for l in range(self.layers):
+            self.write_layer(l, bytes(self.layer_bytes))
+
+    def register_body(self, device=0, **over):
+        body = {"device": device, "layers": self.layers, "num_blocks": self.num_blocks,
+                "block_tokens": self.block_tokens, "token_bytes": self.token_bytes,
+                "dtype": "float16", "handles": [self.handle(l) for l in range(self.layers)],
+                "offsets": [self.where[l][1] for l in range(self.layers)]}
+        body.update(over)
+        return body
+
+    def object_bytes(self, ids):
+        """What STORE_GPU must write for a chunk in blocks `ids`: layer-major."""
+        return b"".join(self.block(self.orig[l], b) for l in range(self.layers) for b in ids)
+
+    def close(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def engine():
+    e = MockEngine()
+    yield e
+    e.close()
+
+
+def mock_daemon(daemon_factory, tmp_path, *args, **env):
+    log = str(tmp_path / "cuda.log")
+    extra = {"LD_LIBRARY_PATH": os.path.dirname(MOCK), "KVT_MOCK_CUDA_LOG": log}
+    extra.update({k: str(v) for k, v in env.items()})
+    d = daemon_factory(*args, env=extra)
+    return d, log
+
+
+def mock_log(log):
+    try:
+        with open(log) as f:
+            return [line.split() for line in f]
+    except FileNotFoundError:
+        return []
+
+
+def count(log, word):
+    return sum(1 for w in mock_log(log) if w and w[0] == word)
+
+
+@needs_mock
+def test_mock_gpu_store_clear_retrieve(daemon_factory, tmp_path, engine):
+    d, log = mock_daemon(daemon_factory, tmp_path)
+    s = d.dealer()
+    d.hello(s, "inst-mock-engine")
+    b = d.ok(s, REGISTER_GPU, engine.register_body())
+    assert (b["device"], b["layers"], b["block_bytes"]) == (0, 3, engine.block_bytes)
+    assert count(log, "hostregister") == 1
+    assert count(log, "open") == 2, mock_log(log)  # layers 1 and 2 share one handle
+    assert_error(d.call(s, REGISTER_GPU, engine.register_body()), "bad_request",
+                 "already registered")
+    per = 4
+    ids = list(range(engine.num_blocks))
+    random.Random(5).shuffle(ids)
+    ids = ids[:3 * per]
+    ids[0:3] = [20, 21, 22]  # one run of consecutive blocks among shuffled ones
+    keys = [key(i, b"gpu") for i in range(3)]
+    b = d.ok(s, STORE_GPU, {"ns": NS, "keys": keys, "device": 0, "block_ids": ids,
+                            "event": HANDLE})
+    assert b["stored"] == 3
+    assert count(log, "event") >= 1 and count(log, "batch") >= 1
+    # the L1 objects are layer-major copies of the chunks' blocks, readable by any client
+    _, _, body, frames = d.request(s, d.next_uid(), GET, {"ns": NS, "keys": keys})
+    assert body["found"] == 3
+    for i in range(3):
+        want = engine.object_bytes(ids[i * per:(i + 1) * per])
+        assert len(frames[i]) == 3 * per * engine.block_bytes
+        assert frames[i] == want, "object %d differs from its blocks" % i
+    assert d.ok(s, STORE_GPU, {"ns": NS, "keys": keys, "device": 0,
+                               "block_ids": ids})["stored"] == 0
+    # clear the "GPU", retrieve into other blocks, compare every block
+    engine.clear()
+    others = [b for b in range(engine.num_blocks) if b not in ids][:3 * per]
+    b = d.ok(s, RETRIEVE_GPU, {"ns": NS, "keys": keys, "device": 0, "block_ids": others,
+                               "event": HANDLE})
+    assert b["found"] == 3
+    for l in range(engine.layers):
+        got = engine.read_layer(l)
+        for j, blk in enumerate(others):
+            assert engine.block(got, blk) == engine.block(engine.orig[l], ids[j]), (l, j)
+        untouched = set(range(engine.num_blocks)) - set(others)
+        assert all(engine.block(got, blk) == bytes(engine.block_bytes) for blk in untouched)
+    # a prefix: the second key is unknown
+    b = d.ok(s, RETRIEVE_GPU, {"ns": NS, "keys": [keys[0], key(99)], "device": 0,
+                               "block_ids": others[:2 * per]})
+    assert b["found"] == 1
+    # block ids out of range, a wrong device
+    assert_error(d.call(s, STORE_GPU, copy_body(block_ids=[0, engine.num_blocks])),
+                 "bad_request", "fewer blocks")
+    assert_error(d.call(s, STORE_GPU, copy_body(device=1)), "not_found", "REGISTER_GPU first")
+    # UNREGISTER closes both handles at once; BYE closes a new registration's
+    d.ok(s, UNREGISTER_GPU, {"device": 0})
+    assert count(log, "close") == 2
+    assert_error(d.call(s, UNREGISTER_GPU, {"device": 0}), "not_found")
+    assert_error(d.call(s, RETRIEVE_GPU, {"ns": NS, "keys": keys, "device": 0,
+                                          "block_ids": ids}), "not_found")
+    d.ok(s, REGISTER_GPU, engine.register_body())
+    assert count(log, "hostregister") == 1  # the arena is registered once
+    d.ok(s, BYE, {"instance": "inst-mock-engine"})
+    wait_until(lambda: count(log, "close") == 4, 5, what="handles closed after BYE")
+    d.ping(s)
+
+
+@needs_mock
+def test_mock_gpu_silent_instance_handles_closed(daemon_factory, tmp_path, engine):
+    d, log = mock_daemon(daemon_factory, tmp_path, "--lease-ms", "300")
+    s = d.dealer()
+    d.hello(s, "inst-mock-silent")
+    d.ok(s, REGISTER_GPU, engine.register_body())
+    assert count(log, "open") == 2
+    wait_until(lambda: count(log, "close") == 2, 5, what="handles closed after silence")
+    wait_until(lambda: any("closing the handles" in l for l in d.log_lines()), 5,
+               what="the daemon's log line")
+    assert_error(d.call(s, STORE_GPU, copy_body()), "bad_request", "HELLO")
+
+
+@needs_mock
+def test_mock_gpu_plain_copies_when_batch_refused(daemon_factory, tmp_path, engine):
+    d, log = mock_daemon(daemon_factory, tmp_path, KVT_MOCK_CUDA_NO_BATCH=1)
+    s = d.dealer()
+    d.hello(s, "inst-mock-nobatch")
+    d.ok(s, REGISTER_GPU, engine.register_body())
+    ids = [3, 4, 5, 9, 1, 2, 30, 31]
+    keys = [key(1, b"nb"), key(2, b"nb")]
+    assert d.ok(s, STORE_GPU, {"ns": NS, "keys": keys, "device": 0,
+                               "block_ids": ids})["stored"] == 2
+    # runs: [3,4,5] [9] | [1,2] [30,31] -> 4 copies per layer
+    assert count(log, "memcpy") == 4 * engine.layers, mock_log(log)
+    assert any("cudaMemcpyBatchAsync refused" in l for l in d.log_lines())
+    _, _, body, frames = d.request(s, d.next_uid(), GET, {"ns": NS, "keys": keys})
+    assert frames == [engine.object_bytes(ids[:4]), engine.object_bytes(ids[4:])]
+
+
+@needs_mock
+def test_mock_gpu_host_register_failure_is_an_error(daemon_factory, tmp_path, engine):
+    d, log = mock_daemon(daemon_factory, tmp_path, KVT_MOCK_CUDA_FAIL_HOST_REGISTER=1)
+    s = d.dealer()
+    d.hello(s, "inst-mock-pin")
+    assert_error(d.call(s, REGISTER_GPU, engine.register_body()), "unavailable",
+                 "cudaHostRegister of the L1 arena", "no fallback to pageable copies")
+    assert count(log, "open") == 0
+    assert_error(d.call(s, STORE_GPU, copy_body()), "not_found")
+    d.ping(s)
+
+
+@needs_mock
+def test_mock_gpu_devices_and_bad_handles(daemon_factory, tmp_path, engine):
+    d, log = mock_daemon(daemon_factory, tmp_path)
+    s = d.dealer()
+    d.hello(s, "inst-mock-dev")
+    assert_error(d.call(s, REGISTER_GPU, engine.register_body(device=1)), "bad_request",
+                 "1 CUDA device")
+    bad = engine.register_body(handles=[b"NOTMOCK\0" + bytes(56)] * engine.layers)
+    assert_error(d.call(s, REGISTER_GPU, bad), "bad_request", "cudaIpcOpenMemHandle of layer 0")
+    # the failed registration left nothing behind: a good one goes through
+    d.ok(s, REGISTER_GPU, engine.register_body())
+    d2, _ = mock_daemon(daemon_factory, tmp_path, KVT_MOCK_CUDA_DEVICES=0)
+    s2 = d2.dealer()
+    d2.hello(s2, "inst-mock-nodev")
+    assert_error(d2.call(s2, REGISTER_GPU, engine.register_body()), "unavailable",
+                 "no CUDA device: no CUDA-capable device is detected (mock)")
