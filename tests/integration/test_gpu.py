@@ -189,6 +189,7 @@ def test_python_client_gpu_calls_without_gpu(daemon):
 MOCK = os.environ.get("KVT_MOCK_CUDART")
 needs_mock = pytest.mark.skipif(not MOCK, reason="no mock libcudart (KVT_MOCK_CUDART; CUDA=0)")
 
+import collections  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -410,3 +411,38 @@ def test_mock_gpu_devices_and_bad_handles(daemon_factory, tmp_path, engine):
     d2.hello(s2, "inst-mock-nodev")
     assert_error(d2.call(s2, REGISTER_GPU, engine.register_body()), "unavailable",
                  "no CUDA device: no CUDA-capable device is detected (mock)")
+
+
+@needs_mock
+def test_mock_gpu_bye_while_copies_run(daemon_factory, tmp_path, engine):
+    """Copies in flight on several workers when the instance says BYE: every copy finishes or
+    is refused cleanly, and the handles are closed exactly once, after the last copy."""
+    d, log = mock_daemon(daemon_factory, tmp_path, "--workers", "4")
+    socks = [d.dealer() for _ in range(4)]
+    for s in socks:
+        d.hello(s, "inst-mock-race")
+    d.ok(socks[0], REGISTER_GPU, engine.register_body())
+    per = 2
+    sent = []
+    for r in range(40):
+        s = socks[r % 4]
+        keys = [key(r * 8 + i, b"race") for i in range(4)]
+        body = {"ns": NS, "keys": keys, "device": 0,
+                "block_ids": [(r * 8 + j) % engine.num_blocks for j in range(4 * per)]}
+        t = STORE_GPU if r % 2 == 0 else RETRIEVE_GPU
+        sent.append((s, d.send(s, d.next_uid(), t, body)))
+    bye = d.dealer()
+    d.hello(bye, "inst-mock-race")
+    d.ok(bye, BYE, {"instance": "inst-mock-race"})
+    codes = collections.Counter()
+    for s in socks:  # replies of worker requests may come out of order: collect by socket
+        for _ in range(sum(1 for x, _ in sent if x is s)):
+            b = d.recv(s).body
+            codes["ok" if b["ok"] else b["error"]["code"]] += 1
+    assert sum(codes.values()) == len(sent)
+    assert set(codes) <= {"ok", "not_found", "bad_request"}, codes
+    wait_until(lambda: count(log, "close") == count(log, "open") == 2, 5,
+               what="both handles closed once")
+    time.sleep(0.2)
+    assert count(log, "close") == 2
+    d.ping(bye)
