@@ -446,3 +446,31 @@ def test_mock_gpu_bye_while_copies_run(daemon_factory, tmp_path, engine):
     time.sleep(0.2)
     assert count(log, "close") == 2
     d.ping(bye)
+
+
+@needs_mock
+def test_mock_gpu_odd_block_sizes(daemon_factory, tmp_path):
+    """Blocks of 18 bytes (3 tokens x 6 bytes): objects and copies are not page multiples."""
+    e = MockEngine(layers=2, num_blocks=10, block_tokens=3, token_bytes=6, shared=False, seed=9)
+    try:
+        d, log = mock_daemon(daemon_factory, tmp_path)
+        s = d.dealer()
+        d.hello(s, "inst-mock-odd")
+        body = e.register_body()
+        del body["offsets"]  # optional: every buffer starts its allocation
+        d.ok(s, REGISTER_GPU, body)
+        keys = [key(1, b"odd"), key(2, b"odd")]
+        ids = [7, 2, 3, 9, 8, 0]
+        assert d.ok(s, STORE_GPU, {"ns": NS, "keys": keys, "device": 0,
+                                   "block_ids": ids})["stored"] == 2
+        _, _, body, frames = d.request(s, d.next_uid(), GET, {"ns": NS, "keys": keys})
+        assert [len(f) for f in frames] == [2 * 3 * 18] * 2
+        assert frames == [e.object_bytes(ids[:3]), e.object_bytes(ids[3:])]
+        e.clear()
+        assert d.ok(s, RETRIEVE_GPU, {"ns": NS, "keys": keys, "device": 0,
+                                      "block_ids": ids})["found"] == 2
+        for l in range(2):
+            want = b"".join(e.block(e.orig[l], b) if b in ids else bytes(18) for b in range(10))
+            assert e.read_layer(l) == want, "layer %d" % l
+    finally:
+        e.close()
