@@ -218,10 +218,10 @@ typedef struct {
 struct kvt_gpu {
     kvt_l1_t *l1;
     pthread_mutex_t init_lock; /* loading CUDA, pinning the arena */
-    int cuda_rc;               /* 1 untried, 0 loaded, KVT_EUNAVAIL failed */
+    _Atomic int cuda_rc;       /* 1 untried, 0 loaded, KVT_EUNAVAIL failed */
     char cuda_err[200];
     int ndev;
-    bool arena_pinned;
+    _Atomic bool arena_pinned;
     void *lib;
 #ifdef KVT_HAVE_CUDA
     s_api_t api;
@@ -234,6 +234,7 @@ struct kvt_gpu {
     s_stream_t *streams[KVT_GPU_MAX_DEVICES];
     bool closer_started, stop;
     pthread_t closer;
+    _Atomic uint64_t bytes_to_l1, bytes_to_gpu, copy_errors; /* metrics */
 };
 
 kvt_gpu_t *kvt_gpu_new(kvt_l1_t *l1)
@@ -918,6 +919,8 @@ int kvt_gpu_store(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32_t 
                 m++;
             }
         rc = s_copy(self, reg, false, ids, per, off, m, &r->event, err, errlen);
+        atomic_fetch_add_explicit(rc ? &self->copy_errors : &self->bytes_to_l1,
+                                  rc ? 1 : (uint64_t)m * chunk_bytes, memory_order_relaxed);
         if (rc == 0)
             rc = kvt_l1_commit(self->l1, KVT_OWNER_DAEMON, lease, NULL, 0, stored, err, errlen);
         else
@@ -956,8 +959,11 @@ int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32
         off[m] = slots[m].offset;
         m++;
     }
-    if (rc == 0 && m)
+    if (rc == 0 && m) {
         rc = s_copy(self, reg, true, r->block_ids, per, off, m, &r->event, err, errlen);
+        atomic_fetch_add_explicit(rc ? &self->copy_errors : &self->bytes_to_gpu,
+                                  rc ? 1 : (uint64_t)m * chunk_bytes, memory_order_relaxed);
+    }
     if (lease)
         kvt_l1_release(self->l1, KVT_OWNER_DAEMON, lease);
     if (rc == 0)
@@ -966,4 +972,35 @@ int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32
     free(slots);
     s_reg_put(self, reg);
     return rc;
+}
+
+void kvt_gpu_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+{
+    kvt_gpu_t *self = ctx;
+    static const char copied_help[] = "Bytes copied between GPU blocks and L1 objects.";
+    const struct {
+        const char *name, *help, *label_value;
+        kvt_metric_kind_t kind;
+        double v;
+    } rows[] = {
+        {"gpu_runtime_loaded", "1 once the CUDA runtime is loaded and has a device.", NULL,
+         KVT_METRIC_GAUGE, atomic_load(&self->cuda_rc) == 0 ? 1.0 : 0.0},
+        {"gpu_arena_registered", "1 once the L1 arena is page-locked with cudaHostRegister.",
+         NULL, KVT_METRIC_GAUGE, atomic_load(&self->arena_pinned) ? 1.0 : 0.0},
+        {"gpu_registrations", "GPU KV caches registered (instance x device).", NULL,
+         KVT_METRIC_GAUGE, (double)kvt_gpu_registrations(self)},
+        {"gpu_copied_bytes_total", copied_help, "to_l1", KVT_METRIC_COUNTER,
+         (double)atomic_load_explicit(&self->bytes_to_l1, memory_order_relaxed)},
+        {"gpu_copied_bytes_total", copied_help, "to_gpu", KVT_METRIC_COUNTER,
+         (double)atomic_load_explicit(&self->bytes_to_gpu, memory_order_relaxed)},
+        {"gpu_copy_errors_total", "STORE_GPU / RETRIEVE_GPU requests whose copy failed.", NULL,
+         KVT_METRIC_COUNTER,
+         (double)atomic_load_explicit(&self->copy_errors, memory_order_relaxed)},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        kvt_sample_t smp = {.name = rows[i].name, .help = rows[i].help, .kind = rows[i].kind,
+                            .label = rows[i].label_value ? "direction" : NULL,
+                            .label_value = rows[i].label_value, .value = rows[i].v};
+        emit(emit_ctx, &smp);
+    }
 }

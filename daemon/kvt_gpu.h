@@ -15,6 +15,7 @@
 #define KVT_GPU_H
 
 #include "kvt_l1.h"
+#include "kvt_metrics.h"
 #include "kvt_msg.h"
 
 #include <stddef.h>
@@ -98,5 +99,11 @@ uint32_t kvt_gpu_owner_gone(kvt_gpu_t *self, uint64_t owner);
 
 /* Registrations currently linked (tests, /status). Any thread. */
 uint32_t kvt_gpu_registrations(kvt_gpu_t *self);
+
+/* Metrics source (kvt_metrics_add_source): kvtier_gpu_runtime_loaded,
+ * kvtier_gpu_arena_registered, kvtier_gpu_registrations, kvtier_gpu_copied_bytes_total
+ * {direction="to_l1"|"to_gpu"}, kvtier_gpu_copy_errors_total. Any thread; never waits for
+ * CUDA. */
+void kvt_gpu_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
 
 #endif

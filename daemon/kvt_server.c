@@ -295,6 +295,7 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
     self->svc.l2 = l2;
     self->svc.prefetch = prefetch;
     self->svc.gpu = kvt_gpu_new(l1); /* touches no CUDA until a GPU request */
+    kvt_metrics_add_source(metrics, kvt_gpu_metrics_source, self->svc.gpu);
     kvt_limits_init(&self->lim, cfg->max_message, cfg->max_keys);
     self->workers = kvt_workers_new("worker", (int)cfg->workers, S_WORKER_QUEUE, sup, err, errlen);
     if (!self->workers)

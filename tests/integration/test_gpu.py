@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from kvtest import (PING, REGISTER_GPU, RETRIEVE_GPU, STORE_GPU, UNREGISTER_GPU, key)
+from kvtest import (PING, REGISTER_GPU, RETRIEVE_GPU, STORE_GPU, UNREGISTER_GPU, key,
+                    metric_value)
 
 KVT_DAEMON_ARGS = ("--l2", "none")
 
@@ -135,6 +136,9 @@ def test_no_gpu_unavailable_and_no_cuda_at_startup(daemon):
             assert len(b["error"]["message"]) > len("no CUDA device: ") + 3, b
     assert_error(d.call(s, UNREGISTER_GPU, {"device": 0}), "not_found", "no GPU registration")
     d.ping(s)
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_gpu_runtime_loaded") == 0
+    assert metric_value(samples, "kvtier_gpu_registrations") == 0
     assert d.stats()["ok"] is True
     # the CUDA runtime may be loaded now (it said there is no device); never the driver's
     # device nodes
@@ -195,7 +199,7 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-from kvtest import BYE, GET, wait_until  # noqa: E402
+from kvtest import BYE, GET, metric_value, wait_until  # noqa: E402
 
 
 class MockEngine:
@@ -320,6 +324,12 @@ def test_mock_gpu_store_clear_retrieve(daemon_factory, tmp_path, engine):
         assert frames[i] == want, "object %d differs from its blocks" % i
     assert d.ok(s, STORE_GPU, {"ns": NS, "keys": keys, "device": 0,
                                "block_ids": ids})["stored"] == 0
+    chunk = engine.layers * per * engine.block_bytes
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_gpu_copied_bytes_total", direction="to_l1") == 3 * chunk
+    assert metric_value(samples, "kvtier_gpu_registrations") == 1
+    assert metric_value(samples, "kvtier_gpu_runtime_loaded") == 1
+    assert metric_value(samples, "kvtier_gpu_arena_registered") == 1
     # clear the "GPU", retrieve into other blocks, compare every block
     engine.clear()
     others = [b for b in range(engine.num_blocks) if b not in ids][:3 * per]
@@ -336,6 +346,9 @@ def test_mock_gpu_store_clear_retrieve(daemon_factory, tmp_path, engine):
     b = d.ok(s, RETRIEVE_GPU, {"ns": NS, "keys": [keys[0], key(99)], "device": 0,
                                "block_ids": others[:2 * per]})
     assert b["found"] == 1
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_gpu_copied_bytes_total", direction="to_gpu") == 4 * chunk
+    assert metric_value(samples, "kvtier_gpu_copy_errors_total") == 0
     # block ids out of range, a wrong device
     assert_error(d.call(s, STORE_GPU, copy_body(block_ids=[0, engine.num_blocks])),
                  "bad_request", "fewer blocks")
@@ -351,6 +364,8 @@ def test_mock_gpu_store_clear_retrieve(daemon_factory, tmp_path, engine):
     d.ok(s, BYE, {"instance": "inst-mock-engine"})
     wait_until(lambda: count(log, "close") == 4, 5, what="handles closed after BYE")
     d.ping(s)
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_gpu_registrations") == 0
 
 
 @needs_mock

@@ -169,6 +169,28 @@ static void test_runs(void **state)
     assert_int_equal(kvt_gpu_runs(d, 3, start, len), 2); /* no wrap-around run */
 }
 
+typedef struct {
+    int n;
+    double loaded, regs, to_l1, to_gpu;
+} s_samples_t;
+
+static void s_collect(void *ctx, const kvt_sample_t *smp)
+{
+    s_samples_t *c = ctx;
+    c->n++;
+    if (!strcmp(smp->name, "gpu_runtime_loaded"))
+        c->loaded = smp->value;
+    else if (!strcmp(smp->name, "gpu_registrations"))
+        c->regs = smp->value;
+    else if (!strcmp(smp->name, "gpu_copied_bytes_total")) {
+        assert_string_equal(smp->label, "direction");
+        if (!strcmp(smp->label_value, "to_l1"))
+            c->to_l1 = smp->value;
+        else
+            c->to_gpu = smp->value;
+    }
+}
+
 /* Without a CUDA device (this test runs in CI without one; skipped where /dev/nvidia0 is). */
 static void test_module_without_gpu(void **state)
 {
@@ -216,6 +238,10 @@ static void test_module_without_gpu(void **state)
     assert_true(strncmp(msg, "no CUDA device: ", 16) == 0);
     assert_int_equal(kvt_gpu_unregister(gpu, 7, 0, msg, sizeof msg), KVT_ENOTFOUND);
     assert_int_equal(kvt_gpu_owner_gone(gpu, 7), 0);
+    s_samples_t smp = {.loaded = -1, .regs = -1, .to_l1 = -1, .to_gpu = -1};
+    kvt_gpu_metrics_source(gpu, s_collect, &smp);
+    assert_int_equal(smp.n, 6);
+    assert_true(smp.loaded == 0 && smp.regs == 0 && smp.to_l1 == 0 && smp.to_gpu == 0);
     kvt_gpu_destroy(&gpu);
     assert_null(gpu);
     kvt_gpu_destroy(&gpu); /* NULL is fine */
