@@ -22,6 +22,24 @@ ALLCFLAGS = -std=gnu11 $(WARN) $(CFLAGS) -fPIC -D_GNU_SOURCE -DKVT_VERSION='"$(V
 LIBS     = $(shell pkg-config --libs $(PKGS) 2>/dev/null) -ldl -lpthread -lm
 SAN      := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
+# ---- CUDA (optional) -----------------------------------------------------------------------
+# The GPU module (daemon/kvt_gpu.c) is built against the CUDA Toolkit whenever its nvcc is
+# found (CUDA_HOME, default /usr/local/cuda); `make CUDA=0` forces it off. Either way every
+# binary builds: without the toolkit the GPU requests validate and answer `unavailable`. The
+# daemon does not link libcudart: it dlopens libcudart.so.<major> at the first GPU request,
+# so start-up never touches CUDA and a CUDA build runs on machines without the toolkit. Only
+# the GPU test and benchmark programs (engines, not the daemon) link -lcudart.
+CUDA_HOME ?= /usr/local/cuda
+NVCC      ?= $(wildcard $(CUDA_HOME)/bin/nvcc)
+CUDA      ?= $(if $(NVCC),1,0)
+ifeq ($(CUDA),1)
+CUDA_CFLAGS := -DKVT_HAVE_CUDA -DKVT_CUDA_LIBDIR='"$(CUDA_HOME)/lib64"' -isystem $(CUDA_HOME)/include
+CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
+CUDART_MAJOR := $(shell awk '/^\#define CUDART_VERSION/ {print int($$3/1000)}' \
+                  $(CUDA_HOME)/include/cuda_runtime_api.h 2>/dev/null)
+MOCK_CUDART  := $(BUILD)/mock-cudart/libcudart.so.$(CUDART_MAJOR)
+endif
+
 CORE_SRC   := $(wildcard common/*.c protocol/*.c config/*.c storage/*.c l2/*.c)
 DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
 CLIENT_SRC := $(filter-out client/kvtier_cli.c,$(wildcard client/*.c))
@@ -37,7 +55,8 @@ ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))
 UNIT_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(UNIT_SRC))
 PLUGIN_EXAMPLE := $(BUILD)/kvtier-l2-example.so
 
-.PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-smoke
+.PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-smoke \
+        test-gpu bench-gpu check-nocuda FORCE
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE)
@@ -63,6 +82,16 @@ $(BUILD)/asan/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	@echo "  CC asan $<"
 	$(Q)$(CC) $(ALLCFLAGS) -O1 $(SAN) -MMD -MP -c $< -o $@
+
+# kvt_gpu.o is rebuilt when CUDA is switched on or off (the stamp changes only then).
+GPU_OBJS := $(BUILD)/obj/daemon/kvt_gpu.o $(BUILD)/asan/obj/daemon/kvt_gpu.o \
+            $(BUILD)/tsan/obj/daemon/kvt_gpu.o
+$(GPU_OBJS): ALLCFLAGS += $(CUDA_CFLAGS)
+$(GPU_OBJS): $(BUILD)/cuda.stamp
+$(BUILD)/cuda.stamp: FORCE
+	@mkdir -p $(BUILD); echo "CUDA=$(CUDA) $(CUDA_HOME)" | cmp -s - $@ || \
+	  echo "CUDA=$(CUDA) $(CUDA_HOME)" > $@
+FORCE:
 
 $(BUILD)/kvtierd: $(BUILD)/obj/daemon/main.o $(CORE_OBJ)
 	$(CC) $(ALLCFLAGS) -o $@ $^ $(LIBS)
@@ -101,15 +130,65 @@ unit: deps $(UNIT_BIN) $(PLUGIN_EXAMPLE)
 	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) timeout 120 $$t; done
 
 # Integration tests run against the ASan+UBSan daemon; a sanitizer report fails the test.
-integration: deps all asan $(BUILD)/kvtier-client-test
+integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART)
 	KVT_DAEMON=$(abspath $(BUILD)/asan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
+	  KVT_MOCK_CUDART=$(if $(MOCK_CUDART),$(abspath $(MOCK_CUDART))) \
 	  KVT_CLIENT_TEST=$(abspath $(BUILD)/kvtier-client-test) \
 	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
 	  timeout 900 $(PYTHON) -m pytest -q -p no:cacheprovider tests/integration
 
 check-asan: unit integration
 
-test: deps all unit tsan bench-smoke fuzz-smoke integration
+test: deps all check-nocuda unit tsan bench-smoke fuzz-smoke integration test-gpu
+
+# The build without the CUDA toolkit still compiles and links (CI has nvcc, so this is the only
+# place that path is built): the GPU module without KVT_HAVE_CUDA, linked into a daemon in
+# build/nocuda/ from the other objects of build/obj.
+NOCUDA_GPU := $(BUILD)/nocuda/kvt_gpu.o
+$(NOCUDA_GPU): daemon/kvt_gpu.c daemon/kvt_gpu.h
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) -c $< -o $@
+
+$(BUILD)/nocuda/kvtierd: $(BUILD)/obj/daemon/main.o $(filter-out %/kvt_gpu.o,$(CORE_OBJ)) \
+                         $(NOCUDA_GPU)
+	$(CC) $(ALLCFLAGS) -o $@ $^ $(LIBS)
+
+check-nocuda: deps $(BUILD)/nocuda/kvtierd
+	@! grep -q cudaGetDeviceCount $(NOCUDA_GPU)
+	@$(BUILD)/nocuda/kvtierd --version > /dev/null && echo "check-nocuda: ok (build/nocuda/kvtierd)"
+
+# ---- GPU test and benchmark ---------------------------------------------------------------
+# Engines in miniature: they link libkvtier and libcudart, start their own kvtierd, allocate a
+# paged KV cache in a child process and drive REGISTER/STORE/RETRIEVE_GPU. Without a CUDA
+# device (or without the toolkit) they print one "skipped" line and exit 0.
+GPU_TEST  := $(BUILD)/kvt-test-gpu
+GPU_BENCH := $(BUILD)/kvt-bench-gpu
+GPU_BENCH_ARGS ?= --json $(BUILD)/bench-gpu.json
+
+ifeq ($(CUDA),1)
+$(BUILD)/kvt-%-gpu: tests/gpu/kvt_%_gpu.c tests/gpu/gpu_harness.h $(BUILD)/libkvtier.a
+	$(CC) $(ALLCFLAGS) $(CUDA_CFLAGS) -Itests/gpu -o $@ $< $(BUILD)/libkvtier.a $(CLIENT_LIBS) \
+	  $(CUDA_LIBS) -lpthread
+
+test-gpu: deps $(BUILD)/kvtierd $(GPU_TEST)
+	timeout 300 $(GPU_TEST) --daemon $(BUILD)/kvtierd
+
+bench-gpu: deps $(BUILD)/kvtierd $(GPU_BENCH)
+	timeout 600 $(GPU_BENCH) --daemon $(BUILD)/kvtierd $(GPU_BENCH_ARGS)
+else
+test-gpu bench-gpu:
+	@echo "$@: skipped: no CUDA toolkit (no nvcc under $(CUDA_HOME), or CUDA=0)"
+endif
+
+# A stand-in libcudart (tests/gpu/mock_cudart.c: "device memory" is a file, copies are memcpy)
+# that the integration tests put on the daemon's LD_LIBRARY_PATH, so the GPU path runs end to
+# end without a GPU. Test-only: never installed. Needs the toolkit's headers for the types.
+ifeq ($(CUDA),1)
+$(MOCK_CUDART): tests/gpu/mock_cudart.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=gnu11 $(WARN) -O1 -g -fPIC -D_GNU_SOURCE -isystem $(CUDA_HOME)/include -shared \
+	  -Wl,-soname,libcudart.so.$(CUDART_MAJOR) -o $@ $< -lpthread
+endif
 
 # ThreadSanitizer: the L1 concurrency test, built with its own objects in build/tsan/ (a TSan
 # report fails the target: halt_on_error, and TSan's non-zero exit code). The objects are

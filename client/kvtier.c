@@ -1254,6 +1254,112 @@ int kvtier_clear(kvtier_t *self, const char *ns, uint64_t *removed)
     return rc;
 }
 
+/* ---- GPU KV cache ---- */
+
+int kvtier_register_gpu(kvtier_t *self, const kvtier_gpu_layout_t *lay)
+{
+    if (!self)
+        return KVT_EINVAL;
+    self->error[0] = '\0';
+    if (!lay || !lay->handles || !lay->dtype || lay->layers == 0)
+        return s_fail(self, KVT_EINVAL, "register_gpu: layout, handles, dtype and layers "
+                                        "are required");
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    s_body_begin(&sb, &pk, 7 + (lay->offsets ? 1 : 0));
+    s_pack_uint_field(&pk, "device", lay->device);
+    s_pack_uint_field(&pk, "layers", lay->layers);
+    s_pack_uint_field(&pk, "num_blocks", lay->num_blocks);
+    s_pack_uint_field(&pk, "block_tokens", lay->block_tokens);
+    s_pack_uint_field(&pk, "token_bytes", lay->token_bytes);
+    kvt_pack_str(&pk, "dtype");
+    kvt_pack_str(&pk, lay->dtype);
+    kvt_pack_str(&pk, "handles");
+    msgpack_pack_array(&pk, lay->layers);
+    for (uint32_t i = 0; i < lay->layers; i++)
+        s_pack_bin(&pk, lay->handles[i], KVTIER_IPC_HANDLE_LEN);
+    if (lay->offsets) {
+        kvt_pack_str(&pk, "offsets");
+        msgpack_pack_array(&pk, lay->layers);
+        for (uint32_t i = 0; i < lay->layers; i++)
+            msgpack_pack_uint64(&pk, lay->offsets[i]);
+    }
+    s_reply_t r;
+    int rc = s_call(self, KVT_REQ_REGISTER_GPU, &sb, &r);
+    s_reply_free(&r);
+    return rc;
+}
+
+int kvtier_unregister_gpu(kvtier_t *self, uint32_t device)
+{
+    if (!self)
+        return KVT_EINVAL;
+    self->error[0] = '\0';
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    s_body_begin(&sb, &pk, 1);
+    s_pack_uint_field(&pk, "device", device);
+    s_reply_t r;
+    int rc = s_call(self, KVT_REQ_UNREGISTER_GPU, &sb, &r);
+    s_reply_free(&r);
+    return rc;
+}
+
+static int s_gpu_copy(kvtier_t *self, uint32_t type, const char *ns, const char *salt,
+                      uint32_t device, const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                      const uint64_t *block_ids, uint32_t nblock_ids, const void *event,
+                      const char *count_name, uint32_t *count)
+{
+    if (count)
+        *count = 0;
+    if (!self)
+        return KVT_EINVAL;
+    int rc = s_check_keyed(self, kvt_proto_name(type), ns, salt, keys, n);
+    if (rc)
+        return rc;
+    if (nblock_ids && !block_ids)
+        return s_fail(self, KVT_EINVAL, "%s: block_ids is NULL", kvt_proto_name(type));
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    s_body_keyed(&sb, &pk, ns, salt, keys, n, 2 + (event ? 1 : 0));
+    s_pack_uint_field(&pk, "device", device);
+    kvt_pack_str(&pk, "block_ids");
+    msgpack_pack_array(&pk, nblock_ids);
+    for (uint32_t i = 0; i < nblock_ids; i++)
+        msgpack_pack_uint64(&pk, block_ids[i]);
+    if (event) {
+        kvt_pack_str(&pk, "event");
+        s_pack_bin(&pk, event, KVTIER_IPC_HANDLE_LEN);
+    }
+    s_reply_t r;
+    rc = s_call(self, type, &sb, &r);
+    uint64_t v = 0;
+    if (rc == 0)
+        rc = s_need_count(self, type, &r.up.data, count_name, n, &v);
+    if (rc == 0 && count)
+        *count = (uint32_t)v;
+    s_reply_free(&r);
+    return rc;
+}
+
+int kvtier_store_gpu(kvtier_t *self, const char *ns, const char *salt, uint32_t device,
+                     const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                     const uint64_t *block_ids, uint32_t nblock_ids, const void *event,
+                     uint32_t *stored)
+{
+    return s_gpu_copy(self, KVT_REQ_STORE_GPU, ns, salt, device, keys, n, block_ids,
+                      nblock_ids, event, "stored", stored);
+}
+
+int kvtier_retrieve_gpu(kvtier_t *self, const char *ns, const char *salt, uint32_t device,
+                        const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                        const uint64_t *block_ids, uint32_t nblock_ids, const void *event,
+                        uint32_t *found)
+{
+    return s_gpu_copy(self, KVT_REQ_RETRIEVE_GPU, ns, salt, device, keys, n, block_ids,
+                      nblock_ids, event, "found", found);
+}
+
 /* ---- token hashing ---- */
 
 /* tokens as the little-endian bytes HASH_TOKENS and kvt_hash_tokens take. On a little-endian

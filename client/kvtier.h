@@ -174,6 +174,50 @@ int kvtier_hash_tokens(kvtier_t *self, const uint32_t *tokens, size_t ntokens,
 uint32_t kvtier_hash_tokens_local(const uint32_t *tokens, size_t ntokens, uint32_t chunk_tokens,
                                   const char *salt, uint8_t (*keys)[KVTIER_KEY_LEN]);
 
+/* ---- GPU KV cache (CUDA IPC) ----
+ * An engine whose KV cache lives on the GPU registers it once per device: one buffer per
+ * layer (a KV tensor, or K and V as two "layers"), each given as the 64-byte
+ * cudaIpcMemHandle_t of its allocation (cudaIpcGetMemHandle) plus the buffer's byte offset in
+ * that allocation. Block b of a layer is block_tokens x token_bytes bytes at offset
+ * b x block_tokens x token_bytes. The daemon then copies between the blocks and L1 objects on
+ * its own CUDA streams; a call returns when the copy is complete. The registration ends with
+ * kvtier_unregister_gpu, kvtier_close or the instance's silence. A daemon without a GPU (or
+ * built without CUDA) answers KVTIER_EUNAVAIL. */
+
+#define KVTIER_IPC_HANDLE_LEN 64
+
+typedef struct {
+    uint32_t device;       /* CUDA device index, as the daemon numbers them */
+    uint32_t layers;       /* entries of handles (and offsets) */
+    uint64_t num_blocks;   /* blocks per layer */
+    uint32_t block_tokens; /* tokens per block */
+    uint32_t token_bytes;  /* bytes of one token in one layer */
+    const char *dtype;     /* "float16", "bfloat16", "float32", "float8_e4m3fn", ... */
+    const uint8_t (*handles)[KVTIER_IPC_HANDLE_LEN];
+    const uint64_t *offsets; /* NULL: every buffer starts its allocation */
+} kvtier_gpu_layout_t;
+
+/* REGISTER_GPU: once per device per instance (a second is KVTIER_EBADREQ). */
+int kvtier_register_gpu(kvtier_t *self, const kvtier_gpu_layout_t *layout);
+
+/* UNREGISTER_GPU: KVTIER_ENOTFOUND when this instance has no registration on the device. */
+int kvtier_unregister_gpu(kvtier_t *self, uint32_t device);
+
+/* STORE_GPU: chunk i of keys[0..n) is in blocks block_ids[i*per .. (i+1)*per) of every layer
+ * (per = nblock_ids / n, the same for every chunk). event: NULL, or a 64-byte
+ * cudaIpcEventHandle_t (cudaEventInterprocess) the daemon waits for before copying. *stored:
+ * newly stored objects (a key already stored is skipped; a full L1 stores a prefix). */
+int kvtier_store_gpu(kvtier_t *self, const char *ns, const char *salt, uint32_t device,
+                     const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                     const uint64_t *block_ids, uint32_t nblock_ids, const void *event,
+                     uint32_t *stored);
+
+/* RETRIEVE_GPU: writes the leading chunks found in L1 into their blocks; *found of them. */
+int kvtier_retrieve_gpu(kvtier_t *self, const char *ns, const char *salt, uint32_t device,
+                        const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                        const uint64_t *block_ids, uint32_t nblock_ids, const void *event,
+                        uint32_t *found);
+
 /* Sends a raw request (body: one msgpack map) and waits for its reply; *reply_body is a
  * malloc'd copy of the reply body (caller frees). For request types this header has no call
  * for. */

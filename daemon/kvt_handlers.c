@@ -1,7 +1,7 @@
 /* DESIGN: one function per request type, picked from s_handlers[] by wire id. A handler reads
  * the decoded body (rq->req), calls the modules in rq->svc and packs its ok body into rq->pk;
  * on failure it returns a KVT_E* code with a sentence in rq->err and packs nothing. Handlers of
- * WORKER types (PUT, GET, CLEAR) may run on any worker thread at the same time as each other and
+ * WORKER types (PUT, GET, CLEAR and the GPU requests) may run on any worker thread at the same time as each other and
  * as the server thread's handlers: they only use thread-safe modules. */
 #include "kvt_handlers.h"
 
@@ -479,6 +479,60 @@ static int s_get(kvt_rq_t *c)
     return rc;
 }
 
+/* ---- GPU requests (worker threads: they wait for CUDA) ---- */
+
+static int s_register_gpu(kvt_rq_t *c)
+{
+    int rc = s_need_owner(c);
+    if (rc)
+        return rc;
+    kvt_gpu_layout_t lay;
+    rc = kvt_gpu_register(c->svc->gpu, c->owner, &c->req, &lay, c->err, sizeof c->err);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 3);
+        s_pack_uint_field(&c->pk, "device", lay.device);
+        s_pack_uint_field(&c->pk, "layers", lay.layers);
+        s_pack_uint_field(&c->pk, "block_bytes", lay.block_bytes);
+    }
+    return rc;
+}
+
+static int s_unregister_gpu(kvt_rq_t *c)
+{
+    int rc = s_need_owner(c);
+    if (rc == 0)
+        rc = kvt_gpu_unregister(c->svc->gpu, c->owner, c->req.device, c->err, sizeof c->err);
+    if (rc == 0)
+        kvt_pack_ok(&c->pk, 0);
+    return rc;
+}
+
+static int s_store_gpu(kvt_rq_t *c)
+{
+    int rc = s_need_owner(c);
+    uint32_t stored = 0;
+    if (rc == 0)
+        rc = kvt_gpu_store(c->svc->gpu, c->owner, &c->req, &stored, c->err, sizeof c->err);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "stored", stored);
+    }
+    return rc;
+}
+
+static int s_retrieve_gpu(kvt_rq_t *c)
+{
+    int rc = s_need_owner(c);
+    uint32_t found = 0;
+    if (rc == 0)
+        rc = kvt_gpu_retrieve(c->svc->gpu, c->owner, &c->req, &found, c->err, sizeof c->err);
+    if (rc == 0) {
+        kvt_pack_ok(&c->pk, 1);
+        s_pack_uint_field(&c->pk, "found", found);
+    }
+    return rc;
+}
+
 static const s_handler_fn s_handlers[KVT_REQ_SLOTS] = {
     [KVT_REQ_HELLO] = s_hello,
     [KVT_REQ_BYE] = s_bye,
@@ -495,6 +549,10 @@ static const s_handler_fn s_handlers[KVT_REQ_SLOTS] = {
     [KVT_REQ_CLEAR] = s_clear,
     [KVT_REQ_STATS] = s_stats,
     [KVT_REQ_HASH_TOKENS] = s_hash_tokens,
+    [KVT_REQ_REGISTER_GPU] = s_register_gpu,
+    [KVT_REQ_UNREGISTER_GPU] = s_unregister_gpu,
+    [KVT_REQ_STORE_GPU] = s_store_gpu,
+    [KVT_REQ_RETRIEVE_GPU] = s_retrieve_gpu,
 };
 
 int kvt_handle(kvt_rq_t *rq)

@@ -9,6 +9,7 @@
 #define KVT_HANDLERS_H
 
 #include "kvt_config.h"
+#include "kvt_gpu.h"
 #include "kvt_l1.h"
 #include "kvt_l2mgr.h"
 #include "kvt_metrics.h"
@@ -27,6 +28,7 @@ typedef struct {
     kvt_l1_t *l1;
     kvt_l2mgr_t *l2; /* NULL or no adapters: no L2 */
     kvt_prefetch_t *prefetch;
+    kvt_gpu_t *gpu; /* the GPU path (CUDA loaded on first use) */
 } kvt_services_t;
 
 /* One request from receipt to reply. Owns its frames, its decoded body (whose strings point

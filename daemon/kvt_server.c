@@ -370,6 +370,7 @@ static int s_check_ipc(const char *endpoint, char *err, size_t errlen)
 static uint64_t s_on_gone(void *ctx, uint64_t owner, bool expired)
 {
     kvt_server_t *self = ctx;
+    kvt_gpu_owner_gone(self->svc.gpu, owner); /* never blocks: closing is the gpu's thread's */
     return kvt_l1_release_owner(self->svc.l1, owner, expired);
 }
 
@@ -441,6 +442,8 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
     self->svc.sessions = kvt_sessions_new(s_on_gone, self);
     self->svc.l2 = l2;
     self->svc.prefetch = prefetch;
+    self->svc.gpu = kvt_gpu_new(l1); /* touches no CUDA until a GPU request */
+    kvt_metrics_add_source(metrics, kvt_gpu_metrics_source, self->svc.gpu);
     kvt_limits_init(&self->lim, cfg->max_message, cfg->max_keys);
     self->workers = kvt_workers_new("worker", (int)cfg->workers, S_WORKER_QUEUE, sup, err, errlen);
     if (!self->workers)
@@ -494,6 +497,7 @@ void kvt_server_destroy(kvt_server_t **self_p)
         kvt_workers_destroy(&self->workers);
     }
     kvt_workers_destroy(&self->lookups);
+    kvt_gpu_destroy(&self->svc.gpu); /* after the workers, before L1 goes */
     if (self->spare) {
         kvt_rq_t *spare = self->spare;
         self->spare = NULL;

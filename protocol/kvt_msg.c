@@ -167,7 +167,7 @@ int kvt_msg_read_uint(const uint8_t *buf, size_t len, uint64_t *out)
 
 /* ---- body decoding ---- */
 
-typedef enum { S_UINT, S_BOOL, S_STR, S_BIN, S_KEYS, S_UINTS } s_kind_t;
+typedef enum { S_UINT, S_BOOL, S_STR, S_BIN, S_KEYS, S_UINTS, S_HANDLES } s_kind_t;
 
 static const s_kind_t s_kinds[KVT_FIELD_COUNT] = {
 #define KVT_XX(f, name, kind) [KVT_FI_##f] = S_##kind,
@@ -206,12 +206,12 @@ static int s_wrong_type(kvt_req_t *r, int fi, const char *want, const msgpack_ob
     return KVT_EBADREQ;
 }
 
-static int s_uint_array(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limits_t *lim,
+static int s_uint_array(kvt_req_t *r, int fi, const msgpack_object *o, uint32_t max,
                         uint64_t **out, uint32_t *n)
 {
     if (o->type != MSGPACK_OBJECT_ARRAY)
         return s_wrong_type(r, fi, "array of uint", o);
-    if (o->via.array.size > lim->max_keys)
+    if (o->via.array.size > max)
         return s_fail(r, KVT_ETOOBIG, "field '%s': too many entries", kvt_proto_field_name(fi));
     uint32_t cnt = o->via.array.size;
     uint64_t *v = NULL;
@@ -281,6 +281,33 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
         r->nkeys = cnt;
         return 0;
     }
+    case S_HANDLES: {
+        if (o->type != MSGPACK_OBJECT_ARRAY)
+            return s_wrong_type(r, fi, "array of 64-byte bin", o);
+        uint32_t cnt = o->via.array.size;
+        if (cnt > KVT_MAX_GPU_LAYERS) {
+            snprintf(r->error, sizeof r->error, "field 'handles': %u handles, at most %u", cnt,
+                     KVT_MAX_GPU_LAYERS);
+            return KVT_ETOOBIG;
+        }
+        if (cnt) {
+            r->handles = msgpack_zone_malloc(r->mp.zone, (size_t)cnt * KVT_IPC_HANDLE_LEN);
+            if (!r->handles)
+                return s_fail(r, KVT_ENOMEM, "%s: out of memory", "handles");
+        }
+        for (uint32_t i = 0; i < cnt; i++) {
+            const msgpack_object *e = &o->via.array.ptr[i];
+            if (e->type != MSGPACK_OBJECT_BIN || e->via.bin.size != KVT_IPC_HANDLE_LEN) {
+                snprintf(r->error, sizeof r->error,
+                         "field 'handles': entry %u is not a 64-byte bin (a cudaIpcMemHandle_t)",
+                         i);
+                return KVT_EBADREQ;
+            }
+            memcpy(r->handles[i], e->via.bin.ptr, KVT_IPC_HANDLE_LEN);
+        }
+        r->nhandles = cnt;
+        return 0;
+    }
     case S_UINTS:
         break;
     }
@@ -293,8 +320,29 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
     case KVT_FI_LOCK: r->lock = o->via.boolean; break;
     case KVT_FI_PREFETCH: r->prefetch = o->via.boolean; break;
     case KVT_FI_TOKENS: r->tokens = str; break;
-    case KVT_FI_SIZES: return s_uint_array(r, fi, o, lim, &r->sizes, &r->nsizes);
-    case KVT_FI_FAILED: return s_uint_array(r, fi, o, lim, &r->failed, &r->nfailed);
+    case KVT_FI_DEVICE: r->device = o->via.u64; break;
+    case KVT_FI_LAYERS: r->layers = o->via.u64; break;
+    case KVT_FI_NUM_BLOCKS: r->num_blocks = o->via.u64; break;
+    case KVT_FI_BLOCK_TOKENS: r->block_tokens = o->via.u64; break;
+    case KVT_FI_TOKEN_BYTES: r->token_bytes = o->via.u64; break;
+    case KVT_FI_SIZES: return s_uint_array(r, fi, o, lim->max_keys, &r->sizes, &r->nsizes);
+    case KVT_FI_FAILED: return s_uint_array(r, fi, o, lim->max_keys, &r->failed, &r->nfailed);
+    case KVT_FI_OFFSETS:
+        return s_uint_array(r, fi, o, KVT_MAX_GPU_LAYERS, &r->offsets, &r->noffsets);
+    /* several block ids per key: bounded by the body's element budget, not by max_keys */
+    case KVT_FI_BLOCK_IDS:
+        return s_uint_array(r, fi, o, lim->max_items, &r->block_ids, &r->nblock_ids);
+    case KVT_FI_DTYPE:
+        if (str.len == 0 || str.len > KVT_MAX_DTYPE)
+            return s_fail(r, KVT_EBADREQ, "field '%s': must be 1 to 32 bytes", "dtype");
+        r->dtype = str;
+        break;
+    case KVT_FI_EVENT:
+        if (str.len != KVT_IPC_HANDLE_LEN)
+            return s_fail(r, KVT_EBADREQ,
+                          "field '%s': must be a 64-byte bin (a cudaIpcEventHandle_t)", "event");
+        r->event = str;
+        break;
     case KVT_FI_CLIENT:
     case KVT_FI_INSTANCE:
         if (str.len == 0 || str.len > KVT_MAX_NAME)
@@ -351,6 +399,30 @@ static int s_cross_check(kvt_req_t *r)
                 return s_fail(r, KVT_EBADREQ, "%s", "'sizes' entries must be positive");
         break;
     }
+    case KVT_REQ_REGISTER_GPU:
+        if (r->layers != r->nhandles) {
+            snprintf(r->error, sizeof r->error, "'layers' is %llu but 'handles' has %u entries",
+                     (unsigned long long)r->layers, r->nhandles);
+            return KVT_EBADREQ;
+        }
+        if ((r->present & KVT_F_OFFSETS) && r->noffsets != r->nhandles) {
+            snprintf(r->error, sizeof r->error, "'offsets' has %u entries for %u handles",
+                     r->noffsets, r->nhandles);
+            return KVT_EBADREQ;
+        }
+        break;
+    case KVT_REQ_STORE_GPU:
+    case KVT_REQ_RETRIEVE_GPU:
+        /* every chunk names the same number of blocks (chunk_tokens / block_tokens) */
+        if (r->nkeys == 0 ? r->nblock_ids != 0
+                          : r->nblock_ids == 0 || r->nblock_ids % r->nkeys != 0) {
+            snprintf(r->error, sizeof r->error,
+                     "'block_ids' has %u entries: must be a positive multiple of the %u keys "
+                     "(the same number of blocks per chunk)",
+                     r->nblock_ids, r->nkeys);
+            return KVT_EBADREQ;
+        }
+        break;
     case KVT_REQ_HASH_TOKENS:
         if (r->tokens.len % 4)
             return s_fail(r, KVT_EBADREQ, "%s",

@@ -46,6 +46,15 @@ typedef struct kvt_req {
     uint64_t job, lease, chunk_tokens;
     uint64_t *failed;
     uint32_t nfailed;
+    /* GPU requests (REGISTER_GPU ... RETRIEVE_GPU) */
+    uint8_t (*handles)[KVT_IPC_HANDLE_LEN];
+    uint32_t nhandles;
+    uint64_t *offsets;
+    uint32_t noffsets;
+    uint64_t device, layers, num_blocks, block_tokens, token_bytes;
+    kvt_bytes_t dtype, event;
+    uint64_t *block_ids; /* nkeys runs of nblock_ids / nkeys ids each, chunk by chunk */
+    uint32_t nblock_ids;
     msgpack_unpacked mp; /* the per-request zone */
     bool mp_live;
     char error[160]; /* why decoding failed, for the error reply */

@@ -16,9 +16,13 @@
 #define KVT_MAX_NS 256
 #define KVT_MAX_SALT 128
 #define KVT_MAX_NAME 256 /* client and instance names */
+#define KVT_IPC_HANDLE_LEN 64 /* cudaIpcMemHandle_t / cudaIpcEventHandle_t, as bytes */
+#define KVT_MAX_GPU_LAYERS 4096 /* entries of `handles` (a layer = one device buffer) */
+#define KVT_MAX_DTYPE 32
 
 /* XX(FIELD, "wire name", kind) — kinds: UINT, BOOL, STR, BIN, KEYS (array of bin16),
- * UINTS (array of uint). */
+ * UINTS (array of uint), HANDLES (array of bin64: CUDA IPC memory handles). `present` is a
+ * uint32 bitmask: at most 32 fields. */
 #define KVT_FIELD_MAP(XX)                                                                      \
     XX(VERSION, "version", UINT)                                                               \
     XX(CLIENT, "client", STR)                                                                  \
@@ -34,7 +38,17 @@
     XX(LEASE, "lease", UINT)                                                                   \
     XX(FAILED, "failed", UINTS)                                                                \
     XX(TOKENS, "tokens", BIN)                                                                  \
-    XX(CHUNK_TOKENS, "chunk_tokens", UINT)
+    XX(CHUNK_TOKENS, "chunk_tokens", UINT)                                                     \
+    XX(HANDLES, "handles", HANDLES)                                                            \
+    XX(OFFSETS, "offsets", UINTS)                                                              \
+    XX(DEVICE, "device", UINT)                                                                 \
+    XX(LAYERS, "layers", UINT)                                                                 \
+    XX(NUM_BLOCKS, "num_blocks", UINT)                                                         \
+    XX(BLOCK_TOKENS, "block_tokens", UINT)                                                     \
+    XX(TOKEN_BYTES, "token_bytes", UINT)                                                       \
+    XX(DTYPE, "dtype", STR)                                                                    \
+    XX(BLOCK_IDS, "block_ids", UINTS)                                                          \
+    XX(EVENT, "event", BIN)
 
 typedef enum {
 #define KVT_XX(f, name, kind) KVT_FI_##f,
@@ -42,6 +56,8 @@ typedef enum {
 #undef KVT_XX
         KVT_FIELD_COUNT
 } kvt_field_idx_t;
+
+_Static_assert(KVT_FIELD_COUNT <= 32, "kvt_req_t.present is a uint32 bitmask");
 
 #define KVT_XX(f, name, kind) KVT_F_##f = 1u << KVT_FI_##f,
 enum { KVT_FIELD_MAP(KVT_XX) };
@@ -51,6 +67,10 @@ typedef enum { KVT_RUN_INLINE = 0, KVT_RUN_WORKER = 1 } kvt_run_class_t;
 
 #define KVT_NONE 0u
 #define KVT_KEYED (KVT_F_NS | KVT_F_KEYS)
+#define KVT_GPU_LAYOUT                                                                         \
+    (KVT_F_HANDLES | KVT_F_DEVICE | KVT_F_LAYERS | KVT_F_NUM_BLOCKS | KVT_F_BLOCK_TOKENS |      \
+     KVT_F_TOKEN_BYTES | KVT_F_DTYPE)
+#define KVT_GPU_COPY (KVT_KEYED | KVT_F_DEVICE | KVT_F_BLOCK_IDS)
 
 /* XX(id, NAME, "name", run class, required fields, optional fields, max body bytes (0 = the
  * configured max_message)) */
@@ -70,7 +90,11 @@ typedef enum { KVT_RUN_INLINE = 0, KVT_RUN_WORKER = 1 } kvt_run_class_t;
     XX(12, REMOVE, "remove", INLINE, KVT_KEYED, KVT_F_SALT, 0)                                 \
     XX(13, CLEAR, "clear", WORKER, KVT_NONE, KVT_F_NS, 65536)                                  \
     XX(14, STATS, "stats", INLINE, KVT_NONE, KVT_NONE, 65536)                                  \
-    XX(15, HASH_TOKENS, "hash_tokens", INLINE, KVT_F_TOKENS, KVT_F_CHUNK_TOKENS | KVT_F_SALT, 0)
+    XX(15, HASH_TOKENS, "hash_tokens", INLINE, KVT_F_TOKENS, KVT_F_CHUNK_TOKENS | KVT_F_SALT, 0) \
+    XX(16, REGISTER_GPU, "register_gpu", WORKER, KVT_GPU_LAYOUT, KVT_F_OFFSETS, 1048576)         \
+    XX(17, UNREGISTER_GPU, "unregister_gpu", WORKER, KVT_F_DEVICE, KVT_NONE, 65536)             \
+    XX(18, STORE_GPU, "store_gpu", WORKER, KVT_GPU_COPY, KVT_F_SALT | KVT_F_EVENT, 0)           \
+    XX(19, RETRIEVE_GPU, "retrieve_gpu", WORKER, KVT_GPU_COPY, KVT_F_SALT | KVT_F_EVENT, 0)
 
 typedef enum {
     KVT_REQ_UNKNOWN = 0,
@@ -80,7 +104,7 @@ typedef enum {
 } kvt_req_type_t;
 
 /* One past the highest wire id: arrays indexed by type are this long. */
-#define KVT_REQ_SLOTS 16
+#define KVT_REQ_SLOTS 20
 
 typedef struct {
     kvt_req_type_t type;

@@ -10,6 +10,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "decode")
 K1 = bytes(range(16))
 K2 = bytes(range(16, 32))
+H1 = bytes(range(64))
+H2 = bytes(range(64, 128))
 
 SEEDS = {
     "hello": (1, {"version": 1, "client": "vllm", "instance": "host-0:1234"}),
@@ -32,7 +34,15 @@ SEEDS = {
     "hash_tokens": (15, {"tokens": struct.pack("<8I", *range(8)), "chunk_tokens": 4,
                          "salt": "s"}),
     "hash_tokens_big_limit": (15 | 0x80, {"tokens": struct.pack("<4I", 1, 2, 3, 4)}),
-    "unknown_16": (16, {"version": 1}),
+    "register_gpu": (16, {"device": 0, "layers": 2, "num_blocks": 64, "block_tokens": 16,
+                          "token_bytes": 4096, "dtype": "bfloat16",
+                          "handles": [H1, H2], "offsets": [0, 4096]}),
+    "unregister_gpu": (17, {"device": 0}),
+    "store_gpu": (18, {"ns": "m", "keys": [K1, K2], "device": 0,
+                       "block_ids": [0, 1, 2, 3], "event": H1}),
+    "retrieve_gpu": (19, {"ns": "m", "keys": [K1], "device": 0, "block_ids": [7, 9],
+                          "salt": "s"}),
+    "unknown_20": (20, {"version": 1}),
     "hello_nil_field": (1, {"version": 1, "client": "c", "instance": "i", "salt": None}),
 }
 

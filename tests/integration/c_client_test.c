@@ -568,10 +568,41 @@ out:
     return rc;
 }
 
+/* The GPU calls on a machine without a CUDA device: validated, then `unavailable`. */
+static int s_gpu_none(kvtier_t *c)
+{
+    int rc = 0;
+    uint8_t handles[2][KVTIER_IPC_HANDLE_LEN], keys[1][KVTIER_KEY_LEN] = {{9}};
+    memset(handles, 0x5a, sizeof handles);
+    uint64_t ids[2] = {0, 1};
+    uint32_t n = 7;
+    kvtier_gpu_layout_t lay = {.device = 0, .layers = 2, .num_blocks = 16, .block_tokens = 16,
+                               .token_bytes = 512, .dtype = "float16",
+                               .handles = (const uint8_t(*)[KVTIER_IPC_HANDLE_LEN])handles};
+    S_FAILS(c, KVT_EINVAL, kvtier_register_gpu(c, NULL));
+    S_FAILS(c, KVT_EUNAVAIL, kvtier_register_gpu(c, &lay));
+    S_CHECK(strncmp(kvtier_last_error(c), "no CUDA device: ", 16) == 0, "%s",
+            kvtier_last_error(c));
+    lay.dtype = "float64";
+    S_FAILS(c, KVT_EBADREQ, kvtier_register_gpu(c, &lay));
+    S_FAILS(c, KVT_EUNAVAIL, kvtier_store_gpu(c, S_NS, NULL, 0, keys, 1, ids, 2, NULL, &n));
+    S_CHECK(n == 0, "stored %u", n);
+    S_FAILS(c, KVT_EUNAVAIL,
+            kvtier_retrieve_gpu(c, S_NS, "salt", 0, keys, 1, ids, 2, handles[0], &n));
+    S_FAILS(c, KVT_EBADREQ, kvtier_retrieve_gpu(c, S_NS, NULL, 0, keys, 1, ids, 0, NULL, &n));
+    S_FAILS(c, KVT_EINVAL, kvtier_store_gpu(c, S_NS, NULL, 0, keys, 1, NULL, 2, NULL, &n));
+    S_FAILS(c, KVT_ENOTFOUND, kvtier_unregister_gpu(c, 0));
+    S_OK(c, kvtier_ping(c));
+    printf("gpu-none: ok\n");
+out:
+    return rc;
+}
+
 static const struct {
     const char *name;
     int (*run)(kvtier_t *c);
 } s_scenarios[] = {
+    {"gpu-none", s_gpu_none},
     {"rank-store", s_rank_store}, {"rank-load", s_rank_load}, {"salt", s_salt},
     {"embed", s_embed},           {"hash", s_hash},           {"errors", s_errors},
     {"prefetch", s_prefetch},     {"remote", s_remote},

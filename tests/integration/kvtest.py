@@ -52,6 +52,10 @@ REMOVE = 12
 CLEAR = 13
 STATS = 14
 HASH_TOKENS = 15
+REGISTER_GPU = 16
+UNREGISTER_GPU = 17
+STORE_GPU = 18
+RETRIEVE_GPU = 19
 
 TYPE_NAMES = {
     HELLO: "hello",
@@ -69,6 +73,10 @@ TYPE_NAMES = {
     CLEAR: "clear",
     STATS: "stats",
     HASH_TOKENS: "hash_tokens",
+    REGISTER_GPU: "register_gpu",
+    UNREGISTER_GPU: "unregister_gpu",
+    STORE_GPU: "store_gpu",
+    RETRIEVE_GPU: "retrieve_gpu",
 }
 
 ERROR_CODES = frozenset({

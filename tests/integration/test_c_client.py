@@ -118,6 +118,12 @@ def test_error_paths(daemon):
 
 
 @needs_client_test
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a CUDA device: make test-gpu")
+def test_gpu_calls_without_gpu(daemon):
+    assert "gpu-none: ok" in run_scenario(daemon, "gpu-none")
+
+
+@needs_client_test
 def test_prefetch(daemon):
     assert "prefetch:" in run_scenario(daemon, "prefetch")
 

@@ -317,7 +317,7 @@ def test_storage_types_bad_request(shared_daemon, type_, body):
 # Envelope errors
 
 
-@pytest.mark.parametrize("type_", [0, 16, 99, 255, 65536, 2**64 - 1])
+@pytest.mark.parametrize("type_", [0, 20, 99, 255, 65536, 2**64 - 1])
 def test_unknown_type(shared_daemon, type_):
     d = shared_daemon
     s = d.dealer()

@@ -412,7 +412,7 @@ static void test_random_inputs(void **state)
             if (rand_r(&seed) % 4 == 0)
                 len = (size_t)rand_r(&seed) % (len + 1);
         }
-        kvt_req_type_t t = (kvt_req_type_t)(1 + rand_r(&seed) % 15);
+        kvt_req_type_t t = (kvt_req_type_t)(1 + rand_r(&seed) % (KVT_REQ_SLOTS - 1));
         kvt_req_t req;
         int rc = kvt_msg_decode(buf, len, t, &s_lim, &req);
         assert_true(rc == 0 || (rc < 0 && rc >= KVT_EINVAL));
@@ -422,6 +422,156 @@ static void test_random_inputs(void **state)
         kvt_req_release(&req);
     }
     assert_true(ok > 0); /* mutations that keep the body valid do decode */
+    msgpack_sbuffer_destroy(&b.sb);
+}
+
+/* REGISTER_GPU body: `nh` handles of `hlen` bytes, `layers`, optional offsets. */
+static void b_register(body_t *b, uint32_t nh, size_t hlen, uint64_t layers, int noffsets)
+{
+    b_init(b, 7 + (noffsets >= 0));
+    b_key(b, "device");
+    msgpack_pack_uint32(&b->pk, 1);
+    b_key(b, "layers");
+    msgpack_pack_uint64(&b->pk, layers);
+    b_key(b, "num_blocks");
+    msgpack_pack_uint32(&b->pk, 1000);
+    b_key(b, "block_tokens");
+    msgpack_pack_uint32(&b->pk, 16);
+    b_key(b, "token_bytes");
+    msgpack_pack_uint32(&b->pk, 512);
+    b_key(b, "dtype");
+    kvt_pack_str(&b->pk, "float16");
+    b_key(b, "handles");
+    msgpack_pack_array(&b->pk, nh);
+    uint8_t h[128];
+    for (uint32_t i = 0; i < nh; i++) {
+        memset(h, (int)(i + 1), sizeof h);
+        msgpack_pack_bin(&b->pk, hlen);
+        msgpack_pack_bin_body(&b->pk, h, hlen);
+    }
+    if (noffsets >= 0) {
+        b_key(b, "offsets");
+        msgpack_pack_array(&b->pk, (uint32_t)noffsets);
+        for (int i = 0; i < noffsets; i++)
+            msgpack_pack_uint32(&b->pk, (uint32_t)i * 4096);
+    }
+}
+
+static void test_register_gpu_decode(void **state)
+{
+    (void)state;
+    body_t b;
+    kvt_req_t req;
+    b_register(&b, 3, 64, 3, 3);
+    assert_int_equal(b_decode(&b, KVT_REQ_REGISTER_GPU, &req), 0);
+    assert_int_equal(req.nhandles, 3);
+    assert_int_equal(req.layers, 3);
+    assert_int_equal(req.device, 1);
+    assert_int_equal(req.num_blocks, 1000);
+    assert_int_equal(req.block_tokens, 16);
+    assert_int_equal(req.token_bytes, 512);
+    assert_memory_equal(req.dtype.ptr, "float16", 7);
+    assert_int_equal(req.handles[2][63], 3);
+    assert_int_equal(req.noffsets, 3);
+    assert_int_equal(req.offsets[2], 8192);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+
+    static const struct {
+        uint32_t nh;
+        size_t hlen;
+        uint64_t layers;
+        int noffsets;
+        int want;
+        const char *mention;
+    } bad[] = {
+        {2, 63, 2, -1, KVT_EBADREQ, "64-byte bin"},
+        {2, 65, 2, -1, KVT_EBADREQ, "64-byte bin"},
+        {2, 16, 2, -1, KVT_EBADREQ, "entry 0"},
+        {2, 64, 3, -1, KVT_EBADREQ, "'layers' is 3"},
+        {2, 64, 2, 1, KVT_EBADREQ, "'offsets' has 1"},
+        {KVT_MAX_GPU_LAYERS + 1, 64, 1, -1, KVT_ETOOBIG, "at most 4096"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        b_register(&b, bad[i].nh, bad[i].hlen, bad[i].layers, bad[i].noffsets);
+        assert_int_equal(b_decode(&b, KVT_REQ_REGISTER_GPU, &req), bad[i].want);
+        if (!strstr(req.error, bad[i].mention))
+            fail_msg("case %zu: '%s' does not mention '%s'", i, req.error, bad[i].mention);
+        kvt_req_release(&req);
+        msgpack_sbuffer_destroy(&b.sb);
+    }
+    /* a missing layout field is named */
+    b_init(&b, 1);
+    b_key(&b, "device");
+    msgpack_pack_uint32(&b.pk, 0);
+    assert_int_equal(b_decode(&b, KVT_REQ_REGISTER_GPU, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "register_gpu needs field"));
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+}
+
+/* STORE_GPU / RETRIEVE_GPU body: nkeys keys, nids block ids, an event of elen bytes (0: none). */
+static void b_copy(body_t *b, uint32_t nkeys, uint32_t nids, size_t elen)
+{
+    b_init(b, 4 + (elen > 0));
+    b_key(b, "ns");
+    kvt_pack_str(&b->pk, "m");
+    b_keys(b, nkeys, 16);
+    b_key(b, "device");
+    msgpack_pack_uint32(&b->pk, 0);
+    b_key(b, "block_ids");
+    msgpack_pack_array(&b->pk, nids);
+    for (uint32_t i = 0; i < nids; i++)
+        msgpack_pack_uint32(&b->pk, 1000 - i);
+    if (elen) {
+        uint8_t ev[80];
+        memset(ev, 7, sizeof ev);
+        b_key(b, "event");
+        msgpack_pack_bin(&b->pk, elen);
+        msgpack_pack_bin_body(&b->pk, ev, elen);
+    }
+}
+
+static void test_gpu_copy_decode(void **state)
+{
+    (void)state;
+    body_t b;
+    kvt_req_t req;
+    for (int t = KVT_REQ_STORE_GPU; t <= KVT_REQ_RETRIEVE_GPU; t++) {
+        b_copy(&b, 4, 64, 64);
+        assert_int_equal(b_decode(&b, (kvt_req_type_t)t, &req), 0);
+        assert_int_equal(req.nkeys, 4);
+        assert_int_equal(req.nblock_ids, 64);
+        assert_int_equal(req.block_ids[63], 1000 - 63);
+        assert_int_equal(req.event.len, 64);
+        kvt_req_release(&req);
+        msgpack_sbuffer_destroy(&b.sb);
+        static const struct {
+            uint32_t nkeys, nids;
+            size_t elen;
+        } bad[] = {{4, 63, 0}, {4, 0, 0}, {0, 4, 0}, {2, 4, 63}, {2, 4, 65}};
+        for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+            b_copy(&b, bad[i].nkeys, bad[i].nids, bad[i].elen);
+            assert_int_equal(b_decode(&b, (kvt_req_type_t)t, &req), KVT_EBADREQ);
+            assert_true(strstr(req.error, "block_ids") || strstr(req.error, "event"));
+            kvt_req_release(&req);
+            msgpack_sbuffer_destroy(&b.sb);
+        }
+    }
+    /* block ids are bounded by the body's element budget, not by max_keys */
+    kvt_limits_t small;
+    kvt_limits_init(&small, 256u << 20, 16);
+    b_copy(&b, 16, 16 * 80, 0); /* 1296 elements > max_items (2 x 16 + 1024) */
+    assert_int_equal(kvt_msg_decode((const uint8_t *)b.sb.data, b.sb.size, KVT_REQ_STORE_GPU,
+                                    &small, &req),
+                     KVT_ETOOBIG);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+    b_copy(&b, 16, 16 * 16, 0);
+    assert_int_equal(kvt_msg_decode((const uint8_t *)b.sb.data, b.sb.size, KVT_REQ_STORE_GPU,
+                                    &small, &req),
+                     0);
+    kvt_req_release(&req);
     msgpack_sbuffer_destroy(&b.sb);
 }
 
@@ -438,6 +588,8 @@ int main(void)
         cmocka_unit_test(test_type_limits_and_tokens),
         cmocka_unit_test(test_error_body_roundtrip),
         cmocka_unit_test(test_random_inputs),
+        cmocka_unit_test(test_register_gpu_decode),
+        cmocka_unit_test(test_gpu_copy_decode),
     };
     return cmocka_run_group_tests(tests, s_setup, NULL);
 }

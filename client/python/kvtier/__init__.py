@@ -15,7 +15,8 @@ Not thread-safe: one Client (and one Subscriber) per thread.
 """
 
 from .client import (ACQUIRE, BYE, CLEAR, COMMIT, GET, HASH_TOKENS, HELLO, LOOKUP, PING,
-                     PREFETCH_STATUS, PROTO_VERSION, PUT, RELEASE, REMOVE, RESERVE, STATS,
+                     PREFETCH_STATUS, PROTO_VERSION, PUT, REGISTER_GPU, RELEASE, REMOVE,
+                     RESERVE, RETRIEVE_GPU, STATS, STORE_GPU, UNREGISTER_GPU,
                      Acquired, Client, Lookup, PrefetchStatus, Reservation)
 from .errors import (BadRequest, Busy, Internal, KvtierError, LeaseExpired, NoSpace, NotFound,
                      ProtocolError, Timeout, TooLarge, Unavailable, UnknownLease, UnknownType,
@@ -33,4 +34,5 @@ __all__ = [
     "ProtocolError", "error_for",
     "PROTO_VERSION", "HELLO", "BYE", "PING", "LOOKUP", "PREFETCH_STATUS", "RESERVE", "COMMIT",
     "ACQUIRE", "RELEASE", "PUT", "GET", "REMOVE", "CLEAR", "STATS", "HASH_TOKENS",
+    "REGISTER_GPU", "UNREGISTER_GPU", "STORE_GPU", "RETRIEVE_GPU",
 ]

@@ -56,6 +56,10 @@ REMOVE = 12
 CLEAR = 13
 STATS = 14
 HASH_TOKENS = 15
+REGISTER_GPU = 16
+UNREGISTER_GPU = 17
+STORE_GPU = 18
+RETRIEVE_GPU = 19
 
 # hits: leading keys present in any tier; l1: leading keys in L1; lease: read lease pinning the
 # hits (LOOKUP lock=True and hits > 0), else 0; job: prefetch job id (prefetch=True), else None.
@@ -480,6 +484,43 @@ class Client:
         if salt:
             body["salt"] = salt
         return self.call(HASH_TOKENS, body)[0].get("keys", [])
+
+    # -- GPU KV cache (CUDA IPC; docs/protocol.md) ----------------------------------------
+
+    def register_gpu(self, device, handles, num_blocks, block_tokens, token_bytes, dtype,
+                     offsets=None):
+        """REGISTER_GPU: one 64-byte cudaIpcMemHandle_t (bytes) per layer buffer, with its byte
+        offset in that allocation (offsets, default 0). Raises Unavailable without a GPU."""
+        body = {"device": device, "layers": len(handles), "num_blocks": num_blocks,
+                "block_tokens": block_tokens, "token_bytes": token_bytes, "dtype": dtype,
+                "handles": [bytes(h) for h in handles]}
+        if offsets is not None:
+            body["offsets"] = list(offsets)
+        return self.call(REGISTER_GPU, body)[0]
+
+    def unregister_gpu(self, device):
+        """UNREGISTER_GPU; raises NotFound when this instance has no registration there."""
+        self.call(UNREGISTER_GPU, {"device": device})
+
+    def _gpu_copy(self, ns, keys, block_ids, device, salt, event):
+        body = self._keyed(ns, keys, salt)
+        body["device"] = device
+        body["block_ids"] = list(block_ids)
+        if event is not None:
+            body["event"] = bytes(event)
+        return body
+
+    def store_gpu(self, ns, keys, block_ids, device=0, salt=None, event=None):
+        """STORE_GPU: chunk i of keys is blocks block_ids[i*per:(i+1)*per] (per =
+        len(block_ids) // len(keys)); event: a 64-byte cudaIpcEventHandle_t to wait for.
+        -> stored."""
+        body = self._gpu_copy(ns, keys, block_ids, device, salt, event)
+        return self.call(STORE_GPU, body)[0].get("stored", 0)
+
+    def retrieve_gpu(self, ns, keys, block_ids, device=0, salt=None, event=None):
+        """RETRIEVE_GPU: the leading chunks found in L1 written into their blocks -> found."""
+        body = self._gpu_copy(ns, keys, block_ids, device, salt, event)
+        return self.call(RETRIEVE_GPU, body)[0].get("found", 0)
 
     def chunk_keys(self, tokens, chunk_tokens=None, salt=None):
         """The chunk keys of `tokens`: computed locally when xxhash is installed, else asked

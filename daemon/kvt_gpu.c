@@ -1,0 +1,1006 @@
+/* DESIGN: CUDA is loaded with dlopen("libcudart.so.<major of the headers>") at the first GPU
+ * request, so start-up (and a daemon that never sees a GPU client) maps no CUDA library and
+ * creates no context; the function pointers are typed from the toolkit's own prototypes
+ * (__typeof__), so a signature change is a compile error. Loading once, the result (or the
+ * reason it failed) is kept: a machine without a driver answers every GPU request
+ * `unavailable` with cudaGetErrorString's text.
+ *
+ * Registrations: a list of s_reg_t under `lock` (a leaf, held only for list work, never across
+ * a CUDA call). Each carries a refcount: one for being linked, one per copy in flight. When the
+ * last reference goes on a worker the handles are closed there; when it goes on the server
+ * thread (owner_gone), the registration is queued to the closer thread, because
+ * cudaIpcCloseMemHandle may block. `init_lock` serialises loading CUDA and pinning the arena
+ * (slow, once); it is never taken by the server thread.
+ *
+ * Copies: one request = one stream from a per-device free list (created on demand, so there
+ * are at most as many as concurrent workers). Consecutive block ids are coalesced into one copy
+ * (kvt_gpu_runs); the copies of a request are issued with cudaMemcpyBatchAsync (one call for
+ * up to S_OPS copies) when the runtime has it, else one cudaMemcpyAsync each, then the worker
+ * waits for the stream. A client event (cudaIpcEventHandle_t) is waited for on the stream
+ * before the first copy. */
+#include "kvt_gpu.h"
+
+#include "kvt_error.h"
+#include "kvt_log.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef KVT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define S_OPS 4096 /* copies issued per batch */
+
+/* ---- pure validation ---- */
+
+static const struct {
+    const char *name;
+    uint32_t size;
+} s_dtypes[] = {
+    {"float16", 2},      {"bfloat16", 2},    {"float32", 4}, {"float8_e4m3fn", 1},
+    {"float8_e5m2", 1},  {"int8", 1},        {"uint8", 1},
+};
+
+uint32_t kvt_gpu_dtype_size(const uint8_t *name, uint32_t len)
+{
+    for (size_t i = 0; i < sizeof s_dtypes / sizeof s_dtypes[0]; i++)
+        if (strlen(s_dtypes[i].name) == len && memcmp(s_dtypes[i].name, name, len) == 0)
+            return s_dtypes[i].size;
+    return 0;
+}
+
+static int s_bad(char *err, size_t errlen, const char *fmt, unsigned long long a,
+                 unsigned long long b)
+{
+    snprintf(err, errlen, fmt, a, b);
+    return KVT_EBADREQ;
+}
+
+int kvt_gpu_layout_check(const kvt_req_t *r, kvt_gpu_layout_t *out, char *err, size_t errlen)
+{
+    memset(out, 0, sizeof *out);
+    if (r->layers < 1 || r->layers > KVT_MAX_GPU_LAYERS)
+        return s_bad(err, errlen, "'layers' is %llu: must be 1 to %llu", r->layers,
+                     KVT_MAX_GPU_LAYERS);
+    if (r->nhandles != r->layers)
+        return s_bad(err, errlen, "'handles' has %llu entries for %llu layers", r->nhandles,
+                     r->layers);
+    if ((r->present & KVT_F_OFFSETS) && r->noffsets != r->layers)
+        return s_bad(err, errlen, "'offsets' has %llu entries for %llu layers", r->noffsets,
+                     r->layers);
+    if (r->device >= KVT_GPU_MAX_DEVICES)
+        return s_bad(err, errlen, "'device' is %llu: must be below %llu", r->device,
+                     KVT_GPU_MAX_DEVICES);
+    if (r->num_blocks < 1 || r->num_blocks > KVT_GPU_MAX_BLOCKS)
+        return s_bad(err, errlen, "'num_blocks' is %llu: must be 1 to %llu", r->num_blocks,
+                     KVT_GPU_MAX_BLOCKS);
+    if (r->block_tokens < 1 || r->block_tokens > KVT_GPU_MAX_BLOCK_TOKENS)
+        return s_bad(err, errlen, "'block_tokens' is %llu: must be 1 to %llu", r->block_tokens,
+                     KVT_GPU_MAX_BLOCK_TOKENS);
+    if (r->token_bytes < 1 || r->token_bytes > KVT_GPU_MAX_TOKEN_BYTES)
+        return s_bad(err, errlen, "'token_bytes' is %llu: must be 1 to %llu", r->token_bytes,
+                     KVT_GPU_MAX_TOKEN_BYTES);
+    uint32_t dsize = kvt_gpu_dtype_size(r->dtype.ptr, r->dtype.len);
+    if (dsize == 0) {
+        snprintf(err, errlen,
+                 "'dtype' %.*s is not one of float16, bfloat16, float32, float8_e4m3fn, "
+                 "float8_e5m2, int8, uint8",
+                 (int)(r->dtype.len > KVT_MAX_DTYPE ? KVT_MAX_DTYPE : r->dtype.len),
+                 (const char *)r->dtype.ptr);
+        return KVT_EBADREQ;
+    }
+    if (r->token_bytes % dsize)
+        return s_bad(err, errlen, "'token_bytes' %llu is not a multiple of the dtype's %llu "
+                                  "bytes", r->token_bytes, dsize);
+    /* block_tokens <= 2^16 and token_bytes <= 2^24: block_bytes < 2^40, num_blocks <= 2^32 */
+    uint64_t block_bytes = r->block_tokens * r->token_bytes;
+    uint64_t layer_bytes;
+    if (__builtin_mul_overflow(block_bytes, r->num_blocks, &layer_bytes))
+        return s_bad(err, errlen, "%llu blocks of %llu bytes overflow a 64-bit size",
+                     r->num_blocks, block_bytes);
+    static const uint8_t zero[KVT_IPC_HANDLE_LEN];
+    for (uint32_t i = 0; i < r->nhandles; i++) {
+        if (memcmp(r->handles[i], zero, sizeof zero) == 0) {
+            snprintf(err, errlen, "handle %u is all zeros (not a cudaIpcMemHandle_t)", i);
+            return KVT_EBADREQ;
+        }
+        uint64_t end;
+        if (r->offsets && __builtin_add_overflow(r->offsets[i], layer_bytes, &end))
+            return s_bad(err, errlen, "'offsets'[%llu] = %llu overflows with the layer size", i,
+                         r->offsets[i]);
+    }
+    out->device = (uint32_t)r->device;
+    out->layers = (uint32_t)r->layers;
+    out->num_blocks = r->num_blocks;
+    out->block_tokens = (uint32_t)r->block_tokens;
+    out->token_bytes = (uint32_t)r->token_bytes;
+    out->dtype_size = dsize;
+    out->block_bytes = block_bytes;
+    out->layer_bytes = layer_bytes;
+    return 0;
+}
+
+int kvt_gpu_chunk_check(const kvt_gpu_layout_t *lay, const uint64_t *ids, uint32_t nids,
+                        uint32_t nkeys, uint32_t *per_chunk, uint64_t *chunk_bytes, char *err,
+                        size_t errlen)
+{
+    *per_chunk = 0;
+    *chunk_bytes = 0;
+    if (nkeys == 0) {
+        if (nids)
+            return s_bad(err, errlen, "%llu block ids for %llu keys", nids, 0);
+        return 0;
+    }
+    if (nids == 0 || nids % nkeys)
+        return s_bad(err, errlen, "'block_ids' has %llu entries: not a positive multiple of "
+                                  "the %llu keys", nids, nkeys);
+    uint32_t per = nids / nkeys;
+    if (per > KVT_GPU_MAX_CHUNK_BLOCKS)
+        return s_bad(err, errlen, "%llu blocks per chunk: at most %llu", per,
+                     KVT_GPU_MAX_CHUNK_BLOCKS);
+    for (uint32_t i = 0; i < nids; i++)
+        if (ids[i] >= lay->num_blocks)
+            return s_bad(err, errlen, "'block_ids' entry %llu is %llu: the registered cache "
+                                      "has fewer blocks", i, ids[i]);
+    uint64_t bytes;
+    if (__builtin_mul_overflow((uint64_t)lay->layers * per, lay->block_bytes, &bytes))
+        return s_bad(err, errlen, "chunks of %llu blocks x %llu layers overflow", per,
+                     lay->layers);
+    *per_chunk = per;
+    *chunk_bytes = bytes;
+    return 0;
+}
+
+uint32_t kvt_gpu_runs(const uint64_t *ids, uint32_t n, uint32_t *start, uint32_t *len)
+{
+    uint32_t runs = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (runs && ids[i] == ids[i - 1] + 1 && ids[i - 1] != UINT64_MAX) {
+            len[runs - 1]++;
+            continue;
+        }
+        start[runs] = i;
+        len[runs] = 1;
+        runs++;
+    }
+    return runs;
+}
+
+/* ---- the module ---- */
+
+typedef struct s_reg {
+    struct s_reg *next;
+    uint64_t owner;
+    kvt_gpu_layout_t lay;
+    uint32_t nbases;
+    void **bases;    /* distinct opened allocations (cudaIpcCloseMemHandle each) */
+    uint8_t **ptrs;  /* per layer: its buffer (base + offset) */
+    uint32_t refs;   /* linked + copies in flight */
+    bool linked;
+    bool ready;      /* handles open: copies may use it */
+} s_reg_t;
+
+typedef struct s_stream {
+    struct s_stream *next;
+    void *stream; /* cudaStream_t */
+} s_stream_t;
+
+#ifdef KVT_HAVE_CUDA
+#define S_FN(name) __typeof__(name) *name
+typedef struct {
+    S_FN(cudaGetDeviceCount);
+    S_FN(cudaGetErrorString);
+    S_FN(cudaGetLastError);
+    S_FN(cudaSetDevice);
+    S_FN(cudaHostRegister);
+    S_FN(cudaHostUnregister);
+    S_FN(cudaPointerGetAttributes);
+    S_FN(cudaIpcOpenMemHandle);
+    S_FN(cudaIpcCloseMemHandle);
+    S_FN(cudaIpcOpenEventHandle);
+    S_FN(cudaEventDestroy);
+    S_FN(cudaStreamCreateWithFlags);
+    S_FN(cudaStreamDestroy);
+    S_FN(cudaStreamWaitEvent);
+    S_FN(cudaStreamSynchronize);
+    S_FN(cudaMemcpyAsync);
+    S_FN(cudaMemcpyBatchAsync); /* optional: NULL before CUDA 12.8 */
+} s_api_t;
+#undef S_FN
+#endif
+
+struct kvt_gpu {
+    kvt_l1_t *l1;
+    pthread_mutex_t init_lock; /* loading CUDA, pinning the arena */
+    _Atomic int cuda_rc;       /* 1 untried, 0 loaded, KVT_EUNAVAIL failed */
+    char cuda_err[200];
+    int ndev;
+    _Atomic bool arena_pinned;
+    void *lib;
+#ifdef KVT_HAVE_CUDA
+    s_api_t api;
+#endif
+    _Atomic bool batch_ok; /* cudaMemcpyBatchAsync usable (cleared after it refuses once) */
+    pthread_mutex_t lock; /* leaf: regs, dead, streams, stop */
+    pthread_cond_t cond;
+    s_reg_t *regs;
+    s_reg_t *dead; /* unlinked, unreferenced: for the closer */
+    s_stream_t *streams[KVT_GPU_MAX_DEVICES];
+    bool closer_started, stop;
+    pthread_t closer;
+    _Atomic uint64_t bytes_to_l1, bytes_to_gpu, copy_errors; /* metrics */
+};
+
+kvt_gpu_t *kvt_gpu_new(kvt_l1_t *l1)
+{
+    kvt_gpu_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->l1 = l1;
+    self->cuda_rc = 1;
+    pthread_mutex_init(&self->init_lock, NULL);
+    pthread_mutex_init(&self->lock, NULL);
+    pthread_cond_init(&self->cond, NULL);
+    return self;
+}
+
+#ifdef KVT_HAVE_CUDA
+
+#ifndef KVT_CUDA_LIBDIR
+#define KVT_CUDA_LIBDIR "/usr/local/cuda/lib64"
+#endif
+
+/* Loads libcudart and asks for devices; init_lock held. */
+static void s_load(kvt_gpu_t *self)
+{
+    char name[64], path[sizeof KVT_CUDA_LIBDIR + 64];
+    snprintf(name, sizeof name, "libcudart.so.%d", CUDART_VERSION / 1000);
+    snprintf(path, sizeof path, "%s/%s", KVT_CUDA_LIBDIR, name);
+    self->lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (!self->lib)
+        self->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!self->lib) {
+        const char *why = dlerror();
+        snprintf(self->cuda_err, sizeof self->cuda_err,
+                 "no CUDA device: cannot load the CUDA runtime %s (%s)", name, why ? why : "?");
+        self->cuda_rc = KVT_EUNAVAIL;
+        return;
+    }
+    s_api_t *a = &self->api;
+    bool ok = true;
+#define S_SYM(fn)                                                                              \
+    do {                                                                                       \
+        *(void **)&a->fn = dlsym(self->lib, #fn);                                              \
+        ok = ok && a->fn != NULL;                                                              \
+    } while (0)
+    S_SYM(cudaGetDeviceCount);
+    S_SYM(cudaGetErrorString);
+    S_SYM(cudaGetLastError);
+    S_SYM(cudaSetDevice);
+    S_SYM(cudaHostRegister);
+    S_SYM(cudaHostUnregister);
+    S_SYM(cudaPointerGetAttributes);
+    S_SYM(cudaIpcOpenMemHandle);
+    S_SYM(cudaIpcCloseMemHandle);
+    S_SYM(cudaIpcOpenEventHandle);
+    S_SYM(cudaEventDestroy);
+    S_SYM(cudaStreamCreateWithFlags);
+    S_SYM(cudaStreamDestroy);
+    S_SYM(cudaStreamWaitEvent);
+    S_SYM(cudaStreamSynchronize);
+    S_SYM(cudaMemcpyAsync);
+#undef S_SYM
+    *(void **)&a->cudaMemcpyBatchAsync = dlsym(self->lib, "cudaMemcpyBatchAsync");
+    self->batch_ok = a->cudaMemcpyBatchAsync != NULL && getenv("KVT_GPU_NO_BATCH") == NULL;
+    if (!ok) {
+        snprintf(self->cuda_err, sizeof self->cuda_err,
+                 "no CUDA device: %s lacks a function kvtierd needs", name);
+        self->cuda_rc = KVT_EUNAVAIL;
+        return;
+    }
+    int n = 0;
+    cudaError_t e = a->cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n <= 0) {
+        snprintf(self->cuda_err, sizeof self->cuda_err, "no CUDA device: %s",
+                 e != cudaSuccess ? a->cudaGetErrorString(e) : "cudaGetDeviceCount found none");
+        self->cuda_rc = KVT_EUNAVAIL;
+        return;
+    }
+    self->ndev = n;
+    self->cuda_rc = 0;
+    kvt_log(KVT_LOG_INFO, "gpu: loaded %s, %d CUDA device(s)%s", name, n,
+            self->batch_ok ? ", batched copies" : "");
+}
+
+static const char *s_cerr(kvt_gpu_t *self, cudaError_t e)
+{
+    return self->api.cudaGetErrorString(e);
+}
+
+/* cudaHostRegister of the whole arena, once; init_lock held, device set. Verified: the
+ * runtime must then see the arena as host memory it can DMA (never pageable copies). */
+static int s_pin_arena(kvt_gpu_t *self, char *err, size_t errlen)
+{
+    if (self->arena_pinned)
+        return 0;
+    void *base = kvt_l1_base(self->l1);
+    size_t size = kvt_l1_capacity(self->l1);
+    cudaError_t e = self->api.cudaHostRegister(base, size, cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+        self->api.cudaGetLastError();
+        snprintf(err, errlen, "cudaHostRegister of the L1 arena (%zu bytes) failed: %s "
+                              "(no fallback to pageable copies; check RLIMIT_MEMLOCK)",
+                 size, s_cerr(self, e));
+        return KVT_EUNAVAIL;
+    }
+    struct cudaPointerAttributes at;
+    memset(&at, 0, sizeof at);
+    e = self->api.cudaPointerGetAttributes(&at, (char *)base + size - 1);
+    if (e != cudaSuccess || at.type != cudaMemoryTypeHost) {
+        self->api.cudaGetLastError();
+        self->api.cudaHostUnregister(base);
+        snprintf(err, errlen, "the L1 arena is not page-locked after cudaHostRegister (%s)",
+                 e != cudaSuccess ? s_cerr(self, e) : "pointer type is not host");
+        return KVT_EUNAVAIL;
+    }
+    self->arena_pinned = true;
+    kvt_log(KVT_LOG_INFO, "gpu: L1 arena (%zu bytes) page-locked with cudaHostRegister", size);
+    return 0;
+}
+
+static void s_close_reg_cuda(kvt_gpu_t *self, s_reg_t *reg)
+{
+    if (reg->nbases && self->api.cudaSetDevice((int)reg->lay.device) != cudaSuccess)
+        self->api.cudaGetLastError();
+    for (uint32_t i = 0; i < reg->nbases; i++) {
+        cudaError_t e = self->api.cudaIpcCloseMemHandle(reg->bases[i]);
+        if (e != cudaSuccess)
+            kvt_log(KVT_LOG_WARN, "gpu: cudaIpcCloseMemHandle: %s", s_cerr(self, e));
+    }
+    reg->nbases = 0;
+}
+
+/* Opens the distinct handles (tensors sharing one allocation share its handle) and points
+ * each layer at its buffer. Device set. */
+static int s_open_reg(kvt_gpu_t *self, s_reg_t *reg, const kvt_req_t *r, char *err,
+                      size_t errlen)
+{
+    uint32_t L = reg->lay.layers;
+    uint32_t *first = malloc(L * sizeof *first); /* layer -> index of its base */
+    kvt_assert(first);
+    int rc = 0;
+    for (uint32_t i = 0; i < L && rc == 0; i++) {
+        uint32_t j = 0;
+        for (; j < i; j++)
+            if (memcmp(r->handles[j], r->handles[i], KVT_IPC_HANDLE_LEN) == 0)
+                break;
+        if (j < i) {
+            first[i] = first[j];
+        } else {
+            cudaIpcMemHandle_t h;
+            memcpy(&h, r->handles[i], sizeof h);
+            void *p = NULL;
+            cudaError_t e = self->api.cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+            if (e != cudaSuccess) {
+                self->api.cudaGetLastError();
+                snprintf(err, errlen, "cudaIpcOpenMemHandle of layer %u failed: %s", i,
+                         s_cerr(self, e));
+                rc = KVT_EBADREQ;
+                break;
+            }
+            first[i] = reg->nbases;
+            reg->bases[reg->nbases++] = p;
+        }
+        reg->ptrs[i] = (uint8_t *)reg->bases[first[i]] + (r->offsets ? r->offsets[i] : 0);
+    }
+    free(first);
+    if (rc)
+        s_close_reg_cuda(self, reg);
+    return rc;
+}
+
+static void *s_stream_get(kvt_gpu_t *self, uint32_t dev, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&self->lock);
+    s_stream_t *s = self->streams[dev];
+    if (s)
+        self->streams[dev] = s->next;
+    pthread_mutex_unlock(&self->lock);
+    if (s) {
+        void *st = s->stream;
+        free(s);
+        return st;
+    }
+    cudaStream_t st = NULL;
+    cudaError_t e = self->api.cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        self->api.cudaGetLastError();
+        snprintf(err, errlen, "cudaStreamCreateWithFlags: %s", s_cerr(self, e));
+        return NULL;
+    }
+    return st;
+}
+
+static void s_stream_put(kvt_gpu_t *self, uint32_t dev, void *st)
+{
+    s_stream_t *s = malloc(sizeof *s);
+    kvt_assert(s);
+    s->stream = st;
+    pthread_mutex_lock(&self->lock);
+    s->next = self->streams[dev];
+    self->streams[dev] = s;
+    pthread_mutex_unlock(&self->lock);
+}
+
+/* The copies of one request, collected then issued S_OPS at a time on one stream. */
+typedef struct {
+    kvt_gpu_t *gpu;
+    cudaStream_t stream;
+    void *dst[S_OPS];
+    const void *src[S_OPS];
+    size_t size[S_OPS];
+    uint32_t n;
+    cudaError_t e;
+} s_copies_t;
+
+static void s_flush(s_copies_t *c)
+{
+    if (c->n == 0 || c->e != cudaSuccess)
+        return;
+    const s_api_t *a = &c->gpu->api;
+    if (c->gpu->batch_ok && c->n > 1) {
+        struct cudaMemcpyAttributes attr;
+        memset(&attr, 0, sizeof attr);
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        size_t idx = 0;
+        cudaError_t e = a->cudaMemcpyBatchAsync((void *const *)c->dst, (const void *const *)c->src,
+                                                c->size, c->n, &attr, &idx, 1, c->stream);
+        if (e == cudaSuccess) {
+            c->n = 0;
+            return;
+        }
+        /* refused before anything was queued (e.g. not supported here): plain copies from
+         * now on */
+        a->cudaGetLastError();
+        c->gpu->batch_ok = false;
+        kvt_log(KVT_LOG_WARN, "gpu: cudaMemcpyBatchAsync refused (%s): using cudaMemcpyAsync",
+                a->cudaGetErrorString(e));
+    }
+    for (uint32_t i = 0; i < c->n && c->e == cudaSuccess; i++)
+        c->e = a->cudaMemcpyAsync(c->dst[i], c->src[i], c->size[i], cudaMemcpyDefault,
+                                  c->stream);
+    c->n = 0;
+}
+
+static void s_add(s_copies_t *c, void *dst, const void *src, size_t size)
+{
+    if (c->n == S_OPS)
+        s_flush(c);
+    c->dst[c->n] = dst;
+    c->src[c->n] = src;
+    c->size[c->n] = size;
+    c->n++;
+}
+
+/* Copies between the chunks' blocks and their L1 objects at arena offsets off[0..n). An L1
+ * object is layer-major: layer 0's blocks in chunk order, then layer 1's, ... */
+static int s_copy(kvt_gpu_t *self, const s_reg_t *reg, bool to_gpu, const uint64_t *ids,
+                  uint32_t per, const uint64_t *off, uint32_t n, const kvt_bytes_t *event,
+                  char *err, size_t errlen)
+{
+    const kvt_gpu_layout_t *lay = &reg->lay;
+    const s_api_t *a = &self->api;
+    cudaError_t e = a->cudaSetDevice((int)lay->device);
+    if (e != cudaSuccess) {
+        a->cudaGetLastError();
+        snprintf(err, errlen, "cudaSetDevice(%u): %s", lay->device, s_cerr(self, e));
+        return KVT_EINTERNAL;
+    }
+    cudaStream_t st = s_stream_get(self, lay->device, err, errlen);
+    if (!st)
+        return KVT_EINTERNAL;
+    s_copies_t *c = malloc(sizeof *c);
+    uint32_t *rstart = malloc(per * sizeof *rstart), *rlen = malloc(per * sizeof *rlen);
+    if (!c || !rstart || !rlen) {
+        free(c);
+        free(rstart);
+        free(rlen);
+        s_stream_put(self, lay->device, st);
+        snprintf(err, errlen, "out of memory for the copy list");
+        return KVT_ENOMEM;
+    }
+    c->gpu = self;
+    c->stream = st;
+    c->n = 0;
+    c->e = cudaSuccess;
+    cudaEvent_t ev = NULL;
+    if (event->len == KVT_IPC_HANDLE_LEN) {
+        cudaIpcEventHandle_t h;
+        memcpy(&h, event->ptr, sizeof h);
+        c->e = a->cudaIpcOpenEventHandle(&ev, h);
+        if (c->e == cudaSuccess)
+            c->e = a->cudaStreamWaitEvent(st, ev, 0);
+    }
+    uint8_t *arena = kvt_l1_base(self->l1);
+    uint64_t bb = lay->block_bytes;
+    for (uint32_t k = 0; k < n && c->e == cudaSuccess; k++) {
+        const uint64_t *cid = ids + (size_t)k * per;
+        uint32_t runs = kvt_gpu_runs(cid, per, rstart, rlen);
+        for (uint32_t l = 0; l < lay->layers; l++) {
+            uint8_t *host = arena + off[k] + (uint64_t)l * per * bb;
+            for (uint32_t q = 0; q < runs; q++) {
+                uint8_t *dev = reg->ptrs[l] + cid[rstart[q]] * bb;
+                uint8_t *h = host + (uint64_t)rstart[q] * bb;
+                size_t sz = (size_t)rlen[q] * bb;
+                if (to_gpu)
+                    s_add(c, dev, h, sz);
+                else
+                    s_add(c, h, dev, sz);
+            }
+        }
+    }
+    s_flush(c);
+    /* even after an error, wait for what was queued: the arena slots are about to be reused */
+    cudaError_t se = a->cudaStreamSynchronize(st);
+    e = c->e != cudaSuccess ? c->e : se;
+    if (ev)
+        a->cudaEventDestroy(ev);
+    int rc = 0;
+    if (e != cudaSuccess) {
+        a->cudaGetLastError();
+        snprintf(err, errlen, "%s copy failed: %s", to_gpu ? "L1 -> GPU" : "GPU -> L1",
+                 s_cerr(self, e));
+        rc = KVT_EINTERNAL;
+    }
+    if (se == cudaSuccess)
+        s_stream_put(self, lay->device, st);
+    else
+        a->cudaStreamDestroy(st);
+    free(c);
+    free(rstart);
+    free(rlen);
+    return rc;
+}
+
+#else /* !KVT_HAVE_CUDA: the requests validate, then answer `unavailable` here */
+
+static void s_load(kvt_gpu_t *self)
+{
+    snprintf(self->cuda_err, sizeof self->cuda_err,
+             "no CUDA device: this kvtierd was built without the CUDA toolkit (make found no "
+             "nvcc, or CUDA=0)");
+    self->cuda_rc = KVT_EUNAVAIL;
+}
+
+static int s_pin_arena(kvt_gpu_t *self, char *err, size_t errlen)
+{
+    snprintf(err, errlen, "%s", self->cuda_err);
+    return KVT_EUNAVAIL;
+}
+
+static void s_close_reg_cuda(kvt_gpu_t *self, s_reg_t *reg)
+{
+    (void)self;
+    reg->nbases = 0;
+}
+
+static int s_open_reg(kvt_gpu_t *self, s_reg_t *reg, const kvt_req_t *r, char *err,
+                      size_t errlen)
+{
+    (void)reg, (void)r;
+    snprintf(err, errlen, "%s", self->cuda_err);
+    return KVT_EUNAVAIL;
+}
+
+static int s_copy(kvt_gpu_t *self, const s_reg_t *reg, bool to_gpu, const uint64_t *ids,
+                  uint32_t per, const uint64_t *off, uint32_t n, const kvt_bytes_t *event,
+                  char *err, size_t errlen)
+{
+    (void)reg, (void)to_gpu, (void)ids, (void)per, (void)off, (void)n, (void)event;
+    snprintf(err, errlen, "%s", self->cuda_err);
+    return KVT_EUNAVAIL;
+}
+
+#endif
+
+/* CUDA loaded and a device present, or KVT_EUNAVAIL with the reason. Workers only. */
+static int s_cuda(kvt_gpu_t *self, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&self->init_lock);
+    if (self->cuda_rc == 1)
+        s_load(self);
+    int rc = self->cuda_rc;
+    if (rc)
+        snprintf(err, errlen, "%s", self->cuda_err);
+    pthread_mutex_unlock(&self->init_lock);
+    return rc;
+}
+
+static void s_reg_free(kvt_gpu_t *self, s_reg_t *reg)
+{
+    s_close_reg_cuda(self, reg);
+    free(reg->bases);
+    free(reg->ptrs);
+    free(reg);
+}
+
+static void *s_closer_main(void *arg)
+{
+    kvt_gpu_t *self = arg;
+    pthread_mutex_lock(&self->lock);
+    for (;;) {
+        while (!self->dead && !self->stop)
+            pthread_cond_wait(&self->cond, &self->lock);
+        if (!self->dead)
+            break;
+        s_reg_t *reg = self->dead;
+        self->dead = reg->next;
+        pthread_mutex_unlock(&self->lock);
+        kvt_log(KVT_LOG_INFO, "gpu: closing the handles of instance %llu on device %u",
+                (unsigned long long)reg->owner, reg->lay.device);
+        s_reg_free(self, reg);
+        pthread_mutex_lock(&self->lock);
+    }
+    pthread_mutex_unlock(&self->lock);
+    return NULL;
+}
+
+/* Unlinks reg; lock held. */
+static void s_unlink(kvt_gpu_t *self, s_reg_t *reg)
+{
+    for (s_reg_t **pp = &self->regs; *pp; pp = &(*pp)->next)
+        if (*pp == reg) {
+            *pp = reg->next;
+            break;
+        }
+    reg->next = NULL;
+    reg->linked = false;
+}
+
+/* Drops a reference on a worker: the last one closes here. */
+static void s_reg_put(kvt_gpu_t *self, s_reg_t *reg)
+{
+    pthread_mutex_lock(&self->lock);
+    bool last = --reg->refs == 0;
+    pthread_mutex_unlock(&self->lock);
+    if (last)
+        s_reg_free(self, reg);
+}
+
+/* The ready registration of (owner, device) with a reference taken, or NULL. */
+static s_reg_t *s_reg_get(kvt_gpu_t *self, uint64_t owner, uint64_t device)
+{
+    pthread_mutex_lock(&self->lock);
+    s_reg_t *reg = self->regs;
+    while (reg && !(reg->owner == owner && reg->lay.device == device))
+        reg = reg->next;
+    if (reg && reg->ready)
+        reg->refs++;
+    else
+        reg = NULL;
+    pthread_mutex_unlock(&self->lock);
+    return reg;
+}
+
+void kvt_gpu_destroy(kvt_gpu_t **self_p)
+{
+    if (!self_p || !*self_p)
+        return;
+    kvt_gpu_t *self = *self_p;
+    pthread_mutex_lock(&self->lock);
+    self->stop = true;
+    pthread_cond_broadcast(&self->cond);
+    pthread_mutex_unlock(&self->lock);
+    if (self->closer_started)
+        pthread_join(self->closer, NULL); /* it closes what is in `dead` before it exits */
+    while (self->dead) {
+        s_reg_t *reg = self->dead;
+        self->dead = reg->next;
+        s_reg_free(self, reg);
+    }
+    /* the workers have stopped: no references are held but the lists' */
+    while (self->regs) {
+        s_reg_t *reg = self->regs;
+        self->regs = reg->next;
+        s_reg_free(self, reg);
+    }
+    for (uint32_t d = 0; d < KVT_GPU_MAX_DEVICES; d++)
+        while (self->streams[d]) {
+            s_stream_t *s = self->streams[d];
+            self->streams[d] = s->next;
+#ifdef KVT_HAVE_CUDA
+            self->api.cudaStreamDestroy(s->stream);
+#endif
+            free(s);
+        }
+#ifdef KVT_HAVE_CUDA
+    if (self->arena_pinned)
+        self->api.cudaHostUnregister(kvt_l1_base(self->l1));
+#endif
+    /* libcudart stays loaded: unloading the CUDA runtime at exit is not supported */
+    pthread_cond_destroy(&self->cond);
+    pthread_mutex_destroy(&self->lock);
+    pthread_mutex_destroy(&self->init_lock);
+    free(self);
+    *self_p = NULL;
+}
+
+int kvt_gpu_register(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, kvt_gpu_layout_t *lay,
+                     char *err, size_t errlen)
+{
+    int rc = kvt_gpu_layout_check(r, lay, err, errlen);
+    if (rc)
+        return rc;
+    rc = s_cuda(self, err, errlen);
+    if (rc)
+        return rc;
+    if ((int)lay->device >= self->ndev) {
+        snprintf(err, errlen, "'device' is %u but this machine has %d CUDA device(s)",
+                 lay->device, self->ndev);
+        return KVT_EBADREQ;
+    }
+    s_reg_t *reg = calloc(1, sizeof *reg);
+    kvt_assert(reg);
+    reg->owner = owner;
+    reg->lay = *lay;
+    reg->bases = calloc(lay->layers, sizeof *reg->bases);
+    reg->ptrs = calloc(lay->layers, sizeof *reg->ptrs);
+    kvt_assert(reg->bases && reg->ptrs);
+    /* linked before the slow part (not ready yet), so that a concurrent second REGISTER of the
+     * same instance and device is refused */
+    pthread_mutex_lock(&self->lock);
+    bool dup = false;
+    for (s_reg_t *o = self->regs; o && !dup; o = o->next)
+        dup = o->owner == owner && o->lay.device == lay->device;
+    if (!dup) {
+        reg->refs = 2; /* the list's and ours */
+        reg->linked = true;
+        reg->next = self->regs;
+        self->regs = reg;
+    }
+    pthread_mutex_unlock(&self->lock);
+    if (dup) {
+        snprintf(err, errlen, "this instance already registered GPU memory on device %u "
+                              "(once per device: UNREGISTER_GPU first)", lay->device);
+        s_reg_free(self, reg);
+        return KVT_EBADREQ;
+    }
+    pthread_mutex_lock(&self->init_lock);
+#ifdef KVT_HAVE_CUDA
+    cudaError_t e = self->api.cudaSetDevice((int)lay->device);
+    if (e != cudaSuccess) {
+        self->api.cudaGetLastError();
+        snprintf(err, errlen, "cudaSetDevice(%u): %s", lay->device, s_cerr(self, e));
+        rc = KVT_EUNAVAIL;
+    }
+#endif
+    if (rc == 0)
+        rc = s_pin_arena(self, err, errlen);
+    if (rc == 0 && !self->closer_started) {
+        if (pthread_create(&self->closer, NULL, s_closer_main, self) == 0)
+            self->closer_started = true;
+        else {
+            snprintf(err, errlen, "cannot start the GPU handle closer thread");
+            rc = KVT_EINTERNAL;
+        }
+    }
+    pthread_mutex_unlock(&self->init_lock);
+    if (rc == 0)
+        rc = s_open_reg(self, reg, r, err, errlen);
+    pthread_mutex_lock(&self->lock);
+    if (rc == 0) {
+        reg->ready = true;
+    } else if (reg->linked) {
+        s_unlink(self, reg);
+        reg->refs--;
+    }
+    pthread_mutex_unlock(&self->lock);
+    s_reg_put(self, reg);
+    if (rc == 0)
+        kvt_log(KVT_LOG_INFO, "gpu: instance %llu registered %u layers x %llu blocks of %llu "
+                              "bytes on device %u",
+                (unsigned long long)owner, lay->layers, (unsigned long long)lay->num_blocks,
+                (unsigned long long)lay->block_bytes, lay->device);
+    return rc;
+}
+
+int kvt_gpu_unregister(kvt_gpu_t *self, uint64_t owner, uint64_t device, char *err,
+                       size_t errlen)
+{
+    pthread_mutex_lock(&self->lock);
+    s_reg_t *reg = self->regs;
+    while (reg && !(reg->owner == owner && reg->lay.device == device && reg->ready))
+        reg = reg->next;
+    if (reg)
+        s_unlink(self, reg);
+    pthread_mutex_unlock(&self->lock);
+    if (!reg) {
+        snprintf(err, errlen, "this instance has no GPU registration on device %llu",
+                 (unsigned long long)device);
+        return KVT_ENOTFOUND;
+    }
+    s_reg_put(self, reg); /* the list's reference */
+    return 0;
+}
+
+uint32_t kvt_gpu_owner_gone(kvt_gpu_t *self, uint64_t owner)
+{
+    uint32_t n = 0;
+    pthread_mutex_lock(&self->lock);
+    s_reg_t **pp = &self->regs;
+    while (*pp) {
+        s_reg_t *reg = *pp;
+        if (reg->owner != owner) {
+            pp = &reg->next;
+            continue;
+        }
+        *pp = reg->next;
+        reg->next = NULL;
+        reg->linked = false;
+        n++;
+        if (--reg->refs == 0) {
+            reg->next = self->dead;
+            self->dead = reg;
+        }
+    }
+    if (self->dead)
+        pthread_cond_signal(&self->cond);
+    pthread_mutex_unlock(&self->lock);
+    return n;
+}
+
+uint32_t kvt_gpu_registrations(kvt_gpu_t *self)
+{
+    uint32_t n = 0;
+    pthread_mutex_lock(&self->lock);
+    for (s_reg_t *r = self->regs; r; r = r->next)
+        n++;
+    pthread_mutex_unlock(&self->lock);
+    return n;
+}
+
+/* Common start of STORE/RETRIEVE: CUDA, the registration, the block ids. */
+static int s_copy_begin(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, s_reg_t **reg,
+                        uint32_t *per, uint64_t *chunk_bytes, char *err, size_t errlen)
+{
+    int rc = s_cuda(self, err, errlen);
+    if (rc)
+        return rc;
+    *reg = s_reg_get(self, owner, r->device);
+    if (!*reg) {
+        snprintf(err, errlen, "this instance has no GPU registration on device %llu: send "
+                              "REGISTER_GPU first (registrations end with BYE or silence)",
+                 (unsigned long long)r->device);
+        return KVT_ENOTFOUND;
+    }
+    rc = kvt_gpu_chunk_check(&(*reg)->lay, r->block_ids, r->nblock_ids, r->nkeys, per,
+                             chunk_bytes, err, errlen);
+    if (rc) {
+        s_reg_put(self, *reg);
+        *reg = NULL;
+    }
+    return rc;
+}
+
+int kvt_gpu_store(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32_t *stored,
+                  char *err, size_t errlen)
+{
+    *stored = 0;
+    s_reg_t *reg = NULL;
+    uint32_t per = 0;
+    uint64_t chunk_bytes = 0;
+    int rc = s_copy_begin(self, owner, r, &reg, &per, &chunk_bytes, err, errlen);
+    if (rc || r->nkeys == 0) {
+        if (reg)
+            s_reg_put(self, reg);
+        return rc;
+    }
+    kvt_nsref_t ns = {r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
+    kvt_slot_t *slots = malloc(r->nkeys * sizeof *slots);
+    uint64_t *off = malloc(r->nkeys * sizeof *off);
+    uint64_t *ids = malloc((size_t)r->nkeys * per * sizeof *ids);
+    kvt_assert(slots && off && ids);
+    uint32_t n = 0, m = 0;
+    uint64_t lease = 0;
+    rc = kvt_l1_reserve(self->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                        r->nkeys, NULL, chunk_bytes, slots, &n, &lease, err, errlen);
+    if (rc == 0 && lease) {
+        /* only the new objects (a nil slot: that key is stored already) */
+        for (uint32_t i = 0; i < n; i++)
+            if (slots[i].length) {
+                kvt_assert(slots[i].length == chunk_bytes);
+                off[m] = slots[i].offset;
+                memcpy(ids + (size_t)m * per, r->block_ids + (size_t)i * per, per * sizeof *ids);
+                m++;
+            }
+        rc = s_copy(self, reg, false, ids, per, off, m, &r->event, err, errlen);
+        atomic_fetch_add_explicit(rc ? &self->copy_errors : &self->bytes_to_l1,
+                                  rc ? 1 : (uint64_t)m * chunk_bytes, memory_order_relaxed);
+        if (rc == 0)
+            rc = kvt_l1_commit(self->l1, KVT_OWNER_DAEMON, lease, NULL, 0, stored, err, errlen);
+        else
+            kvt_l1_release(self->l1, KVT_OWNER_DAEMON, lease); /* discards the reservations */
+    }
+    free(ids);
+    free(off);
+    free(slots);
+    s_reg_put(self, reg);
+    return rc;
+}
+
+int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32_t *found,
+                     char *err, size_t errlen)
+{
+    *found = 0;
+    s_reg_t *reg = NULL;
+    uint32_t per = 0;
+    uint64_t chunk_bytes = 0;
+    int rc = s_copy_begin(self, owner, r, &reg, &per, &chunk_bytes, err, errlen);
+    if (rc || r->nkeys == 0) {
+        if (reg)
+            s_reg_put(self, reg);
+        return rc;
+    }
+    kvt_nsref_t ns = {r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
+    kvt_slot_t *slots = malloc(r->nkeys * sizeof *slots);
+    uint64_t *off = malloc(r->nkeys * sizeof *off);
+    kvt_assert(slots && off);
+    uint32_t n = 0, m = 0;
+    uint64_t lease = 0;
+    rc = kvt_l1_acquire(self->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                        r->nkeys, slots, &n, &lease);
+    /* an object of another size was not written with this layout: the prefix ends there */
+    while (rc == 0 && m < n && slots[m].length == chunk_bytes) {
+        off[m] = slots[m].offset;
+        m++;
+    }
+    if (rc == 0 && m) {
+        rc = s_copy(self, reg, true, r->block_ids, per, off, m, &r->event, err, errlen);
+        atomic_fetch_add_explicit(rc ? &self->copy_errors : &self->bytes_to_gpu,
+                                  rc ? 1 : (uint64_t)m * chunk_bytes, memory_order_relaxed);
+    }
+    if (lease)
+        kvt_l1_release(self->l1, KVT_OWNER_DAEMON, lease);
+    if (rc == 0)
+        *found = m;
+    free(off);
+    free(slots);
+    s_reg_put(self, reg);
+    return rc;
+}
+
+void kvt_gpu_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+{
+    kvt_gpu_t *self = ctx;
+    static const char copied_help[] = "Bytes copied between GPU blocks and L1 objects.";
+    const struct {
+        const char *name, *help, *label_value;
+        kvt_metric_kind_t kind;
+        double v;
+    } rows[] = {
+        {"gpu_runtime_loaded", "1 once the CUDA runtime is loaded and has a device.", NULL,
+         KVT_METRIC_GAUGE, atomic_load(&self->cuda_rc) == 0 ? 1.0 : 0.0},
+        {"gpu_arena_registered", "1 once the L1 arena is page-locked with cudaHostRegister.",
+         NULL, KVT_METRIC_GAUGE, atomic_load(&self->arena_pinned) ? 1.0 : 0.0},
+        {"gpu_registrations", "GPU KV caches registered (instance x device).", NULL,
+         KVT_METRIC_GAUGE, (double)kvt_gpu_registrations(self)},
+        {"gpu_copied_bytes_total", copied_help, "to_l1", KVT_METRIC_COUNTER,
+         (double)atomic_load_explicit(&self->bytes_to_l1, memory_order_relaxed)},
+        {"gpu_copied_bytes_total", copied_help, "to_gpu", KVT_METRIC_COUNTER,
+         (double)atomic_load_explicit(&self->bytes_to_gpu, memory_order_relaxed)},
+        {"gpu_copy_errors_total", "STORE_GPU / RETRIEVE_GPU requests whose copy failed.", NULL,
+         KVT_METRIC_COUNTER,
+         (double)atomic_load_explicit(&self->copy_errors, memory_order_relaxed)},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        kvt_sample_t smp = {.name = rows[i].name, .help = rows[i].help, .kind = rows[i].kind,
+                            .label = rows[i].label_value ? "direction" : NULL,
+                            .label_value = rows[i].label_value, .value = rows[i].v};
+        emit(emit_ctx, &smp);
+    }
+}
