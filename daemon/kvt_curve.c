@@ -122,7 +122,8 @@ void kvt_curve_prepare_bind(const kvt_curve_t *self, zsock_t *sock, const char *
         zsock_set_zap_domain(sock, S_ZAP_DOMAIN);
     } else {
         zsock_set_curve_server(sock, 0); /* back to the NULL mechanism */
-        zsock_set_zap_domain(sock, "");
+        /* libzmq clears a string option only from (NULL, 0); czmq would pass ("", 0) */
+        zmq_setsockopt(zsock_resolve(sock), ZMQ_ZAP_DOMAIN, NULL, 0);
     }
 }
 
