@@ -43,7 +43,7 @@ static bool s_zpl_line(const char *line, const char *name, char out[S_Z85_LEN + 
         return false;
     p += strspn(p, " \t");
     char quote = (*p == '"' || *p == '\'') ? *p++ : '\0';
-    size_t n = quote ? strcspn(p, quote == '"' ? "\"\n" : "'\n") : strcspn(p, " \t\r\n#");
+    size_t n = quote ? strcspn(p, quote == '"' ? "\"\n" : "'\n") : strcspn(p, " \t\r\n");
     if (!s_is_z85(p, n))
         return false;
     memcpy(out, p, S_Z85_LEN);
