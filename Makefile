@@ -12,7 +12,7 @@ PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash libsystemd hi
 DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev libjansson-dev \
             libmicrohttpd-dev libxxhash-dev libcmocka-dev python3-zmq python3-msgpack \
             python3-pytest python3-xxhash curl libsystemd-dev systemd libhiredis-dev \
-            redis-server
+            redis-server valgrind
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 INC      := -Icommon -Iprotocol -Iconfig -Istorage -Il2 -Idaemon -Iclient
@@ -37,7 +37,8 @@ ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))
 UNIT_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(UNIT_SRC))
 PLUGIN_EXAMPLE := $(BUILD)/kvtier-l2-example.so
 
-.PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-smoke
+.PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-smoke \
+        valgrind check
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE)
@@ -109,7 +110,13 @@ integration: deps all asan $(BUILD)/kvtier-client-test
 
 check-asan: unit integration
 
-test: deps all unit tsan bench-smoke fuzz-smoke integration
+# CI's entry point (.ci/run): everything below fits in its 15 min on 2 cores (valgrind ~1.5 min).
+test: deps all unit tsan valgrind bench-smoke fuzz-smoke integration
+
+# Everything, longer: each fuzzer for CHECK_FUZZ_SECONDS instead of CI's 60 s.
+CHECK_FUZZ_SECONDS ?= 600
+check: deps all unit tsan valgrind bench-smoke integration
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(CHECK_FUZZ_SECONDS)
 
 # ThreadSanitizer: the L1 concurrency test, built with its own objects in build/tsan/ (a TSan
 # report fails the target: halt_on_error, and TSan's non-zero exit code). The objects are
@@ -130,6 +137,38 @@ $(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
 tsan: deps $(TSAN_OBJ) $(TSAN_BIN)
 	@set -e; for t in $(TSAN_BIN); do echo "== $$t"; \
 	  TSAN_OPTIONS="halt_on_error=1 exitcode=66 $$TSAN_OPTIONS" timeout 300 $$t; done
+
+# valgrind memcheck: every unit test, built without sanitizers (ASan and valgrind exclude each
+# other) from its own objects in build/vg/. Any memcheck error, and any definite or indirect
+# leak, fails the target. tests/valgrind.supp holds only library-internal false positives, each
+# with its reason. VALGRIND_TESTS narrows the run (VALGRIND_TESTS="test_msg test_l1").
+VG_OBJ   := $(call obj,$(BUILD)/vg,$(CORE_SRC) $(DAEMON_SRC))
+VG_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/vg/tests/%,$(UNIT_SRC))
+VALGRIND_TESTS ?= $(patsubst tests/unit/%.c,%,$(UNIT_SRC))
+VALGRIND_ARGS  := --tool=memcheck --leak-check=full --show-leak-kinds=definite,indirect \
+                  --errors-for-leak-kinds=definite,indirect --error-exitcode=99 \
+                  --track-origins=yes --num-callers=30 --suppressions=tests/valgrind.supp \
+                  --gen-suppressions=all
+
+$(BUILD)/vg/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	@echo "  CC vg   $<"
+	$(Q)$(CC) $(ALLCFLAGS) -O1 -g -MMD -MP -c $< -o $@
+
+$(BUILD)/vg/tests/%: tests/unit/%.c $(VG_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) -O1 -g -o $@ $^ $(LIBS) -lcmocka
+
+valgrind: deps $(VG_OBJ) $(VG_BIN) $(PLUGIN_EXAMPLE)
+	@set -e; mkdir -p $(BUILD)/vg/logs; for t in $(VALGRIND_TESTS); do echo "== valgrind $$t"; \
+	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) timeout 900 \
+	    valgrind $(VALGRIND_ARGS) --log-file=$(BUILD)/vg/logs/$$t.log $(BUILD)/vg/tests/$$t \
+	    || { tail -n 80 $(BUILD)/vg/logs/$$t.log; echo "valgrind $$t: FAILED (log: \
+	    $(BUILD)/vg/logs/$$t.log)"; exit 1; }; \
+	  grep -E "ERROR SUMMARY|definitely lost|indirectly lost|All heap blocks" \
+	    $(BUILD)/vg/logs/$$t.log \
+	    | sed 's/^==[0-9]*== */   /'; \
+	done
 
 # L1 allocator / index microbenchmark: -O2, no sanitizers, the objects of build/obj.
 # `make bench-l1` runs it in full (< 60 s); BENCH_L1_ARGS=--quick for a smoke run.
