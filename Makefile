@@ -123,7 +123,6 @@ check: deps all unit tsan valgrind bench-smoke integration
 # named as prerequisites of `tsan` so make keeps them (not intermediates).
 TSAN      := -fsanitize=thread -fno-omit-frame-pointer
 TSAN_OBJ  := $(call obj,$(BUILD)/tsan,$(CORE_SRC) $(DAEMON_SRC))
-TSAN_BIN  := $(BUILD)/tsan/tests/test_l1_concurrent
 
 $(BUILD)/tsan/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -134,9 +133,26 @@ $(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS) -lcmocka
 
-tsan: deps $(TSAN_OBJ) $(TSAN_BIN)
+TSAN_UNIT := test_l1_concurrent test_lease test_l2_mock test_l2_fs
+TSAN_BIN  := $(addprefix $(BUILD)/tsan/tests/,$(TSAN_UNIT))
+
+$(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
+	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS)
+
+# The unit tests with threads (L1 under 4 threads, lease add/expire races, the L2 adapters'
+# thread pools), then the concurrent integration tests against a TSan daemon: 32 clients at once,
+# SIGTERM under 8 writers with L2 write-behind, clients pinging while the daemon stops.
+TSAN_INTEGRATION := tests/integration/test_reliability.py \
+    tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged \
+    tests/integration/test_lifecycle.py::test_sigterm_while_clients_ping \
+    tests/integration/test_l1.py::test_killed_client_loses_its_leases
+
+tsan: deps all $(TSAN_OBJ) $(TSAN_BIN) $(BUILD)/tsan/kvtierd
 	@set -e; for t in $(TSAN_BIN); do echo "== $$t"; \
 	  TSAN_OPTIONS="halt_on_error=1 exitcode=66 $$TSAN_OPTIONS" timeout 300 $$t; done
+	KVT_DAEMON=$(abspath $(BUILD)/tsan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
+	  TSAN_OPTIONS="halt_on_error=1 exitcode=66 suppressions=$(abspath tests/tsan.supp) \
+	  $$TSAN_OPTIONS" timeout 600 $(PYTHON) -m pytest -q -p no:cacheprovider $(TSAN_INTEGRATION)
 
 # valgrind memcheck: every unit test, built without sanitizers (ASan and valgrind exclude each
 # other) from its own objects in build/vg/. Any memcheck error, and any definite or indirect

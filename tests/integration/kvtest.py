@@ -90,6 +90,8 @@ SANITIZER_PATTERNS = (
     "SUMMARY: LeakSanitizer",
     "runtime error:",
     "ERROR: ThreadSanitizer",
+    "WARNING: ThreadSanitizer",
+    "SUMMARY: ThreadSanitizer",
 )
 
 SANITIZER_ENV_DEFAULTS = {
