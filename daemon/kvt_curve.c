@@ -36,13 +36,17 @@ static zcert_t *s_load_cert(const kvt_config_t *cfg, char *err, size_t errlen)
     }
     zcert_t *cert = zcert_load(path);
     if (!cert) {
-        snprintf(err, errlen, "curve.server_cert: %.160s is not a zcert certificate "
-                 "(make one with `kvtier keygen`)", path);
+        snprintf(err, errlen,
+                 "curve.server_cert: %.160s is not a zcert certificate "
+                 "(make one with `kvtier keygen`)",
+                 path);
         return NULL;
     }
     if (strcmp(zcert_secret_txt(cert), S_NO_KEY) == 0) {
-        snprintf(err, errlen, "curve.server_cert: %.160s has no secret key (give the secret "
-                 "certificate, or the path its _secret file belongs to)", path);
+        snprintf(err, errlen,
+                 "curve.server_cert: %.160s has no secret key (give the secret "
+                 "certificate, or the path its _secret file belongs to)",
+                 path);
         zcert_destroy(&cert);
         return NULL;
     }

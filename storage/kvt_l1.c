@@ -400,8 +400,8 @@ static kvt_block_t *s_alloc(kvt_l1_t *self, uint64_t size)
     /* test hook (debug.fail_alloc_every): this allocation fails as if the arena were full with
      * nothing evictable, so tests can see the no_space path without filling the arena */
     uint32_t every = self->cfg->debug_fail_alloc_every;
-    if (every && (atomic_fetch_add_explicit(&self->alloc_calls, 1, memory_order_relaxed) + 1) %
-                         every == 0)
+    if (every &&
+        (atomic_fetch_add_explicit(&self->alloc_calls, 1, memory_order_relaxed) + 1) % every == 0)
         return NULL;
     kvt_block_t *b = kvt_alloc_get(self->alloc, size);
     for (int idle_rounds = 0; !b; b = kvt_alloc_get(self->alloc, size)) {
