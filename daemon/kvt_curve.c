@@ -16,6 +16,9 @@
 #include <unistd.h>
 
 #define S_ZAP_DOMAIN "kvtier"
+#ifndef ZMQ_ZAP_ENFORCE_DOMAIN
+#define ZMQ_ZAP_ENFORCE_DOMAIN 93 /* libzmq >= 4.3 handles it; its header calls it draft */
+#endif
 #define S_NO_KEY "0000000000000000000000000000000000000000" /* zcert's text for "none" */
 
 struct kvt_curve {
@@ -55,6 +58,7 @@ static zcert_t *s_load_cert(const kvt_config_t *cfg, char *err, size_t errlen)
 
 static int s_check_clients(const kvt_config_t *cfg, char *err, size_t errlen)
 {
+    errno = 0;
     struct stat st;
     const char *dir = cfg->curve_clients;
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode) || access(dir, R_OK | X_OK) != 0) {
@@ -74,7 +78,6 @@ int kvt_curve_check(const kvt_config_t *cfg, char *err, size_t errlen)
     if (!cert)
         return KVT_EINVAL;
     zcert_destroy(&cert);
-    errno = 0;
     return s_check_clients(cfg, err, errlen);
 }
 
@@ -120,7 +123,11 @@ void kvt_curve_prepare_bind(const kvt_curve_t *self, zsock_t *sock, const char *
 {
     if (!self)
         return; /* options untouched: no CURVE call on a libzmq that may lack it */
-    if (strncmp(endpoint, "tcp://", 6) == 0) {
+    /* libzmq lets every CURVE client in when no ZAP handler answers, unless the domain is
+     * enforced: then a missing zauth closes the door instead of opening it */
+    int enforce = strncmp(endpoint, "tcp://", 6) == 0;
+    zmq_setsockopt(zsock_resolve(sock), ZMQ_ZAP_ENFORCE_DOMAIN, &enforce, sizeof enforce);
+    if (enforce) {
         zcert_apply(self->cert, sock);
         zsock_set_curve_server(sock, 1);
         zsock_set_zap_domain(sock, S_ZAP_DOMAIN);
