@@ -221,6 +221,14 @@ def test_curve_clients_libkvtier_cli_and_python(daemon_factory, pki, kvt_cli_bin
     cp = cli("--curve-serverkey", pki["server"], "--curve-cert", junk)
     assert cp.returncode == 1 and "not a zcert" in cp.stderr, (cp.returncode, cp.stderr)
 
+    # libkvtier's kvtier_connect (no CURVE argument) takes the keys from the environment
+    client_test = os.environ.get("KVT_CLIENT_TEST")
+    if client_test and os.access(client_test, os.X_OK):
+        e = dict(env, KVTIER_CURVE_SERVERKEY=pki["server"], KVTIER_CURVE_CERT=pki["alice"])
+        cp = subprocess.run([client_test, d.tcp, "embed"], capture_output=True, text=True,
+                            env=e, timeout=60)
+        assert cp.returncode == 0, cp.stderr
+
     # the Python client
     c = kvtier.Client(d.tcp, instance="py-curve", curve_serverkey=pki["server"],
                       curve_cert=pki["alice"], map_arena=False, context=d.ctx)
