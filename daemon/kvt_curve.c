@@ -137,8 +137,3 @@ void kvt_curve_prepare_bind(const kvt_curve_t *self, zsock_t *sock, const char *
         zmq_setsockopt(zsock_resolve(sock), ZMQ_ZAP_DOMAIN, NULL, 0);
     }
 }
-
-const char *kvt_curve_public_txt(const kvt_curve_t *self)
-{
-    return zcert_public_txt(self->cert);
-}

@@ -32,7 +32,4 @@ void kvt_curve_destroy(kvt_curve_t **self_p);
  * tcp://, plain (NULL mechanism, no ZAP) for anything else; nothing when self is NULL. */
 void kvt_curve_prepare_bind(const kvt_curve_t *self, zsock_t *sock, const char *endpoint);
 
-/* The daemon's public key as 40 Z85 characters (for the log). */
-const char *kvt_curve_public_txt(const kvt_curve_t *self);
-
 #endif

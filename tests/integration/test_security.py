@@ -247,11 +247,16 @@ def test_curve_clients_libkvtier_cli_and_python(daemon_factory, pki, kvt_cli_bin
 def test_curve_makes_non_loopback_listen_acceptable(daemon_factory, pki):
     port = free_port()
     remote = "tcp://0.0.0.0:%d" % port
-    d = daemon_factory("--listen", remote, *curve_args(pki))
+    d = daemon_factory(start=False)
+    # an ipc endpoint bound after a CURVE one is plain again (options are per bind)
+    late_ipc = "ipc://" + os.path.join(d.run_dir, "late.sock")
+    d.args += ["--listen", remote, "--listen", late_ipc] + list(curve_args(pki))
+    d.start()
     s = dealer(d, "tcp://127.0.0.1:%d" % port, pki["server_pub"], pki["alice_pub"],
                secret_of(pki["alice"]))
     assert ping_reply(s, 1)["ok"] is True
     assert ping_reply(dealer(d, "tcp://127.0.0.1:%d" % port), 2, NO_REPLY_WAIT_MS) is None
+    assert ping_reply(dealer(d, late_ipc), 3)["ok"] is True
 
     # without CURVE (and without allow_insecure_remote) the same endpoint is refused, naming
     # both ways out
