@@ -110,7 +110,7 @@ integration: deps all asan $(BUILD)/kvtier-client-test
 
 check-asan: unit integration
 
-# CI's entry point (.ci/run): everything below fits in its 15 min on 2 cores (valgrind ~1.5 min).
+# CI's entry point (.ci/run): about 6 min from a fresh clone on 2 cores (its budget is 15).
 test: deps all unit tsan valgrind bench-smoke fuzz-smoke integration
 
 # Everything, longer: each fuzzer for CHECK_FUZZ_SECONDS instead of CI's 60 s.
