@@ -12,7 +12,7 @@ PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash libsystemd hi
 DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev libjansson-dev \
             libmicrohttpd-dev libxxhash-dev libcmocka-dev python3-zmq python3-msgpack \
             python3-pytest python3-xxhash curl libsystemd-dev systemd libhiredis-dev \
-            redis-server iproute2
+            redis-server iproute2 valgrind
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 INC      := -Icommon -Iprotocol -Iconfig -Istorage -Il2 -Idaemon -Iclient
@@ -56,7 +56,7 @@ UNIT_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(UNIT_SRC))
 PLUGIN_EXAMPLE := $(BUILD)/kvtier-l2-example.so
 
 .PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-smoke \
-        test-gpu bench-gpu check-nocuda FORCE
+        test-gpu bench-gpu check-nocuda FORCE valgrind check
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE)
@@ -139,7 +139,13 @@ integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART)
 
 check-asan: unit integration
 
-test: deps all check-nocuda unit tsan bench-smoke fuzz-smoke integration test-gpu
+# CI's entry point (.ci/run): about 7 min from a fresh clone on 2 cores (its budget is 15).
+test: deps all check-nocuda unit tsan valgrind bench-smoke fuzz-smoke integration test-gpu
+
+# Everything, longer: each fuzzer for CHECK_FUZZ_SECONDS instead of CI's 60 s.
+CHECK_FUZZ_SECONDS ?= 600
+check: deps all check-nocuda unit tsan valgrind bench-smoke integration test-gpu
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(CHECK_FUZZ_SECONDS)
 
 # The build without the CUDA toolkit still compiles and links (CI has nvcc, so this is the only
 # place that path is built): the GPU module without KVT_HAVE_CUDA, linked into a daemon in
@@ -195,7 +201,6 @@ endif
 # named as prerequisites of `tsan` so make keeps them (not intermediates).
 TSAN      := -fsanitize=thread -fno-omit-frame-pointer
 TSAN_OBJ  := $(call obj,$(BUILD)/tsan,$(CORE_SRC) $(DAEMON_SRC))
-TSAN_BIN  := $(BUILD)/tsan/tests/test_l1_concurrent
 
 $(BUILD)/tsan/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -206,9 +211,58 @@ $(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS) -lcmocka
 
-tsan: deps $(TSAN_OBJ) $(TSAN_BIN)
+TSAN_UNIT := test_l1_concurrent test_lease test_l2_mock test_l2_fs
+TSAN_BIN  := $(addprefix $(BUILD)/tsan/tests/,$(TSAN_UNIT))
+
+$(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
+	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS)
+
+# The unit tests with threads (L1 under 4 threads, lease add/expire races, the L2 adapters'
+# thread pools), then the concurrent integration tests against a TSan daemon: 32 clients at once,
+# SIGTERM under 8 writers with L2 write-behind, clients pinging while the daemon stops.
+TSAN_INTEGRATION := tests/integration/test_reliability.py \
+    tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged \
+    tests/integration/test_lifecycle.py::test_sigterm_while_clients_ping \
+    tests/integration/test_l1.py::test_killed_client_loses_its_leases
+
+tsan: deps all $(TSAN_OBJ) $(TSAN_BIN) $(BUILD)/tsan/kvtierd
 	@set -e; for t in $(TSAN_BIN); do echo "== $$t"; \
 	  TSAN_OPTIONS="halt_on_error=1 exitcode=66 $$TSAN_OPTIONS" timeout 300 $$t; done
+	KVT_DAEMON=$(abspath $(BUILD)/tsan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
+	  TSAN_OPTIONS="halt_on_error=1 exitcode=66 suppressions=$(abspath tests/tsan.supp) \
+	  $$TSAN_OPTIONS" timeout 600 $(PYTHON) -m pytest -q -p no:cacheprovider $(TSAN_INTEGRATION)
+
+# valgrind memcheck: every unit test, built without sanitizers (ASan and valgrind exclude each
+# other) from its own objects in build/vg/. Any memcheck error, and any definite or indirect
+# leak, fails the target. tests/valgrind.supp holds only library-internal false positives, each
+# with its reason. VALGRIND_TESTS narrows the run (VALGRIND_TESTS="test_msg test_l1").
+VG_OBJ   := $(call obj,$(BUILD)/vg,$(CORE_SRC) $(DAEMON_SRC))
+VG_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/vg/tests/%,$(UNIT_SRC))
+VALGRIND_TESTS ?= $(patsubst tests/unit/%.c,%,$(UNIT_SRC))
+VALGRIND_ARGS  := --tool=memcheck --leak-check=full --show-leak-kinds=definite,indirect \
+                  --errors-for-leak-kinds=definite,indirect --error-exitcode=99 \
+                  --track-origins=yes --num-callers=30 --suppressions=tests/valgrind.supp \
+                  --gen-suppressions=all
+
+$(BUILD)/vg/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	@echo "  CC vg   $<"
+	$(Q)$(CC) $(ALLCFLAGS) -O1 -g -MMD -MP -c $< -o $@
+
+$(BUILD)/vg/tests/%: tests/unit/%.c $(VG_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) -O1 -g -o $@ $^ $(LIBS) -lcmocka
+
+valgrind: deps $(VG_OBJ) $(VG_BIN) $(PLUGIN_EXAMPLE)
+	@set -e; mkdir -p $(BUILD)/vg/logs; for t in $(VALGRIND_TESTS); do echo "== valgrind $$t"; \
+	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) timeout 900 \
+	    valgrind $(VALGRIND_ARGS) --log-file=$(BUILD)/vg/logs/$$t.log $(BUILD)/vg/tests/$$t \
+	    || { tail -n 80 $(BUILD)/vg/logs/$$t.log; echo "valgrind $$t: FAILED (log: \
+	    $(BUILD)/vg/logs/$$t.log)"; exit 1; }; \
+	  grep -E "ERROR SUMMARY|definitely lost|indirectly lost|All heap blocks" \
+	    $(BUILD)/vg/logs/$$t.log \
+	    | sed 's/^==[0-9]*== */   /'; \
+	done
 
 # L1 allocator / index microbenchmark: -O2, no sanitizers, the objects of build/obj.
 # `make bench-l1` runs it in full (< 60 s); BENCH_L1_ARGS=--quick for a smoke run.

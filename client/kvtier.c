@@ -17,6 +17,7 @@
  * Outputs are zeroed on entry, so they read as "nothing" after any failure. */
 #include "kvtier.h"
 
+#include "kvtier_curve.h"
 #include "kvt_error.h"
 #include "kvt_hash.h"
 #include "kvt_msg.h"
@@ -594,6 +595,13 @@ static void s_map_arena(kvtier_t *self, const msgpack_object *hello)
 kvtier_t *kvtier_connect(const char *endpoint, const char *client, const char *instance,
                          int timeout_ms, char *err, size_t errlen)
 {
+    return kvtier_connect_curve(endpoint, client, instance, timeout_ms, NULL, err, errlen);
+}
+
+kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const char *instance,
+                               int timeout_ms, const kvtier_curve_t *curve, char *err,
+                               size_t errlen)
+{
     if (!endpoint) {
         snprintf(err, errlen, "no endpoint given");
         return NULL;
@@ -623,6 +631,9 @@ kvtier_t *kvtier_connect(const char *endpoint, const char *client, const char *i
     zmq_setsockopt(self->sock, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(self->sock, ZMQ_RCVTIMEO, &self->timeout_ms, sizeof self->timeout_ms);
     zmq_setsockopt(self->sock, ZMQ_SNDTIMEO, &self->timeout_ms, sizeof self->timeout_ms);
+    bool curved = false;
+    if (kvt__curve_setup(self->sock, endpoint, curve, &curved, err, errlen) != 0)
+        goto fail;
     if (zmq_connect(self->sock, endpoint) != 0) {
         snprintf(err, errlen, "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
         goto fail;
@@ -639,8 +650,12 @@ kvtier_t *kvtier_connect(const char *endpoint, const char *client, const char *i
     s_reply_t r;
     int rc = s_call(self, KVT_REQ_HELLO, &sb, &r);
     if (rc) {
-        snprintf(err, errlen, "HELLO to %s failed: %s (%s)", endpoint, self->error,
-                 kvt_err_wire(rc));
+        snprintf(err, errlen, "HELLO to %s failed: %s (%s)%s", endpoint, self->error,
+                 kvt_err_wire(rc),
+                 curved && rc == KVT_ETIMEDOUT
+                     ? "; with CURVE, check the server key and that this client's "
+                       "certificate is in the daemon's curve.clients"
+                     : "");
         s_reply_free(&r);
         goto fail;
     }

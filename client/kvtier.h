@@ -56,7 +56,8 @@ typedef struct {
 
 /* Connects to `endpoint` ("ipc:///run/kvtier/kvtier.sock", "tcp://127.0.0.1:5555"), says HELLO
  * as `client` with instance `instance` (NULL: "<client>-<pid>-<n>"). NULL on failure with a
- * sentence in err. `timeout_ms` bounds every later call (0: 5000).
+ * sentence in err. `timeout_ms` bounds every later call (0: 5000). tcp:// endpoints use CURVE
+ * when KVTIER_CURVE_SERVERKEY is set (see kvtier_connect_curve).
  *
  * Every connection of a process shares one zmq context with KVTIER_IO_THREADS I/O threads
  * (environment, read at the first connect; default 2). KVTIER_SPIN_US (read at each connect;
@@ -65,6 +66,30 @@ typedef struct {
  * with a busy core — for engines with cores to spare, not for many threads on a few cores. */
 kvtier_t *kvtier_connect(const char *endpoint, const char *client, const char *instance,
                          int timeout_ms, char *err, size_t errlen);
+
+/* CURVE for tcp:// endpoints of a daemon configured with curve.server_cert (ipc:// endpoints
+ * ignore it). server_key: the daemon's public key, as 40 Z85 characters or the path of its
+ * public certificate. client_cert: this client's certificate as `kvtier keygen PATH` wrote it
+ * (PATH, with the secret half in PATH_secret); its public half must be in the daemon's
+ * curve.clients directory. NULL client_cert: a throw-away key pair, which only a daemon that
+ * accepts any key answers. A daemon that does not accept the keys does not answer at all, so
+ * connect then fails with a timeout. */
+typedef struct {
+    const char *server_key;
+    const char *client_cert;
+} kvtier_curve_t;
+
+/* kvtier_connect with CURVE. curve NULL: from the environment, as kvtier_connect does —
+ * KVTIER_CURVE_SERVERKEY (key or certificate path) and KVTIER_CURVE_CERT (client_cert), used
+ * for tcp:// endpoints when KVTIER_CURVE_SERVERKEY is set. */
+kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const char *instance,
+                               int timeout_ms, const kvtier_curve_t *curve, char *err,
+                               size_t errlen);
+
+/* Writes a new CURVE key pair as certificates in czmq's zcert format: `path` (public, 0644) and
+ * `path`_secret (0600); neither may exist yet. public_key (41 bytes, may be NULL) receives the
+ * public key as Z85 text. 0 or KVTIER_EINVAL with a sentence in err. */
+int kvtier_curve_keygen(const char *path, char *public_key, char *err, size_t errlen);
 
 /* Says BYE (releasing every lease of the instance), closes and frees. Accepts NULL. */
 void kvtier_close(kvtier_t **self_p);

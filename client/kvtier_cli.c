@@ -1,6 +1,7 @@
 /* kvtier: a small command-line client of kvtierd, built on libkvtier.
- *   kvtier [-e ENDPOINT] [-t TIMEOUT_MS] COMMAND [ARGS]
- *   ping | stats | put | get | lookup | clear | hash   (see s_usage)
+ *   kvtier [-e ENDPOINT] [-t TIMEOUT_MS] [--curve-serverkey KEY|FILE] [--curve-cert PATH]
+ *          COMMAND [ARGS]
+ *   ping | stats | put | get | lookup | clear | hash | keygen   (see s_usage)
  * ENDPOINT defaults to $KVTIER_ENDPOINT, else ipc://var/run/kvtier.sock (make run's default).
  * Keys are written as 32 hex digits, the 16 key bytes in order. Objects go through PUT/GET (the
  * bytes ride the socket), so the CLI works against a daemon on another host too.
@@ -23,7 +24,8 @@
 static int s_usage(void)
 {
     fprintf(stderr,
-            "usage: kvtier [-e ENDPOINT] [-t TIMEOUT_MS] COMMAND\n"
+            "usage: kvtier [-e ENDPOINT] [-t TIMEOUT_MS] [--curve-serverkey KEY|FILE]\n"
+            "              [--curve-cert PATH] COMMAND\n"
             "  ping\n"
             "  stats\n"
             "  put    [--ns NS] [--salt S] [--key HEX32] FILE   (key: XXH3-128 of the bytes)\n"
@@ -31,8 +33,11 @@ static int s_usage(void)
             "  lookup [--ns NS] [--salt S] HEX32...\n"
             "  clear  [--ns NS | --all]\n"
             "  hash   [--chunk-tokens N] [--salt S] TOKEN...    (local, no daemon)\n"
+            "  keygen PATH     CURVE key pair: PATH (public) and PATH_secret (local, no daemon)\n"
             "NS defaults to \"default\"; ENDPOINT to $KVTIER_ENDPOINT, else "
-            "ipc://var/run/kvtier.sock\n");
+            "ipc://var/run/kvtier.sock\n"
+            "CURVE (tcp:// only): --curve-serverkey / --curve-cert, or $KVTIER_CURVE_SERVERKEY /\n"
+            "$KVTIER_CURVE_CERT\n");
     return 2;
 }
 
@@ -344,14 +349,34 @@ static int s_check_args(const char *cmd, int argc, char **argv, s_args_t *a)
     return 0;
 }
 
+/* keygen PATH: what an operator needs for CURVE, from what we ship (no czmq tools needed). */
+static int s_cmd_keygen(int argc, char **argv)
+{
+    if (argc != 1 || argv[0][0] == '-')
+        return s_usage_msg("keygen", argc == 1 ? "PATH must not start with '-'" : "wants PATH");
+    char err[256], pub[41];
+    if (kvtier_curve_keygen(argv[0], pub, err, sizeof err) != 0) {
+        fprintf(stderr, "kvtier: keygen: %s\n", err);
+        return 1;
+    }
+    printf("public key %s\nwrote %s (public) and %s_secret (secret, mode 0600)\n", pub, argv[0],
+           argv[0]);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *endpoint = getenv("KVTIER_ENDPOINT");
+    kvtier_curve_t curve = {getenv("KVTIER_CURVE_SERVERKEY"), getenv("KVTIER_CURVE_CERT")};
     int timeout = 5000;
     int i = 1;
     for (; i < argc && argv[i][0] == '-'; i++) {
         if ((!strcmp(argv[i], "-e") || !strcmp(argv[i], "--endpoint")) && i + 1 < argc) {
             endpoint = argv[++i];
+        } else if (!strcmp(argv[i], "--curve-serverkey") && i + 1 < argc) {
+            curve.server_key = argv[++i];
+        } else if (!strcmp(argv[i], "--curve-cert") && i + 1 < argc) {
+            curve.client_cert = argv[++i];
         } else if ((!strcmp(argv[i], "-t") || !strcmp(argv[i], "--timeout")) && i + 1 < argc) {
             char *end;
             long t = strtol(argv[++i], &end, 10);
@@ -367,6 +392,8 @@ int main(int argc, char **argv)
     const char *cmd = argv[i++];
     if (!strcmp(cmd, "hash"))
         return s_cmd_hash(argc - i, argv + i);
+    if (!strcmp(cmd, "keygen"))
+        return s_cmd_keygen(argc - i, argv + i);
     s_args_t a;
     int rc = s_check_args(cmd, argc - i, argv + i, &a);
     if (rc)
@@ -374,7 +401,8 @@ int main(int argc, char **argv)
     if (!endpoint || !*endpoint)
         endpoint = "ipc://var/run/kvtier.sock";
     char err[256];
-    kvtier_t *c = kvtier_connect(endpoint, "kvtier-cli", NULL, timeout, err, sizeof err);
+    kvtier_t *c =
+        kvtier_connect_curve(endpoint, "kvtier-cli", NULL, timeout, &curve, err, sizeof err);
     if (!c) {
         fprintf(stderr, "kvtier: %s\n", err);
         return 1;

@@ -156,6 +156,11 @@ static const s_opt_t s_options[] = {
     S_BOOLEAN("allow_insecure_remote", "--allow-insecure-remote", "KVTIER_ALLOW_INSECURE_REMOTE",
               allow_insecure_remote, "false", 0,
               "allow non-loopback tcp/HTTP binds (no authentication!)"),
+    S_STR("curve.server_cert", "--curve-server-cert", "KVTIER_CURVE_SERVER_CERT",
+          curve_server_cert, "", 0, NULL, "FILE",
+          "CURVE on tcp listen endpoints: the daemon's secret certificate (zcert)"),
+    S_STR("curve.clients", "--curve-clients", "KVTIER_CURVE_CLIENTS", curve_clients, "", 0, NULL,
+          "DIR", "CURVE: directory of the client public certificates allowed to connect"),
     S_STR("debug.fault_thread", "--debug-fault-thread", "KVTIER_DEBUG_FAULT_THREAD",
           debug_fault_thread, "", S_HIDDEN, NULL, "NAME", "test: thread to fault, \"\" for none"),
     S_STR("debug.fault_mode", "--debug-fault-mode", "KVTIER_DEBUG_FAULT_MODE", debug_fault_mode,
@@ -164,6 +169,9 @@ static const s_opt_t s_options[] = {
           debug_fault_after_ms, 0, UINT32_MAX, "0", S_HIDDEN, "MS", "test: delay before the fault"),
     S_NUM("debug.fault_for_ms", "--debug-fault-for-ms", "KVTIER_DEBUG_FAULT_FOR_MS", S_UINT32,
           debug_fault_for_ms, 0, UINT32_MAX, "0", S_HIDDEN, "MS", "test: how long a stall lasts"),
+    S_NUM("debug.fail_alloc_every", "--debug-fail-alloc-every", "KVTIER_DEBUG_FAIL_ALLOC_EVERY",
+          S_UINT32, debug_fail_alloc_every, 0, UINT32_MAX, "0", S_HIDDEN, "N",
+          "test: every Nth L1 allocation fails (0: never)"),
 };
 
 #define S_NOPTS (sizeof s_options / sizeof s_options[0])
@@ -1119,11 +1127,13 @@ int kvt_config_apply_env(kvt_config_t *self, char *err, size_t errlen)
     return 0;
 }
 
-/* Non-loopback binds are refused unless the operator says so (STYLE 12): the protocol has no
- * authentication, and POST /clear is one request away. */
+/* Non-loopback binds are refused unless the operator says so (STYLE 12): without CURVE the
+ * protocol has no authentication, and POST /clear is one request away. CURVE covers the listen
+ * endpoints only; events and HTTP stay plain, so they still need allow_insecure_remote. */
 static int s_check_bind(const kvt_config_t *self, const char *name, const char *v, char *err,
                         size_t errlen)
 {
+    bool curve = self->curve_server_cert[0] && strcmp(name, "listen") == 0;
     char host[256], shown[S_SHOW_LEN + 1];
     bool tcp_like = strncmp(v, "tcp://", 6) == 0 || strcmp(name, "http") == 0;
     /* libzmq binds addresses or interface names, never host names (it would fail with ENODEV) */
@@ -1132,10 +1142,15 @@ static int s_check_bind(const kvt_config_t *self, const char *name, const char *
         return s_fail(err, errlen, "%s: %s: ZeroMQ binds IP addresses, not host names (use "
                                    "127.0.0.1)",
                       name, s_show(v, shown, sizeof shown));
-    if (self->allow_insecure_remote || !tcp_like || *v == '\0')
+    if (self->allow_insecure_remote || curve || !tcp_like || *v == '\0')
         return 0;
     if (s_host_of(v, host, sizeof host) && s_is_loopback(host))
         return 0;
+    if (strcmp(name, "listen") == 0)
+        return s_fail(err, errlen,
+                      "%s: %s is not loopback; set allow_insecure_remote to allow it, or "
+                      "configure curve.server_cert and curve.clients",
+                      name, s_show(v, shown, sizeof shown));
     return s_fail(err, errlen, "%s: %s is not loopback; set allow_insecure_remote to allow it",
                   name, s_show(v, shown, sizeof shown));
 }
@@ -1180,6 +1195,11 @@ int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen)
         if (rc != 0)
             return rc;
     }
+    /* CURVE half-configured would be a server nobody can reach, or one anybody can */
+    if (!self->curve_server_cert[0] != !self->curve_clients[0])
+        return s_fail(err, errlen, "%s: must be set together with %s",
+                      self->curve_server_cert[0] ? "curve.server_cert" : "curve.clients",
+                      self->curve_server_cert[0] ? "curve.clients" : "curve.server_cert");
     for (int i = 0; i < self->n_listen; i++)
         if ((rc = s_check_bind(self, "listen", self->listen[i], err, errlen)) != 0)
             return rc;

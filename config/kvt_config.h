@@ -37,12 +37,20 @@ typedef struct kvt_config {
     bool allow_unpinned;
     char *shm_group; /* group allowed to map the arena (0660), "" for owner only (0600) */
     bool allow_insecure_remote;
+    /* CURVE on every tcp:// listen endpoint (both set, or neither): the daemon's secret
+     * certificate (czmq zcert format) and a directory of the client public certificates
+     * allowed to connect. With them, a non-loopback tcp listen needs no allow_insecure_remote. */
+    char *curve_server_cert;
+    char *curve_clients;
     /* hidden test knobs (never in --print-config unless set): make a supervised thread stall
      * or exit, to test the supervisor and /readyz */
     char *debug_fault_thread; /* thread name, "" for none */
     char *debug_fault_mode;   /* "stall" | "exit" */
     uint32_t debug_fault_after_ms;
     uint32_t debug_fault_for_ms;
+    /* hidden test knob: every Nth L1 block allocation fails as if the arena were full and
+     * nothing evictable (0: never), to test that requests then fail with no_space */
+    uint32_t debug_fail_alloc_every;
 } kvt_config_t;
 
 /* What the command line asks the process to do. */

@@ -12,6 +12,7 @@
  * answered (bounded wait) before the socket closes. */
 #include "kvt_server.h"
 
+#include "kvt_curve.h"
 #include "kvt_error.h"
 #include "kvt_handlers.h"
 #include "kvt_log.h"
@@ -51,6 +52,7 @@ struct kvt_server {
     zsock_t *monitor; /* its accepted connections (s_monitor), NULL without */
     kvt_rq_t *spare; /* a finished request kept for reuse */
     uint32_t max_frames; /* data frames one request may carry (PUT: one per key) */
+    kvt_curve_t *curve; /* CURVE for the tcp endpoints, or NULL */
     kvt_limits_t lim;
     uint64_t next_sweep_ms;
     int nbound; /* cfg->listen[0..nbound) are bound: their ipc files are ours to remove */
@@ -260,16 +262,16 @@ static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
         snprintf(rq->err, sizeof rq->err, "expected frames [uid, type, body, data...]");
         return KVT_EBADREQ;
     }
-    if (m->too_many_frames) {
-        snprintf(rq->err, sizeof rq->err, "%s: more than %u data frames", info->name,
-                 self->max_frames);
-        return KVT_EBADREQ;
-    }
     rc = kvt_msg_decode(zmq_msg_data(&rq->body), zmq_msg_size(&rq->body), info->type,
                         &self->lim, &rq->req);
     if (rc) {
         snprintf(rq->err, sizeof rq->err, "%s", rq->req.error);
         return rc;
+    }
+    if (m->too_many_frames) { /* after decoding: more keys than max_keys is too_large */
+        snprintf(rq->err, sizeof rq->err, "%s: more than %u data frames", info->name,
+                 self->max_frames);
+        return KVT_EBADREQ;
     }
     return kvt_handle_check_frames(rq);
 }
@@ -466,10 +468,13 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
     zsock_set_maxmsgsize(self->router, (int)(cfg->max_message + 65536 > INT32_MAX
                                                  ? INT32_MAX
                                                  : cfg->max_message + 65536));
+    if (cfg->curve_server_cert[0] && !(self->curve = kvt_curve_new(cfg, err, errlen)))
+        goto fail;
     for (int i = 0; i < cfg->n_listen; i++) {
         const char *ep = cfg->listen[i];
         if (strncmp(ep, "ipc://", 6) == 0 && s_check_ipc(ep, err, errlen) != 0)
             goto fail;
+        kvt_curve_prepare_bind(self->curve, self->router, ep);
         if (zsock_bind(self->router, "%s", ep) < 0) {
             snprintf(err, errlen, "listen: cannot bind %s: %s", ep, zmq_strerror(errno));
             goto fail;
@@ -477,7 +482,8 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
         self->nbound = i + 1;
         if (strncmp(ep, "ipc://", 6) == 0 && s_share_ipc(cfg, ep + 6, err, errlen) != 0)
             goto fail;
-        kvt_log(KVT_LOG_INFO, "listening on %s", ep);
+        kvt_log(KVT_LOG_INFO, "listening on %s%s", ep,
+                self->curve && strncmp(ep, "tcp://", 6) == 0 ? " (CURVE)" : "");
     }
     s_monitor_start(self);
     self->beat = kvt_sup_register(sup, "server", 1000);
@@ -507,6 +513,7 @@ void kvt_server_destroy(kvt_server_t **self_p)
     if (self->sock)
         zmq_socket_monitor(self->sock, NULL, 0);
     zsock_destroy(&self->router);
+    kvt_curve_destroy(&self->curve);
     for (int i = 0; i < self->nbound; i++)
         if (strncmp(self->cfg->listen[i], "ipc://", 6) == 0)
             unlink(self->cfg->listen[i] + 6);

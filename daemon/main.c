@@ -6,6 +6,7 @@
  * (Type=notify) READY=1 goes out only once every socket is bound, the arena is pinned and every
  * thread runs, and STOPPING=1 as soon as the loop ends (kvt_notify). */
 #include "kvt_config.h"
+#include "kvt_curve.h"
 #include "kvt_error.h"
 #include "kvt_events.h"
 #include "kvt_http.h"
@@ -177,7 +178,8 @@ int main(int argc, char **argv)
         return text ? 0 : 1;
     }
     case KVT_CONFIG_CHECK:
-        if (kvt_l2mgr_check(cfg, err, sizeof err) != 0) {
+        if (kvt_curve_check(cfg, err, sizeof err) != 0 ||
+            kvt_l2mgr_check(cfg, err, sizeof err) != 0) {
             fprintf(stderr, "kvtierd: %s\n", err);
             kvt_config_destroy(&cfg);
             return 2;
@@ -186,6 +188,13 @@ int main(int argc, char **argv)
         kvt_config_destroy(&cfg);
         return 0;
     case KVT_CONFIG_RUN:
+        /* an unusable certificate is a configuration error (status 2), found before any
+         * resource is taken */
+        if (kvt_curve_check(cfg, err, sizeof err) != 0) {
+            fprintf(stderr, "kvtierd: %s\n", err);
+            kvt_config_destroy(&cfg);
+            return 2;
+        }
         break;
     }
 

@@ -94,6 +94,7 @@ struct kvt_l1 {
     void *listener_ctx;
     uint32_t l2_writes;
     _Atomic uint64_t l2_pending_objects;
+    _Atomic uint64_t alloc_calls; /* for debug.fail_alloc_every */
 };
 
 static void s_inc(_Atomic uint64_t *v, uint64_t n)
@@ -396,6 +397,12 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped);
  * shards busy at that instant, so a round that freed nothing but skipped some is retried. */
 static kvt_block_t *s_alloc(kvt_l1_t *self, uint64_t size)
 {
+    /* test hook (debug.fail_alloc_every): this allocation fails as if the arena were full with
+     * nothing evictable, so tests can see the no_space path without filling the arena */
+    uint32_t every = self->cfg->debug_fail_alloc_every;
+    if (every &&
+        (atomic_fetch_add_explicit(&self->alloc_calls, 1, memory_order_relaxed) + 1) % every == 0)
+        return NULL;
     kvt_block_t *b = kvt_alloc_get(self->alloc, size);
     for (int idle_rounds = 0; !b; b = kvt_alloc_get(self->alloc, size)) {
         uint64_t skipped = 0;

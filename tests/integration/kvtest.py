@@ -98,6 +98,8 @@ SANITIZER_PATTERNS = (
     "SUMMARY: LeakSanitizer",
     "runtime error:",
     "ERROR: ThreadSanitizer",
+    "WARNING: ThreadSanitizer",
+    "SUMMARY: ThreadSanitizer",
 )
 
 SANITIZER_ENV_DEFAULTS = {

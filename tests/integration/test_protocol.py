@@ -707,3 +707,132 @@ def test_ipc_connections_get_a_large_send_buffer(daemon):
     assert sizes, "no connection of the daemon on %s in ss output:\n%s" % (daemon.ipc_path, out)
     assert max(sizes) > default, "send buffers %r, default %d" % (sizes, default)
 
+
+# ----------------------------------------------------------------------------------------
+# A hostile flood: every message answered, the daemon up, its memory bounded
+
+HOSTILE_TYPES = [HELLO, BYE, PING, LOOKUP, PREFETCH_STATUS, RESERVE, COMMIT, ACQUIRE, RELEASE,
+                 PUT, GET, REMOVE, CLEAR, STATS, HASH_TOKENS]
+
+
+def _vm_rss_kib(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS for pid %d" % pid)
+
+
+def _hostile_message(rng, uid):
+    """(frames, must_fail): a hostile body (4 GiB declared lengths, 100k-deep nesting,
+    truncation...) under a real type, or 0-6 frames of random bytes behind the uid."""
+    if rng.random() < 0.5:
+        body = rng.choice(HOSTILE_BODIES)
+        if rng.random() < 0.3:          # truncated anywhere
+            body = body[:rng.randrange(len(body) + 1)]
+        data = [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 32)))
+                for _ in range(rng.randint(0, 3))]
+        return [pack(uid), pack(rng.choice(HOSTILE_TYPES)), body] + data, True
+    frames = _random_message(rng)
+    frames[0] = pack(uid)
+    return frames, False
+
+
+def test_hostile_flood_answered_and_memory_bounded(daemon_factory):
+    """2000 hostile messages (DESIGN: nothing a client sends may crash the daemon or leak): each
+    one with a uid gets exactly one reply, an error whenever its body is hostile; the daemon
+    stays up and its RSS grows by less than 64 MiB.
+
+    The daemon under test is the ASan build, whose quarantine holds freed memory back (256 MiB by
+    default) and would count as growth: this daemon runs with an 8 MiB quarantine, and the
+    baseline is taken after a warm-up round of the same traffic."""
+    d = daemon_factory("--l2", "none", env={
+        "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:halt_on_error=1:quarantine_size_mb=8"})
+    s = d.dealer()
+    rng = random.Random(20260607)
+    t_end = time.monotonic() + 120
+    uid = 1
+
+    def round_(n_batches, what):
+        nonlocal uid
+        failed = replied = 0
+        for batch in range(n_batches):
+            must_fail = {}
+            for _ in range(100):
+                frames, hostile = _hostile_message(rng, uid)
+                s.send_multipart(frames)
+                must_fail[uid] = hostile
+                uid += 1
+            got = set()
+            for _ in range(len(must_fail)):
+                r = decode_reply(d.recv_frames(s, "%s replies (batch %d)" % (what, batch)))
+                assert r.uid in must_fail and r.uid not in got, "unexpected reply uid %r" % r.uid
+                got.add(r.uid)
+                if must_fail[r.uid]:
+                    assert r.body["ok"] is False, "hostile message %d answered ok: %r" % (
+                        r.uid, r.body)
+                    failed += 1
+                replied += 1
+            assert d.alive(), "kvtierd died in %s batch %d" % (what, batch)
+            assert time.monotonic() < t_end, "hostile flood exceeded 120 s"
+        return replied, failed
+
+    round_(3, "warm-up")
+    rss0 = _vm_rss_kib(d.proc.pid)
+    replied, failed = round_(20, "flood")
+    rss1 = _vm_rss_kib(d.proc.pid)
+    assert replied == 2000 and failed > 800, (replied, failed)
+    grew_mib = (rss1 - rss0) / 1024.0
+    assert grew_mib < 64, "RSS grew by %.1f MiB over 2000 hostile messages (%d -> %d KiB)" % (
+        grew_mib, rss0, rss1)
+    uid_, typ, body, _ = d.request(s, 2**63, PING, {})
+    assert body["ok"] is True
+    assert d.alive()
+
+
+# ----------------------------------------------------------------------------------------
+# Per-request limits, exactly at the bound and one past it
+
+
+def test_per_request_limits_at_the_bound(daemon_factory):
+    d = daemon_factory("--max-keys", "8", "--l2", "none")
+    s = d.dealer()
+    d.hello(s, "i" * 256)                                   # instance: up to 256 bytes
+    _, _, body, _ = d.request(s, 1, HELLO, hello_body("i" * 257))
+    assert_error(body, "bad_request", "instance")
+    ks = [key(i, b"lim") for i in range(9)]
+
+    def lookup(ns, keys, salt=None):
+        b = {"ns": ns, "keys": keys}
+        if salt is not None:
+            b["salt"] = salt
+        return d.request(s, d.next_uid(), LOOKUP, b)[2]
+
+    # ns: 1-256 bytes (bytes, not characters: "é" is two)
+    for ns in ("n" * 256, "é" * 128):
+        assert lookup(ns, ks[:1])["ok"] is True, ns
+    for ns in ("n" * 257, "é" * 128 + "n", ""):
+        assert_error(lookup(ns, ks[:1]), "bad_request", "ns")
+    # salt: up to 128 bytes
+    assert lookup(NS, ks[:1], "s" * 128)["ok"] is True
+    assert_error(lookup(NS, ks[:1], "s" * 129), "bad_request", "salt")
+    assert_error(lookup(NS, ks[:1], "é" * 64 + "s"), "bad_request", "salt")
+    # keys per request: max_keys (8) is fine, 9 is too_large, for every keyed type
+    assert lookup(NS, ks[:8])["ok"] is True
+    assert_error(lookup(NS, ks), "too_large")
+    _, _, body, _ = d.request(s, 2, PUT, {"ns": NS, "keys": ks[:8]}, *[b"x"] * 8)
+    assert body["ok"] is True and body["stored"] == 8, body
+    for type_, extra, data in ((PUT, {}, [b"x"] * 9), (GET, {}, []), (REMOVE, {}, []),
+                               (ACQUIRE, {}, []), (RESERVE, {"size": 4096}, [])):
+        b = dict({"ns": NS, "keys": ks}, **extra)
+        _, typ, body, _ = d.request(s, d.next_uid(), type_, b, *data)
+        assert typ == type_
+        assert_error(body, "too_large")
+    # a salted key of the maximum sizes stores and reads back
+    _, _, body, _ = d.request(s, 3, PUT, {"ns": "n" * 256, "salt": "s" * 128, "keys": ks[:1]},
+                              b"edge")
+    assert body["ok"] is True and body["stored"] == 1, body
+    _, _, body, data = d.request(s, 4, GET, {"ns": "n" * 256, "salt": "s" * 128,
+                                             "keys": ks[:1]})
+    assert body["found"] == 1 and data == [b"edge"], body
+    assert_still_serving(d, s)

@@ -516,12 +516,29 @@ static void test_loopback_rule(void **state)
     c = kvt_config_new();
     s_set_ok(c, "listen", "tcp://0.0.0.0:5555");
     s_finish_fails(c, "listen: tcp://0.0.0.0:5555 is not loopback; set allow_insecure_remote "
-                      "to allow it");
+                      "to allow it, or configure curve.server_cert and curve.clients");
     s_set_ok(c, "listen", "ipc:///tmp/a,tcp://*:5555");
     s_finish_fails(c, "listen: tcp://*:5555 is not loopback; set allow_insecure_remote to "
-                      "allow it");
+                      "allow it, or configure curve.server_cert and curve.clients");
     s_set_ok(c, "allow_insecure_remote", "true");
     s_finish_ok(c);
+    kvt_config_destroy(&c);
+
+    /* CURVE keys make a non-loopback listen acceptable (not events or HTTP); the two options
+     * only come together */
+    c = kvt_config_new();
+    s_set_ok(c, "listen", "tcp://0.0.0.0:5555");
+    s_set_ok(c, "curve.server_cert", "/etc/kvtier/server.cert");
+    s_finish_fails(c, "curve.server_cert: must be set together with curve.clients");
+    s_set_ok(c, "curve.clients", "/etc/kvtier/clients");
+    s_finish_ok(c);
+    s_set_ok(c, "events", "tcp://0.0.0.0:5557");
+    s_finish_fails(c, "events: tcp://0.0.0.0:5557 is not loopback; set allow_insecure_remote "
+                      "to allow it");
+    kvt_config_destroy(&c);
+    c = kvt_config_new();
+    s_set_ok(c, "curve.clients", "/etc/kvtier/clients");
+    s_finish_fails(c, "curve.clients: must be set together with curve.server_cert");
     kvt_config_destroy(&c);
 
     c = kvt_config_new();
@@ -793,7 +810,8 @@ static void test_flag_errors(void **state)
         {{"--check-config=yes"}, "--check-config takes no value"},
         {{"--config", "a", "--config", "b"}, "--config given twice"},
         {{"--listen", "tcp://0.0.0.0:1"},
-         "listen: tcp://0.0.0.0:1 is not loopback; set allow_insecure_remote to allow it"},
+         "listen: tcp://0.0.0.0:1 is not loopback; set allow_insecure_remote to allow it, or "
+         "configure curve.server_cert and curve.clients"},
         {{"--low-watermark", "0.95"}, "low_watermark: must be below high_watermark (0.95 >= 0.90)"},
         {{"--debug-fault-mode", "boom"}, "debug.fault_mode: 'boom' is not one of stall, exit"},
     };
@@ -1084,8 +1102,9 @@ static void test_usage(void **state)
             line = nl ? nl + 1 : NULL;
         }
         static const char *const hidden[] = {"--debug-fault-thread", "--debug-fault-mode",
-                                             "--debug-fault-after-ms", "--debug-fault-for-ms"};
-        for (size_t i = 0; i < 4; i++)
+                                             "--debug-fault-after-ms", "--debug-fault-for-ms",
+                                             "--debug-fail-alloc-every"};
+        for (size_t i = 0; i < sizeof hidden / sizeof hidden[0]; i++)
             if (!strstr(docs, hidden[i]))
                 fail_msg("docs/configuration.md does not mention %s", hidden[i]);
         free(docs);

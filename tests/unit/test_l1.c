@@ -1151,6 +1151,60 @@ static void test_index_100k(void **state)
 
 #define T(fn) cmocka_unit_test_setup_teardown(fn, s_setup, s_teardown)
 
+
+/* debug.fail_alloc_every: the injected failures answer ENOSPC (a first key) or cut the batch to
+ * the prefix before it, never harm what is stored, and the next allocation works again. */
+static void test_fail_alloc_injection(void **state)
+{
+    (void)state;
+    kvt_config_t *cfg = NULL;
+    char err[KVT_ERR_LEN] = "";
+    fx_t fx = {0};
+    fx.l1 = s_l1_new("16M", &cfg);
+    fx.cfg = cfg;
+    kvt_l1_destroy(&fx.l1);
+    assert_int_equal(kvt_config_set(cfg, "debug.fail_alloc_every", "3", false, err, sizeof err),
+                     0);
+    fx.l1 = kvt_l1_new(cfg, err, sizeof err);
+    assert_non_null(fx.l1);
+    fx.base = kvt_l1_base(fx.l1);
+    fx.cap = kvt_l1_capacity(fx.l1);
+    kvt_nsref_t ns = s_ns("inj", "");
+    key_t16 k[6];
+    s_keys(k, 0x51, 0, 6);
+    /* allocations 1 and 2 succeed, 3 fails: a batch of three gets the prefix of two */
+    kvt_slot_t slots[6];
+    uint32_t n = 0, stored = 0;
+    uint64_t lease = 0;
+    assert_int_equal(kvt_l1_reserve(fx.l1, 1, &ns, (const key_t16 *)k, 3, NULL, 8192, slots, &n,
+                                    &lease, err, sizeof err),
+                     0);
+    assert_int_equal(n, 2);
+    for (uint32_t i = 0; i < n; i++)
+        s_fill(fx.base + slots[i].offset, slots[i].length, k[i]);
+    assert_int_equal(kvt_l1_commit(fx.l1, 1, lease, NULL, 0, &stored, err, sizeof err), 0);
+    assert_int_equal(stored, 2);
+    /* 4, 5 succeed (k[2], k[3]); 6 fails on the first key of its batch: ENOSPC, nothing held */
+    assert_int_equal(s_store(&fx, 1, &ns, (const key_t16 *)&k[2], 2, 8192), 2);
+    assert_int_equal(kvt_l1_reserve(fx.l1, 1, &ns, (const key_t16 *)&k[4], 1, NULL, 8192, slots,
+                                    &n, &lease, err, sizeof err),
+                     KVT_ENOSPC);
+    assert_int_equal(n, 0);
+    assert_int_equal(lease, 0);
+    assert_int_equal(s_counts(&fx).reserved, 0);
+    /* 7 succeeds again */
+    assert_int_equal(s_store(&fx, 1, &ns, (const key_t16 *)&k[4], 1, 8192), 1);
+    assert_int_equal(s_hits(&fx, &ns, (const key_t16 *)k, 6), 5);
+    uint64_t rl = 0;
+    assert_int_equal(kvt_l1_acquire(fx.l1, 2, &ns, (const key_t16 *)k, 5, slots, &n, &rl), 0);
+    assert_int_equal(n, 5);
+    for (uint32_t i = 0; i < n; i++)
+        assert_true(s_verify(fx.base + slots[i].offset, slots[i].length, k[i]));
+    assert_int_equal(kvt_l1_release(fx.l1, 2, rl), 0);
+    kvt_l1_destroy(&fx.l1);
+    kvt_config_destroy(&cfg);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1175,6 +1229,7 @@ int main(void)
         T(test_release_owner_bye),
         T(test_destroy_with_everything_held),
         cmocka_unit_test(test_index_100k),
+        cmocka_unit_test(test_fail_alloc_injection),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -29,6 +29,7 @@ import time
 import msgpack
 import zmq
 
+from . import curve as _curve
 from . import hashing
 from .errors import KvtierError, ProtocolError, Timeout, Unavailable, error_for, \
     LeaseExpired, UnknownLease
@@ -97,13 +98,17 @@ class Client:
     timeout_ms how long any call waits for its reply
     context    a zmq.Context (default: the process-wide zmq.Context.instance())
     map_arena  False: never map the arena (behave as a remote client)
+    curve_serverkey, curve_cert
+               CURVE for tcp:// endpoints (kvtier.curve): the daemon's public key (Z85 text or
+               certificate path) and this client's certificate path; default from
+               KVTIER_CURVE_SERVERKEY / KVTIER_CURVE_CERT
 
     Attributes: info (the HELLO reply body), instance, arena (mmap or None), chunk_tokens,
     lease_ms, max_message.
     """
 
     def __init__(self, endpoint, client="python", instance=None, timeout_ms=5000,
-                 context=None, map_arena=True):
+                 context=None, map_arena=True, curve_serverkey=None, curve_cert=None):
         self.endpoint = endpoint
         self.client = client
         self.instance = instance or "%s-%d-%d" % (client, os.getpid(), next(_instance_seq))
@@ -120,6 +125,7 @@ class Client:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
         try:
+            _curve.apply(self._sock, endpoint, curve_serverkey, curve_cert)
             self._sock.connect(endpoint)
             self.hello()
             if map_arena:
