@@ -1,8 +1,8 @@
 /* DESIGN: one function per request type, picked from s_handlers[] by wire id. A handler reads
  * the decoded body (rq->req), calls the modules in rq->svc and packs its ok body into rq->pk;
  * on failure it returns a KVT_E* code with a sentence in rq->err and packs nothing. Handlers of
- * WORKER types (PUT, GET, CLEAR and the GPU requests) may run on any worker thread at the same time as each other and
- * as the server thread's handlers: they only use thread-safe modules. */
+ * WORKER types (PUT, CLEAR and the GPU requests) may run on any worker thread at the same time
+ * as each other and as the server thread's handlers: they only use thread-safe modules. */
 #include "kvt_handlers.h"
 
 #include "kvt_error.h"
@@ -439,7 +439,7 @@ static void s_get_frame_free(void *data, void *hint)
     }
 }
 
-/* GET (worker thread): the reply's data frames point into the arena — no copy — pinned until
+/* GET (server thread): the reply's data frames point into the arena — no copy — pinned until
  * libzmq has sent them. */
 static int s_get(kvt_rq_t *c)
 {

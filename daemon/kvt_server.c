@@ -5,7 +5,7 @@
  *
  * A message becomes a kvt_rq_t (kvt_handlers.h) that owns its frames, its decoded body and its
  * reply until s_finish() sends the reply and frees everything in one place. Fast requests run
- * inline; WORKER requests (PUT, GET, CLEAR) go to the pool and come back through the done
+ * inline; WORKER requests (PUT, CLEAR, GPU copies) go to the pool and come back through the done
  * queue, so replies may leave out of order (the uid matches them). Replies go out with
  * ZMQ_DONTWAIT and ROUTER_MANDATORY: a client that vanished or stopped reading costs a
  * counter, never a blocked loop. On stop, intake ends and the jobs in flight are finished and

@@ -1,5 +1,5 @@
-/* kvt_workers: the worker pool that runs slow requests (inline PUT/GET copies, CLEAR) off the
- * server loop, so that LOOKUPs never wait behind a large transfer.
+/* kvt_workers: the worker pool that runs slow requests (inline PUT copies, CLEAR, GPU copies)
+ * off the server loop, so that LOOKUPs never wait behind a large transfer.
  *
  * The server thread submits jobs into a bounded FIFO (a full queue answers `busy` at once, it
  * never blocks the loop); N supervised threads run them; finished jobs come back through a

@@ -86,7 +86,7 @@ typedef enum { KVT_RUN_INLINE = 0, KVT_RUN_WORKER = 1 } kvt_run_class_t;
     XX(8, ACQUIRE, "acquire", INLINE, KVT_KEYED, KVT_F_SALT, 0)                                \
     XX(9, RELEASE, "release", INLINE, KVT_F_LEASE, KVT_NONE, 65536)                            \
     XX(10, PUT, "put", WORKER, KVT_KEYED, KVT_F_SALT, 0)                                       \
-    XX(11, GET, "get", WORKER, KVT_KEYED, KVT_F_SALT, 0)                                       \
+    XX(11, GET, "get", INLINE, KVT_KEYED, KVT_F_SALT, 0)                                       \
     XX(12, REMOVE, "remove", INLINE, KVT_KEYED, KVT_F_SALT, 0)                                 \
     XX(13, CLEAR, "clear", WORKER, KVT_NONE, KVT_F_NS, 65536)                                  \
     XX(14, STATS, "stats", INLINE, KVT_NONE, KVT_NONE, 65536)                                  \
