@@ -93,8 +93,21 @@ static int s_env_int(const char *name, int def, int lo, int hi)
     return v && *v && (*end || n < lo || n > hi) ? def : (int)n;
 }
 
+/* A child forked while another thread held the lock would never see it released. */
+static void s_ctx_atfork_child(void)
+{
+    pthread_mutex_init(&s_ctx_lock, NULL);
+}
+
+static void s_ctx_once(void)
+{
+    pthread_atfork(NULL, NULL, s_ctx_atfork_child);
+}
+
 static void *s_ctx_acquire(void)
 {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, s_ctx_once);
     pthread_mutex_lock(&s_ctx_lock);
     if (s_ctx && s_ctx_pid != getpid()) {
         s_ctx = NULL; /* the parent's: left alone */
@@ -118,7 +131,9 @@ static void s_ctx_release(void *ctx)
     if (!ctx)
         return;
     pthread_mutex_lock(&s_ctx_lock);
-    bool last = ctx == s_ctx && --s_ctx_refs == 0;
+    /* a handle inherited through fork: its context belongs to the parent (no I/O thread here,
+     * so terminating it would hang) */
+    bool last = ctx == s_ctx && s_ctx_pid == getpid() && --s_ctx_refs == 0;
     if (last)
         s_ctx = NULL;
     pthread_mutex_unlock(&s_ctx_lock);

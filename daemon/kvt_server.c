@@ -214,7 +214,10 @@ static int s_recv(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
         if (!part)
             part = &drop;
         zmq_msg_init(part);
-        if (zmq_msg_recv(part, self->sock, ZMQ_DONTWAIT) < 0) {
+        int n;
+        while ((n = zmq_msg_recv(part, self->sock, ZMQ_DONTWAIT)) < 0 && errno == EINTR)
+            ; /* the rest of a message is already here: a signal only interrupts the call */
+        if (n < 0) {
             /* cannot happen once the first part is in (libzmq delivers messages whole);
              * the request is answered as truncated */
             zmq_msg_close(part);
@@ -395,7 +398,8 @@ static int s_share_ipc(const kvt_config_t *cfg, const char *path, char *err, siz
 /* libzmq applies ZMQ_SNDBUF to tcp connections only: on ipc a 4 MiB GET reply would leave
  * through the default unix socket buffer (208 KiB) in some twenty writes, each one waking the
  * client's I/O thread. The socket monitor reports the descriptor of every accepted connection,
- * whose send buffer is raised here (the kernel caps it at net.core.wmem_max). */
+ * whose send buffer is raised here (the kernel caps it at net.core.wmem_max). Events are read
+ * once per loop turn, so a connection may send its first requests with the default buffer. */
 static void s_monitor_start(kvt_server_t *self)
 {
     char ep[64];
@@ -421,9 +425,14 @@ static void s_monitor(kvt_server_t *self)
             int32_t fd;
             memcpy(&event, zframe_data(f), 2);
             memcpy(&fd, zframe_data(f) + 2, 4);
-            int size = S_SNDBUF;
+            /* Unix sockets only: on tcp a fixed SO_SNDBUF would switch off the kernel's
+             * autotuning. Checking the domain also keeps a descriptor number reused since the
+             * event (an L2 connection, the HTTP socket) out of it. */
+            int size = S_SNDBUF, domain = 0;
+            socklen_t dlen = sizeof domain;
             if (event == ZMQ_EVENT_ACCEPTED && fd >= 0 &&
-                setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof size) != 0)
+                getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 &&
+                domain == AF_UNIX && setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof size))
                 kvt_log(KVT_LOG_DEBUG, "SO_SNDBUF on a new connection: %s", strerror(errno));
         }
         zmsg_destroy(&ev);
@@ -470,6 +479,7 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
                                                  : cfg->max_message + 65536));
     if (cfg->curve_server_cert[0] && !(self->curve = kvt_curve_new(cfg, err, errlen)))
         goto fail;
+    s_monitor_start(self); /* before the binds: no connection escapes it */
     for (int i = 0; i < cfg->n_listen; i++) {
         const char *ep = cfg->listen[i];
         if (strncmp(ep, "ipc://", 6) == 0 && s_check_ipc(ep, err, errlen) != 0)
@@ -485,7 +495,6 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
         kvt_log(KVT_LOG_INFO, "listening on %s%s", ep,
                 self->curve && strncmp(ep, "tcp://", 6) == 0 ? " (CURVE)" : "");
     }
-    s_monitor_start(self);
     self->beat = kvt_sup_register(sup, "server", 1000);
     return self;
 fail:
@@ -505,9 +514,10 @@ void kvt_server_destroy(kvt_server_t **self_p)
     kvt_workers_destroy(&self->lookups);
     kvt_gpu_destroy(&self->svc.gpu); /* after the workers, before L1 goes */
     if (self->spare) {
-        kvt_rq_t *spare = self->spare;
+        free(self->spare->data); /* its messages are closed already */
+        msgpack_sbuffer_destroy(&self->spare->sbuf);
+        free(self->spare);
         self->spare = NULL;
-        s_rq_free(NULL, spare);
     }
     zsock_destroy(&self->monitor);
     if (self->sock)
