@@ -864,6 +864,28 @@ uint32_t kvt_gpu_registrations(kvt_gpu_t *self)
     return n;
 }
 
+json_t *kvt_gpu_status_json(kvt_gpu_t *self)
+{
+    int rc = atomic_load(&self->cuda_rc);
+    json_t *regs = json_array();
+    pthread_mutex_lock(&self->lock);
+    for (s_reg_t *r = self->regs; r; r = r->next)
+        json_array_append_new(
+            regs, json_pack("{s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:b}", "owner", (json_int_t)r->owner,
+                            "device", (json_int_t)r->lay.device, "layers",
+                            (json_int_t)r->lay.layers, "num_blocks",
+                            (json_int_t)r->lay.num_blocks, "block_tokens",
+                            (json_int_t)r->lay.block_tokens, "token_bytes",
+                            (json_int_t)r->lay.token_bytes, "block_bytes",
+                            (json_int_t)r->lay.block_bytes, "ready", r->ready));
+    pthread_mutex_unlock(&self->lock);
+    /* cuda_err is written before cuda_rc leaves 1, and never again */
+    return json_pack("{s:s,s:s,s:b,s:o}", "runtime",
+                     rc == 1 ? "not loaded" : rc == 0 ? "loaded" : "unavailable", "error",
+                     rc < 0 ? self->cuda_err : "", "arena_registered",
+                     (int)atomic_load(&self->arena_pinned), "registrations", regs);
+}
+
 /* Common start of STORE/RETRIEVE: CUDA, the registration, the block ids. */
 static int s_copy_begin(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, s_reg_t **reg,
                         uint32_t *per, uint64_t *chunk_bytes, char *err, size_t errlen)

@@ -18,6 +18,7 @@
 #include "kvt_metrics.h"
 #include "kvt_msg.h"
 
+#include <jansson.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -99,6 +100,11 @@ uint32_t kvt_gpu_owner_gone(kvt_gpu_t *self, uint64_t owner);
 
 /* Registrations currently linked (tests, /status). Any thread. */
 uint32_t kvt_gpu_registrations(kvt_gpu_t *self);
+
+/* For /status: whether the runtime is loaded (or why it is unavailable), whether the arena is
+ * registered, and every registration's layout with its owner (the session id of /status's
+ * clients). Any thread. */
+json_t *kvt_gpu_status_json(kvt_gpu_t *self);
 
 /* Metrics source (kvt_metrics_add_source): kvtier_gpu_runtime_loaded,
  * kvtier_gpu_arena_registered, kvtier_gpu_registrations, kvtier_gpu_copied_bytes_total

@@ -600,8 +600,9 @@ json_t *kvt_server_status_json(kvt_server_t *self)
     json_t *eps = json_array();
     for (int i = 0; i < self->cfg->n_listen; i++)
         json_array_append_new(eps, json_string(self->cfg->listen[i]));
-    return json_pack("{s:o,s:o,s:I,s:I}", "endpoints", eps, "clients",
+    return json_pack("{s:o,s:o,s:I,s:I,s:o}", "endpoints", eps, "clients",
                      kvt_sessions_json(self->svc.sessions, kvt_now_ms()), "requests_in_workers",
                      (json_int_t)s_in_flight(self), "prefetch_jobs",
-                     (json_int_t)kvt_prefetch_jobs(self->svc.prefetch));
+                     (json_int_t)kvt_prefetch_jobs(self->svc.prefetch), "gpu",
+                     kvt_gpu_status_json(self->svc.gpu));
 }

@@ -127,6 +127,9 @@ def test_no_gpu_unavailable_and_no_cuda_at_startup(daemon):
     d.commit(s, lease)
     assert d.acquire(s, NS, [key(9)])["slots"]
     assert cuda_maps(pid) == [], "a non-GPU workload mapped CUDA: %r" % cuda_maps(pid)
+    gpu = d.http_json("GET", "/status")["gpu"]
+    assert gpu == {"runtime": "not loaded", "error": "", "arena_registered": False,
+                   "registrations": []}, gpu
     # every GPU request: unavailable, saying why in CUDA's words, and the daemon lives on
     for type_, body in [(REGISTER_GPU, layout()), (STORE_GPU, copy_body()),
                         (RETRIEVE_GPU, copy_body(event=HANDLE))]:
@@ -140,6 +143,9 @@ def test_no_gpu_unavailable_and_no_cuda_at_startup(daemon):
     assert metric_value(samples, "kvtier_gpu_runtime_loaded") == 0
     assert metric_value(samples, "kvtier_gpu_registrations") == 0
     assert d.stats()["ok"] is True
+    gpu = d.http_json("GET", "/status")["gpu"]
+    assert gpu["runtime"] == "unavailable" and gpu["error"].startswith("no CUDA device: "), gpu
+    assert gpu["registrations"] == [] and gpu["arena_registered"] is False, gpu
     # the CUDA runtime may be loaded now (it said there is no device); never the driver's
     # device nodes
     assert not [m for m in cuda_maps(pid) if "nvidia" in m and m.startswith("/dev/")]
@@ -305,6 +311,14 @@ def test_mock_gpu_store_clear_retrieve(daemon_factory, tmp_path, engine):
     assert count(log, "open") == 2, mock_log(log)  # layers 1 and 2 share one handle
     assert_error(d.call(s, REGISTER_GPU, engine.register_body()), "bad_request",
                  "already registered")
+    gpu = d.http_json("GET", "/status")["gpu"]
+    owner = [c["owner"] for c in d.http_json("GET", "/status")["clients"]
+             if c.get("instance") == "inst-mock-engine"]
+    assert gpu["runtime"] == "loaded" and gpu["arena_registered"] is True, gpu
+    assert len(gpu["registrations"]) == 1, gpu
+    r = gpu["registrations"][0]
+    assert [r["owner"]] == owner and r["ready"] is True, (r, owner)
+    assert (r["device"], r["layers"], r["block_bytes"]) == (0, 3, engine.block_bytes), r
     per = 4
     ids = list(range(engine.num_blocks))
     random.Random(5).shuffle(ids)
