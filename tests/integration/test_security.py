@@ -96,6 +96,9 @@ def dealer(d, endpoint, server_pub=None, pub=None, sec=None):
     s = d.ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 5000)
+    # a DEALER whose only connection failed its CURVE handshake has no peer left, and a send
+    # would block for ever: bounded, it raises zmq.Again (ping_reply: no reply)
+    s.setsockopt(zmq.SNDTIMEO, 1000)
     if server_pub is not None:
         s.curve_serverkey = server_pub
         s.curve_publickey = pub
@@ -107,7 +110,10 @@ def dealer(d, endpoint, server_pub=None, pub=None, sec=None):
 
 def ping_reply(s, uid, wait_ms=5000):
     """Sends PING; the reply body, or None when nothing came within wait_ms."""
-    s.send_multipart([pack(uid), pack(PING), pack({})])
+    try:
+        s.send_multipart([pack(uid), pack(PING), pack({})])
+    except zmq.Again:
+        return None  # refused at the handshake: no connection to send on
     if not s.poll(wait_ms, zmq.POLLIN):
         return None
     frames = s.recv_multipart()
