@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
@@ -37,7 +38,10 @@ WATCHDOG_USEC = 500000
 
 class NotifySocket:
     """A bound AF_UNIX datagram socket that records every notification with its arrival time
-    (monotonic seconds). Datagrams are `KEY=VALUE` lines, as sd_notify(3) sends them."""
+    (monotonic seconds). Datagrams are `KEY=VALUE` lines, as sd_notify(3) sends them. A reader
+    thread takes them as they come: timestamps taken only when the test gets round to reading
+    would turn a busy moment of the test (an HTTP probe of the daemon) into a false gap between
+    keep-alives."""
 
     def __init__(self):
         # sun_path holds 107 bytes: keep the directory short whatever TMPDIR is
@@ -45,29 +49,43 @@ class NotifySocket:
         self.path = os.path.join(self.dir, "notify.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
+        self.sock.settimeout(0.05)
         self.messages = []  # (time, {key: value}, raw text)
+        self._lock = threading.Lock()
+        self._stop = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
-    def poll(self, timeout=0.05):
-        """Reads every datagram that arrives within `timeout` s; returns how many."""
-        n = 0
-        self.sock.settimeout(timeout)
-        while True:
+    def _read(self):
+        while not self._stop:
             try:
                 data = self.sock.recv(4096)
-            except (socket.timeout, BlockingIOError):
-                return n
-            self.sock.settimeout(0.0)  # then drain what is already queued, without waiting
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            t = time.monotonic()
             text = data.decode("utf-8", "replace")
             fields = dict(line.split("=", 1) for line in text.split("\n") if "=" in line)
-            self.messages.append((time.monotonic(), fields, text))
-            n += 1
+            with self._lock:
+                self.messages.append((t, fields, text))
+
+    def poll(self, timeout=0.05):
+        """Waits `timeout` s; returns how many datagrams arrived meanwhile."""
+        with self._lock:
+            n0 = len(self.messages)
+        time.sleep(timeout)
+        with self._lock:
+            return len(self.messages) - n0
 
     def wait_for(self, pred, timeout, what, after=0.0):
         """Polls until some message that arrived after `after` satisfies pred(fields); returns
         (time, fields)."""
         def find():
-            self.poll()
-            for t, f, _ in self.messages:
+            self.poll(0.01)
+            with self._lock:
+                msgs = list(self.messages)
+            for t, f, _ in msgs:
                 if t > after and pred(f):
                     return t, f
             return None
@@ -85,6 +103,8 @@ class NotifySocket:
         return [(t, f["STATUS"]) for t, f, _ in self.messages if "STATUS" in f]
 
     def close(self):
+        self._stop = True
+        self._reader.join(timeout=2)
         self.sock.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
