@@ -1094,7 +1094,9 @@ int kvtier_acquire(kvtier_t *self, const char *ns, const char *salt,
     return rc;
 }
 
-int kvtier_release(kvtier_t *self, uint64_t lease)
+/* RELEASE, waiting for its answer or (wait false) not: then the reply is skipped by a later
+ * call's receive loop, like a timed-out call's. */
+static int s_release(kvtier_t *self, uint64_t lease, bool wait)
 {
     if (!self)
         return KVT_EINVAL;
@@ -1102,26 +1104,27 @@ int kvtier_release(kvtier_t *self, uint64_t lease)
     msgpack_packer pk;
     s_body_begin(&sb, &pk, 1);
     s_pack_uint_field(&pk, "lease", lease);
+    if (!wait) {
+        self->error[0] = '\0';
+        int rc = s_send_request(self, self->next_uid++, KVT_REQ_RELEASE, sb.data, sb.size, NULL,
+                                NULL, 0);
+        msgpack_sbuffer_destroy(&sb);
+        return rc;
+    }
     s_reply_t r;
     int rc = s_call(self, KVT_REQ_RELEASE, &sb, &r);
     s_reply_free(&r);
     return rc;
 }
 
+int kvtier_release(kvtier_t *self, uint64_t lease)
+{
+    return s_release(self, lease, true);
+}
+
 int kvtier_release_async(kvtier_t *self, uint64_t lease)
 {
-    if (!self)
-        return KVT_EINVAL;
-    msgpack_sbuffer sb;
-    msgpack_packer pk;
-    s_body_begin(&sb, &pk, 1);
-    s_pack_uint_field(&pk, "lease", lease);
-    self->error[0] = '\0';
-    /* the reply is skipped by a later call's receive loop, like a timed-out call's */
-    int rc = s_send_request(self, self->next_uid++, KVT_REQ_RELEASE, sb.data, sb.size, NULL, NULL,
-                            0);
-    msgpack_sbuffer_destroy(&sb);
-    return rc;
+    return s_release(self, lease, false);
 }
 
 int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
