@@ -965,9 +965,10 @@ int kvtier_prefetch_status(kvtier_t *self, uint64_t job, int *done, uint32_t *lo
     return rc;
 }
 
-int kvtier_reserve(kvtier_t *self, const char *ns, const char *salt,
-                   const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const uint64_t *sizes,
-                   uint64_t size, kvtier_slot_t *slots, uint32_t *nslots, uint64_t *lease)
+/* The common checks of RESERVE and ACQUIRE: outputs zeroed, arguments present. */
+static int s_check_slots_call(kvtier_t *self, const char *name, const char *ns,
+                              const char *salt, const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                              const kvtier_slot_t *slots, uint32_t *nslots, uint64_t *lease)
 {
     if (nslots)
         *nslots = 0;
@@ -975,11 +976,21 @@ int kvtier_reserve(kvtier_t *self, const char *ns, const char *salt,
         *lease = 0;
     if (!self)
         return KVT_EINVAL;
-    int rc = s_check_keyed(self, "reserve", ns, salt, keys, n);
+    int rc = s_check_keyed(self, name, ns, salt, keys, n);
     if (rc)
         return rc;
     if (!nslots || !lease || (n && !slots))
-        return s_fail(self, KVT_EINVAL, "reserve: slots, nslots and lease must not be NULL");
+        return s_fail(self, KVT_EINVAL, "%s: slots, nslots and lease must not be NULL", name);
+    return 0;
+}
+
+int kvtier_reserve(kvtier_t *self, const char *ns, const char *salt,
+                   const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const uint64_t *sizes,
+                   uint64_t size, kvtier_slot_t *slots, uint32_t *nslots, uint64_t *lease)
+{
+    int rc = s_check_slots_call(self, "reserve", ns, salt, keys, n, slots, nslots, lease);
+    if (rc)
+        return rc;
     if (!sizes && size == 0 && n)
         return s_fail(self, KVT_EINVAL, "reserve: sizes is NULL and size is 0");
     for (uint32_t i = 0; sizes && i < n; i++)
@@ -1057,17 +1068,9 @@ int kvtier_acquire(kvtier_t *self, const char *ns, const char *salt,
                    const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_slot_t *slots,
                    uint32_t *nslots, uint64_t *lease)
 {
-    if (nslots)
-        *nslots = 0;
-    if (lease)
-        *lease = 0;
-    if (!self)
-        return KVT_EINVAL;
-    int rc = s_check_keyed(self, "acquire", ns, salt, keys, n);
+    int rc = s_check_slots_call(self, "acquire", ns, salt, keys, n, slots, nslots, lease);
     if (rc)
         return rc;
-    if (!nslots || !lease || (n && !slots))
-        return s_fail(self, KVT_EINVAL, "acquire: slots, nslots and lease must not be NULL");
     rc = s_check_arena(self, "acquire");
     if (rc)
         return rc;
