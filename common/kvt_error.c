@@ -1,6 +1,7 @@
 /* DESIGN: static tables generated from KVT_ERRNO_MAP; no state, callable from any thread. */
 #include "kvt_error.h"
 
+#include <stdbool.h>
 #include <string.h>
 
 typedef struct {
@@ -43,24 +44,49 @@ const char *kvt_err_wire(int code)
     return r ? r->wire : "internal";
 }
 
+/* Index of the first row whose wire string is `wire` among the rows that introduce a wire
+ * string (so "internal" of NOMEM counts as the INTERNAL row's); -1 when none. */
+static int s_wire_first(const char *wire, size_t len, int *row)
+{
+    int distinct = 0;
+    for (int i = 0; i < S_NROWS; i++) {
+        bool seen = false;
+        for (int j = 0; j < i && !seen; j++)
+            seen = strcmp(s_rows[j].wire, s_rows[i].wire) == 0;
+        if (seen)
+            continue;
+        if (strlen(s_rows[i].wire) == len && memcmp(s_rows[i].wire, wire, len) == 0) {
+            *row = i;
+            return distinct;
+        }
+        distinct++;
+    }
+    return -1;
+}
+
 int kvt_err_wire_index(int code)
 {
     const char *w = kvt_err_wire(code);
-    for (int i = 0; i < KVT_WIRE_ERRORS; i++)
-        if (strcmp(s_rows[i].wire, w) == 0)
-            return i;
-    return -KVT_EINTERNAL - 1;
+    int row;
+    int i = s_wire_first(w, strlen(w), &row);
+    return i >= 0 ? i : kvt_err_wire_index(KVT_EINTERNAL);
 }
 
 const char *kvt_err_wire_name(int i)
 {
-    return (i >= 0 && i < KVT_WIRE_ERRORS) ? s_rows[i].wire : "internal";
+    int distinct = 0;
+    for (int r = 0; r < S_NROWS; r++) {
+        int row;
+        if (s_wire_first(s_rows[r].wire, strlen(s_rows[r].wire), &row) != distinct || row != r)
+            continue;
+        if (distinct++ == i)
+            return s_rows[r].wire;
+    }
+    return "internal";
 }
 
 int kvt_err_from_wire(const char *wire, size_t len)
 {
-    for (int i = 0; i < KVT_WIRE_ERRORS; i++)
-        if (strlen(s_rows[i].wire) == len && memcmp(s_rows[i].wire, wire, len) == 0)
-            return s_rows[i].num;
-    return KVT_EINTERNAL;
+    int row;
+    return s_wire_first(wire, len, &row) >= 0 ? s_rows[row].num : KVT_EINTERNAL;
 }

@@ -25,7 +25,8 @@
     XX(NOMEM, -12, "internal", "out of memory")                                               \
     XX(IO, -13, "internal", "I/O error")                                                      \
     XX(TIMEDOUT, -14, "unavailable", "timed out")                                             \
-    XX(INVAL, -15, "bad_request", "invalid argument")
+    XX(INVAL, -15, "bad_request", "invalid argument")                                      \
+    XX(NOINST, -16, "instance_dropped", "no live client instance on this connection")
 
 enum {
     KVT_OK = 0,
@@ -34,8 +35,9 @@ enum {
 #undef KVT_XX
 };
 
-/* Number of distinct wire error codes (the first eleven rows); metrics count by these. */
-#define KVT_WIRE_ERRORS 11
+/* Number of distinct wire error codes (the wire strings of the rows, each counted once, in
+ * order of first appearance); metrics count by these. */
+#define KVT_WIRE_ERRORS 12
 
 /* Human sentence for a code ("no space in tier"); never NULL. */
 const char *kvt_strerror(int code);

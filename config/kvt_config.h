@@ -34,6 +34,13 @@ typedef struct kvt_config {
     uint32_t max_keys;    /* keys in one request */
     uint32_t workers;     /* worker threads for slow requests */
     uint32_t io_threads;  /* zmq I/O threads */
+    /* what one client, or all of them, may hold of the daemon */
+    uint32_t max_connections;      /* client connections open at once */
+    uint32_t max_instances;        /* client instances alive at once */
+    uint32_t max_instances_per_connection;
+    uint32_t reply_timeout_ms;     /* replies not moving this long: the connection is cut */
+    uint64_t max_reply_pinned;     /* L1 bytes unsent GET replies may pin, per connection */
+    uint64_t max_reply_backlog;    /* daemon memory unsent replies may hold, per connection */
     bool allow_unpinned;
     char *shm_group; /* group allowed to map the arena (0660), "" for owner only (0600) */
     bool allow_insecure_remote;

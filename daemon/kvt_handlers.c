@@ -10,7 +10,6 @@
 #include "kvt_log.h"
 #include "kvt_proto.h"
 
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,22 +36,27 @@ static int s_hello(kvt_rq_t *c)
         return KVT_EVERSION;
     }
     if (memchr(c->req.instance.ptr, 0, c->req.instance.len) ||
-        memchr(c->req.client.ptr, 0, c->req.client.len)) {
-        snprintf(c->err, sizeof c->err, "'client' and 'instance' must not contain NUL bytes");
+        memchr(c->req.client.ptr, 0, c->req.client.len) ||
+        (c->req.token.len && memchr(c->req.token.ptr, 0, c->req.token.len))) {
+        snprintf(c->err, sizeof c->err,
+                 "'client', 'instance' and 'token' must not contain NUL bytes");
         return KVT_EBADREQ;
     }
     char *instance = s_cstr(&c->req.instance), *client = s_cstr(&c->req.client);
+    char *token = (c->req.present & KVT_F_TOKEN) ? s_cstr(&c->req.token) : NULL;
+    char issued[KVT_TOKEN_HEX + 1];
     bool created = false;
-    c->owner = kvt_sessions_hello(c->svc->sessions, zmq_msg_data(&c->rid),
-                                  zmq_msg_size(&c->rid), instance, client,
-                                  kvt_now_ms(), &created);
-    if (created)
+    int rc = kvt_sessions_hello(c->svc->sessions, c->conn, instance, client, token, kvt_now_ms(),
+                                &c->owner, issued, &created, c->err, sizeof c->err);
+    if (rc == 0 && created)
         kvt_log(KVT_LOG_INFO, "client %s (instance %s) connected", client, instance);
     free(instance);
     free(client);
-    kvt_metrics_set_clients(c->svc->metrics, kvt_sessions_count(c->svc->sessions));
+    free(token);
+    if (rc)
+        return rc;
     msgpack_packer *pk = &c->pk;
-    kvt_pack_ok(pk, 6);
+    kvt_pack_ok(pk, 7);
     kvt_pack_str(pk, "shm");
     msgpack_pack_map(pk, 2);
     kvt_pack_str(pk, "path");
@@ -69,25 +73,39 @@ static int s_hello(kvt_rq_t *c)
     msgpack_pack_uint32(pk, cfg->lease_ms);
     kvt_pack_str(pk, "max_message");
     msgpack_pack_uint64(pk, cfg->max_message);
+    kvt_pack_str(pk, "token");
+    kvt_pack_str(pk, issued);
     return 0;
 }
 
 static int s_bye(kvt_rq_t *c)
 {
     char *instance = s_cstr(&c->req.instance);
-    int64_t released = kvt_sessions_bye(c->svc->sessions, instance);
-    if (released >= 0)
+    uint64_t released = 0;
+    int rc =
+        kvt_sessions_bye(c->svc->sessions, c->conn, instance, &released, c->err, sizeof c->err);
+    if (rc == 0)
         kvt_log(KVT_LOG_INFO, "client instance %s said bye", instance);
     free(instance);
-    kvt_metrics_set_clients(c->svc->metrics, kvt_sessions_count(c->svc->sessions));
+    if (rc)
+        return rc;
     kvt_pack_ok(&c->pk, 1);
     kvt_pack_str(&c->pk, "released");
-    msgpack_pack_uint64(&c->pk, released < 0 ? 0 : (uint64_t)released);
+    msgpack_pack_uint64(&c->pk, released);
     return 0;
 }
 
+/* PING renews the connection's instances (every request does); with `instance` it also
+ * checks that the connection still acts for it, which is how a heartbeat learns of a drop. */
 static int s_ping(kvt_rq_t *c)
 {
+    if (c->req.present & KVT_F_INSTANCE) {
+        char *instance = s_cstr(&c->req.instance);
+        int rc = kvt_sessions_check(c->svc->sessions, c->conn, instance, c->err, sizeof c->err);
+        free(instance);
+        if (rc)
+            return rc;
+    }
     kvt_pack_ok(&c->pk, 0);
     return 0;
 }
@@ -99,7 +117,8 @@ static void s_pack_json(msgpack_packer *pk, const json_t *v)
         const char *k;
         json_t *e;
         msgpack_pack_map(pk, json_object_size(v));
-        json_object_foreach((json_t *)v, k, e) {
+        json_object_foreach((json_t *)v, k, e)
+        {
             kvt_pack_str(pk, k);
             s_pack_json(pk, e);
         }
@@ -112,12 +131,24 @@ static void s_pack_json(msgpack_packer *pk, const json_t *v)
         json_array_foreach(v, i, e) s_pack_json(pk, e);
         break;
     }
-    case JSON_STRING: kvt_pack_strn(pk, json_string_value(v), json_string_length(v)); break;
-    case JSON_INTEGER: msgpack_pack_int64(pk, json_integer_value(v)); break;
-    case JSON_REAL: msgpack_pack_double(pk, json_real_value(v)); break;
-    case JSON_TRUE: msgpack_pack_true(pk); break;
-    case JSON_FALSE: msgpack_pack_false(pk); break;
-    case JSON_NULL: msgpack_pack_nil(pk); break;
+    case JSON_STRING:
+        kvt_pack_strn(pk, json_string_value(v), json_string_length(v));
+        break;
+    case JSON_INTEGER:
+        msgpack_pack_int64(pk, json_integer_value(v));
+        break;
+    case JSON_REAL:
+        msgpack_pack_double(pk, json_real_value(v));
+        break;
+    case JSON_TRUE:
+        msgpack_pack_true(pk);
+        break;
+    case JSON_FALSE:
+        msgpack_pack_false(pk);
+        break;
+    case JSON_NULL:
+        msgpack_pack_nil(pk);
+        break;
     }
 }
 
@@ -127,7 +158,8 @@ static int s_stats(kvt_rq_t *c)
     kvt_pack_ok(&c->pk, (uint32_t)json_object_size(m));
     const char *k;
     json_t *e;
-    json_object_foreach(m, k, e) {
+    json_object_foreach(m, k, e)
+    {
         kvt_pack_str(&c->pk, k);
         s_pack_json(&c->pk, e);
     }
@@ -142,16 +174,14 @@ static kvt_nsref_t s_nsref(const kvt_req_t *r)
     return (kvt_nsref_t){r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
 }
 
-/* Requests that take a lease need an owner: the instance this connection said HELLO as. */
+/* Requests that take a lease need an owner: the instance this connection said HELLO as.
+ * Without one the answer is instance_dropped, which tells a client to say HELLO again. */
 static int s_need_owner(kvt_rq_t *c)
 {
     if (c->owner)
         return 0;
-    snprintf(c->err, sizeof c->err,
-             "%s takes a lease: send HELLO first (or again: the instance was silent for over "
-             "lease_ms and was dropped)",
-             kvt_proto_name(c->req.type));
-    return KVT_EBADREQ;
+    kvt_conn_why_no_instance(c->conn, kvt_proto_name(c->req.type), c->err, sizeof c->err);
+    return KVT_ENOINST;
 }
 
 static void s_pack_slots(msgpack_packer *pk, const kvt_slot_t *slots, uint32_t n)
@@ -272,8 +302,8 @@ static int s_lookup_l2(kvt_rq_t *c)
     uint64_t *sizes = calloc(rest, sizeof *sizes);
     kvt_assert(sizes);
     const uint8_t(*keys)[KVT_KEY_LEN] = (const uint8_t(*)[KVT_KEY_LEN])r->keys + c->l1_hits;
-    uint32_t in_l2 = kvt_l2mgr_lookup(c->svc->l2, &ns, keys, rest,
-                                      kvt_now_ms() + S_L2_LOOKUP_MS, sizes);
+    uint32_t in_l2 =
+        kvt_l2mgr_lookup(c->svc->l2, &ns, keys, rest, kvt_now_ms() + S_L2_LOOKUP_MS, sizes);
     uint64_t job = 0;
     if (r->prefetch) {
         job = kvt_prefetch_start(c->svc->prefetch, c->l1_hits + in_l2, in_l2 == 0, kvt_now_ms());
@@ -294,8 +324,8 @@ static int s_lookup(kvt_rq_t *c)
     kvt_nsref_t ns = s_nsref(r);
     uint32_t hits = 0;
     uint64_t lease = 0;
-    rc = kvt_l1_lookup(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                       r->nkeys, r->lock, &hits, &lease);
+    rc = kvt_l1_lookup(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys,
+                       r->lock, &hits, &lease);
     if (rc)
         return rc;
     c->l1_hits = hits;
@@ -314,8 +344,8 @@ static int s_remove(kvt_rq_t *c)
     const kvt_req_t *r = &c->req;
     kvt_nsref_t ns = s_nsref(r);
     uint32_t removed = 0;
-    int rc = kvt_l1_remove(c->svc->l1, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys,
-                           &removed);
+    int rc =
+        kvt_l1_remove(c->svc->l1, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys, &removed);
     kvt_l2mgr_remove(c->svc->l2, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
@@ -328,15 +358,14 @@ static int s_clear(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
     uint64_t removed = 0;
-    int rc = kvt_l1_clear(c->svc->l1, (r->present & KVT_F_NS) ? r->ns.ptr : NULL, r->ns.len,
-                          &removed);
+    int rc =
+        kvt_l1_clear(c->svc->l1, (r->present & KVT_F_NS) ? r->ns.ptr : NULL, r->ns.len, &removed);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "removed", removed);
     }
     return rc;
 }
-
 
 static int s_prefetch_status(kvt_rq_t *c)
 {
@@ -362,7 +391,8 @@ static int s_prefetch_status(kvt_rq_t *c)
 static int s_hash_tokens(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
-    uint64_t chunk = (r->present & KVT_F_CHUNK_TOKENS) ? r->chunk_tokens : c->svc->cfg->chunk_tokens;
+    uint64_t chunk =
+        (r->present & KVT_F_CHUNK_TOKENS) ? r->chunk_tokens : c->svc->cfg->chunk_tokens;
     if (chunk > UINT32_MAX / 4) {
         snprintf(c->err, sizeof c->err, "'chunk_tokens' %llu is too large",
                  (unsigned long long)chunk);
@@ -401,9 +431,9 @@ static int s_put(kvt_rq_t *c)
     kvt_nsref_t ns = s_nsref(r);
     uint32_t n = 0, stored = 0;
     uint64_t lease = 0;
-    int rc = kvt_l1_reserve(c->svc->l1, KVT_OWNER_DAEMON, &ns,
-                            (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys, sizes, 0, slots,
-                            &n, &lease, c->err, sizeof c->err);
+    int rc =
+        kvt_l1_reserve(c->svc->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                       r->nkeys, sizes, 0, slots, &n, &lease, c->err, sizeof c->err);
     if (rc == 0 && lease) {
         uint8_t *base = kvt_l1_base(c->svc->l1);
         for (uint32_t i = 0; i < n; i++)
@@ -421,29 +451,21 @@ static int s_put(kvt_rq_t *c)
     return rc;
 }
 
-/* The read lease behind a GET reply's frames: released by libzmq's free callback of the last
- * frame, from whichever thread drops the message (usually the ZMQ I/O thread). */
-typedef struct {
-    kvt_l1_t *l1;
-    uint64_t lease;
-    _Atomic uint32_t frames;
-} s_get_pin_t;
-
-static void s_get_frame_free(void *data, void *hint)
-{
-    (void)data;
-    s_get_pin_t *pin = hint;
-    if (atomic_fetch_sub(&pin->frames, 1) == 1) {
-        kvt_l1_release(pin->l1, KVT_OWNER_DAEMON, pin->lease);
-        free(pin);
-    }
-}
-
-/* GET (server thread): the reply's data frames point into the arena — no copy — pinned until
- * libzmq has sent them. */
+/* GET (server thread): the reply's data frames point into the arena — no copy — pinned under a
+ * daemon read lease until libzmq has sent them (the server builds the frames from c->out). A
+ * connection that does not read its replies would keep them pinned, so past max_reply_pinned
+ * bytes unsent GET answers busy until the earlier replies have left. */
 static int s_get(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
+    uint64_t pinned = c->conn ? kvt_conn_pinned(c->conn) : 0;
+    if (pinned >= c->svc->cfg->max_reply_pinned) {
+        snprintf(c->err, sizeof c->err,
+                 "get: %llu bytes of earlier GET replies to this connection are not sent yet "
+                 "(max_reply_pinned): read them, then retry",
+                 (unsigned long long)pinned);
+        return KVT_EBUSY;
+    }
     kvt_nsref_t ns = s_nsref(r);
     kvt_slot_t *slots = s_slots(r->nkeys);
     uint32_t n = 0;
@@ -456,18 +478,10 @@ static int s_get(kvt_rq_t *c)
     while (found < n && (found == 0 || total + slots[found].length <= c->svc->cfg->max_message))
         total += slots[found++].length;
     if (rc == 0 && found) {
-        c->out = calloc(found, sizeof *c->out);
-        kvt_assert(c->out);
-        s_get_pin_t *pin = malloc(sizeof *pin);
-        kvt_assert(pin);
-        pin->l1 = c->svc->l1;
-        pin->lease = lease;
-        atomic_init(&pin->frames, found);
-        uint8_t *base = kvt_l1_base(c->svc->l1);
-        for (uint32_t i = 0; i < found; i++)
-            zmq_msg_init_data(&c->out[i], base + slots[i].offset, slots[i].length,
-                              s_get_frame_free, pin);
+        c->out = slots;
         c->nout = found;
+        c->out_lease = lease;
+        slots = NULL;
     } else if (lease) {
         kvt_l1_release(c->svc->l1, KVT_OWNER_DAEMON, lease);
     }
@@ -588,4 +602,3 @@ int kvt_handle_check_frames(kvt_rq_t *rq)
         }
     return 0;
 }
-

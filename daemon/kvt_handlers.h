@@ -39,13 +39,17 @@ typedef struct kvt_rq {
     zmq_msg_t *data; /* the request's data frames, data[0..ndata) */
     uint32_t ndata, data_cap;
     uint64_t type;
-    uint64_t owner; /* session of this connection, 0 before HELLO */
+    kvt_conn_t *conn; /* the connection it came on (a reference) */
+    uint64_t owner;   /* the instance the connection acts for, 0 when none */
     uint64_t t0_ns;
     kvt_req_t req;
     msgpack_sbuffer sbuf; /* the reply body */
     msgpack_packer pk;
-    zmq_msg_t *out; /* reply data frames (GET), sent after the body */
+    /* GET: the reply's data frames are these arena ranges, pinned under out_lease (a daemon
+     * read lease) until libzmq has sent them */
+    kvt_slot_t *out;
     uint32_t nout;
+    uint64_t out_lease;
     /* a request deferred to the lookup pool (KVT_HANDLE_DEFER) resumes here */
     int (*cont)(struct kvt_rq *rq);
     uint32_t l1_hits;

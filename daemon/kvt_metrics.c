@@ -26,7 +26,6 @@ struct kvt_metrics {
     kvt_hist_t durations[KVT_REQ_SLOTS]; /* buckets per bucket, made cumulative when read */
     _Atomic uint64_t dropped;
     _Atomic uint64_t reply_failed;
-    _Atomic uint64_t clients;
     double started_wall;
     uint64_t started_ms;
     struct {
@@ -83,11 +82,6 @@ void kvt_metrics_dropped(kvt_metrics_t *self)
 void kvt_metrics_reply_failed(kvt_metrics_t *self)
 {
     atomic_fetch_add_explicit(&self->reply_failed, 1, memory_order_relaxed);
-}
-
-void kvt_metrics_set_clients(kvt_metrics_t *self, uint64_t n)
-{
-    atomic_store_explicit(&self->clients, n, memory_order_relaxed);
 }
 
 void kvt_metrics_add_source(kvt_metrics_t *self, kvt_source_fn fn, void *ctx)
@@ -153,11 +147,8 @@ void kvt_metrics_each(kvt_metrics_t *self, kvt_sample_fn emit, void *ctx)
              "Messages dropped without a reply because their first frame was not a uid.",
              KVT_METRIC_COUNTER, (double)s_load(&self->dropped));
     s_scalar(emit, ctx, "replies_failed_total",
-             "Replies that could not be sent (client gone or its queue full).",
+             "Replies that could not be sent (the client connection was gone).",
              KVT_METRIC_COUNTER, (double)s_load(&self->reply_failed));
-    s_scalar(emit, ctx, "clients_connected",
-             "Client instances that said HELLO and are neither gone nor silent past lease_ms.",
-             KVT_METRIC_GAUGE, (double)s_load(&self->clients));
     s_scalar(emit, ctx, "uptime_seconds", "Seconds since the daemon started.", KVT_METRIC_GAUGE,
              (double)(kvt_now_ms() - self->started_ms) / 1e3);
     s_scalar(emit, ctx, "start_time_seconds", "Start time of the daemon, Unix epoch seconds.",

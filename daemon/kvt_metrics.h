@@ -62,8 +62,6 @@ void kvt_metrics_request(kvt_metrics_t *self, uint64_t type, int rc, uint64_t ns
 void kvt_metrics_dropped(kvt_metrics_t *self);
 void kvt_metrics_reply_failed(kvt_metrics_t *self);
 
-void kvt_metrics_set_clients(kvt_metrics_t *self, uint64_t n);
-
 /* Adds a source of samples; start-up only (main thread, before HTTP starts). */
 void kvt_metrics_add_source(kvt_metrics_t *self, kvt_source_fn fn, void *ctx);
 

@@ -12,6 +12,7 @@
  * answered (bounded wait) before the socket closes. */
 #include "kvt_server.h"
 
+#include "kvt_accept.h"
 #include "kvt_curve.h"
 #include "kvt_error.h"
 #include "kvt_handlers.h"
@@ -36,9 +37,9 @@
 #define S_SWEEP_MS 100
 #define S_DRAIN_MS 5000
 #define S_WORKER_QUEUE 1024
-#define S_SPARE_FRAMES 64     /* a spare request keeps a data array up to this many frames */
-#define S_SPARE_REPLY 65536   /* and a reply buffer up to this size */
-#define S_SNDBUF (4 << 20)    /* send buffer of an accepted connection: a 4 MiB chunk at once */
+#define S_SPARE_FRAMES 64   /* a spare request keeps a data array up to this many frames */
+#define S_SPARE_REPLY 65536 /* and a reply buffer up to this size */
+#define S_SNDBUF (4 << 20)  /* send buffer of an accepted connection: a 4 MiB chunk at once */
 
 struct kvt_server {
     const kvt_config_t *cfg;
@@ -48,11 +49,11 @@ struct kvt_server {
     kvt_workers_t *workers;
     kvt_workers_t *lookups; /* LOOKUPs that need L2 (only with an L2 tier) */
     zsock_t *router;
-    void *sock; /* the router's libzmq socket */
-    zsock_t *monitor; /* its accepted connections (s_monitor), NULL without */
-    kvt_rq_t *spare; /* a finished request kept for reuse */
+    void *sock;          /* the router's libzmq socket */
+    zsock_t *monitor;    /* its accepted connections (s_monitor), NULL without */
+    kvt_rq_t *spare;     /* a finished request kept for reuse */
     uint32_t max_frames; /* data frames one request may carry (PUT: one per key) */
-    kvt_curve_t *curve; /* CURVE for the tcp endpoints, or NULL */
+    kvt_curve_t *curve;  /* CURVE for the tcp endpoints, or NULL */
     kvt_limits_t lim;
     uint64_t next_sweep_ms;
     int nbound; /* cfg->listen[0..nbound) are bound: their ipc files are ours to remove */
@@ -91,9 +92,10 @@ static void s_rq_free(kvt_server_t *self, kvt_rq_t *rq)
     zmq_msg_close(&rq->body);
     for (uint32_t i = 0; i < rq->ndata; i++)
         zmq_msg_close(&rq->data[i]);
-    for (uint32_t i = 0; i < rq->nout; i++)
-        zmq_msg_close(&rq->out[i]); /* frames not sent: their free callbacks unpin */
+    if (rq->out_lease) /* a GET whose reply was never built */
+        kvt_l1_release(rq->svc->l1, KVT_OWNER_DAEMON, rq->out_lease);
     free(rq->out);
+    kvt_conn_unref(&rq->conn);
     if (self && !self->spare && rq->data_cap <= S_SPARE_FRAMES && rq->sbuf.alloc <= S_SPARE_REPLY) {
         /* kept for the next request, with its data array and reply buffer */
         zmq_msg_t *data = rq->data;
@@ -120,16 +122,70 @@ static int s_send_buf(void *sock, const void *data, size_t len, bool more)
     return zmq_send(sock, data, len, (more ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) < 0 ? -1 : 0;
 }
 
-/* Sends the reply [rid, uid, type, body, out...], counts the request and frees it. */
+/* A reply in libzmq's hands: the hint of the free callback of its body frame and data frames.
+ * It holds the body (daemon memory the connection's backlog counts) and, for GET, the read
+ * lease that pins the arena ranges its data frames point into. The last frame freed — written
+ * out, or dropped with its connection — ends it, on whichever thread frees it. */
+typedef struct {
+    kvt_conn_t *conn;
+    kvt_l1_t *l1;
+    uint64_t lease;
+    uint64_t bytes, pinned;
+    _Atomic uint32_t frames;
+    uint8_t body[];
+} s_reply_t;
+
+static void s_reply_frame_free(void *data, void *hint)
+{
+    (void)data;
+    s_reply_t *r = hint;
+    if (atomic_fetch_sub_explicit(&r->frames, 1, memory_order_acq_rel) == 1) {
+        if (r->lease)
+            kvt_l1_release(r->l1, KVT_OWNER_DAEMON, r->lease);
+        kvt_conn_reply_end(r->conn, r->bytes, r->pinned);
+        free(r);
+    }
+}
+
+/* The reply's body and data frames, counted against the connection from here until libzmq
+ * frees them. The read lease of a GET moves into the reply. */
+static s_reply_t *s_reply_new(kvt_server_t *self, kvt_rq_t *rq, zmq_msg_t *frames)
+{
+    size_t blen = rq->sbuf.size;
+    s_reply_t *r = malloc(sizeof *r + blen);
+    kvt_assert(r);
+    memcpy(r->body, rq->sbuf.data, blen);
+    r->conn = rq->conn;
+    r->l1 = self->svc.l1;
+    r->lease = rq->out_lease;
+    rq->out_lease = 0;
+    r->bytes = sizeof *r + blen;
+    r->pinned = 0;
+    atomic_init(&r->frames, 1 + rq->nout);
+    zmq_msg_init_data(&frames[0], r->body, blen, s_reply_frame_free, r);
+    uint8_t *base = kvt_l1_base(self->svc.l1);
+    for (uint32_t i = 0; i < rq->nout; i++) {
+        zmq_msg_init_data(&frames[1 + i], base + rq->out[i].offset, rq->out[i].length,
+                          s_reply_frame_free, r);
+        r->pinned += rq->out[i].length;
+    }
+    kvt_conn_reply_start(r->conn, r->bytes, r->pinned, kvt_now_ms());
+    return r;
+}
+
+/* Sends the reply [rid, uid, type, body, out...], counts the request and frees it. The ROUTER
+ * queues without a limit (ZMQ_SNDHWM 0), so a send fails only when the client connection is
+ * gone; what a connection may leave unread is bounded per connection instead (kvt_session). */
 static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
 {
     if (rq->rc) {
         msgpack_sbuffer_clear(&rq->sbuf);
         kvt_pack_error(&rq->pk, rq->rc, rq->err);
-        kvt_log(KVT_LOG_DEBUG, "request %s: %s: %s", kvt_proto_name(rq->type),
-                kvt_err_wire(rq->rc), rq->err);
-        for (uint32_t i = 0; i < rq->nout; i++)
-            zmq_msg_close(&rq->out[i]);
+        kvt_log(KVT_LOG_DEBUG, "request %s: %s: %s", kvt_proto_name(rq->type), kvt_err_wire(rq->rc),
+                rq->err);
+        if (rq->out_lease)
+            kvt_l1_release(self->svc.l1, KVT_OWNER_DAEMON, rq->out_lease);
+        rq->out_lease = 0;
         rq->nout = 0;
     }
     uint8_t typebuf[16];
@@ -138,20 +194,29 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
     msgpack_packer tpk;
     msgpack_packer_init(&tpk, &tbuf, msgpack_sbuffer_write);
     msgpack_pack_uint64(&tpk, rq->type);
+    uint32_t nframes = 1 + rq->nout;
+    zmq_msg_t stack_frames[8];
+    zmq_msg_t *frames = nframes <= 8 ? stack_frames : malloc(nframes * sizeof *frames);
+    kvt_assert(frames);
+    s_reply_new(self, rq, frames);
     void *sock = self->sock;
-    if (s_send_buf(sock, zmq_msg_data(&rq->rid), zmq_msg_size(&rq->rid), true) == 0) {
-        s_send_buf(sock, zmq_msg_data(&rq->uid), zmq_msg_size(&rq->uid), true);
-        s_send_buf(sock, tbuf.data, tbuf.size, true);
-        s_send_buf(sock, rq->sbuf.data, rq->sbuf.size, rq->nout > 0);
-        for (uint32_t i = 0; i < rq->nout; i++)
-            if (zmq_msg_send(&rq->out[i], sock,
-                             (i + 1 < rq->nout ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) < 0)
-                zmq_msg_close(&rq->out[i]);
-        rq->nout = 0; /* sent: libzmq owns them now */
-    } else {
+    uint32_t sent = 0;
+    if (s_send_buf(sock, zmq_msg_data(&rq->rid), zmq_msg_size(&rq->rid), true) == 0 &&
+        s_send_buf(sock, zmq_msg_data(&rq->uid), zmq_msg_size(&rq->uid), true) == 0 &&
+        s_send_buf(sock, tbuf.data, tbuf.size, true) == 0)
+        while (sent < nframes &&
+               zmq_msg_send(&frames[sent], sock,
+                            (sent + 1 < nframes ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) >= 0)
+            sent++;
+    if (sent < nframes) {
         kvt_metrics_reply_failed(self->metrics);
         kvt_errrep_report(&s_rep_send, KVT_LOG_WARN, "reply dropped: %s", zmq_strerror(errno));
+        for (uint32_t i = sent; i < nframes; i++)
+            zmq_msg_close(&frames[i]); /* their free callbacks end the reply */
     }
+    if (frames != stack_frames)
+        free(frames);
+    rq->nout = 0;
     kvt_metrics_request(self->metrics, rq->type, rq->rc, kvt_now_ns() - rq->t0_ns);
     s_rq_free(self, rq);
 }
@@ -251,8 +316,8 @@ static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
         return KVT_EBADREQ;
     }
     if (m->total > self->cfg->max_message) {
-        snprintf(rq->err, sizeof rq->err, "message of %zu bytes exceeds max_message %llu",
-                 m->total, (unsigned long long)self->cfg->max_message);
+        snprintf(rq->err, sizeof rq->err, "message of %zu bytes exceeds max_message %llu", m->total,
+                 (unsigned long long)self->cfg->max_message);
         return KVT_ETOOBIG;
     }
     const kvt_req_info_t *info = kvt_proto_info(rq->type);
@@ -265,8 +330,8 @@ static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
         snprintf(rq->err, sizeof rq->err, "expected frames [uid, type, body, data...]");
         return KVT_EBADREQ;
     }
-    rc = kvt_msg_decode(zmq_msg_data(&rq->body), zmq_msg_size(&rq->body), info->type,
-                        &self->lim, &rq->req);
+    rc = kvt_msg_decode(zmq_msg_data(&rq->body), zmq_msg_size(&rq->body), info->type, &self->lim,
+                        &rq->req);
     if (rc) {
         snprintf(rq->err, sizeof rq->err, "%s", rq->req.error);
         return rc;
@@ -283,8 +348,8 @@ static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
 static void s_handle_message(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
 {
     uint64_t uidv;
-    if (m->parts < 1 || kvt_msg_read_uint(zmq_msg_data(&rq->uid), zmq_msg_size(&rq->uid),
-                                          &uidv) != 0) {
+    if (m->parts < 1 ||
+        kvt_msg_read_uint(zmq_msg_data(&rq->uid), zmq_msg_size(&rq->uid), &uidv) != 0) {
         /* without a uid there is nothing a reply could be matched to */
         kvt_metrics_dropped(self->metrics);
         kvt_errrep_report(&s_rep_bad, KVT_LOG_WARN,
@@ -292,15 +357,18 @@ static void s_handle_message(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
         s_rq_free(self, rq);
         return;
     }
-    rq->owner = kvt_sessions_touch(self->svc.sessions, zmq_msg_data(&rq->rid),
-                                   zmq_msg_size(&rq->rid), kvt_now_ms());
+    /* the descriptor of the connection it was read from: libzmq records it in the frames it
+     * reads (the routing id frame is the ROUTER's own and has none) */
+    int fd = zmq_msg_get(&rq->uid, ZMQ_SRCFD);
+    rq->conn = kvt_sessions_conn(self->svc.sessions, zmq_msg_data(&rq->rid), zmq_msg_size(&rq->rid),
+                                 fd, kvt_accept_generation(fd), kvt_now_ms());
+    rq->owner = kvt_conn_owner(rq->conn);
     rq->rc = s_prepare(self, rq, m);
     const kvt_req_info_t *info = kvt_proto_info(rq->type);
     if (rq->rc == 0 && info->run == KVT_RUN_WORKER) {
         if (kvt_workers_submit(self->workers, s_run_job, rq) == 0)
             return; /* answered when the job comes back */
-        snprintf(rq->err, sizeof rq->err, "%s: the worker queue is full, retry later",
-                 info->name);
+        snprintf(rq->err, sizeof rq->err, "%s: the worker queue is full, retry later", info->name);
         rq->rc = KVT_EBUSY;
     } else if (rq->rc == 0) {
         rq->rc = kvt_handle(rq);
@@ -395,27 +463,54 @@ static int s_share_ipc(const kvt_config_t *cfg, const char *path, char *err, siz
     return 0;
 }
 
-/* libzmq applies ZMQ_SNDBUF to tcp connections only: on ipc a 4 MiB GET reply would leave
- * through the default unix socket buffer (208 KiB) in some twenty writes, each one waking the
- * client's I/O thread. The socket monitor reports the descriptor of every accepted connection,
- * whose send buffer is raised here (the kernel caps it at net.core.wmem_max). Events are read
- * once per loop turn, so a connection may send its first requests with the default buffer. */
-static void s_monitor_start(kvt_server_t *self)
+/* The socket monitor reports the descriptor of every listener (its connections are counted and
+ * capped by kvt_accept), of every accepted connection and of every closed one. The monitor
+ * socket's receive queue has no limit (libzmq's monitor would otherwise drop events and the
+ * connection counts would drift); it holds a few dozen bytes per connection event. */
+static int s_monitor_start(kvt_server_t *self, char *err, size_t errlen)
 {
     char ep[64];
     snprintf(ep, sizeof ep, "inproc://kvt-monitor-%p", (void *)self);
-    if (zmq_socket_monitor(self->sock, ep, ZMQ_EVENT_ACCEPTED) != 0)
-        return;
+    if (zmq_socket_monitor(self->sock, ep,
+                           ZMQ_EVENT_LISTENING | ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) !=
+        0) {
+        snprintf(err, errlen, "cannot monitor the ROUTER socket: %s", zmq_strerror(errno));
+        return KVT_EINTERNAL;
+    }
     self->monitor = zsock_new(ZMQ_PAIR);
-    if (self->monitor && zsock_connect(self->monitor, "%s", ep) != 0)
-        zsock_destroy(&self->monitor);
-    if (!self->monitor)
-        kvt_log(KVT_LOG_WARN, "no socket monitor: replies use the default socket buffers");
+    if (self->monitor) {
+        zsock_set_rcvhwm(self->monitor, 0);
+        if (zsock_connect(self->monitor, "%s", ep) != 0)
+            zsock_destroy(&self->monitor);
+    }
+    if (!self->monitor) {
+        snprintf(err, errlen, "cannot connect the ROUTER socket's monitor");
+        return KVT_EINTERNAL;
+    }
+    return 0;
 }
 
+/* libzmq applies ZMQ_SNDBUF to tcp connections only: on ipc a 4 MiB GET reply would leave
+ * through the default unix socket buffer (208 KiB) in some twenty writes, each one waking the
+ * client's I/O thread, so the send buffer of an accepted ipc connection is raised here (the
+ * kernel caps it at net.core.wmem_max). Tcp keeps the kernel's autotuning, which a fixed
+ * SO_SNDBUF would switch off; checking the domain also keeps a descriptor number reused since
+ * the event (an L2 connection, the HTTP socket) out of it. */
+static void s_raise_sndbuf(int fd)
+{
+    int size = S_SNDBUF, domain = 0;
+    socklen_t dlen = sizeof domain;
+    if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 && domain == AF_UNIX &&
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof size))
+        kvt_log(KVT_LOG_DEBUG, "SO_SNDBUF on a new connection: %s", strerror(errno));
+}
+
+/* Handles the monitor's events (all of them: the queue is read before the requests of each
+ * loop turn, so that a close is known before a message from a connection that reused its
+ * descriptor). */
 static void s_monitor(kvt_server_t *self)
 {
-    for (int i = 0; i < S_BATCH; i++) {
+    for (;;) {
         zmsg_t *ev = zmsg_recv_nowait(self->monitor);
         if (!ev)
             return;
@@ -425,15 +520,15 @@ static void s_monitor(kvt_server_t *self)
             int32_t fd;
             memcpy(&event, zframe_data(f), 2);
             memcpy(&fd, zframe_data(f) + 2, 4);
-            /* Unix sockets only: on tcp a fixed SO_SNDBUF would switch off the kernel's
-             * autotuning. Checking the domain also keeps a descriptor number reused since the
-             * event (an L2 connection, the HTTP socket) out of it. */
-            int size = S_SNDBUF, domain = 0;
-            socklen_t dlen = sizeof domain;
-            if (event == ZMQ_EVENT_ACCEPTED && fd >= 0 &&
-                getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 &&
-                domain == AF_UNIX && setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof size))
-                kvt_log(KVT_LOG_DEBUG, "SO_SNDBUF on a new connection: %s", strerror(errno));
+            if (event == ZMQ_EVENT_LISTENING) {
+                kvt_accept_watch(fd);
+            } else if (event == ZMQ_EVENT_ACCEPTED && fd >= 0) {
+                s_raise_sndbuf(fd);
+            } else if (event == ZMQ_EVENT_DISCONNECTED) {
+                uint32_t gen = kvt_accept_closed(fd);
+                if (gen)
+                    kvt_sessions_on_disconnect(self->svc.sessions, fd, gen);
+            }
         }
         zmsg_destroy(&ev);
     }
@@ -450,7 +545,13 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
     self->svc.cfg = cfg;
     self->svc.metrics = metrics;
     self->svc.l1 = l1;
-    self->svc.sessions = kvt_sessions_new(s_on_gone, self);
+    kvt_session_limits_t slim = {.lease_ms = cfg->lease_ms,
+                                 .max_instances = cfg->max_instances,
+                                 .max_instances_per_conn = cfg->max_instances_per_connection,
+                                 .reply_timeout_ms = cfg->reply_timeout_ms,
+                                 .max_reply_backlog = cfg->max_reply_backlog};
+    self->svc.sessions = kvt_sessions_new(&slim, s_on_gone, self);
+    kvt_metrics_add_source(metrics, kvt_sessions_metrics_source, self->svc.sessions);
     self->svc.l2 = l2;
     self->svc.prefetch = prefetch;
     self->svc.gpu = kvt_gpu_new(l1); /* touches no CUDA until a GPU request */
@@ -472,14 +573,18 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
     self->sock = zsock_resolve(self->router);
     self->max_frames = cfg->max_keys;
     zsock_set_router_mandatory(self->router, 1);
+    /* no queue limit in libzmq: a reply is never dropped because a client reads slowly; what a
+     * connection may leave unread is bounded by kvt_session instead */
+    zsock_set_sndhwm(self->router, 0);
     zsock_set_linger(self->router, 1000);
     /* one frame far above max_message is cut at the transport instead of being buffered */
-    zsock_set_maxmsgsize(self->router, (int)(cfg->max_message + 65536 > INT32_MAX
-                                                 ? INT32_MAX
-                                                 : cfg->max_message + 65536));
+    zsock_set_maxmsgsize(
+        self->router,
+        (int)(cfg->max_message + 65536 > INT32_MAX ? INT32_MAX : cfg->max_message + 65536));
     if (cfg->curve_server_cert[0] && !(self->curve = kvt_curve_new(cfg, err, errlen)))
         goto fail;
-    s_monitor_start(self); /* before the binds: no connection escapes it */
+    if (s_monitor_start(self, err, errlen) != 0) /* before the binds: nothing escapes it */
+        goto fail;
     for (int i = 0; i < cfg->n_listen; i++) {
         const char *ep = cfg->listen[i];
         if (strncmp(ep, "ipc://", 6) == 0 && s_check_ipc(ep, err, errlen) != 0)
@@ -490,6 +595,7 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
             goto fail;
         }
         self->nbound = i + 1;
+        s_monitor(self); /* the listener's descriptor, to count its connections from now on */
         if (strncmp(ep, "ipc://", 6) == 0 && s_share_ipc(cfg, ep + 6, err, errlen) != 0)
             goto fail;
         kvt_log(KVT_LOG_INFO, "listening on %s%s", ep,
@@ -538,8 +644,7 @@ static void s_periodic(kvt_server_t *self)
     if (now < self->next_sweep_ms)
         return;
     self->next_sweep_ms = now + S_SWEEP_MS;
-    if (kvt_sessions_expire(self->svc.sessions, now, self->cfg->lease_ms))
-        kvt_metrics_set_clients(self->metrics, kvt_sessions_count(self->svc.sessions));
+    kvt_sessions_sweep(self->svc.sessions, now);
     kvt_prefetch_sweep(self->svc.prefetch, now);
 }
 
@@ -554,9 +659,9 @@ static void s_drain(kvt_server_t *self)
 {
     uint64_t deadline = kvt_now_ms() + S_DRAIN_MS;
     while (s_in_flight(self) > 0 && kvt_now_ms() < deadline) {
-        zmq_pollitem_t items[2] = {{NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0},
-                                   {NULL, self->lookups ? kvt_workers_fd(self->lookups) : -1,
-                                    ZMQ_POLLIN, 0}};
+        zmq_pollitem_t items[2] = {
+            {NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0},
+            {NULL, self->lookups ? kvt_workers_fd(self->lookups) : -1, ZMQ_POLLIN, 0}};
         zmq_poll(items, self->lookups ? 2 : 1, 50);
         s_collect(self);
         kvt_sup_beat(self->beat);
@@ -584,10 +689,9 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
             rc = KVT_EINTERNAL;
             break;
         }
+        s_monitor(self);
         s_intake(self, stop);
         s_collect(self);
-        if (items[2].revents & ZMQ_POLLIN)
-            s_monitor(self);
         s_periodic(self);
     }
     s_drain(self);
@@ -600,9 +704,14 @@ json_t *kvt_server_status_json(kvt_server_t *self)
     json_t *eps = json_array();
     for (int i = 0; i < self->cfg->n_listen; i++)
         json_array_append_new(eps, json_string(self->cfg->listen[i]));
-    return json_pack("{s:o,s:o,s:I,s:I,s:o}", "endpoints", eps, "clients",
-                     kvt_sessions_json(self->svc.sessions, kvt_now_ms()), "requests_in_workers",
-                     (json_int_t)s_in_flight(self), "prefetch_jobs",
-                     (json_int_t)kvt_prefetch_jobs(self->svc.prefetch), "gpu",
-                     kvt_gpu_status_json(self->svc.gpu));
+    json_t *st = json_pack("{s:o,s:I,s:I,s:o}", "endpoints", eps, "requests_in_workers",
+                           (json_int_t)s_in_flight(self), "prefetch_jobs",
+                           (json_int_t)kvt_prefetch_jobs(self->svc.prefetch), "gpu",
+                           kvt_gpu_status_json(self->svc.gpu));
+    json_t *clients = kvt_sessions_json(self->svc.sessions, kvt_now_ms());
+    json_object_update(st, clients); /* clients, clients_total, connections */
+    json_decref(clients);
+    json_object_set_new(json_object_get(st, "connections"), "open",
+                        json_integer((json_int_t)kvt_accept_open()));
+    return st;
 }

@@ -5,6 +5,7 @@
  * reverse order. Signal handlers only set a flag; a second SIGINT exits at once. Under systemd
  * (Type=notify) READY=1 goes out only once every socket is bound, the arena is pinned and every
  * thread runs, and STOPPING=1 as soon as the loop ends (kvt_notify). */
+#include "kvt_accept.h"
 #include "kvt_config.h"
 #include "kvt_curve.h"
 #include "kvt_error.h"
@@ -27,6 +28,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+/* Descriptors set aside for HTTP connections (kvt_http's MHD connection limit). */
+#define S_HTTP_CONNECTIONS 64
 
 static volatile sig_atomic_t s_stop;
 
@@ -227,7 +231,13 @@ int main(int argc, char **argv)
     if (s_mkdirs(cfg->run_dir, err, sizeof err, "run_dir") ||
         s_mkdirs(cfg->data_dir, err, sizeof err, "data_dir"))
         goto done;
+    /* the open-files limit up to its hard limit, and what it leaves for client connections
+     * after HTTP's (libzmq must never meet EMFILE: see kvt_accept.h) */
+    if (kvt_accept_setup(cfg->max_connections, cfg->http[0] ? S_HTTP_CONNECTIONS : 0, err,
+                         sizeof err) == 0)
+        goto done;
     metrics = kvt_metrics_new();
+    kvt_metrics_add_source(metrics, kvt_accept_metrics_source, NULL);
     sup = kvt_sup_new(cfg);
     kvt_metrics_add_source(metrics, kvt_sup_metrics_source, sup);
     l1 = kvt_l1_new(cfg, err, sizeof err);

@@ -353,6 +353,11 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
         else
             r->instance = str;
         break;
+    case KVT_FI_TOKEN:
+        if (str.len == 0 || str.len > KVT_MAX_TOKEN)
+            return s_fail(r, KVT_EBADREQ, "field '%s': must be 1 to 64 bytes", "token");
+        r->token = str;
+        break;
     case KVT_FI_NS:
         if (str.len == 0 || str.len > KVT_MAX_NS)
             return s_fail(r, KVT_EBADREQ, "field '%s': must be 1 to 256 bytes", "ns");

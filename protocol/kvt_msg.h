@@ -53,6 +53,7 @@ typedef struct kvt_req {
     uint32_t noffsets;
     uint64_t device, layers, num_blocks, block_tokens, token_bytes;
     kvt_bytes_t dtype, event;
+    kvt_bytes_t token; /* HELLO: the token of an instance to join */
     uint64_t *block_ids; /* nkeys runs of nblock_ids / nkeys ids each, chunk by chunk */
     uint32_t nblock_ids;
     msgpack_unpacked mp; /* the per-request zone */

@@ -19,6 +19,7 @@
 #define KVT_IPC_HANDLE_LEN 64 /* cudaIpcMemHandle_t / cudaIpcEventHandle_t, as bytes */
 #define KVT_MAX_GPU_LAYERS 4096 /* entries of `handles` (a layer = one device buffer) */
 #define KVT_MAX_DTYPE 32
+#define KVT_MAX_TOKEN 64 /* HELLO's instance token (the daemon issues 32 hex digits) */
 
 /* XX(FIELD, "wire name", kind) — kinds: UINT, BOOL, STR, BIN, KEYS (array of bin16),
  * UINTS (array of uint), HANDLES (array of bin64: CUDA IPC memory handles). `present` is a
@@ -48,7 +49,8 @@
     XX(TOKEN_BYTES, "token_bytes", UINT)                                                       \
     XX(DTYPE, "dtype", STR)                                                                    \
     XX(BLOCK_IDS, "block_ids", UINTS)                                                          \
-    XX(EVENT, "event", BIN)
+    XX(EVENT, "event", BIN)                                                                    \
+    XX(TOKEN, "token", STR)
 
 typedef enum {
 #define KVT_XX(f, name, kind) KVT_FI_##f,
@@ -75,10 +77,10 @@ typedef enum { KVT_RUN_INLINE = 0, KVT_RUN_WORKER = 1 } kvt_run_class_t;
 /* XX(id, NAME, "name", run class, required fields, optional fields, max body bytes (0 = the
  * configured max_message)) */
 #define KVT_REQ_MAP(XX)                                                                        \
-    XX(1, HELLO, "hello", INLINE, KVT_F_VERSION | KVT_F_CLIENT | KVT_F_INSTANCE, KVT_NONE,     \
+    XX(1, HELLO, "hello", INLINE, KVT_F_VERSION | KVT_F_CLIENT | KVT_F_INSTANCE, KVT_F_TOKEN,  \
        65536)                                                                                  \
     XX(2, BYE, "bye", INLINE, KVT_F_INSTANCE, KVT_NONE, 65536)                                 \
-    XX(3, PING, "ping", INLINE, KVT_NONE, KVT_NONE, 65536)                                     \
+    XX(3, PING, "ping", INLINE, KVT_NONE, KVT_F_INSTANCE, 65536)                               \
     XX(4, LOOKUP, "lookup", INLINE, KVT_KEYED, KVT_F_SALT | KVT_F_LOCK | KVT_F_PREFETCH, 0)     \
     XX(5, PREFETCH_STATUS, "prefetch_status", INLINE, KVT_F_JOB, KVT_NONE, 65536)              \
     XX(6, RESERVE, "reserve", INLINE, KVT_KEYED, KVT_F_SALT | KVT_F_SIZES | KVT_F_SIZE, 0)      \

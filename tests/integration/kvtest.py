@@ -82,6 +82,7 @@ TYPE_NAMES = {
 ERROR_CODES = frozenset({
     "bad_request", "unknown_type", "unsupported_version", "too_large", "no_space",
     "not_found", "lease_expired", "unknown_lease", "busy", "internal", "unavailable",
+    "instance_dropped",
 })
 
 DEFAULT_CHUNK_TOKENS = 256
@@ -403,6 +404,7 @@ class Daemon:
         self.proc = None
         self.started_at = None
         self.returncode = None
+        self.tokens = {}  # instance -> token from its HELLO (see hello())
         self.killed = False
         self._ctx = None
         self._sockets = []
@@ -603,9 +605,19 @@ class Daemon:
         assert b["ok"] is True, "type %s failed: %r" % (type_, b)
         return b
 
-    def hello(self, sock, instance, client="pytest", version=PROTO_VERSION):
-        return self.ok(sock, HELLO, {"version": version, "client": client,
-                                     "instance": instance})
+    def hello(self, sock, instance, client="pytest", version=PROTO_VERSION, token=None):
+        """HELLO as `instance`. A second connection joins an instance only with its token:
+        like a client process, the Daemon remembers the token of every instance it created
+        and presents it (token=False: present none)."""
+        body = {"version": version, "client": client, "instance": instance}
+        if token is None:
+            token = self.tokens.get(instance)
+        if token:
+            body["token"] = token
+        reply = self.ok(sock, HELLO, body)
+        if "token" in reply:
+            self.tokens[instance] = reply["token"]
+        return reply
 
     def ping(self, sock):
         return self.ok(sock, PING, {})

@@ -112,7 +112,7 @@ def test_copy_requests_refused(shared_daemon, type_, body, mention):
 def test_gpu_requests_need_hello(shared_daemon, type_, body):
     d = shared_daemon
     s = d.dealer()
-    assert_error(d.call(s, type_, body), "bad_request", "HELLO")
+    assert_error(d.call(s, type_, body), "instance_dropped", "HELLO")
 
 
 @pytest.mark.skipif(have_cuda_device(), reason="a CUDA device is present: make test-gpu")
@@ -164,7 +164,7 @@ def test_no_gpu_register_then_bye_and_silence(daemon_factory):
     assert_error(d.call(s2, REGISTER_GPU, layout()), "unavailable")
     import time
     time.sleep(0.8)  # past lease_ms: the session (and any registration) is dropped
-    assert_error(d.call(s2, STORE_GPU, copy_body()), "bad_request", "HELLO")
+    assert_error(d.call(s2, STORE_GPU, copy_body()), "instance_dropped", "HELLO")
     d.call(d.dealer(), PING, {})
 
 
@@ -392,7 +392,7 @@ def test_mock_gpu_silent_instance_handles_closed(daemon_factory, tmp_path, engin
     wait_until(lambda: count(log, "close") == 2, 5, what="handles closed after silence")
     wait_until(lambda: any("closing the handles" in l for l in d.log_lines()), 5,
                what="the daemon's log line")
-    assert_error(d.call(s, STORE_GPU, copy_body()), "bad_request", "HELLO")
+    assert_error(d.call(s, STORE_GPU, copy_body()), "instance_dropped", "HELLO")
 
 
 @needs_mock

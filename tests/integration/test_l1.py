@@ -524,9 +524,9 @@ def test_silent_instance_leases_expire_pinging_one_keeps(daemon_factory, connect
 
     assert_error(d.commit(a, w, check=False), "lease_expired")
     assert_error(d.release(a, rl, check=False), "lease_expired")
-    # the instance is gone: leases need a fresh HELLO
-    assert_error(d.reserve(a, NS, [key(9, b"exp")], size=PAGE, check=False), "bad_request",
-                 "HELLO")
+    # the instance is gone: leases need a fresh HELLO, and the error says which was dropped
+    assert_error(d.reserve(a, NS, [key(9, b"exp")], size=PAGE, check=False),
+                 "instance_dropped", "inst-silent", "HELLO")
     # b kept its lease by pinging; the discarded reservation can be made again
     d.release(b, rb)
     r = d.reserve(b, NS, [k2], size=PAGE)
@@ -543,9 +543,9 @@ def test_leases_need_hello(shared_daemon, connect):
     k = key(1)
     d.store(s, arena, ns, [k], [pattern(k, PAGE)])
     anon = d.dealer()
-    assert_error(d.reserve(anon, ns, [key(2)], size=PAGE, check=False), "bad_request", "HELLO")
-    assert_error(d.acquire(anon, ns, [k], check=False), "bad_request", "HELLO")
-    assert_error(d.lookup(anon, ns, [k], lock=True, check=False), "bad_request", "HELLO")
+    assert_error(d.reserve(anon, ns, [key(2)], size=PAGE, check=False), "instance_dropped", "HELLO")
+    assert_error(d.acquire(anon, ns, [k], check=False), "instance_dropped", "HELLO")
+    assert_error(d.lookup(anon, ns, [k], lock=True, check=False), "instance_dropped", "HELLO")
     # no lease, no owner needed
     r = d.lookup(anon, ns, [k])
     assert r["hits"] == 1 and r["l1"] == 1 and not r.get("lease"), r

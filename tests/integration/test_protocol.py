@@ -260,7 +260,7 @@ def test_leases_need_hello(shared_daemon, type_, body):
     s = d.dealer()
     _, typ, reply, _ = d.request(s, 88, type_, body)
     assert typ == type_
-    assert_error(reply, "bad_request")
+    assert_error(reply, "instance_dropped")   # "no instance here: say HELLO (again)"
     assert "hello" in reply["error"]["message"].lower(), reply
     assert_still_serving(d, s)
 
