@@ -219,11 +219,15 @@ $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
 
 # The unit tests with threads (L1 under 4 threads, lease add/expire races, the L2 adapters'
 # thread pools), then the concurrent integration tests against a TSan daemon: 32 clients at once,
-# SIGTERM under 8 writers with L2 write-behind, clients pinging while the daemon stops.
+# SIGTERM under 8 writers with L2 write-behind, clients pinging while the daemon stops, replies
+# completed on libzmq's I/O threads while the server loop counts and cuts connections.
 TSAN_INTEGRATION := tests/integration/test_reliability.py \
     tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged \
     tests/integration/test_lifecycle.py::test_sigterm_while_clients_ping \
-    tests/integration/test_l1.py::test_killed_client_loses_its_leases
+    tests/integration/test_l1.py::test_killed_client_loses_its_leases \
+    tests/integration/test_connections.py::test_unread_get_replies_pin_a_bounded_amount_then_the_connection_is_cut \
+    tests/integration/test_connections.py::test_999_lookups_in_flight_with_l2_every_reply_arrives \
+    tests/integration/test_connections.py::test_more_connections_than_descriptors
 
 tsan: deps all $(TSAN_OBJ) $(TSAN_BIN) $(BUILD)/tsan/kvtierd
 	@set -e; for t in $(TSAN_BIN); do echo "== $$t"; \
