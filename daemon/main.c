@@ -10,12 +10,13 @@
 #include "kvt_error.h"
 #include "kvt_events.h"
 #include "kvt_http.h"
+#include "kvt_instance.h"
 #include "kvt_l1.h"
 #include "kvt_l2mgr.h"
-#include "kvt_prefetch.h"
 #include "kvt_log.h"
 #include "kvt_metrics.h"
 #include "kvt_notify.h"
+#include "kvt_prefetch.h"
 #include "kvt_server.h"
 #include "kvt_supervisor.h"
 
@@ -61,6 +62,19 @@ static int s_mkdirs(const char *path, char *err, size_t errlen, const char *what
 fail:
     snprintf(err, errlen, "%s: cannot create %.160s: %s", what, buf, strerror(errno));
     return KVT_EIO;
+}
+
+/* Before anything another daemon could be using (arena, sockets, HTTP): run_dir's lock and the
+ * ipc endpoints. A refused start exits 2: another daemon owns the run_dir or an endpoint, and a
+ * restart would not change that (the unit's RestartPreventExitStatus=2). */
+static kvt_instance_t *s_single_instance(const kvt_config_t *cfg, int *status, char *err,
+                                         size_t errlen)
+{
+    int rc = 0;
+    kvt_instance_t *inst = kvt_instance_claim(cfg, &rc, err, errlen);
+    if (!inst)
+        *status = rc == KVT_EIO ? 1 : 2;
+    return inst;
 }
 
 /* What the L1 listener and the HTTP hooks reach. */
@@ -224,8 +238,11 @@ int main(int argc, char **argv)
     kvt_l2mgr_t *l2 = NULL;
     kvt_events_t *events = NULL;
     kvt_http_t *http = NULL;
+    kvt_instance_t *instance = NULL;
     if (s_mkdirs(cfg->run_dir, err, sizeof err, "run_dir") ||
         s_mkdirs(cfg->data_dir, err, sizeof err, "data_dir"))
+        goto done;
+    if (!(instance = s_single_instance(cfg, &status, err, sizeof err)))
         goto done;
     metrics = kvt_metrics_new();
     sup = kvt_sup_new(cfg);
@@ -303,6 +320,7 @@ done:
     kvt_l1_destroy(&l1);
     kvt_sup_destroy(&sup);
     kvt_metrics_destroy(&metrics);
+    kvt_instance_release(&instance); /* the arena and the socket files are gone */
     kvt_config_destroy(&cfg);
     if (status == 0)
         kvt_log(KVT_LOG_INFO, "kvtierd stopped");
