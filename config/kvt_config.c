@@ -984,6 +984,7 @@ void kvt_config_destroy(kvt_config_t **self_p)
             s_list_clear(self, o);
         }
     }
+    free(self->config_file);
     free(self);
     *self_p = NULL;
 }
@@ -1331,6 +1332,8 @@ int kvt_config_load(kvt_config_t *self, int argc, char *const argv[], kvt_config
     }
     if (config_path && (rc = kvt_config_apply_file(self, config_path, err, errlen)) != 0)
         return rc;
+    free(self->config_file);
+    self->config_file = config_path ? s_strdup(config_path) : NULL;
 
     /* Pass 2: flags in order. The first --listen / --l2 replaces what the file said; later
      * ones append, so "--l2 none" really means no L2. */

@@ -51,6 +51,9 @@ typedef struct kvt_config {
     /* hidden test knob: every Nth L1 block allocation fails as if the arena were full and
      * nothing evictable (0: never), to test that requests then fail with no_space */
     uint32_t debug_fail_alloc_every;
+    /* not an option: the file kvt_config_load read (--config or KVTIER_CONFIG), NULL for none;
+     * SIGHUP reads it again */
+    char *config_file;
 } kvt_config_t;
 
 /* What the command line asks the process to do. */

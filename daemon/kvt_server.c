@@ -20,6 +20,7 @@
 #include "kvt_msg.h"
 #include "kvt_prefetch.h"
 #include "kvt_proto.h"
+#include "kvt_reload.h"
 #include "kvt_session.h"
 #include "kvt_workers.h"
 
@@ -514,6 +515,7 @@ static void s_periodic(kvt_server_t *self)
     if (kvt_sessions_expire(self->svc.sessions, now, self->cfg->lease_ms))
         kvt_metrics_set_clients(self->metrics, kvt_sessions_count(self->svc.sessions));
     kvt_prefetch_sweep(self->svc.prefetch, now);
+    kvt_reload_run_pending(); /* a SIGHUP's reload, on this (the main) thread */
 }
 
 static size_t s_in_flight(const kvt_server_t *self)

@@ -17,6 +17,7 @@
 #include "kvt_metrics.h"
 #include "kvt_notify.h"
 #include "kvt_prefetch.h"
+#include "kvt_reload.h"
 #include "kvt_server.h"
 #include "kvt_supervisor.h"
 
@@ -134,8 +135,11 @@ static json_t *s_status_hook(void *ctx)
         kvt_l2mgr_redact(json_string_value(spec), shown, sizeof shown);
         json_string_set(spec, shown);
     }
-    if (cfg)
+    if (cfg) {
+        /* the level a SIGHUP may have changed, not the one of the start */
+        json_object_set_new(cfg, "log_level", json_string(kvt_log_level_name(kvt_log_get_level())));
         json_object_set_new(st, "config", cfg);
+    }
     return st;
 }
 
@@ -228,6 +232,8 @@ int main(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+    /* SIGHUP re-reads the config file (the server loop runs the reload) */
+    kvt_reload_t *reload = kvt_reload_new(argc, argv, cfg);
 
     int status = 1;
     kvt_metrics_t *metrics = NULL;
@@ -320,6 +326,7 @@ done:
     kvt_l1_destroy(&l1);
     kvt_sup_destroy(&sup);
     kvt_metrics_destroy(&metrics);
+    kvt_reload_destroy(&reload);
     kvt_instance_release(&instance); /* the arena and the socket files are gone */
     kvt_config_destroy(&cfg);
     if (status == 0)

@@ -301,7 +301,7 @@ def test_sighup_reloads_the_log_level_and_keeps_serving(daemon_factory):
     del d.args[i:i + 2]
     cfg = os.path.join(d.dir, "kvtier.json")
     with open(cfg, "w") as f:
-        f.write('{"log_level": "info", "l1_size": "64M"}\n')
+        f.write('{"log_level": "info", "lease_ms": 30000}\n')
     d.args += ["--config", cfg]
     d.start()
     s = d.dealer()
@@ -311,14 +311,14 @@ def test_sighup_reloads_the_log_level_and_keeps_serving(daemon_factory):
         "debug lines at log_level info"
 
     with open(cfg, "w") as f:
-        f.write('{"log_level": "debug", "l1_size": "128M"}\n')
+        f.write('{"log_level": "debug", "lease_ms": 20000}\n')
     d.send_signal(signal.SIGHUP)
     wait_until(lambda: not d.alive() or [l for l in d.log_lines(6)
                                          if "SIGHUP" in l and "log_level" in l],
                5, what="a log line saying log_level was reloaded")
     assert d.alive(), "SIGHUP killed the daemon (exit %s)" % d.proc.poll()
     lines = d.log_lines(6)
-    assert any("l1_size" in l and "restart" in l for l in lines), "\n".join(lines[-10:])
+    assert any("lease_ms" in l and "restart" in l for l in lines), "\n".join(lines[-10:])
     _bad_hello(d, s)
     wait_until(lambda: [l for l in d.stderr_text().splitlines()
                         if l.startswith("<7>") and "unsupported_version" in l],

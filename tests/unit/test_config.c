@@ -729,6 +729,7 @@ static void test_precedence(void **state)
 
     char *argv0[] = {"kvtierd", "--config", path, NULL};
     assert_int_equal(s_load(&c, ARGC(argv0), argv0, &action, err, sizeof err), 0);
+    assert_string_equal(c->config_file, path); /* what SIGHUP reads again */
     assert_true(c->l1_size == 2ull << 30);
     assert_int_equal(c->chunk_tokens, 512);
     assert_int_equal(c->lease_ms, 1000);
@@ -771,6 +772,7 @@ static void test_precedence(void **state)
     char *argv4[] = {"kvtierd", NULL};
     assert_int_equal(s_load(&c, ARGC(argv4), argv4, &action, err, sizeof err), 0);
     assert_true(c->l1_size == 2ull << 30);
+    assert_string_equal(c->config_file, path);
     kvt_config_destroy(&c);
     setenv("KVTIER_CONFIG", "/nonexistent/kvtier.json", 1);
     assert_int_equal(s_load(&c, ARGC(argv4), argv4, &action, err, sizeof err), KVT_EINVAL);
@@ -780,6 +782,9 @@ static void test_precedence(void **state)
     assert_true(c->l1_size == 2ull << 30);
     kvt_config_destroy(&c);
     unsetenv("KVTIER_CONFIG");
+    assert_int_equal(s_load(&c, ARGC(argv4), argv4, &action, err, sizeof err), 0);
+    assert_null(c->config_file);
+    kvt_config_destroy(&c);
     s_rm_tmp(&path);
 }
 
