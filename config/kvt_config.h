@@ -19,6 +19,8 @@ typedef struct kvt_config {
     char *listen[KVT_MAX_LISTEN]; /* ZMQ endpoints; default ipc://RUN_DIR/kvtier.sock */
     int n_listen;
     char *http;     /* "ADDR:PORT", or "" to disable HTTP */
+    uint32_t http_max_connections; /* bounded at start by RLIMIT_NOFILE (kvt_http) */
+    uint32_t http_timeout_s;       /* idle HTTP connections are closed after this */
     char *events;   /* ZMQ PUB endpoint, or "" for none */
     char *run_dir;  /* ipc socket, pid-style runtime files */
     char *data_dir; /* default home of the fs L2 */

@@ -1,13 +1,22 @@
 /* DESIGN: libmicrohttpd in epoll mode driven by our own thread (not MHD's internal one), so
  * the thread can beat for the supervisor between MHD_run() calls and a wedged HTTP thread is
  * visible. The thread owns the MHD daemon; readers of other modules' state go through their
- * thread-safe accessors and the hooks given by main. */
+ * thread-safe accessors and the hooks given by main.
+ *
+ * Health probes must answer while clients that send slowly, or nothing, hold connections: MHD
+ * stops accepting at its connection limit, and a probe then waits in the listen backlog. So the
+ * limit is high (http_max_connections, but at most half the file descriptors the process has
+ * left, so that HTTP clients cannot starve the request socket and L2 of descriptors), a
+ * connection idle for http_timeout_s is closed, and on a non-loopback address one client
+ * address may hold only a quarter of the connections (on loopback every client is 127.0.0.1,
+ * where a per-address limit would let one local user shut the probes out). */
 #include "kvt_http.h"
 
 #include "kvt_error.h"
 #include "kvt_log.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <poll.h>
@@ -15,9 +24,11 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #define S_TICK_MS 200
+#define S_MIN_CONNECTIONS 16 /* the floor of the descriptor bound, as of the option's range */
 
 struct kvt_http {
     const kvt_config_t *cfg;
@@ -202,6 +213,48 @@ static int s_resolve(const char *spec, struct sockaddr_storage *ss, char *err, s
     return 0;
 }
 
+/* Descriptors open now (those of /proc/self/fd, less the one reading it); 0 when unknown. */
+static unsigned long s_open_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    if (!d)
+        return 0;
+    unsigned long n = 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;)
+        n += e->d_name[0] != '.';
+    closedir(d);
+    return n ? n - 1 : 0;
+}
+
+/* http_max_connections, bounded by half the descriptors RLIMIT_NOFILE leaves. */
+static unsigned s_connection_limit(const kvt_config_t *cfg)
+{
+    unsigned want = cfg->http_max_connections;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
+        return want;
+    unsigned long open = s_open_fds();
+    unsigned long spare = rl.rlim_cur > open ? (rl.rlim_cur - open) / 2 : 0;
+    if (spare < S_MIN_CONNECTIONS)
+        spare = S_MIN_CONNECTIONS;
+    if (want <= spare)
+        return want;
+    kvt_log(KVT_LOG_WARN,
+            "http: http_max_connections %u lowered to %lu: RLIMIT_NOFILE is %llu with %lu "
+            "descriptors open, and HTTP gets at most half of the rest (raise LimitNOFILE / "
+            "ulimit -n)",
+            want, spare, (unsigned long long)rl.rlim_cur, open);
+    return (unsigned)spare;
+}
+
+static bool s_is_loopback(const struct sockaddr_storage *ss)
+{
+    if (ss->ss_family == AF_INET)
+        return (ntohl(((const struct sockaddr_in *)ss)->sin_addr.s_addr) >> 24) == 127;
+    return ss->ss_family == AF_INET6 &&
+           IN6_IS_ADDR_LOOPBACK(&((const struct sockaddr_in6 *)ss)->sin6_addr);
+}
+
 kvt_http_t *kvt_http_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_sup_t *sup,
                          const kvt_http_hooks_t *hooks, char *err, size_t errlen)
 {
@@ -219,9 +272,12 @@ kvt_http_t *kvt_http_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_su
     unsigned flags = MHD_USE_EPOLL | MHD_USE_ERROR_LOG;
     if (ss.ss_family == AF_INET6)
         flags |= MHD_USE_IPv6;
-    self->mhd = MHD_start_daemon(flags, 0, NULL, NULL, s_route, self, MHD_OPTION_SOCK_ADDR,
-                                 (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, 64u,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+    unsigned limit = s_connection_limit(cfg);
+    unsigned per_ip = s_is_loopback(&ss) ? 0u : limit / 4; /* 0: no per-address limit */
+    self->mhd = MHD_start_daemon(
+        flags, 0, NULL, NULL, s_route, self, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
+        MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_PER_IP_CONNECTION_LIMIT, per_ip,
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)cfg->http_timeout_s, MHD_OPTION_END);
     if (!self->mhd) {
         snprintf(err, errlen, "http: cannot listen on %s (address in use?)", cfg->http);
         goto fail;
@@ -232,7 +288,11 @@ kvt_http_t *kvt_http_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_su
         goto fail;
     }
     self->started = true;
-    kvt_log(KVT_LOG_INFO, "http on %s", cfg->http);
+    char per[48] = "";
+    if (per_ip)
+        snprintf(per, sizeof per, ", %u per client address", per_ip);
+    kvt_log(KVT_LOG_INFO, "http on %s (at most %u connections%s, closed after %u s idle)",
+            cfg->http, limit, per, cfg->http_timeout_s);
     return self;
 fail:
     kvt_http_destroy(&self);

@@ -7,7 +7,7 @@ import socket
 import time
 import urllib.parse
 
-from kvtest import PUT, key, wait_until
+from kvtest import PUT, free_port, key, wait_until
 
 SLOW = 200
 
@@ -63,6 +63,39 @@ def test_connection_limit_is_bounded_by_the_open_file_limit(daemon_factory):
     m = [int(x) for x in re.findall(r"\b(\d+)\b", warn[0])]
     assert 60000 in m and any(0 < x < 512 for x in m), warn[0]
     assert d.http("GET", "/healthz")[0] == 200
+
+
+def test_per_address_limit_on_a_non_loopback_address(daemon_factory):
+    """On a non-loopback address one client address may hold a quarter of the connections:
+    100 slow connections from 127.0.0.1 leave room for a probe from 127.0.0.2."""
+    port = free_port()
+    d = daemon_factory("--l2", "none", "--http", "0.0.0.0:%d" % port, "--allow-insecure-remote",
+                       "--http-max-connections", "16", start=False)
+    d.http_port = port
+    d.start()
+    assert any("at most 16 connections, 4 per client address" in l for l in d.log_lines(6)), \
+        d.stderr_tail()
+    conns = []
+    try:
+        for _ in range(100):
+            c = socket.create_connection(("127.0.0.1", port), timeout=5)
+            try:
+                c.sendall(b"GET /healthz HTTP/1.1\r\nHost: slow\r\n")
+            except OSError:
+                pass                    # refused past the per-address limit
+            conns.append(c)
+        time.sleep(0.3)
+        probe = socket.create_connection(("127.0.0.2", port), timeout=2,
+                                         source_address=("127.0.0.2", 0))
+        with probe:
+            t0 = time.monotonic()
+            probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n")
+            reply = probe.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:100]
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        for c in conns:
+            c.close()
 
 
 def _clear(d, query):
