@@ -14,6 +14,7 @@
 
 #include "kvt_error.h"
 #include "kvt_log.h"
+#include "kvt_msg.h"
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -78,6 +79,38 @@ static enum MHD_Result s_json(struct MHD_Connection *conn, unsigned status, json
     body[len] = '\n';
     body[len + 1] = '\0';
     return s_send(conn, status, "application/json", body, len + 1);
+}
+
+/* {ok: false, error: {code, message}}, as the wire protocol's error replies. */
+static enum MHD_Result s_json_error(struct MHD_Connection *conn, unsigned status, int rc,
+                                    const char *message)
+{
+    return s_json(conn, status,
+                  json_pack("{s:b,s:{s:s,s:s}}", "ok", 0, "error", "code", kvt_err_wire(rc),
+                            "message", message));
+}
+
+/* POST /clear[?ns=NAME]. The ns is held to the wire's rule for CLEAR (kvt_msg_check_ns), so
+ * HTTP clears nothing the protocol would refuse; its length is MHD's, so a %00 inside is part
+ * of the name, not its end. "?ns" without a value is an empty ns, not "everything". */
+static enum MHD_Result s_clear(kvt_http_t *self, struct MHD_Connection *conn)
+{
+    const char *ns = NULL;
+    size_t ns_len = 0;
+    bool given = MHD_lookup_connection_value_n(conn, MHD_GET_ARGUMENT_KIND, "ns", 2, &ns,
+                                               &ns_len) == MHD_YES;
+    if (given && !ns) {
+        ns = "";
+        ns_len = 0;
+    }
+    char why[160];
+    if (given && kvt_msg_check_ns(ns_len, why, sizeof why) != 0)
+        return s_json_error(conn, 400, KVT_EBADREQ, why);
+    uint64_t removed = 0;
+    int rc = self->hooks.clear ? self->hooks.clear(self->hooks.ctx, ns, ns_len, &removed) : 0;
+    if (rc)
+        return s_json_error(conn, 500, rc, kvt_strerror(rc));
+    return s_json(conn, 200, json_pack("{s:b,s:I}", "ok", 1, "removed", (json_int_t)removed));
 }
 
 /* Threads first, then whatever the owner adds (L2 adapters). */
@@ -152,15 +185,7 @@ static enum MHD_Result s_route(void *cls, struct MHD_Connection *conn, const cha
     } else if (strcmp(url, "/status") == 0) {
         return get ? s_json(conn, 200, s_status(self)) : s_text(conn, 405, "method not allowed\n");
     } else if (strcmp(url, "/clear") == 0) {
-        if (!post)
-            return s_text(conn, 405, "method not allowed: use POST\n");
-        const char *ns = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "ns");
-        uint64_t removed = 0;
-        int rc = self->hooks.clear ? self->hooks.clear(self->hooks.ctx, ns, &removed) : 0;
-        if (rc)
-            return s_json(conn, 500, json_pack("{s:b,s:{s:s,s:s}}", "ok", 0, "error", "code",
-                                               kvt_err_wire(rc), "message", kvt_strerror(rc)));
-        return s_json(conn, 200, json_pack("{s:b,s:I}", "ok", 1, "removed", (json_int_t)removed));
+        return post ? s_clear(self, conn) : s_text(conn, 405, "method not allowed: use POST\n");
     }
     return s_text(conn, 404, "not found\n");
 }

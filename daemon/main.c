@@ -149,10 +149,10 @@ static bool s_ready_hook(void *ctx, char *why, size_t whylen)
     return kvt_l2mgr_ready(p->l2, why, whylen);
 }
 
-static int s_clear_hook(void *ctx, const char *ns, uint64_t *removed)
+static int s_clear_hook(void *ctx, const char *ns, size_t ns_len, uint64_t *removed)
 {
     s_parts_t *p = ctx;
-    return kvt_l1_clear(p->l1, (const uint8_t *)ns, ns ? (uint32_t)strlen(ns) : 0, removed);
+    return kvt_l1_clear(p->l1, (const uint8_t *)ns, (uint32_t)ns_len, removed);
 }
 
 /* The STATUS= line `systemctl status kvtier` shows while serving. */
