@@ -34,6 +34,7 @@ typedef struct kvt_config {
     char *log_level; /* error | warn | info | debug */
     uint64_t max_message; /* bytes in one whole request, all frames */
     uint32_t max_keys;    /* keys in one request */
+    uint32_t max_prefetch_jobs; /* live prefetch jobs; past it LOOKUP starts none */
     uint32_t workers;     /* worker threads for slow requests */
     uint32_t io_threads;  /* zmq I/O threads */
     bool allow_unpinned;

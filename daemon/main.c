@@ -263,7 +263,8 @@ int main(int argc, char **argv)
             goto done;
         kvt_metrics_add_source(metrics, kvt_events_metrics_source, events);
     }
-    prefetch = kvt_prefetch_new(60000);
+    prefetch = kvt_prefetch_new(60000, cfg->max_prefetch_jobs);
+    kvt_metrics_add_source(metrics, kvt_prefetch_metrics_source, prefetch);
     int l2rc = 0;
     l2 = kvt_l2mgr_new(cfg, l1, prefetch, sup, &l2rc, err, sizeof err);
     if (!l2) {
