@@ -169,6 +169,8 @@ static const s_opt_t s_options[] = {
           "CURVE on tcp listen endpoints: the daemon's secret certificate (zcert)"),
     S_STR("curve.clients", "--curve-clients", "KVTIER_CURVE_CLIENTS", curve_clients, "", 0, NULL,
           "DIR", "CURVE: directory of the client public certificates allowed to connect"),
+    S_BOOLEAN("curve.require", "--curve-require", "KVTIER_CURVE_REQUIRE", curve_require, "false", 0,
+              "refuse every tcp:// listen endpoint without CURVE, loopback ones too"),
     S_STR("debug.fault_thread", "--debug-fault-thread", "KVTIER_DEBUG_FAULT_THREAD",
           debug_fault_thread, "", S_HIDDEN, NULL, "NAME", "test: thread to fault, \"\" for none"),
     S_STR("debug.fault_mode", "--debug-fault-mode", "KVTIER_DEBUG_FAULT_MODE", debug_fault_mode,
@@ -1164,6 +1166,19 @@ static int s_check_bind(const kvt_config_t *self, const char *name, const char *
                   name, s_show(v, shown, sizeof shown));
 }
 
+/* Without CURVE every local user can use a loopback tcp endpoint (and read, write or clear the
+ * cache); curve.require lets an operator rule that out instead of relying on the warning. */
+static int s_check_curve_required(const kvt_config_t *self, const char *v, char *err, size_t errlen)
+{
+    char shown[S_SHOW_LEN + 1];
+    if (!self->curve_require || self->curve_server_cert[0] || strncmp(v, "tcp://", 6) != 0)
+        return 0;
+    return s_fail(err, errlen,
+                  "listen: %s has no CURVE and curve.require is set: configure "
+                  "curve.server_cert and curve.clients, or listen on ipc:// only",
+                  s_show(v, shown, sizeof shown));
+}
+
 int kvt_config_shm_gid(const kvt_config_t *self, gid_t *gid)
 {
     if (!self->shm_group || !self->shm_group[0])
@@ -1210,7 +1225,8 @@ int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen)
                       self->curve_server_cert[0] ? "curve.server_cert" : "curve.clients",
                       self->curve_server_cert[0] ? "curve.clients" : "curve.server_cert");
     for (int i = 0; i < self->n_listen; i++)
-        if ((rc = s_check_bind(self, "listen", self->listen[i], err, errlen)) != 0)
+        if ((rc = s_check_bind(self, "listen", self->listen[i], err, errlen)) != 0 ||
+            (rc = s_check_curve_required(self, self->listen[i], err, errlen)) != 0)
             return rc;
     if ((rc = s_check_bind(self, "events", self->events, err, errlen)) != 0)
         return rc;

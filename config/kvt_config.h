@@ -45,6 +45,7 @@ typedef struct kvt_config {
      * allowed to connect. With them, a non-loopback tcp listen needs no allow_insecure_remote. */
     char *curve_server_cert;
     char *curve_clients;
+    bool curve_require; /* every tcp:// listen endpoint must have CURVE, loopback ones too */
     /* hidden test knobs (never in --print-config unless set): make a supervised thread stall
      * or exit, to test the supervisor and /readyz */
     char *debug_fault_thread; /* thread name, "" for none */

@@ -78,6 +78,20 @@ static kvt_instance_t *s_single_instance(const kvt_config_t *cfg, int *status, c
     return inst;
 }
 
+/* A tcp:// listen endpoint without CURVE has no authentication: on loopback every local user
+ * can read, write and clear the cache (curve.require turns this into a refusal). */
+static void s_warn_plain_tcp(const kvt_config_t *cfg)
+{
+    for (int i = 0; i < cfg->n_listen && !cfg->curve_server_cert[0]; i++)
+        if (strncmp(cfg->listen[i], "tcp://", 6) == 0)
+            kvt_log(KVT_LOG_WARN,
+                    "listen: %s has no CURVE: every local user (and any host that can reach a "
+                    "non-loopback address) can read, write and clear the cache; use ipc:// "
+                    "(guarded by file permissions) or configure curve.server_cert and "
+                    "curve.clients (curve.require refuses plain tcp)",
+                    cfg->listen[i]);
+}
+
 /* What the L1 listener and the HTTP hooks reach. */
 typedef struct {
     const kvt_config_t *cfg;
@@ -250,6 +264,7 @@ int main(int argc, char **argv)
         goto done;
     if (!(instance = s_single_instance(cfg, &status, err, sizeof err)))
         goto done;
+    s_warn_plain_tcp(cfg);
     metrics = kvt_metrics_new();
     sup = kvt_sup_new(cfg);
     kvt_metrics_add_source(metrics, kvt_sup_metrics_source, sup);

@@ -541,6 +541,19 @@ static void test_loopback_rule(void **state)
     s_finish_fails(c, "curve.clients: must be set together with curve.server_cert");
     kvt_config_destroy(&c);
 
+    /* curve.require: no plain tcp, loopback included; ipc stays fine */
+    c = kvt_config_new();
+    s_set_ok(c, "curve.require", "true");
+    s_set_ok(c, "listen", "ipc:///tmp/a.sock");
+    s_finish_ok(c);
+    s_set_ok(c, "listen", "ipc:///tmp/a.sock,tcp://127.0.0.1:5555");
+    s_finish_fails(c, "listen: tcp://127.0.0.1:5555 has no CURVE and curve.require is set: "
+                      "configure curve.server_cert and curve.clients, or listen on ipc:// only");
+    s_set_ok(c, "curve.server_cert", "/etc/kvtier/server.cert");
+    s_set_ok(c, "curve.clients", "/etc/kvtier/clients");
+    s_finish_ok(c);
+    kvt_config_destroy(&c);
+
     c = kvt_config_new();
     s_set_ok(c, "http", "0.0.0.0:8080");
     s_finish_fails(c, "http: 0.0.0.0:8080 is not loopback; set allow_insecure_remote to allow "
