@@ -79,8 +79,8 @@ static int s_report_changes(const json_t *was, const json_t *now, const char *gr
             snprintf(name, sizeof name, "%s%s%s", group, *group ? "." : "", k);
             if (!*group && strcmp(k, "log_level") == 0)
                 continue; /* applied by the caller */
-            if (json_is_object(v) && json_is_object(other)) {
-                changed += side == 0 ? s_report_changes(v, other, name, file) : 0;
+            if (json_is_object(v) && json_is_object(other)) { /* a group: curve.*, debug.* */
+                changed += s_report_changes(v, other, name, file);
             } else if (!other || !json_equal(v, (json_t *)other)) {
                 kvt_log(KVT_LOG_WARN,
                         "config: SIGHUP: %s changed in %s: it takes effect at the next restart",
