@@ -5,7 +5,6 @@ jobs are capped, and a loopback tcp endpoint without CURVE is called out (or ref
 curve.require)."""
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -14,7 +13,7 @@ import pytest
 import xxhash
 import zmq
 
-from kvtest import (HELLO, LOOKUP, PREFETCH_STATUS, PUT, key, metric_value, pack, run_kvtierd,
+from kvtest import (HELLO, LOOKUP, PREFETCH_STATUS, PUT, key, metric_value, run_kvtierd,
                     unpack, wait_until)
 
 SHM = "/dev/shm"
@@ -202,16 +201,26 @@ def _sync_sub(d, sock, sub, ns, timeout=5.0):
     raise AssertionError("no event for %s reached the subscriber within %.0f s" % (ns, timeout))
 
 
-def test_refused_second_daemon_leaves_events_to_the_first(daemon_factory):
+def _with_events(daemon_factory):
+    """A started daemon publishing events on an ipc socket in its run_dir; (daemon, endpoint)."""
     a = daemon_factory("--l2", "none", start=False)
     ep = "ipc://" + os.path.join(a.run_dir, "events.sock")
     a.args += ["--events", ep]
-    a.start()
+    return a.start(), ep
+
+
+def _subscriber(d, ep):
+    sub = d.ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.subscribe(b"")
+    sub.connect(ep)
+    return sub
+
+
+def test_refused_second_daemon_leaves_events_to_the_first(daemon_factory):
+    a, ep = _with_events(daemon_factory)
     s = a.dealer()
-    sub1 = a.ctx.socket(zmq.SUB)
-    sub1.setsockopt(zmq.LINGER, 0)
-    sub1.subscribe(b"")
-    sub1.connect(ep)
+    sub1 = _subscriber(a, ep)
     try:
         _sync_sub(a, s, sub1, "before")
 
@@ -223,10 +232,7 @@ def test_refused_second_daemon_leaves_events_to_the_first(daemon_factory):
         # the first daemon's subscribers, old and new, still get its events
         _sync_sub(a, s, sub1, "after-old")
         assert os.path.exists(ep[len("ipc://"):]), "the events socket file is gone"
-        sub2 = a.ctx.socket(zmq.SUB)
-        sub2.setsockopt(zmq.LINGER, 0)
-        sub2.subscribe(b"")
-        sub2.connect(ep)
+        sub2 = _subscriber(a, ep)
         try:
             _sync_sub(a, s, sub2, "after-new")
         finally:
@@ -272,10 +278,7 @@ def test_concurrent_starts_exactly_one_serves(daemon_factory):
 def test_ipc_endpoint_of_another_run_dir_refused_before_anything(daemon_factory):
     """A daemon on another run_dir whose events endpoint is the first one's is refused (exit 2,
     one line) before it creates its arena or binds anything."""
-    a = daemon_factory("--l2", "none", start=False)
-    ep = "ipc://" + os.path.join(a.run_dir, "events.sock")
-    a.args += ["--events", ep]
-    a.start()
+    a, ep = _with_events(daemon_factory)
     b = without_tcp(daemon_factory("--l2", "none", "--events", ep, start=False))
     b.start(wait=False)
     assert b.wait(15) == 2, b.stderr_text()
