@@ -1,6 +1,7 @@
-/* DESIGN: process-wide log level (set once at start-up, read racily by design: a stale level
- * only changes which lines are printed). Each line is formatted into a stack buffer and written
- * with one write(2) so that concurrent threads never interleave within a line. */
+/* DESIGN: process-wide log level, set at start-up and by a SIGHUP reload, read by every thread
+ * (an atomic: a stale level only changes which lines are printed). Each line is formatted into a
+ * stack buffer and written with one write(2) so that concurrent threads never interleave within a
+ * line. */
 #include "kvt_log.h"
 
 #include "kvt_error.h"
@@ -12,7 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-int kvt__log_level = KVT_LOG_INFO;
+_Atomic int kvt__log_level = KVT_LOG_INFO;
 
 static const struct {
     kvt_log_level_t level;
@@ -27,6 +28,11 @@ static const struct {
 void kvt_log_set_level(kvt_log_level_t level)
 {
     kvt__log_level = (int)level;
+}
+
+kvt_log_level_t kvt_log_get_level(void)
+{
+    return (kvt_log_level_t)kvt__log_level;
 }
 
 int kvt_log_level_parse(const char *s, kvt_log_level_t *out)

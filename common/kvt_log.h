@@ -2,7 +2,9 @@
  *
  * Lines carry the syslog priority prefix journald understands ("<4>"); when not under
  * journald (no JOURNAL_STREAM) a UTC timestamp is added. Any thread may log: one line is one
- * write(2), so lines never interleave. kvt_log_set_level() is meant for start-up. */
+ * write(2), so lines never interleave. The level is set at start-up and again by a SIGHUP reload
+ * (main thread); every thread reads it (an atomic int: a line may still go out at the old
+ * level while it changes). */
 #ifndef KVT_LOG_H
 #define KVT_LOG_H
 
@@ -17,9 +19,10 @@ typedef enum {
     KVT_LOG_DEBUG = 7,
 } kvt_log_level_t;
 
-extern int kvt__log_level;
+extern _Atomic int kvt__log_level;
 
 void kvt_log_set_level(kvt_log_level_t level);
+kvt_log_level_t kvt_log_get_level(void);
 
 /* Parses "error", "warn", "info", "debug"; returns 0 or KVT_EINVAL. */
 int kvt_log_level_parse(const char *s, kvt_log_level_t *out);

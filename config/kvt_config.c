@@ -120,6 +120,11 @@ static const s_opt_t s_options[] = {
            "ZMQ endpoint to bind (repeatable); tcp:// must be loopback"),
     S_STR("http", "--http", "KVTIER_HTTP", http, "127.0.0.1:8080", 0, s_check_http, "ADDR:PORT",
           "HTTP health/metrics/status address; \"\" disables HTTP"),
+    S_NUM("http_max_connections", "--http-max-connections", "KVTIER_HTTP_MAX_CONNECTIONS", S_UINT32,
+          http_max_connections, 16, 65536, "1024", 0, "N",
+          "most HTTP connections at once (at most half the free file descriptors)"),
+    S_NUM("http_timeout_s", "--http-timeout-s", "KVTIER_HTTP_TIMEOUT_S", S_UINT32, http_timeout_s,
+          1, 3600, "3", 0, "S", "an HTTP connection idle (or sending nothing) this long is closed"),
     S_STR("events", "--events", "KVTIER_EVENTS", events, "", 0, s_check_optional_endpoint,
           "ENDPOINT", "ZMQ PUB endpoint for cache events; \"\" for none"),
     S_STR("run_dir", "--run-dir", "KVTIER_RUN_DIR", run_dir, "./var/run", 0, s_check_nonempty,
@@ -145,6 +150,9 @@ static const s_opt_t s_options[] = {
           4 * S_G, "256M", 0, "SIZE", "largest request, all frames together"),
     S_NUM("max_keys", "--max-keys", "KVTIER_MAX_KEYS", S_UINT32, max_keys, 1, 1048576, "65536", 0,
           "N", "most keys in one request"),
+    S_NUM("max_prefetch_jobs", "--max-prefetch-jobs", "KVTIER_MAX_PREFETCH_JOBS", S_UINT32,
+          max_prefetch_jobs, 1, 1048576, "65536", 0, "N",
+          "most prefetch jobs kept at once; past it a LOOKUP starts none"),
     S_NUM("workers", "--workers", "KVTIER_WORKERS", S_UINT32, workers, 1, 16, "2", 0, "N",
           "worker threads for inline PUT/GET copies and CLEAR"),
     S_NUM("io_threads", "--io-threads", "KVTIER_IO_THREADS", S_UINT32, io_threads, 1, 16, "2", 0,
@@ -173,11 +181,13 @@ static const s_opt_t s_options[] = {
     S_BOOLEAN("allow_insecure_remote", "--allow-insecure-remote", "KVTIER_ALLOW_INSECURE_REMOTE",
               allow_insecure_remote, "false", 0,
               "allow non-loopback tcp/HTTP binds (no authentication!)"),
-    S_STR("curve.server_cert", "--curve-server-cert", "KVTIER_CURVE_SERVER_CERT",
-          curve_server_cert, "", 0, NULL, "FILE",
+    S_STR("curve.server_cert", "--curve-server-cert", "KVTIER_CURVE_SERVER_CERT", curve_server_cert,
+          "", 0, NULL, "FILE",
           "CURVE on tcp listen endpoints: the daemon's secret certificate (zcert)"),
     S_STR("curve.clients", "--curve-clients", "KVTIER_CURVE_CLIENTS", curve_clients, "", 0, NULL,
           "DIR", "CURVE: directory of the client public certificates allowed to connect"),
+    S_BOOLEAN("curve.require", "--curve-require", "KVTIER_CURVE_REQUIRE", curve_require, "false", 0,
+              "refuse every tcp:// listen endpoint without CURVE, loopback ones too"),
     S_STR("debug.fault_thread", "--debug-fault-thread", "KVTIER_DEBUG_FAULT_THREAD",
           debug_fault_thread, "", S_HIDDEN, NULL, "NAME", "test: thread to fault, \"\" for none"),
     S_STR("debug.fault_mode", "--debug-fault-mode", "KVTIER_DEBUG_FAULT_MODE", debug_fault_mode,
@@ -1001,6 +1011,7 @@ void kvt_config_destroy(kvt_config_t **self_p)
             s_list_clear(self, o);
         }
     }
+    free(self->config_file);
     free(self);
     *self_p = NULL;
 }
@@ -1172,6 +1183,19 @@ static int s_check_bind(const kvt_config_t *self, const char *name, const char *
                   name, s_show(v, shown, sizeof shown));
 }
 
+/* Without CURVE every local user can use a loopback tcp endpoint (and read, write or clear the
+ * cache); curve.require lets an operator rule that out instead of relying on the warning. */
+static int s_check_curve_required(const kvt_config_t *self, const char *v, char *err, size_t errlen)
+{
+    char shown[S_SHOW_LEN + 1];
+    if (!self->curve_require || self->curve_server_cert[0] || strncmp(v, "tcp://", 6) != 0)
+        return 0;
+    return s_fail(err, errlen,
+                  "listen: %s has no CURVE and curve.require is set: configure "
+                  "curve.server_cert and curve.clients, or listen on ipc:// only",
+                  s_show(v, shown, sizeof shown));
+}
+
 int kvt_config_shm_gid(const kvt_config_t *self, gid_t *gid)
 {
     if (!self->shm_group || !self->shm_group[0])
@@ -1218,7 +1242,8 @@ int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen)
                       self->curve_server_cert[0] ? "curve.server_cert" : "curve.clients",
                       self->curve_server_cert[0] ? "curve.clients" : "curve.server_cert");
     for (int i = 0; i < self->n_listen; i++)
-        if ((rc = s_check_bind(self, "listen", self->listen[i], err, errlen)) != 0)
+        if ((rc = s_check_bind(self, "listen", self->listen[i], err, errlen)) != 0 ||
+            (rc = s_check_curve_required(self, self->listen[i], err, errlen)) != 0)
             return rc;
     if ((rc = s_check_bind(self, "events", self->events, err, errlen)) != 0)
         return rc;
@@ -1348,6 +1373,8 @@ int kvt_config_load(kvt_config_t *self, int argc, char *const argv[], kvt_config
     }
     if (config_path && (rc = kvt_config_apply_file(self, config_path, err, errlen)) != 0)
         return rc;
+    free(self->config_file);
+    self->config_file = config_path ? s_strdup(config_path) : NULL;
 
     /* Pass 2: flags in order. The first --listen / --l2 replaces what the file said; later
      * ones append, so "--l2 none" really means no L2. */

@@ -19,6 +19,8 @@ typedef struct kvt_config {
     char *listen[KVT_MAX_LISTEN]; /* ZMQ endpoints; default ipc://RUN_DIR/kvtier.sock */
     int n_listen;
     char *http;     /* "ADDR:PORT", or "" to disable HTTP */
+    uint32_t http_max_connections; /* bounded at start by RLIMIT_NOFILE (kvt_http) */
+    uint32_t http_timeout_s;       /* idle HTTP connections are closed after this */
     char *events;   /* ZMQ PUB endpoint, or "" for none */
     char *run_dir;  /* ipc socket, pid-style runtime files */
     char *data_dir; /* default home of the fs L2 */
@@ -32,6 +34,7 @@ typedef struct kvt_config {
     char *log_level; /* error | warn | info | debug */
     uint64_t max_message; /* bytes in one whole request, all frames */
     uint32_t max_keys;    /* keys in one request */
+    uint32_t max_prefetch_jobs; /* live prefetch jobs; past it LOOKUP starts none */
     uint32_t workers;     /* worker threads for slow requests */
     uint32_t io_threads;  /* zmq I/O threads */
     /* what one client, or all of them, may hold of the daemon */
@@ -49,6 +52,7 @@ typedef struct kvt_config {
      * allowed to connect. With them, a non-loopback tcp listen needs no allow_insecure_remote. */
     char *curve_server_cert;
     char *curve_clients;
+    bool curve_require; /* every tcp:// listen endpoint must have CURVE, loopback ones too */
     /* hidden test knobs (never in --print-config unless set): make a supervised thread stall
      * or exit, to test the supervisor and /readyz */
     char *debug_fault_thread; /* thread name, "" for none */
@@ -58,6 +62,9 @@ typedef struct kvt_config {
     /* hidden test knob: every Nth L1 block allocation fails as if the arena were full and
      * nothing evictable (0: never), to test that requests then fail with no_space */
     uint32_t debug_fail_alloc_every;
+    /* not an option: the file kvt_config_load read (--config or KVTIER_CONFIG), NULL for none;
+     * SIGHUP reads it again */
+    char *config_file;
 } kvt_config_t;
 
 /* What the command line asks the process to do. */

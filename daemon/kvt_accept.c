@@ -13,6 +13,7 @@
 #include "kvt_accept.h"
 
 #include "kvt_config.h"
+#include "kvt_error.h"
 #include "kvt_log.h"
 
 #include <dirent.h>
@@ -31,6 +32,7 @@
 
 #define S_RESERVE 64        /* descriptors never used for accepted connections */
 #define S_MIN_CONNECTIONS 8 /* below this, the limit is too low to serve */
+#define S_MIN_HTTP 16        /* HTTP keeps at least this many when descriptors are short */
 #define S_MAX_TRACKED (1u << 22)
 #define S_MAX_WATCHED KVT_MAX_LISTEN
 
@@ -169,20 +171,22 @@ static uint64_t s_open_fds(void)
     return n > 3 ? n - 3 : n; /* ".", ".." and the directory's own descriptor */
 }
 
-uint32_t kvt_accept_setup(uint32_t max_connections, uint32_t other_fds, char *err, size_t errlen)
+int kvt_accept_setup(uint32_t max_connections, uint32_t http_connections,
+                     kvt_accept_budget_t *out, char *err, size_t errlen)
 {
     pthread_once(&s_once, s_resolve);
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0) {
         snprintf(err, errlen, "cannot read the open-files limit: %s", strerror(errno));
-        return 0;
+        return KVT_EINVAL;
     }
     rlim_t before = rl.rlim_cur;
     if (rl.rlim_cur != rl.rlim_max) {
         rl.rlim_cur = rl.rlim_max;
         if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
             kvt_log(KVT_LOG_WARN, "cannot raise the open-files limit from %llu to %llu: %s",
-                    (unsigned long long)before, (unsigned long long)rl.rlim_max, strerror(errno));
+                    (unsigned long long)before, (unsigned long long)rl.rlim_max,
+                    strerror(errno));
             rl.rlim_cur = before;
         } else {
             kvt_log(KVT_LOG_INFO, "open-files limit raised from %llu to %llu",
@@ -192,24 +196,34 @@ uint32_t kvt_accept_setup(uint32_t max_connections, uint32_t other_fds, char *er
     uint64_t limit = rl.rlim_cur == RLIM_INFINITY ? S_MAX_TRACKED : (uint64_t)rl.rlim_cur;
     if (limit > S_MAX_TRACKED)
         limit = S_MAX_TRACKED; /* descriptors past this are refused; nobody needs 4 M */
-    uint64_t used = s_open_fds() + other_fds + S_RESERVE;
+    uint64_t used = s_open_fds() + S_RESERVE;
     uint64_t room = limit > used ? limit - used : 0;
-    if (room < S_MIN_CONNECTIONS) {
+    uint64_t http = http_connections, clients = max_connections;
+    if (clients + http > room) {
+        if (http > room / 4)
+            http = room / 4 > S_MIN_HTTP ? room / 4 : S_MIN_HTTP;
+        if (http > http_connections)
+            http = http_connections;
+        clients = room > http ? room - http : 0;
+        if (clients > max_connections)
+            clients = max_connections;
+    }
+    if (clients < S_MIN_CONNECTIONS) {
         snprintf(err, errlen,
                  "the open-files limit (%llu) leaves room for %llu client connections: raise it "
                  "(LimitNOFILE=, ulimit -n) to at least %llu",
-                 (unsigned long long)limit, (unsigned long long)room,
-                 (unsigned long long)(used + S_MIN_CONNECTIONS));
-        return 0;
+                 (unsigned long long)limit, (unsigned long long)clients,
+                 (unsigned long long)(used + http + S_MIN_CONNECTIONS));
+        return KVT_EINVAL;
     }
-    uint32_t cap = max_connections;
-    if (room < cap) {
+    if (clients < max_connections || http < http_connections)
         kvt_log(KVT_LOG_WARN,
-                "the open-files limit (%llu) allows only %llu client connections, not "
-                "max_connections %u: raise it (LimitNOFILE=, ulimit -n)",
-                (unsigned long long)limit, (unsigned long long)room, max_connections);
-        cap = (uint32_t)room;
-    }
+                "the open-files limit (%llu, %llu open) allows only %llu client connections "
+                "(max_connections %u) and %llu HTTP connections (http_max_connections %u): "
+                "raise it (LimitNOFILE=, ulimit -n)",
+                (unsigned long long)limit, (unsigned long long)(used - S_RESERVE),
+                (unsigned long long)clients, max_connections, (unsigned long long)http,
+                http_connections);
     if (!s_accepted) { /* untouched pages of these cost no memory */
         s_accepted = calloc(limit, sizeof *s_accepted);
         s_closed = calloc(limit, sizeof *s_closed);
@@ -219,13 +233,14 @@ uint32_t kvt_accept_setup(uint32_t max_connections, uint32_t other_fds, char *er
     if (s_spare < 0)
         s_spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
     pthread_mutex_unlock(&s_spare_lock);
-    s_cap = cap;
+    s_cap = (uint32_t)clients;
     s_fd_limit = limit;
     s_ceiling = limit - S_RESERVE / 2;
     atomic_store_explicit(&s_ready, true, memory_order_release);
-    kvt_log(KVT_LOG_INFO, "up to %u client connections (open-files limit %llu)", cap,
+    kvt_log(KVT_LOG_INFO, "up to %u client connections (open-files limit %llu)", s_cap,
             (unsigned long long)limit);
-    return cap;
+    *out = (kvt_accept_budget_t){.clients = s_cap, .http = (uint32_t)http, .fd_limit = limit};
+    return 0;
 }
 
 void kvt_accept_watch(int fd)

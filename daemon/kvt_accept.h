@@ -28,11 +28,20 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Raises the soft RLIMIT_NOFILE to the hard limit, then sizes the client connection cap:
- * max_connections, or less when the descriptors left after `other_fds` (the HTTP server's
- * connections and the like) and a reserve cannot hold that many. Logs the limit and the cap.
- * Returns the cap (> 0), or 0 with a sentence in err when the limit is too low to serve. */
-uint32_t kvt_accept_setup(uint32_t max_connections, uint32_t other_fds, char *err, size_t errlen);
+/* How the descriptors are shared out: client connections and HTTP connections. */
+typedef struct {
+    uint32_t clients;  /* client connections allowed at once (the cap the interposers apply) */
+    uint32_t http;     /* HTTP connections (libmicrohttpd's limit) */
+    uint64_t fd_limit; /* the soft RLIMIT_NOFILE after the raise */
+} kvt_accept_budget_t;
+
+/* Raises the soft RLIMIT_NOFILE to the hard limit, then shares the descriptors that are not
+ * open yet and not kept in reserve between `max_connections` client connections and
+ * `http_connections` HTTP ones (0 without HTTP); when they do not fit, HTTP gets a quarter of
+ * the room (at least 16) and clients the rest. Logs the limit and what it lowered. Returns 0,
+ * or KVT_EINVAL with a sentence in err when the limit leaves room for fewer than 8 clients. */
+int kvt_accept_setup(uint32_t max_connections, uint32_t http_connections,
+                     kvt_accept_budget_t *out, char *err, size_t errlen);
 
 /* Counts and caps the connections accepted on listening descriptor `fd` from now on. */
 void kvt_accept_watch(int fd);

@@ -307,7 +307,7 @@ static int s_lookup_l2(kvt_rq_t *c)
     uint64_t job = 0;
     if (r->prefetch) {
         job = kvt_prefetch_start(c->svc->prefetch, c->l1_hits + in_l2, in_l2 == 0, kvt_now_ms());
-        if (in_l2)
+        if (in_l2 && job) /* no job: max_prefetch_jobs loads are running */
             kvt_l2mgr_prefetch(c->svc->l2, job, &ns, keys, sizes, in_l2);
     }
     free(sizes);

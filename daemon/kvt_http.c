@@ -1,11 +1,20 @@
 /* DESIGN: libmicrohttpd in epoll mode driven by our own thread (not MHD's internal one), so
  * the thread can beat for the supervisor between MHD_run() calls and a wedged HTTP thread is
  * visible. The thread owns the MHD daemon; readers of other modules' state go through their
- * thread-safe accessors and the hooks given by main. */
+ * thread-safe accessors and the hooks given by main.
+ *
+ * Health probes must answer while clients that send slowly, or nothing, hold connections: MHD
+ * stops accepting at its connection limit, and a probe then waits in the listen backlog. So the
+ * limit is high (http_max_connections, or what kvt_accept's share of the file descriptors
+ * leaves for HTTP, so that HTTP clients cannot starve the request socket and L2 of them), a
+ * connection idle for http_timeout_s is closed, and on a non-loopback address one client
+ * address may hold only a quarter of the connections (on loopback every client is 127.0.0.1,
+ * where a per-address limit would let one local user shut the probes out). */
 #include "kvt_http.h"
 
 #include "kvt_error.h"
 #include "kvt_log.h"
+#include "kvt_msg.h"
 
 #include <arpa/inet.h>
 #include <microhttpd.h>
@@ -67,6 +76,38 @@ static enum MHD_Result s_json(struct MHD_Connection *conn, unsigned status, json
     body[len] = '\n';
     body[len + 1] = '\0';
     return s_send(conn, status, "application/json", body, len + 1);
+}
+
+/* {ok: false, error: {code, message}}, as the wire protocol's error replies. */
+static enum MHD_Result s_json_error(struct MHD_Connection *conn, unsigned status, int rc,
+                                    const char *message)
+{
+    return s_json(conn, status,
+                  json_pack("{s:b,s:{s:s,s:s}}", "ok", 0, "error", "code", kvt_err_wire(rc),
+                            "message", message));
+}
+
+/* POST /clear[?ns=NAME]. The ns is held to the wire's rule for CLEAR (kvt_msg_check_ns), so
+ * HTTP clears nothing the protocol would refuse; its length is MHD's, so a %00 inside is part
+ * of the name, not its end. "?ns" without a value is an empty ns, not "everything". */
+static enum MHD_Result s_clear(kvt_http_t *self, struct MHD_Connection *conn)
+{
+    const char *ns = NULL;
+    size_t ns_len = 0;
+    bool given = MHD_lookup_connection_value_n(conn, MHD_GET_ARGUMENT_KIND, "ns", 2, &ns,
+                                               &ns_len) == MHD_YES;
+    if (given && !ns) {
+        ns = "";
+        ns_len = 0;
+    }
+    char why[160];
+    if (given && kvt_msg_check_ns(ns_len, why, sizeof why) != 0)
+        return s_json_error(conn, 400, KVT_EBADREQ, why);
+    uint64_t removed = 0;
+    int rc = self->hooks.clear ? self->hooks.clear(self->hooks.ctx, ns, ns_len, &removed) : 0;
+    if (rc)
+        return s_json_error(conn, 500, rc, kvt_strerror(rc));
+    return s_json(conn, 200, json_pack("{s:b,s:I}", "ok", 1, "removed", (json_int_t)removed));
 }
 
 /* Threads first, then whatever the owner adds (L2 adapters). */
@@ -141,15 +182,7 @@ static enum MHD_Result s_route(void *cls, struct MHD_Connection *conn, const cha
     } else if (strcmp(url, "/status") == 0) {
         return get ? s_json(conn, 200, s_status(self)) : s_text(conn, 405, "method not allowed\n");
     } else if (strcmp(url, "/clear") == 0) {
-        if (!post)
-            return s_text(conn, 405, "method not allowed: use POST\n");
-        const char *ns = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "ns");
-        uint64_t removed = 0;
-        int rc = self->hooks.clear ? self->hooks.clear(self->hooks.ctx, ns, &removed) : 0;
-        if (rc)
-            return s_json(conn, 500, json_pack("{s:b,s:{s:s,s:s}}", "ok", 0, "error", "code",
-                                               kvt_err_wire(rc), "message", kvt_strerror(rc)));
-        return s_json(conn, 200, json_pack("{s:b,s:I}", "ok", 1, "removed", (json_int_t)removed));
+        return post ? s_clear(self, conn) : s_text(conn, 405, "method not allowed: use POST\n");
     }
     return s_text(conn, 404, "not found\n");
 }
@@ -202,8 +235,17 @@ static int s_resolve(const char *spec, struct sockaddr_storage *ss, char *err, s
     return 0;
 }
 
+static bool s_is_loopback(const struct sockaddr_storage *ss)
+{
+    if (ss->ss_family == AF_INET)
+        return (ntohl(((const struct sockaddr_in *)ss)->sin_addr.s_addr) >> 24) == 127;
+    return ss->ss_family == AF_INET6 &&
+           IN6_IS_ADDR_LOOPBACK(&((const struct sockaddr_in6 *)ss)->sin6_addr);
+}
+
 kvt_http_t *kvt_http_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_sup_t *sup,
-                         const kvt_http_hooks_t *hooks, char *err, size_t errlen)
+                         const kvt_http_hooks_t *hooks, unsigned max_connections, char *err,
+                         size_t errlen)
 {
     struct sockaddr_storage ss = {0};
     if (s_resolve(cfg->http, &ss, err, errlen))
@@ -219,9 +261,12 @@ kvt_http_t *kvt_http_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_su
     unsigned flags = MHD_USE_EPOLL | MHD_USE_ERROR_LOG;
     if (ss.ss_family == AF_INET6)
         flags |= MHD_USE_IPv6;
-    self->mhd = MHD_start_daemon(flags, 0, NULL, NULL, s_route, self, MHD_OPTION_SOCK_ADDR,
-                                 (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, 64u,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+    unsigned limit = max_connections;
+    unsigned per_ip = s_is_loopback(&ss) ? 0u : limit / 4; /* 0: no per-address limit */
+    self->mhd = MHD_start_daemon(
+        flags, 0, NULL, NULL, s_route, self, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
+        MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_PER_IP_CONNECTION_LIMIT, per_ip,
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)cfg->http_timeout_s, MHD_OPTION_END);
     if (!self->mhd) {
         snprintf(err, errlen, "http: cannot listen on %s (address in use?)", cfg->http);
         goto fail;
@@ -232,7 +277,11 @@ kvt_http_t *kvt_http_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_su
         goto fail;
     }
     self->started = true;
-    kvt_log(KVT_LOG_INFO, "http on %s", cfg->http);
+    char per[48] = "";
+    if (per_ip)
+        snprintf(per, sizeof per, ", %u per client address", per_ip);
+    kvt_log(KVT_LOG_INFO, "http on %s (at most %u connections%s, closed after %u s idle)",
+            cfg->http, limit, per, cfg->http_timeout_s);
     return self;
 fail:
     kvt_http_destroy(&self);

@@ -5,7 +5,8 @@
  *                  with the reason
  *   GET /metrics   Prometheus text format
  *   GET /status    JSON: version, uptime, readiness, threads, clients, config
- *   POST /clear    drops cached objects (all, or ?ns=NAME); JSON {removed}
+ *   POST /clear    drops cached objects (all, or ?ns=NAME); JSON {ok, removed}; an ns the wire
+ *                  protocol would refuse is a 400 {ok: false, error: {code, message}}
  *
  * Handlers only read atomics or take short module locks; they never wait on the server loop.
  * kvt_http_new/destroy are called from the main thread. */
@@ -26,16 +27,19 @@ typedef struct kvt_http kvt_http_t;
 typedef struct {
     /* extra /status members (endpoints, clients, storage...). Returns a new object. */
     json_t *(*status)(void *ctx);
-    /* removes cached objects of `ns` (NULL: all); returns 0 or a KVT_E* code */
-    int (*clear)(void *ctx, const char *ns, uint64_t *removed);
+    /* removes cached objects of the ns_len bytes at `ns` (NULL: all); 0 or a KVT_E* code */
+    int (*clear)(void *ctx, const char *ns, size_t ns_len, uint64_t *removed);
     /* readiness beyond the supervised threads (L2 adapters answering); NULL: none */
     bool (*ready)(void *ctx, char *why, size_t whylen);
     void *ctx;
 } kvt_http_hooks_t;
 
-/* Binds cfg->http and starts the thread. NULL with a sentence in err on failure. */
+/* Binds cfg->http and starts the thread, serving at most max_connections connections at once
+ * (http_max_connections as kvt_accept_setup shared the descriptors out). NULL with a sentence
+ * in err on failure. */
 kvt_http_t *kvt_http_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_sup_t *sup,
-                         const kvt_http_hooks_t *hooks, char *err, size_t errlen);
+                         const kvt_http_hooks_t *hooks, unsigned max_connections, char *err,
+                         size_t errlen);
 
 void kvt_http_destroy(kvt_http_t **self_p);
 

@@ -16,10 +16,12 @@
 #include "kvt_curve.h"
 #include "kvt_error.h"
 #include "kvt_handlers.h"
+#include "kvt_instance.h"
 #include "kvt_log.h"
 #include "kvt_msg.h"
 #include "kvt_prefetch.h"
 #include "kvt_proto.h"
+#include "kvt_reload.h"
 #include "kvt_session.h"
 #include "kvt_workers.h"
 
@@ -29,7 +31,6 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #define S_BATCH 256
@@ -413,33 +414,6 @@ static void s_collect(kvt_server_t *self)
 
 /* ---- set-up ---- */
 
-/* Refuses an ipc path where another process is listening; removes a stale socket file left by
- * a crash (libzmq would silently unlink a live one). */
-static int s_check_ipc(const char *endpoint, char *err, size_t errlen)
-{
-    const char *path = endpoint + strlen("ipc://");
-    struct stat st;
-    if (stat(path, &st) != 0)
-        return 0;
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    if (strlen(path) >= sizeof sa.sun_path) {
-        snprintf(err, errlen, "listen: ipc path %s is too long", path);
-        return KVT_EINVAL;
-    }
-    strcpy(sa.sun_path, path);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return 0;
-    int live = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-    close(fd);
-    if (live) {
-        snprintf(err, errlen, "listen: another process is already serving %s", endpoint);
-        return KVT_EINVAL;
-    }
-    unlink(path);
-    return 0;
-}
-
 static uint64_t s_on_gone(void *ctx, uint64_t owner, bool expired)
 {
     kvt_server_t *self = ctx;
@@ -587,7 +561,7 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
         goto fail;
     for (int i = 0; i < cfg->n_listen; i++) {
         const char *ep = cfg->listen[i];
-        if (strncmp(ep, "ipc://", 6) == 0 && s_check_ipc(ep, err, errlen) != 0)
+        if (strncmp(ep, "ipc://", 6) == 0 && kvt_instance_check_ipc(ep, err, errlen) != 0)
             goto fail;
         kvt_curve_prepare_bind(self->curve, self->router, ep);
         if (zsock_bind(self->router, "%s", ep) < 0) {
@@ -646,6 +620,7 @@ static void s_periodic(kvt_server_t *self)
     self->next_sweep_ms = now + S_SWEEP_MS;
     kvt_sessions_sweep(self->svc.sessions, now);
     kvt_prefetch_sweep(self->svc.prefetch, now);
+    kvt_reload_run_pending(); /* a SIGHUP's reload, on this (the main) thread */
 }
 
 static size_t s_in_flight(const kvt_server_t *self)

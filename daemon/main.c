@@ -11,12 +11,14 @@
 #include "kvt_error.h"
 #include "kvt_events.h"
 #include "kvt_http.h"
+#include "kvt_instance.h"
 #include "kvt_l1.h"
 #include "kvt_l2mgr.h"
-#include "kvt_prefetch.h"
 #include "kvt_log.h"
 #include "kvt_metrics.h"
 #include "kvt_notify.h"
+#include "kvt_prefetch.h"
+#include "kvt_reload.h"
 #include "kvt_server.h"
 #include "kvt_supervisor.h"
 
@@ -28,9 +30,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-/* Descriptors set aside for HTTP connections (kvt_http's MHD connection limit). */
-#define S_HTTP_CONNECTIONS 64
 
 static volatile sig_atomic_t s_stop;
 
@@ -65,6 +64,33 @@ static int s_mkdirs(const char *path, char *err, size_t errlen, const char *what
 fail:
     snprintf(err, errlen, "%s: cannot create %.160s: %s", what, buf, strerror(errno));
     return KVT_EIO;
+}
+
+/* Before anything another daemon could be using (arena, sockets, HTTP): run_dir's lock and the
+ * ipc endpoints. A refused start exits 2: another daemon owns the run_dir or an endpoint, and a
+ * restart would not change that (the unit's RestartPreventExitStatus=2). */
+static kvt_instance_t *s_single_instance(const kvt_config_t *cfg, int *status, char *err,
+                                         size_t errlen)
+{
+    int rc = 0;
+    kvt_instance_t *inst = kvt_instance_claim(cfg, &rc, err, errlen);
+    if (!inst)
+        *status = rc == KVT_EIO ? 1 : 2;
+    return inst;
+}
+
+/* A tcp:// listen endpoint without CURVE has no authentication: on loopback every local user
+ * can read, write and clear the cache (curve.require turns this into a refusal). */
+static void s_warn_plain_tcp(const kvt_config_t *cfg)
+{
+    for (int i = 0; i < cfg->n_listen && !cfg->curve_server_cert[0]; i++)
+        if (strncmp(cfg->listen[i], "tcp://", 6) == 0)
+            kvt_log(KVT_LOG_WARN,
+                    "listen: %s has no CURVE: every local user (and any host that can reach a "
+                    "non-loopback address) can read, write and clear the cache; use ipc:// "
+                    "(guarded by file permissions) or configure curve.server_cert and "
+                    "curve.clients (curve.require refuses plain tcp)",
+                    cfg->listen[i]);
 }
 
 /* What the L1 listener and the HTTP hooks reach. */
@@ -124,8 +150,11 @@ static json_t *s_status_hook(void *ctx)
         kvt_l2mgr_redact(json_string_value(spec), shown, sizeof shown);
         json_string_set(spec, shown);
     }
-    if (cfg)
+    if (cfg) {
+        /* the level a SIGHUP may have changed, not the one of the start */
+        json_object_set_new(cfg, "log_level", json_string(kvt_log_level_name(kvt_log_get_level())));
         json_object_set_new(st, "config", cfg);
+    }
     return st;
 }
 
@@ -135,10 +164,10 @@ static bool s_ready_hook(void *ctx, char *why, size_t whylen)
     return kvt_l2mgr_ready(p->l2, why, whylen);
 }
 
-static int s_clear_hook(void *ctx, const char *ns, uint64_t *removed)
+static int s_clear_hook(void *ctx, const char *ns, size_t ns_len, uint64_t *removed)
 {
     s_parts_t *p = ctx;
-    return kvt_l1_clear(p->l1, (const uint8_t *)ns, ns ? (uint32_t)strlen(ns) : 0, removed);
+    return kvt_l1_clear(p->l1, (const uint8_t *)ns, (uint32_t)ns_len, removed);
 }
 
 /* The STATUS= line `systemctl status kvtier` shows while serving. */
@@ -218,6 +247,8 @@ int main(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+    /* SIGHUP re-reads the config file (the server loop runs the reload) */
+    kvt_reload_t *reload = kvt_reload_new(argc, argv, cfg);
 
     int status = 1;
     kvt_metrics_t *metrics = NULL;
@@ -228,13 +259,18 @@ int main(int argc, char **argv)
     kvt_l2mgr_t *l2 = NULL;
     kvt_events_t *events = NULL;
     kvt_http_t *http = NULL;
+    kvt_instance_t *instance = NULL;
+    kvt_accept_budget_t fds = {0};
     if (s_mkdirs(cfg->run_dir, err, sizeof err, "run_dir") ||
         s_mkdirs(cfg->data_dir, err, sizeof err, "data_dir"))
         goto done;
-    /* the open-files limit up to its hard limit, and what it leaves for client connections
-     * after HTTP's (libzmq must never meet EMFILE: see kvt_accept.h) */
-    if (kvt_accept_setup(cfg->max_connections, cfg->http[0] ? S_HTTP_CONNECTIONS : 0, err,
-                         sizeof err) == 0)
+    if (!(instance = s_single_instance(cfg, &status, err, sizeof err)))
+        goto done;
+    s_warn_plain_tcp(cfg);
+    /* the open-files limit up to its hard limit, shared between client and HTTP connections
+     * (libzmq must never meet EMFILE: see kvt_accept.h) */
+    if (kvt_accept_setup(cfg->max_connections, cfg->http[0] ? cfg->http_max_connections : 0,
+                         &fds, err, sizeof err) != 0)
         goto done;
     metrics = kvt_metrics_new();
     kvt_metrics_add_source(metrics, kvt_accept_metrics_source, NULL);
@@ -250,7 +286,8 @@ int main(int argc, char **argv)
             goto done;
         kvt_metrics_add_source(metrics, kvt_events_metrics_source, events);
     }
-    prefetch = kvt_prefetch_new(60000);
+    prefetch = kvt_prefetch_new(60000, cfg->max_prefetch_jobs);
+    kvt_metrics_add_source(metrics, kvt_prefetch_metrics_source, prefetch);
     int l2rc = 0;
     l2 = kvt_l2mgr_new(cfg, l1, prefetch, sup, &l2rc, err, sizeof err);
     if (!l2) {
@@ -275,7 +312,7 @@ int main(int argc, char **argv)
                                   .clear = s_clear_hook,
                                   .ready = s_ready_hook,
                                   .ctx = &parts};
-        http = kvt_http_new(cfg, metrics, sup, &hooks, err, sizeof err);
+        http = kvt_http_new(cfg, metrics, sup, &hooks, fds.http, err, sizeof err);
         if (!http)
             goto done;
     }
@@ -313,6 +350,8 @@ done:
     kvt_l1_destroy(&l1);
     kvt_sup_destroy(&sup);
     kvt_metrics_destroy(&metrics);
+    kvt_reload_destroy(&reload);
+    kvt_instance_release(&instance); /* the arena and the socket files are gone */
     kvt_config_destroy(&cfg);
     if (status == 0)
         kvt_log(KVT_LOG_INFO, "kvtierd stopped");

@@ -359,8 +359,8 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
         r->token = str;
         break;
     case KVT_FI_NS:
-        if (str.len == 0 || str.len > KVT_MAX_NS)
-            return s_fail(r, KVT_EBADREQ, "field '%s': must be 1 to 256 bytes", "ns");
+        if (kvt_msg_check_ns(str.len, r->error, sizeof r->error) != 0)
+            return KVT_EBADREQ;
         r->ns = str;
         break;
     case KVT_FI_SALT:
@@ -372,6 +372,14 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
         break;
     }
     return 0;
+}
+
+int kvt_msg_check_ns(size_t len, char *err, size_t errlen)
+{
+    if (len >= 1 && len <= KVT_MAX_NS)
+        return 0;
+    snprintf(err, errlen, "field 'ns': must be 1 to %d bytes", KVT_MAX_NS);
+    return KVT_EBADREQ;
 }
 
 static int s_lookup_field(const char *name, uint32_t len)

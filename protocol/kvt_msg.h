@@ -70,6 +70,10 @@ int kvt_msg_decode(const uint8_t *buf, size_t len, kvt_req_type_t type, const kv
 
 void kvt_req_release(kvt_req_t *req);
 
+/* The wire's rule for an `ns` of `len` bytes (1 to KVT_MAX_NS), for every place that takes one
+ * (the decoder, HTTP POST /clear). 0, or KVT_EBADREQ with the reason in err. */
+int kvt_msg_check_ns(size_t len, char *err, size_t errlen);
+
 /* Bounded structural check of one msgpack object filling exactly buf[0..len). Returns 0,
  * KVT_EBADREQ (malformed, too deep, truncated, trailing bytes) or KVT_ETOOBIG (too many
  * elements), with a reason in err. */

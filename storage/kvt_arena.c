@@ -1,7 +1,13 @@
 /* DESIGN: created once by the main thread at start-up, destroyed at shutdown; in between the
- * mapping never changes, so every thread may use base/size without a lock. The segment name
- * carries a hash of the run directory and the pid: clients learn the path from HELLO, and a
- * later daemon of the same run directory can find and remove segments whose owner died. */
+ * mapping never changes, so every thread may use base/size without a lock.
+ *
+ * The segment name is "kvtier-<run-dir hash>-<64 random bits>-<pid>". Clients learn it from
+ * HELLO, so it need not be guessable: /dev/shm is shared by every local user, and a name another
+ * user can predict is a name they can take first (the daemon would not start). It is created
+ * with O_CREAT|O_EXCL|O_NOFOLLOW, so a file or symlink someone else made is never opened; a taken
+ * name means another random one. The run-dir hash and the pid let a later daemon of the same run
+ * directory find the segments whose daemon died; it removes only regular files of its own uid in
+ * exactly this form (a root daemon could unlink anybody's file in the sticky /dev/shm). */
 #include "kvt_arena.h"
 
 #include "kvt_error.h"
@@ -16,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -23,34 +30,52 @@
 #include <xxhash.h>
 
 #define S_SHM_DIR "/dev/shm"
+#define S_RAND_HEX 16  /* hex digits of the random part of a name */
+#define S_NAME_TRIES 8 /* random names tried before giving up (one taken is already unlikely) */
 
 struct kvt_arena {
-    char name[64]; /* shm_open name, "/kvtier-<hash>-<pid>" */
-    char path[96]; /* S_SHM_DIR + name */
+    char name[96];  /* shm_open name, "/kvtier-<hash>-<random>-<pid>" */
+    char path[112]; /* S_SHM_DIR + name */
     void *base;
     uint64_t size;
     bool pinned;
     bool huge;
 };
 
+/* The pid in a segment name "<prefix><16 hex>-<pid>", or 0 when the name is not in that form. */
+static long s_name_pid(const char *name, size_t plen)
+{
+    const char *p = name + plen;
+    if (strspn(p, "0123456789abcdef") != S_RAND_HEX || p[S_RAND_HEX] != '-')
+        return 0;
+    p += S_RAND_HEX + 1;
+    size_t digits = strspn(p, "0123456789");
+    if (digits == 0 || digits > 9 || p[digits] != '\0')
+        return 0;
+    return strtol(p, NULL, 10);
+}
+
 /* Removes segments of this run dir whose daemon is gone (a crash leaves them behind, holding
- * memory until someone unlinks them). */
+ * memory until someone unlinks them): regular files of our own uid named in our form only. */
 static void s_remove_stale(const char *prefix)
 {
     DIR *d = opendir(S_SHM_DIR);
     if (!d)
         return;
     size_t plen = strlen(prefix);
+    uid_t me = geteuid();
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         if (strncmp(e->d_name, prefix, plen) != 0)
             continue;
-        char *end = NULL;
-        long pid = strtol(e->d_name + plen, &end, 10);
-        if (!end || *end || pid <= 0 || pid == getpid())
+        long pid = s_name_pid(e->d_name, plen);
+        struct stat st;
+        if (pid <= 0 || pid == getpid() ||
+            fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+            st.st_uid != me)
             continue;
-        if (kill((pid_t)pid, 0) == 0 || errno == EPERM)
-            continue; /* still alive */
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH)
+            continue; /* still alive, or not ours to judge */
         char name[NAME_MAX + 2];
         snprintf(name, sizeof name, "/%s", e->d_name);
         if (shm_unlink(name) == 0)
@@ -58,6 +83,28 @@ static void s_remove_stale(const char *prefix)
                     S_SHM_DIR, name);
     }
     closedir(d);
+}
+
+/* Creates a new segment under a fresh random name; the fd, or -1 with errno. */
+static int s_create(kvt_arena_t *self, const char *prefix)
+{
+    for (int i = 0; i < S_NAME_TRIES; i++) {
+        uint64_t r;
+        ssize_t n;
+        while ((n = getrandom(&r, sizeof r, 0)) < 0 && errno == EINTR)
+            ;
+        if (n != (ssize_t)sizeof r)
+            return -1;
+        snprintf(self->name, sizeof self->name, "/%s%0*llx-%d", prefix, S_RAND_HEX,
+                 (unsigned long long)r, (int)getpid());
+        snprintf(self->path, sizeof self->path, "%s%s", S_SHM_DIR, self->name);
+        int fd = shm_open(self->name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd >= 0 || errno != EEXIST)
+            return fd;
+        kvt_log(KVT_LOG_WARN, "l1: %s exists already (made by someone else?): trying another name",
+                self->path);
+    }
+    return -1;
 }
 
 kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
@@ -74,12 +121,9 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
     snprintf(prefix, sizeof prefix, "kvtier-%016llx-",
              (unsigned long long)XXH3_64bits(dir, strlen(dir)));
     s_remove_stale(prefix);
-    snprintf(self->name, sizeof self->name, "/%s%d", prefix, (int)getpid());
-    snprintf(self->path, sizeof self->path, "%s%s", S_SHM_DIR, self->name);
-
-    fd = shm_open(self->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    fd = s_create(self, prefix);
     if (fd < 0) {
-        snprintf(err, errlen, "l1: cannot create shared memory %s: %s", self->path,
+        snprintf(err, errlen, "l1: cannot create shared memory %s/%s...: %s", S_SHM_DIR, prefix,
                  strerror(errno));
         goto fail_nounlink;
     }

@@ -1,11 +1,13 @@
 /* kvt_arena: the L1 shared-memory segment that clients map.
  *
- * A POSIX shared-memory object (/dev/shm/kvtier-<run-dir hash>-<pid>), mode 0600, or 0660 owned
- * by `shm_group`; space reserved with fallocate (a full /dev/shm fails at start, not later with
- * SIGBUS), mapped MAP_SHARED with MAP_POPULATE, transparent huge pages requested with
+ * A POSIX shared-memory object (/dev/shm/kvtier-<run-dir hash>-<random>-<pid>: not guessable by
+ * other local users, created exclusively, never a file someone else made), mode 0600, or 0660
+ * owned by `shm_group`; space reserved with fallocate (a full /dev/shm fails at start, not later
+ * with SIGBUS), mapped MAP_SHARED with MAP_POPULATE, transparent huge pages requested with
  * madvise(MADV_HUGEPAGE), and mlock()ed unless allow_unpinned lets it start unpinned. Segments
- * left by crashed daemons of the same run dir are removed at start. No CUDA context is created
- * here. Created and destroyed by the main thread; the mapping is read-only state afterwards. */
+ * left by crashed daemons of the same run dir and user are removed at start. No CUDA context is
+ * created here. Created and destroyed by the main thread; the mapping is read-only state
+ * afterwards. */
 #ifndef KVT_ARENA_H
 #define KVT_ARENA_H
 

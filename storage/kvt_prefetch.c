@@ -1,6 +1,14 @@
-/* DESIGN: jobs in a czmq hash keyed by id (hex) plus a FIFO of ids in creation order, so the
- * sweep looks only at the oldest jobs. One mutex, a leaf. At most S_MAX_JOBS are kept: past
- * that the oldest finished job is dropped early. */
+/* DESIGN: jobs in a czmq hash keyed by id (hex), each also on one of two FIFOs: `running`
+ * (creation order) or `finished` (the order they finished). A sweep looks only at the head of
+ * `finished`, so a job still running never holds back the sweep of those that finished after
+ * it. One mutex, a leaf.
+ *
+ * At most max_jobs are live. A new job past that takes the place of the oldest finished one,
+ * or is refused (counted; the LOOKUP answers without a job) when every live job is still
+ * running: a running job is an L2 load its client may be waiting for, never dropped. While more
+ * than half the cap is live, finished jobs are kept only S_PRESSURE_KEEP_MS instead of keep_ms,
+ * swept at each start as well as by the periodic sweep, so a flood of LOOKUPs that never poll
+ * costs little for long. */
 #include "kvt_prefetch.h"
 
 #include "kvt_error.h"
@@ -11,21 +19,25 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-#define S_MAX_JOBS 65536
+#define S_PRESSURE_KEEP_MS 1000
 
 typedef struct {
     uint64_t id;
     uint64_t done_ms;
     uint32_t hits, loaded;
     bool done;
+    void *handle; /* in `running` or `finished` */
 } s_job_t;
 
 struct kvt_prefetch {
     pthread_mutex_t lock;
-    zhashx_t *jobs;  /* hex id -> s_job_t (owned) */
-    zlistx_t *order; /* s_job_t, oldest first (borrowed) */
+    zhashx_t *jobs;     /* hex id -> s_job_t (owned) */
+    zlistx_t *running;  /* s_job_t, oldest first (borrowed) */
+    zlistx_t *finished; /* s_job_t, first finished first (borrowed) */
     uint64_t next_id;
     uint64_t keep_ms;
+    uint32_t max_jobs;
+    uint64_t refused;
 };
 
 static void s_job_free(void **item)
@@ -39,17 +51,20 @@ static void s_hex(uint64_t v, char out[17])
     snprintf(out, 17, "%016" PRIx64, v);
 }
 
-kvt_prefetch_t *kvt_prefetch_new(uint64_t keep_ms)
+kvt_prefetch_t *kvt_prefetch_new(uint64_t keep_ms, uint32_t max_jobs)
 {
+    kvt_assert(max_jobs > 0);
     kvt_prefetch_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     pthread_mutex_init(&self->lock, NULL);
     self->jobs = zhashx_new();
-    self->order = zlistx_new();
-    kvt_assert(self->jobs && self->order);
+    self->running = zlistx_new();
+    self->finished = zlistx_new();
+    kvt_assert(self->jobs && self->running && self->finished);
     zhashx_set_destructor(self->jobs, s_job_free);
     self->next_id = 1;
     self->keep_ms = keep_ms;
+    self->max_jobs = max_jobs;
     return self;
 }
 
@@ -58,37 +73,63 @@ void kvt_prefetch_destroy(kvt_prefetch_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvt_prefetch_t *self = *self_p;
-    zlistx_destroy(&self->order);
+    zlistx_destroy(&self->finished);
+    zlistx_destroy(&self->running);
     zhashx_destroy(&self->jobs);
     pthread_mutex_destroy(&self->lock);
     free(self);
     *self_p = NULL;
 }
 
-/* Drops the oldest job; lock held. */
-static void s_drop_oldest(kvt_prefetch_t *self)
+/* Drops the oldest finished job; lock held, `finished` not empty. */
+static void s_drop_finished(kvt_prefetch_t *self)
 {
-    s_job_t *j = zlistx_detach(self->order, NULL);
+    s_job_t *j = zlistx_detach(self->finished, NULL);
     char key[17];
     s_hex(j->id, key);
     zhashx_delete(self->jobs, key);
 }
 
+/* Drops finished jobs kept long enough: keep_ms, or S_PRESSURE_KEEP_MS while more than half
+ * the cap is live. Lock held. */
+static size_t s_sweep(kvt_prefetch_t *self, uint64_t now_ms)
+{
+    size_t n = 0;
+    for (s_job_t *j = zlistx_first(self->finished); j; j = zlistx_first(self->finished)) {
+        bool pressure = zhashx_size(self->jobs) > self->max_jobs / 2;
+        uint64_t keep =
+            pressure && S_PRESSURE_KEEP_MS < self->keep_ms ? S_PRESSURE_KEEP_MS : self->keep_ms;
+        if (now_ms - j->done_ms <= keep)
+            break;
+        s_drop_finished(self);
+        n++;
+    }
+    return n;
+}
+
 uint64_t kvt_prefetch_start(kvt_prefetch_t *self, uint32_t hits, bool done, uint64_t now_ms)
 {
+    pthread_mutex_lock(&self->lock);
+    s_sweep(self, now_ms);
+    if (zhashx_size(self->jobs) >= self->max_jobs) {
+        if (zlistx_size(self->finished) == 0) {
+            self->refused++;
+            pthread_mutex_unlock(&self->lock);
+            return 0; /* every live job is a load in progress */
+        }
+        s_drop_finished(self);
+    }
     s_job_t *j = calloc(1, sizeof *j);
     kvt_assert(j);
     j->hits = hits;
     j->done = done;
     j->done_ms = now_ms;
-    char key[17];
-    pthread_mutex_lock(&self->lock);
-    if (zlistx_size(self->order) >= S_MAX_JOBS)
-        s_drop_oldest(self);
     j->id = self->next_id++;
+    char key[17];
     s_hex(j->id, key);
     zhashx_insert(self->jobs, key, j);
-    zlistx_add_end(self->order, j);
+    j->handle = zlistx_add_end(done ? self->finished : self->running, j);
+    kvt_assert(j->handle);
     uint64_t id = j->id;
     pthread_mutex_unlock(&self->lock);
     return id;
@@ -106,6 +147,9 @@ void kvt_prefetch_update(kvt_prefetch_t *self, uint64_t job, uint32_t loaded, bo
         if (done && !j->done) {
             j->done = true;
             j->done_ms = now_ms;
+            zlistx_detach(self->running, j->handle);
+            j->handle = zlistx_add_end(self->finished, j);
+            kvt_assert(j->handle);
         }
     }
     pthread_mutex_unlock(&self->lock);
@@ -129,13 +173,8 @@ int kvt_prefetch_status(kvt_prefetch_t *self, uint64_t job, bool *done, uint32_t
 
 size_t kvt_prefetch_sweep(kvt_prefetch_t *self, uint64_t now_ms)
 {
-    size_t n = 0;
     pthread_mutex_lock(&self->lock);
-    for (s_job_t *j = zlistx_first(self->order);
-         j && j->done && now_ms - j->done_ms > self->keep_ms; j = zlistx_first(self->order)) {
-        s_drop_oldest(self);
-        n++;
-    }
+    size_t n = s_sweep(self, now_ms);
     pthread_mutex_unlock(&self->lock);
     return n;
 }
@@ -146,4 +185,23 @@ size_t kvt_prefetch_jobs(kvt_prefetch_t *self)
     size_t n = zhashx_size(self->jobs);
     pthread_mutex_unlock(&self->lock);
     return n;
+}
+
+void kvt_prefetch_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+{
+    kvt_prefetch_t *self = ctx;
+    pthread_mutex_lock(&self->lock);
+    double jobs = (double)zhashx_size(self->jobs), refused = (double)self->refused;
+    pthread_mutex_unlock(&self->lock);
+    kvt_sample_t j = {.name = "prefetch_jobs",
+                      .help = "Prefetch jobs kept (running, or finished and not yet swept).",
+                      .kind = KVT_METRIC_GAUGE,
+                      .value = jobs};
+    emit(emit_ctx, &j);
+    kvt_sample_t r = {.name = "prefetch_refused_total",
+                      .help = "LOOKUPs with prefetch answered without a job: max_prefetch_jobs "
+                              "loads were running.",
+                      .kind = KVT_METRIC_COUNTER,
+                      .value = refused};
+    emit(emit_ctx, &r);
 }

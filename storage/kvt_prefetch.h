@@ -4,9 +4,13 @@
  * into L1 so far. When the whole prefix is in L1 already (or there is no L2) a job is done when
  * it is created (loaded 0); otherwise the L2 manager reports progress as loads finish. Jobs are
  * kept for `keep_ms` after they finish, then swept, so a client that never polls costs nothing
- * for long. Thread-safe (one mutex). */
+ * for long. At most `max_jobs` live at once (max_prefetch_jobs): past that a new job replaces
+ * the oldest finished one, or is refused when all are still running; while more than half the
+ * cap is live, finished jobs are kept only a second. Thread-safe (one mutex). */
 #ifndef KVT_PREFETCH_H
 #define KVT_PREFETCH_H
+
+#include "kvt_metrics.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -14,11 +18,12 @@
 
 typedef struct kvt_prefetch kvt_prefetch_t;
 
-kvt_prefetch_t *kvt_prefetch_new(uint64_t keep_ms);
+kvt_prefetch_t *kvt_prefetch_new(uint64_t keep_ms, uint32_t max_jobs);
 void kvt_prefetch_destroy(kvt_prefetch_t **self_p);
 
 /* A new job for a LOOKUP that found `hits` leading keys; it is finished at once when `done`.
- * Returns its id (never 0). */
+ * Returns its id, or 0 when max_jobs jobs are live and all still running (counted as refused):
+ * the caller then starts no load and answers without a job. */
 uint64_t kvt_prefetch_start(kvt_prefetch_t *self, uint32_t hits, bool done, uint64_t now_ms);
 
 /* Progress of a running job: `loaded` more keys are in L1; `done` when the job ends. */
@@ -29,9 +34,12 @@ void kvt_prefetch_update(kvt_prefetch_t *self, uint64_t job, uint32_t loaded, bo
 int kvt_prefetch_status(kvt_prefetch_t *self, uint64_t job, bool *done, uint32_t *loaded,
                         uint32_t *hits);
 
-/* Drops finished jobs older than keep_ms; returns how many. */
+/* Drops finished jobs older than keep_ms (a second while over half the cap); returns how many. */
 size_t kvt_prefetch_sweep(kvt_prefetch_t *self, uint64_t now_ms);
 
 size_t kvt_prefetch_jobs(kvt_prefetch_t *self);
+
+/* Metrics source: kvtier_prefetch_jobs, kvtier_prefetch_refused_total. */
+void kvt_prefetch_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
 
 #endif

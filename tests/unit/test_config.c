@@ -541,6 +541,19 @@ static void test_loopback_rule(void **state)
     s_finish_fails(c, "curve.clients: must be set together with curve.server_cert");
     kvt_config_destroy(&c);
 
+    /* curve.require: no plain tcp, loopback included; ipc stays fine */
+    c = kvt_config_new();
+    s_set_ok(c, "curve.require", "true");
+    s_set_ok(c, "listen", "ipc:///tmp/a.sock");
+    s_finish_ok(c);
+    s_set_ok(c, "listen", "ipc:///tmp/a.sock,tcp://127.0.0.1:5555");
+    s_finish_fails(c, "listen: tcp://127.0.0.1:5555 has no CURVE and curve.require is set: "
+                      "configure curve.server_cert and curve.clients, or listen on ipc:// only");
+    s_set_ok(c, "curve.server_cert", "/etc/kvtier/server.cert");
+    s_set_ok(c, "curve.clients", "/etc/kvtier/clients");
+    s_finish_ok(c);
+    kvt_config_destroy(&c);
+
     c = kvt_config_new();
     s_set_ok(c, "http", "0.0.0.0:8080");
     s_finish_fails(c, "http: 0.0.0.0:8080 is not loopback; set allow_insecure_remote to allow "
@@ -729,6 +742,7 @@ static void test_precedence(void **state)
 
     char *argv0[] = {"kvtierd", "--config", path, NULL};
     assert_int_equal(s_load(&c, ARGC(argv0), argv0, &action, err, sizeof err), 0);
+    assert_string_equal(c->config_file, path); /* what SIGHUP reads again */
     assert_true(c->l1_size == 2ull << 30);
     assert_int_equal(c->chunk_tokens, 512);
     assert_int_equal(c->lease_ms, 1000);
@@ -771,6 +785,7 @@ static void test_precedence(void **state)
     char *argv4[] = {"kvtierd", NULL};
     assert_int_equal(s_load(&c, ARGC(argv4), argv4, &action, err, sizeof err), 0);
     assert_true(c->l1_size == 2ull << 30);
+    assert_string_equal(c->config_file, path);
     kvt_config_destroy(&c);
     setenv("KVTIER_CONFIG", "/nonexistent/kvtier.json", 1);
     assert_int_equal(s_load(&c, ARGC(argv4), argv4, &action, err, sizeof err), KVT_EINVAL);
@@ -780,6 +795,9 @@ static void test_precedence(void **state)
     assert_true(c->l1_size == 2ull << 30);
     kvt_config_destroy(&c);
     unsetenv("KVTIER_CONFIG");
+    assert_int_equal(s_load(&c, ARGC(argv4), argv4, &action, err, sizeof err), 0);
+    assert_null(c->config_file);
+    kvt_config_destroy(&c);
     s_rm_tmp(&path);
 }
 

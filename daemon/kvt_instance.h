@@ -1,0 +1,35 @@
+/* kvt_instance: one daemon per run directory, and no endpoint taken from a live process.
+ *
+ * kvt_instance_claim() runs first at start-up, once the run directory exists and before anything
+ * another daemon could be using is created or bound (the arena, the listen and events sockets,
+ * HTTP). It takes an exclusive flock() on RUN_DIR/kvtier.lock, held for the life of the process
+ * (the kernel drops it when the process dies, however it dies), writes the daemon's pid into it,
+ * then checks that no live process serves any ipc:// endpoint of the configuration: libzmq
+ * unlinks an existing socket file when it binds, so binding first would cut the other daemon's
+ * clients and subscribers off. The lock file is never removed (unlinking it would let a third
+ * daemon lock a new file while a second one waits on the old). Main thread only. */
+#ifndef KVT_INSTANCE_H
+#define KVT_INSTANCE_H
+
+#include "kvt_config.h"
+
+#include <stddef.h>
+
+#define KVT_INSTANCE_LOCK "kvtier.lock"
+
+typedef struct kvt_instance kvt_instance_t;
+
+/* Takes run_dir's lock and checks the ipc endpoints. NULL with one line in err and *rc set:
+ * KVT_EBUSY when another daemon holds run_dir or a live process serves an endpoint, KVT_EINVAL
+ * when the lock file is not this user's regular file (both configuration problems: exit 2), or
+ * KVT_EIO when the lock file cannot be opened or locked. */
+kvt_instance_t *kvt_instance_claim(const kvt_config_t *cfg, int *rc, char *err, size_t errlen);
+
+/* Drops the lock (after everything the daemon shared is gone). Accepts NULL. */
+void kvt_instance_release(kvt_instance_t **self_p);
+
+/* For an ipc:// endpoint about to be bound: KVT_EBUSY when a process is listening on its path,
+ * else 0 after removing a stale socket file left by a crash. 0 for other transports. */
+int kvt_instance_check_ipc(const char *endpoint, char *err, size_t errlen);
+
+#endif

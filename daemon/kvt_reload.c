@@ -1,0 +1,150 @@
+/* DESIGN: the two configurations are compared through kvt_config_to_json, the form
+ * --print-config writes, so every option (and any added later) is covered without a list kept
+ * here. Values other than log_level are not logged: an l2 spec may hold a password. The state is
+ * static because a signal is process-wide: the handler can reach nothing else. Everything but
+ * kvt_reload_request runs on the main thread. */
+#include "kvt_reload.h"
+
+#include "kvt_error.h"
+#include "kvt_log.h"
+
+#include <jansson.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct kvt_reload {
+    int argc;
+    char *const *argv;
+    const kvt_config_t *running;
+};
+
+static volatile sig_atomic_t s_requested;
+static kvt_reload_t *s_active;
+
+static void s_on_sighup(int sig)
+{
+    (void)sig;
+    kvt_reload_request();
+}
+
+void kvt_reload_request(void)
+{
+    s_requested = 1;
+}
+
+kvt_reload_t *kvt_reload_new(int argc, char *const argv[], const kvt_config_t *running)
+{
+    kvt_assert(!s_active);
+    kvt_reload_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->argc = argc;
+    self->argv = argv;
+    self->running = running;
+    s_active = self;
+    struct sigaction sa = {.sa_handler = s_on_sighup};
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGHUP, &sa, NULL);
+    return self;
+}
+
+void kvt_reload_destroy(kvt_reload_t **self_p)
+{
+    if (!self_p || !*self_p)
+        return;
+    signal(SIGHUP, SIG_IGN); /* a late SIGHUP must not kill a daemon that is stopping */
+    if (s_active == *self_p)
+        s_active = NULL;
+    free(*self_p);
+    *self_p = NULL;
+}
+
+/* The options (dotted names for grouped ones) whose values differ; returns how many. */
+static int s_report_changes(const json_t *was, const json_t *now, const char *group,
+                            const char *file)
+{
+    int changed = 0;
+    const json_t *sides[2] = {was, now};
+    for (int side = 0; side < 2; side++) {
+        const char *k;
+        json_t *v;
+        json_object_foreach((json_t *)sides[side], k, v)
+        {
+            const json_t *other = json_object_get(sides[!side], k);
+            if (side == 1 && other)
+                continue; /* compared from the first side */
+            char name[128];
+            snprintf(name, sizeof name, "%s%s%s", group, *group ? "." : "", k);
+            if (!*group && strcmp(k, "log_level") == 0)
+                continue; /* applied by the caller */
+            if (json_is_object(v) && json_is_object(other)) { /* a group: curve.*, debug.* */
+                changed += s_report_changes(v, other, name, file);
+            } else if (!other || !json_equal(v, (json_t *)other)) {
+                kvt_log(KVT_LOG_WARN,
+                        "config: SIGHUP: %s changed in %s: it takes effect at the next restart",
+                        name, file);
+                changed++;
+            }
+        }
+    }
+    return changed;
+}
+
+static json_t *s_json(const kvt_config_t *cfg)
+{
+    char *text = kvt_config_to_json(cfg);
+    json_t *obj = text ? json_loads(text, 0, NULL) : NULL;
+    free(text);
+    return obj ? obj : json_object();
+}
+
+static void s_reload(const kvt_reload_t *self)
+{
+    const char *file = self->running->config_file;
+    if (!file) {
+        kvt_log(KVT_LOG_INFO, "config: SIGHUP: no config file (--config, KVTIER_CONFIG) to "
+                              "re-read; nothing changed");
+        return;
+    }
+    char err[KVT_ERR_LEN] = "";
+    kvt_config_action_t action;
+    kvt_config_t *fresh = kvt_config_new();
+    if (kvt_config_load(fresh, self->argc, self->argv, &action, err, sizeof err) != 0) {
+        kvt_log(KVT_LOG_ERROR, "config: SIGHUP: %s; the running configuration stays", err);
+        kvt_config_destroy(&fresh);
+        return;
+    }
+    int changed = 0;
+    kvt_log_level_t was = kvt_log_get_level(), now = was;
+    kvt_log_level_parse(fresh->log_level, &now); /* validated by the load */
+    if (now != was) {
+        /* said at the more verbose of the two levels, so that it shows */
+        if (now > was)
+            kvt_log_set_level(now);
+        kvt_log(KVT_LOG_INFO, "config: SIGHUP: log_level %s -> %s (applied)",
+                kvt_log_level_name(was), kvt_log_level_name(now));
+        kvt_log_set_level(now);
+        changed++;
+    }
+    json_t *a = s_json(self->running), *b = s_json(fresh);
+    changed += s_report_changes(a, b, "", file);
+    json_decref(a);
+    json_decref(b);
+    kvt_log(KVT_LOG_INFO, "config: SIGHUP: re-read %s: %d change%s%s", file, changed,
+            changed == 1 ? "" : "s",
+            self->running->curve_clients[0]
+                ? " (CURVE client certificates need no reload: zauth re-reads curve.clients)"
+                : "");
+    kvt_config_destroy(&fresh);
+}
+
+void kvt_reload_run_pending(void)
+{
+    if (!s_requested)
+        return;
+    s_requested = 0;
+    if (s_active)
+        s_reload(s_active);
+}
