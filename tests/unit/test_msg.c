@@ -72,22 +72,22 @@ static void test_prescan_hostile_lengths(void **state)
         size_t len;
         int want;
     } cases[] = {
-        {"\xdd\xff\xff\xff\xff", 5, KVT_EBADREQ}, /* array32 of 4 billion elements */
-        {"\xdf\xff\xff\xff\xff", 5, KVT_EBADREQ}, /* map32 */
-        {"\xc6\xff\xff\xff\xff", 5, KVT_EBADREQ}, /* bin32 of 4 GiB */
-        {"\xdb\x00\x01\x00\x00", 5, KVT_EBADREQ}, /* str32 longer than the body */
+        {"\xdd\xff\xff\xff\xff", 5, KVT_EBADREQ},     /* array32 of 4 billion elements */
+        {"\xdf\xff\xff\xff\xff", 5, KVT_EBADREQ},     /* map32 */
+        {"\xc6\xff\xff\xff\xff", 5, KVT_EBADREQ},     /* bin32 of 4 GiB */
+        {"\xdb\x00\x01\x00\x00", 5, KVT_EBADREQ},     /* str32 longer than the body */
         {"\xc9\x00\x00\x00\x10\x01", 6, KVT_EBADREQ}, /* ext32 */
-        {"\x82\xa1\x61", 3, KVT_EBADREQ},         /* truncated map */
-        {"\xc1", 1, KVT_EBADREQ},                 /* never-used byte */
-        {"\x80\x00", 2, KVT_EBADREQ},             /* trailing byte */
+        {"\x82\xa1\x61", 3, KVT_EBADREQ},             /* truncated map */
+        {"\xc1", 1, KVT_EBADREQ},                     /* never-used byte */
+        {"\x80\x00", 2, KVT_EBADREQ},                 /* trailing byte */
         {"", 0, KVT_EBADREQ},
         {"\x80", 1, 0},
         {"\x81\xa1\x61\xc0", 4, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         err[0] = '\0';
-        int rc = kvt_msg_prescan((const uint8_t *)cases[i].bytes, cases[i].len, &s_lim, err,
-                                 sizeof err);
+        int rc =
+            kvt_msg_prescan((const uint8_t *)cases[i].bytes, cases[i].len, &s_lim, err, sizeof err);
         assert_int_equal(rc, cases[i].want);
         if (rc)
             assert_true(strlen(err) > 0);
@@ -168,6 +168,66 @@ static void test_hello_fields(void **state)
     assert_true(req.present & KVT_F_INSTANCE);
     kvt_req_release(&req);
     msgpack_sbuffer_destroy(&b.sb);
+}
+
+/* HELLO's token (1-64 bytes) and PING's instance are optional; elsewhere they are ignored. */
+static void test_hello_token_and_ping_instance(void **state)
+{
+    (void)state;
+    static const size_t lens[] = {1, 32, 64, 65, 0};
+    static const int want[] = {0, 0, 0, KVT_EBADREQ, KVT_EBADREQ};
+    char tok[80];
+    memset(tok, 'a', sizeof tok);
+    for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+        body_t b;
+        b_init(&b, 4);
+        b_key(&b, "version");
+        msgpack_pack_uint32(&b.pk, 1);
+        b_key(&b, "client");
+        kvt_pack_str(&b.pk, "c");
+        b_key(&b, "instance");
+        kvt_pack_str(&b.pk, "i");
+        b_key(&b, "token");
+        kvt_pack_strn(&b.pk, tok, lens[i]);
+        kvt_req_t req;
+        assert_int_equal(b_decode(&b, KVT_REQ_HELLO, &req), want[i]);
+        if (want[i] == 0) {
+            assert_true(req.present & KVT_F_TOKEN);
+            assert_int_equal(req.token.len, lens[i]);
+        } else {
+            assert_non_null(strstr(req.error, "token"));
+        }
+        kvt_req_release(&req);
+        msgpack_sbuffer_destroy(&b.sb);
+    }
+    body_t b;
+    b_init(&b, 1);
+    b_key(&b, "instance");
+    kvt_pack_str(&b.pk, "engine-0");
+    kvt_req_t req;
+    assert_int_equal(b_decode(&b, KVT_REQ_PING, &req), 0);
+    assert_true(req.present & KVT_F_INSTANCE);
+    assert_memory_equal(req.instance.ptr, "engine-0", 8);
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+}
+
+/* Every wire code has one index; the codes that share a wire string share it. */
+static void test_wire_error_table(void **state)
+{
+    (void)state;
+    assert_string_equal(kvt_err_wire(KVT_ENOINST), "instance_dropped");
+    assert_int_equal(kvt_err_from_wire("instance_dropped", 16), KVT_ENOINST);
+    assert_int_equal(kvt_err_wire_index(KVT_ENOINST), KVT_WIRE_ERRORS - 1);
+    assert_string_equal(kvt_err_wire_name(KVT_WIRE_ERRORS - 1), "instance_dropped");
+    assert_int_equal(kvt_err_wire_index(KVT_ENOMEM), kvt_err_wire_index(KVT_EINTERNAL));
+    assert_int_equal(kvt_err_wire_index(KVT_EINVAL), kvt_err_wire_index(KVT_EBADREQ));
+    for (int i = 0; i < KVT_WIRE_ERRORS; i++) {
+        const char *w = kvt_err_wire_name(i);
+        assert_int_equal(kvt_err_wire_index(kvt_err_from_wire(w, strlen(w))), i);
+        for (int j = 0; j < i; j++)
+            assert_string_not_equal(kvt_err_wire_name(j), w);
+    }
 }
 
 static void test_missing_and_wrong_fields(void **state)
@@ -262,9 +322,9 @@ static void test_keys(void **state)
     b_key(&b, "ns");
     kvt_pack_str(&b.pk, "m");
     b_keys(&b, 9, 16);
-    assert_int_equal(kvt_msg_decode((const uint8_t *)b.sb.data, b.sb.size, KVT_REQ_ACQUIRE,
-                                    &small, &req),
-                     KVT_ETOOBIG);
+    assert_int_equal(
+        kvt_msg_decode((const uint8_t *)b.sb.data, b.sb.size, KVT_REQ_ACQUIRE, &small, &req),
+        KVT_ETOOBIG);
     kvt_req_release(&req);
     msgpack_sbuffer_destroy(&b.sb);
 
@@ -562,15 +622,14 @@ static void test_gpu_copy_decode(void **state)
     kvt_limits_t small;
     kvt_limits_init(&small, 256u << 20, 16);
     b_copy(&b, 16, 16 * 80, 0); /* 1296 elements > max_items (2 x 16 + 1024) */
-    assert_int_equal(kvt_msg_decode((const uint8_t *)b.sb.data, b.sb.size, KVT_REQ_STORE_GPU,
-                                    &small, &req),
-                     KVT_ETOOBIG);
+    assert_int_equal(
+        kvt_msg_decode((const uint8_t *)b.sb.data, b.sb.size, KVT_REQ_STORE_GPU, &small, &req),
+        KVT_ETOOBIG);
     kvt_req_release(&req);
     msgpack_sbuffer_destroy(&b.sb);
     b_copy(&b, 16, 16 * 16, 0);
-    assert_int_equal(kvt_msg_decode((const uint8_t *)b.sb.data, b.sb.size, KVT_REQ_STORE_GPU,
-                                    &small, &req),
-                     0);
+    assert_int_equal(
+        kvt_msg_decode((const uint8_t *)b.sb.data, b.sb.size, KVT_REQ_STORE_GPU, &small, &req), 0);
     kvt_req_release(&req);
     msgpack_sbuffer_destroy(&b.sb);
 }
@@ -582,6 +641,8 @@ int main(void)
         cmocka_unit_test(test_prescan_depth_and_items),
         cmocka_unit_test(test_read_uint),
         cmocka_unit_test(test_hello_fields),
+        cmocka_unit_test(test_hello_token_and_ping_instance),
+        cmocka_unit_test(test_wire_error_table),
         cmocka_unit_test(test_missing_and_wrong_fields),
         cmocka_unit_test(test_keys),
         cmocka_unit_test(test_reserve_rules),
