@@ -260,6 +260,16 @@ def check_reply_shape(body):
             "error message missing or empty: %r" % (body,)
 
 
+def assert_error(body, code, *mentions):
+    """Asserts a failed reply with wire error `code` whose message mentions each of `mentions`
+    (case-insensitive)."""
+    assert body["ok"] is False, "expected error %s, got %r" % (code, body)
+    assert body["error"]["code"] == code, "expected error %s, got %r" % (code, body["error"])
+    for m in mentions:
+        assert m.lower() in body["error"]["message"].lower(), \
+            "error message %r does not mention %r" % (body["error"]["message"], m)
+
+
 def error_code(body):
     """The error code of a failed reply body, or None when ok."""
     if body.get("ok"):

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from kvtest import (PING, REGISTER_GPU, RETRIEVE_GPU, STORE_GPU, UNREGISTER_GPU, key,
+from kvtest import (assert_error, PING, REGISTER_GPU, RETRIEVE_GPU, STORE_GPU, UNREGISTER_GPU, key,
                     metric_value)
 
 KVT_DAEMON_ARGS = ("--l2", "none")
@@ -34,13 +34,6 @@ def copy_body(**over):
 def have_cuda_device():
     """True when this machine has an NVIDIA device node (then `unavailable` is not expected)."""
     return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
-
-
-def assert_error(body, code, *mentions):
-    assert body["ok"] is False, "expected %s, got %r" % (code, body)
-    assert body["error"]["code"] == code, body
-    for m in mentions:
-        assert m in body["error"]["message"], (m, body["error"]["message"])
 
 
 def cuda_maps(pid):

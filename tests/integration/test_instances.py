@@ -13,18 +13,11 @@ import time
 import pytest
 import zmq
 
-from kvtest import BYE, HELLO, PING, MiB, PAGE, Arena, key, metric_value, pattern, wait_until
+from kvtest import (assert_error, BYE, HELLO, PING, MiB, PAGE, Arena, key, metric_value, pattern,
+                    wait_until)
 
 NS = "instances-test/kv"
 KVT_DAEMON_ARGS = ("--l2", "none")
-
-
-def assert_error(body, code, *mentions):
-    assert body["ok"] is False, "expected error %s, got %r" % (code, body)
-    assert body["error"]["code"] == code, "expected error %s, got %r" % (code, body["error"])
-    for m in mentions:
-        assert m.lower() in body["error"]["message"].lower(), \
-            "error message %r does not mention %r" % (body["error"]["message"], m)
 
 
 def hello_body(instance, token=None):

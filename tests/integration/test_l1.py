@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from kvtest import (ACQUIRE, BYE, COMMIT, RELEASE, RESERVE, STATS, MiB, PAGE, Arena,
+from kvtest import (assert_error, ACQUIRE, BYE, COMMIT, RELEASE, RESERVE, STATS, MiB, PAGE, Arena,
                     WorkerProcess, check_slots, key, metric_value, pattern, payload, sha256,
                     slot_range, wait_until)
 
@@ -28,14 +28,6 @@ QUIET = ("--high-watermark", "1.0", "--low-watermark", "0.99")   # controller ou
 # L1 alone: with an L2 tier (the default fs:DATA_DIR/l2) LOOKUP also counts L2 hits, CLEAR and
 # REMOVE leave or race with L2 copies, and write-behind pins objects (tests/integration/test_l2.py)
 KVT_DAEMON_ARGS = ("--l2", "none")
-
-
-def assert_error(body, code, *mentions):
-    assert body["ok"] is False, "expected error %s, got %r" % (code, body)
-    assert body["error"]["code"] == code, "expected error %s, got %r" % (code, body["error"])
-    for m in mentions:
-        assert m.lower() in body["error"]["message"].lower(), \
-            "error message %r does not mention %r" % (body["error"]["message"], m)
 
 
 def keys_of(tag, n, start=0):

@@ -11,8 +11,8 @@ import time
 import msgpack
 import pytest
 
-from kvtest import (ACQUIRE, BYE, CLEAR, COMMIT, GET, HASH_TOKENS, HELLO, LOOKUP, PING,
-                    PREFETCH_STATUS, PUT, RELEASE, REMOVE, RESERVE, STATS, TYPE_NAMES,
+from kvtest import (assert_error, ACQUIRE, BYE, CLEAR, COMMIT, GET, HASH_TOKENS, HELLO, LOOKUP,
+                    PING, PREFETCH_STATUS, PUT, RELEASE, REMOVE, RESERVE, STATS, TYPE_NAMES,
                     DEFAULT_CHUNK_TOKENS, DEFAULT_LEASE_MS, DEFAULT_MAX_MESSAGE, ERROR_CODES,
                     decode_reply, error_code, is_msgpack_uint_frame, key, pack, wait_until)
 
@@ -21,15 +21,6 @@ NS = "test-model/kv-v1"
 
 def hello_body(instance="inst-XYZ", version=1, client="pytest"):
     return {"version": version, "client": client, "instance": instance}
-
-
-def assert_error(reply_body, code, *mentions):
-    assert reply_body["ok"] is False, "expected error %s, got %r" % (code, reply_body)
-    assert reply_body["error"]["code"] == code, \
-        "expected error %s, got %r" % (code, reply_body["error"])
-    for m in mentions:
-        assert m in reply_body["error"]["message"], \
-            "error message %r does not mention %r" % (reply_body["error"]["message"], m)
 
 
 def assert_still_serving(d, sock=None):
