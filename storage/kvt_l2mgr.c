@@ -338,8 +338,14 @@ static void s_do_store(s_adapter_t *a, s_job_t *j)
         char name[KVT_L2_NAME_LEN];
         kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
         const uint8_t *payload = base + slot.offset;
+        uint64_t sum = XXH3_64bits(payload, slot.length); /* once: trailer and L1 check */
+        if (kvt_l1_check_sum(m->l1, KVT_OWNER_DAEMON, lease, 0, sum) != 0) {
+            /* damaged after its COMMIT (l1_checksum): L1 dropped it, L2 must not get it */
+            kvt_l1_release(m->l1, KVT_OWNER_DAEMON, lease);
+            continue;
+        }
         uint8_t trailer[KVT_L2_TRAILER_LEN];
-        kvt_l2_trailer_make(trailer, name, slot.length, XXH3_64bits(payload, slot.length));
+        kvt_l2_trailer_make(trailer, name, slot.length, sum);
         int rc = atomic_load(&a->healthy) ? KVT_ETIMEDOUT : KVT_EUNAVAIL;
         for (int attempt = 0; attempt < S_RETRIES && atomic_load(&a->healthy); attempt++) {
             if (kvt_now_ms() > j->deadline_ms)
@@ -636,7 +642,7 @@ static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
             failed[nfailed++] = i;
     }
     if (lease)
-        kvt_l1_commit_loaded(m->l1, KVT_OWNER_DAEMON, lease, failed, nfailed, &stored, err,
+        kvt_l1_commit_loaded(m->l1, KVT_OWNER_DAEMON, lease, failed, nfailed, sums, &stored, err,
                              sizeof err);
     kvt_prefetch_update(m->prefetch, j->prefetch_job, stored + present, true, kvt_now_ms());
     free(slots);

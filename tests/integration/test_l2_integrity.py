@@ -7,13 +7,15 @@ per-instance limit on leased bytes (`max_leased_bytes`); and the optional L1 che
 served by GET or written behind to L2."""
 
 import glob
+import json
 import os
 import signal
 import time
 
 import pytest
 
-from kvtest import PUT, key, payload, wait_until
+from kvtest import (PUT, MiB, error_code, key, metric_value, payload, run_kvtierd,
+                    wait_until)
 from test_l2 import client, get, l2_status, l2_value, prefetch, wait_l2_idle  # noqa: F401
 
 NS = "integrity/kv-v1"
@@ -230,3 +232,176 @@ def test_redis_last_error_cleared_after_recovery(redis_factory, daemon_factory, 
     wait_until(lambda: l2_value(d, "kvtier_l2_stored_total", spec) == 1, 10,
                what="a write after the recovery")
     assert l2_status(d, spec)["last_error"] == ""
+
+
+# ----------------------------------------------------------------------------------------
+# max_leased_bytes: one instance cannot hold all of L1 under leases
+
+K300 = 300 * 1024       # a multiple of 4 KiB: what a lease holds is the size itself
+
+
+def test_max_leased_bytes_reserve_gets_the_prefix_that_fits(daemon_factory, client):
+    d = daemon_factory("--l2", "none", "--max-leased-bytes", "1M")
+    a, arena = client(d, "greedy")
+    b, _ = client(d, "other")
+    ks = keys_of(b"lim", 8)
+    r = d.reserve(a, NS, ks[:4], size=K300)
+    assert len(r["slots"]) == 3, r              # 3 x 300 KiB fit under 1 MiB, 4 do not
+    r2 = d.reserve(a, NS, ks[4:5], size=K300, check=False)
+    assert error_code(r2) == "no_space", r2
+    msg = r2["error"]["message"]
+    assert "max_leased_bytes" in msg and "921600" in msg, msg
+    # another instance is not affected
+    rb = d.reserve(b, NS, ks[5:8], size=K300)
+    assert len(rb["slots"]) == 3
+    # keys already stored cost nothing (nil slots)
+    d.commit(b, rb["lease"])
+    r3 = d.reserve(a, NS, ks[5:8], size=K300)
+    assert r3["slots"] == [None, None, None] and r3["lease"] == 0, r3
+    # COMMIT gives the bytes back
+    for sl in r["slots"]:
+        arena.write(sl["offset"], b"x" * 16)
+    assert d.commit(a, r["lease"])["stored"] == 3
+    assert len(d.reserve(a, NS, ks[3:5], size=K300)["slots"]) == 2
+
+
+def test_max_leased_bytes_acquire_and_lookup_lock(daemon_factory, client):
+    d = daemon_factory("--l2", "none", "--max-leased-bytes", "1M")
+    a, arena = client(d, "reader")
+    ks = keys_of(b"limr", 4)
+    for part in (ks[:2], ks[2:]):               # 4 x 300 KiB would not fit one reservation
+        d.store(a, arena, NS, part, [payload(k, K300) for k in part])
+    r = d.acquire(a, NS, ks)
+    assert len(r["slots"]) == 3, r               # pins the prefix that fits
+    r2 = d.acquire(a, NS, ks, check=False)
+    assert error_code(r2) == "no_space" and "max_leased_bytes" in r2["error"]["message"], r2
+    lk = d.lookup(a, NS, ks, lock=True, check=False)
+    assert error_code(lk) == "no_space", lk
+    d.release(a, r["lease"])
+    lk = d.lookup(a, NS, ks, lock=True)
+    assert (lk["hits"], lk["l1"]) == (3, 3) and lk["lease"], lk
+    d.release(a, lk["lease"])
+    # a plain LOOKUP pins nothing and is not limited
+    assert d.lookup(a, NS, ks)["hits"] == 4
+
+
+def test_max_leased_bytes_freed_by_bye_and_expiry(daemon_factory, client):
+    d = daemon_factory("--l2", "none", "--max-leased-bytes", "1M", "--lease-ms", "500")
+    a, _ = client(d, "leaver")
+    ks = keys_of(b"limx", 8)
+    assert len(d.reserve(a, NS, ks[:4], size=K300)["slots"]) == 3
+    d.ok(a, 2, {"instance": "leaver"})           # BYE drops every lease of the instance
+    d.hello(a, "leaver")
+    assert len(d.reserve(a, NS, ks[:4], size=K300)["slots"]) == 3
+    time.sleep(1.2)                               # silent past lease_ms: the leases expire
+    d.hello(a, "leaver")
+    assert len(d.reserve(a, NS, ks[4:8], size=K300)["slots"]) == 3
+
+
+def test_leased_bytes_unlimited_by_default(daemon_factory, client):
+    d = daemon_factory("--l2", "none", "--l1-size", "8M")
+    a, _ = client(d, "default")
+    r = d.reserve(a, NS, keys_of(b"nolim", 6), size=MiB)
+    assert len(r["slots"]) == 6, r
+
+
+# ----------------------------------------------------------------------------------------
+# l1_checksum: damage done in the arena after COMMIT is not served by GET nor written behind
+
+
+def test_l1_checksum_get_never_serves_damaged_objects(daemon_factory, client):
+    d = daemon_factory("--l2", "none", "--l1-checksum")
+    s, arena = client(d, "late-writer")
+    ks = keys_of(b"l1sum", 3)
+    datas = [payload(k, 128 * 1024 + i) for i, k in enumerate(ks)]
+    slots = d.store(s, arena, NS, ks[:2], datas[:2])                  # RESERVE + COMMIT
+    assert d.call(s, PUT, {"ns": NS, "keys": ks[2:]}, datas[2])["stored"] == 1   # PUT
+    assert get(d, s, NS, ks) == datas
+    # a writer whose lease is gone writes into its old range
+    arena.write(slots[1]["offset"] + 5000, b"stale")
+    assert get(d, s, NS, ks) == datas[:1], "a damaged object was served"
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_l1_corrupt_total") == 1
+    assert d.lookup(s, NS, ks)["hits"] == 1, "the damaged object is still in L1"
+    assert any("checksum" in ln for ln in d.log_lines(max_level=4)), d.stderr_tail()
+    # the PUT object is checked too
+    put_slot = d.acquire(s, NS, ks[2:])
+    d.release(s, put_slot["lease"])
+    arena.write(put_slot["slots"][0]["offset"], b"\0")
+    assert get(d, s, NS, ks[2:]) == []
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_l1_corrupt_total") == 2
+
+
+def test_without_l1_checksum_damage_is_served(daemon_factory, client):
+    """The documented default: no checksum, so GET serves whatever the arena holds."""
+    d = daemon_factory("--l2", "none")
+    s, arena = client(d, "no-sum")
+    ks = keys_of(b"nosum", 1)
+    slots = d.store(s, arena, NS, ks, [payload(ks[0], 8192)])
+    arena.write(slots[0]["offset"], b"stale")
+    assert get(d, s, NS, ks)[0][:5] == b"stale"
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_l1_corrupt_total") == 0
+
+
+def test_l1_checksum_damaged_object_is_not_written_behind(daemon_factory, client):
+    spec = "mock:latency_ms=400"
+    d = daemon_factory("--l2", spec, "--l1-checksum")
+    s, arena = client(d, "wb")
+    ks = keys_of(b"wbsum", 2)
+    datas = [payload(k, 64 * 1024) for k in ks]
+    for k, data in zip(ks, datas):            # two write-behind jobs, one after the other
+        assert d.call(s, PUT, {"ns": NS, "keys": [k]}, data)["stored"] == 1
+    r = d.acquire(s, NS, ks[1:])
+    d.release(s, r["lease"])
+    arena.write(r["slots"][0]["offset"] + 100, b"late")   # while the first write sleeps
+    wait_l2_idle(d)
+    assert l2_value(d, "kvtier_l2_stored_total", spec) == 1
+    assert l2_status(d, spec)["objects"] == 1
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_l1_corrupt_total") == 1
+    assert d.lookup(s, NS, ks)["hits"] == 1
+    assert get(d, s, NS, ks[:1]) == datas[:1]
+
+
+def test_l1_checksum_prefetched_objects_are_checked(daemon_factory, client):
+    d = daemon_factory("--l1-checksum")          # default fs L2
+    s, arena = client(d, "pf")
+    ks = keys_of(b"pfsum", 2)
+    datas = [payload(k, 32 * 1024) for k in ks]
+    put_and_spill(d, s, ks, datas, "fs:")
+    lk, st = prefetch(d, s, NS, ks)
+    assert st["loaded"] == 2
+    r = d.acquire(s, NS, ks)
+    d.release(s, r["lease"])
+    arena.write(r["slots"][0]["offset"], b"\1\2\3")
+    assert get(d, s, NS, ks) == []
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_l1_corrupt_total") == 1
+    # the L2 copy was fine all along: it is loaded again (the second key is still in L1)
+    lk, st = prefetch(d, s, NS, ks)
+    assert lk["l1"] == 0 and st["loaded"] == 2, (lk, st)
+    assert l2_value(d, "kvtier_l2_loaded_total", "fs:") == 3
+    assert get(d, s, NS, ks) == datas
+
+
+@pytest.mark.parametrize("args,env,want", [
+    ([], {}, {"l1_checksum": False, "max_leased_bytes": 0}),
+    (["--l1-checksum", "--max-leased-bytes", "512M"], {},
+     {"l1_checksum": True, "max_leased_bytes": 512 * MiB}),
+    ([], {"KVTIER_L1_CHECKSUM": "true", "KVTIER_MAX_LEASED_BYTES": "64M"},
+     {"l1_checksum": True, "max_leased_bytes": 64 * MiB}),
+], ids=["defaults", "flags", "environment"])
+def test_new_options_defaults_flags_and_environment(kvt_daemon_bin, tmp_path, args, env, want):
+    cp = run_kvtierd(["--run-dir", str(tmp_path), "--l2", "none", "--print-config"] + args,
+                     env=env)
+    assert cp.returncode == 0, cp.stderr
+    cfg = json.loads(cp.stdout)
+    assert {k: cfg.get(k) for k in want} == want, cp.stdout
+
+
+def test_max_leased_bytes_bad_value_exits_2(kvt_daemon_bin, tmp_path):
+    cp = run_kvtierd(["--run-dir", str(tmp_path), "--max-leased-bytes", "lots",
+                      "--check-config"])
+    assert cp.returncode == 2 and "max_leased_bytes" in cp.stderr, cp.stderr
