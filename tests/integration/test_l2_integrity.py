@@ -386,6 +386,36 @@ def test_l1_checksum_prefetched_objects_are_checked(daemon_factory, client):
     assert get(d, s, NS, ks) == datas
 
 
+def test_l1_checksum_retrieve_gpu_skips_damaged_objects(daemon_factory, tmp_path):
+    """RETRIEVE_GPU copies out of L1 on the daemon's side, like GET: it is checked too (against
+    the stand-in CUDA runtime of test_gpu.py)."""
+    import test_gpu
+    if not test_gpu.MOCK:
+        pytest.skip("no mock libcudart (KVT_MOCK_CUDART; CUDA=0)")
+    from kvtest import REGISTER_GPU, RETRIEVE_GPU, STORE_GPU, Arena
+    engine = test_gpu.MockEngine()
+    try:
+        d, _ = test_gpu.mock_daemon(daemon_factory, tmp_path, "--l2", "none", "--l1-checksum")
+        s = d.dealer()
+        arena = Arena(d.hello(s, "gpu-sum")["shm"])
+        d.ok(s, REGISTER_GPU, engine.register_body())
+        ks = keys_of(b"gpusum", 2)
+        ids = list(range(8))
+        assert d.ok(s, STORE_GPU, {"ns": NS, "keys": ks, "device": 0,
+                                   "block_ids": ids})["stored"] == 2
+        body = {"ns": NS, "keys": ks, "device": 0, "block_ids": list(range(8, 16))}
+        assert d.ok(s, RETRIEVE_GPU, body)["found"] == 2
+        r = d.acquire(s, NS, ks)
+        d.release(s, r["lease"])
+        arena.write(r["slots"][1]["offset"] + 7, b"\xee")     # the second object, after COMMIT
+        assert d.ok(s, RETRIEVE_GPU, body)["found"] == 1
+        _, samples = d.metrics()
+        assert metric_value(samples, "kvtier_l1_corrupt_total") == 1
+        arena.close()
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("args,env,want", [
     ([], {}, {"l1_checksum": False, "max_leased_bytes": 0}),
     (["--l1-checksum", "--max-leased-bytes", "512M"], {},
