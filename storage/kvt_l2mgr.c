@@ -38,8 +38,8 @@
  * order (a REMOVE right after a PUT must not be overtaken by the PUT's write). */
 #define S_ADAPTER_THREADS 1
 #define S_PREFETCH_THREADS 2
-#define S_QUEUE_KEYS 65536 /* write-behind keys waiting per adapter before drops */
-#define S_TICK_MS 1000     /* health probe period */
+#define S_QUEUE_KEYS 65536   /* write-behind keys waiting per adapter before drops */
+#define S_TICK_MS 1000       /* health probe period */
 #define S_STORE_DEADLINE_MS 60000
 #define S_DRAIN_MS 5000
 #define S_RETRIES 3
@@ -147,8 +147,8 @@ static void s_sleep_ms(uint64_t ms)
 
 /* ---- jobs ---- */
 
-static s_job_t *s_job_new(s_kind_t kind, const kvt_nsref_t *ns, const uint8_t (*keys)[KVT_KEY_LEN],
-                          const uint64_t *sizes, uint32_t n)
+static s_job_t *s_job_new(s_kind_t kind, const kvt_nsref_t *ns,
+                          const uint8_t (*keys)[KVT_KEY_LEN], const uint64_t *sizes, uint32_t n)
 {
     size_t extra = (size_t)ns->ns_len + ns->salt_len + (size_t)n * KVT_KEY_LEN +
                    (sizes ? (size_t)n * sizeof(uint64_t) : 0) + sizeof(uint64_t);
@@ -329,7 +329,7 @@ static void s_do_store(s_adapter_t *a, s_job_t *j)
         kvt_slot_t slot;
         uint32_t got = 0;
         uint64_t lease = 0;
-        kvt_l1_acquire(m->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN]) & j->keys[i],
+        kvt_l1_acquire(m->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])&j->keys[i],
                        1, &slot, &got, &lease);
         if (got == 0) { /* removed since: nothing to write */
             kvt_l1_l2_written(m->l1, &ns, j->keys[i]);
@@ -497,8 +497,8 @@ static void s_enqueue(s_adapter_t *a, s_job_t *j)
             s_inc(&a->dropped, dropped->n);
             s_give_up(a->mgr, dropped);
             kvt_errrep_report(&a->rep, KVT_LOG_WARN,
-                              "l2 %s: write-behind queue full: dropped %u oldest writes", a->label,
-                              dropped->n);
+                              "l2 %s: write-behind queue full: dropped %u oldest writes",
+                              a->label, dropped->n);
         }
         free(dropped);
         dropped = next;
@@ -517,8 +517,8 @@ void kvt_l2mgr_on_stored(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
     }
 }
 
-void kvt_l2mgr_remove(kvt_l2mgr_t *self, const kvt_nsref_t *ns, const uint8_t (*keys)[KVT_KEY_LEN],
-                      uint32_t n)
+void kvt_l2mgr_remove(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
+                      const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n)
 {
     if (!self || n == 0)
         return;
@@ -716,8 +716,8 @@ void kvt_l2mgr_redact(const char *spec, char *out, size_t outlen)
 }
 
 /* The adapter table for a spec (loading a plugin), and where its own arguments start. */
-static int s_resolve(const char *spec, const char *label, const kvt_l2_ops_t **ops, void **plugin,
-                     const char **args_out, char *err, size_t errlen)
+static int s_resolve(const char *spec, const char *label, const kvt_l2_ops_t **ops,
+                     void **plugin, const char **args_out, char *err, size_t errlen)
 {
     const char *colon = strchr(spec, ':');
     size_t kind_len = colon ? (size_t)(colon - spec) : strlen(spec);
@@ -801,8 +801,8 @@ static int s_open_adapter(kvt_l2mgr_t *m, s_adapter_t *a, const char *spec, kvt_
     atomic_store(&a->healthy, true);
     s_probe(a);
     a->next_probe_ms = kvt_now_ms() + S_TICK_MS;
-    int nthreads =
-        a->ops->max_threads < S_ADAPTER_THREADS ? (int)a->ops->max_threads : S_ADAPTER_THREADS;
+    int nthreads = a->ops->max_threads < S_ADAPTER_THREADS ? (int)a->ops->max_threads
+                                                            : S_ADAPTER_THREADS;
     for (int t = 0; t < (nthreads > 0 ? nthreads : 1); t++) {
         char name[32];
         snprintf(name, sizeof name, "l2-%d-%d", a->index, t);
@@ -974,13 +974,9 @@ void kvt_l2mgr_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
     for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++)
         for (uint32_t i = 0; i < self->nadapters; i++) {
             s_adapter_t *a = &self->adapters[i];
-            kvt_sample_t s = {.name = rows[r].name,
-                              .help = rows[r].help,
-                              .kind = rows[r].kind,
-                              .label = "adapter",
-                              .label_value = a->label,
-                              .value =
-                                  (double)s_get((_Atomic uint64_t *)((char *)a + rows[r].off))};
+            kvt_sample_t s = {.name = rows[r].name, .help = rows[r].help, .kind = rows[r].kind,
+                              .label = "adapter", .label_value = a->label,
+                              .value = (double)s_get((_Atomic uint64_t *)((char *)a + rows[r].off))};
             emit(emit_ctx, &s);
         }
     for (uint32_t i = 0; i < self->nadapters; i++) {
@@ -988,21 +984,15 @@ void kvt_l2mgr_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
         pthread_mutex_lock(&a->lock);
         double depth = (double)a->queue.keys;
         pthread_mutex_unlock(&a->lock);
-        kvt_sample_t s = {.name = "l2_queue_depth",
-                          .help = "Writes waiting for the adapter.",
-                          .kind = KVT_METRIC_GAUGE,
-                          .label = "adapter",
-                          .label_value = a->label,
+        kvt_sample_t s = {.name = "l2_queue_depth", .help = "Writes waiting for the adapter.",
+                          .kind = KVT_METRIC_GAUGE, .label = "adapter", .label_value = a->label,
                           .value = depth};
         emit(emit_ctx, &s);
     }
     for (uint32_t i = 0; i < self->nadapters; i++) {
         s_adapter_t *a = &self->adapters[i];
-        kvt_sample_t s = {.name = "l2_up",
-                          .help = "1 when the adapter answers its health probe.",
-                          .kind = KVT_METRIC_GAUGE,
-                          .label = "adapter",
-                          .label_value = a->label,
+        kvt_sample_t s = {.name = "l2_up", .help = "1 when the adapter answers its health probe.",
+                          .kind = KVT_METRIC_GAUGE, .label = "adapter", .label_value = a->label,
                           .value = atomic_load(&a->healthy) ? 1.0 : 0.0};
         emit(emit_ctx, &s);
     }
@@ -1011,11 +1001,8 @@ void kvt_l2mgr_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
         uint64_t bytes = 0, objects = 0;
         if (a->ops->usage)
             a->ops->usage(a->state, &bytes, &objects);
-        kvt_sample_t s = {.name = "l2_bytes",
-                          .help = "Bytes the adapter holds (as it reports).",
-                          .kind = KVT_METRIC_GAUGE,
-                          .label = "adapter",
-                          .label_value = a->label,
+        kvt_sample_t s = {.name = "l2_bytes", .help = "Bytes the adapter holds (as it reports).",
+                          .kind = KVT_METRIC_GAUGE, .label = "adapter", .label_value = a->label,
                           .value = (double)bytes};
         emit(emit_ctx, &s);
     }
