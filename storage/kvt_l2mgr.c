@@ -405,11 +405,13 @@ static void s_probe(s_adapter_t *a)
     int rc = a->ops->health(a->state, why, sizeof why);
     bool was = atomic_exchange(&a->healthy, rc == 0);
     pthread_mutex_lock(&a->lock);
+    /* an operation's error is cured by a later success of an operation, a probe's by a probe */
+    bool op_ok_since =
+        a->error_from_op && (double)atomic_load(&a->ok_ms) >= a->last_error_at * 1000.0;
     if (rc) {
         snprintf(a->last_error, sizeof a->last_error, "%s", why[0] ? why : kvt_strerror(rc));
         s_set_error_locked(a, false);
-    } else if (a->last_error[0] && (!was || (a->error_from_op && (double)atomic_load(&a->ok_ms) >=
-                                                                     a->last_error_at * 1000.0))) {
+    } else if (a->last_error[0] && (!was || op_ok_since)) {
         /* healthy again: the error is history, kept with its times for /status */
         snprintf(a->past_error, sizeof a->past_error, "%s", a->last_error);
         a->past_error_at = a->last_error_at;
