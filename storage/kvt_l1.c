@@ -412,19 +412,36 @@ static kvt_account_t *s_account(kvt_l1_t *self, uint64_t owner)
     return owner == KVT_OWNER_DAEMON ? NULL : kvt_leases_account(self->leases, owner);
 }
 
+/* Charges one key's bytes while a lease is built. Under a limit each key is charged at once,
+ * so the limit holds exactly even against the owner's other requests; without one nothing can
+ * be refused, and the bytes are added in one go by s_account_done. */
+static bool s_charge(kvt_l1_t *self, kvt_account_t *acct, uint64_t bytes, uint64_t *held)
+{
+    uint64_t limit = self->cfg->max_leased_bytes;
+    return !acct || !limit || kvt_account_charge(acct, bytes, limit, held);
+}
+
+static void s_uncharge(kvt_l1_t *self, kvt_account_t *acct, uint64_t bytes)
+{
+    if (acct && self->cfg->max_leased_bytes)
+        kvt_account_uncharge(acct, bytes);
+}
+
 /* Attaches the bytes charged while a lease was built (and the account reference) to it, or
  * hands them back when no lease was made. */
 static void s_account_done(kvt_l1_t *self, kvt_account_t *acct, uint64_t charged, kvt_lease_t *l)
 {
-    if (l && acct) {
+    if (!acct)
+        return;
+    if (!self->cfg->max_leased_bytes && l) /* not charged key by key: now, in one go */
+        kvt_account_charge(acct, charged, 0, NULL);
+    if (l) {
         l->account = acct;
         l->bytes = charged;
         return;
     }
-    if (acct) {
-        kvt_account_uncharge(acct, charged);
-        kvt_leases_account_put(self->leases, acct);
-    }
+    s_uncharge(self, acct, charged);
+    kvt_leases_account_put(self->leases, acct);
 }
 
 static void s_wake_evictor(kvt_l1_t *self)
@@ -489,7 +506,7 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
             slots[i] = (kvt_slot_t){0, 0};
             continue;
         }
-        if (acct && !kvt_account_charge(acct, s_pages(sz), limit, &held)) {
+        if (!s_charge(self, acct, s_pages(sz), &held)) {
             if (i == 0) {
                 snprintf(err, errlen,
                          "instance holds %llu bytes under leases; %llu more would pass "
@@ -501,8 +518,8 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
             break;
         }
         kvt_block_t *b = sz <= self->capacity ? s_alloc(self, sz) : NULL;
-        if (!b && acct)
-            kvt_account_uncharge(acct, s_pages(sz));
+        if (!b)
+            s_uncharge(self, acct, s_pages(sz));
         if (!b) {
             if (i == 0) {
                 snprintf(err, errlen,
@@ -527,8 +544,7 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
             pthread_mutex_unlock(&sh->lock);
             kvt_alloc_put(self->alloc, b);
             free(o);
-            if (acct)
-                kvt_account_uncharge(acct, s_pages(sz));
+            s_uncharge(self, acct, s_pages(sz));
             slots[i] = (kvt_slot_t){0, 0};
             continue;
         }
@@ -743,11 +759,11 @@ void kvt_l1_l2_written(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t key
 }
 
 /* Counts the leading READY keys. With `pinned`, also pins them, puts them in pinned[] and
- * touches them in the LRU; with `acct`, each pin is first charged to it (within `limit`): the
- * prefix ends before the first that does not fit, and *limited says so. */
+ * touches them in the LRU; with `acct`, each pin is first charged to it (s_charge): the prefix
+ * ends before the first that does not fit, and *limited says so. */
 static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const uint8_t (*keys)[KVT_KEY_LEN],
-                               uint32_t n, s_obj_t **pinned, kvt_account_t *acct, uint64_t limit,
-                               uint64_t *charged, bool *limited)
+                               uint32_t n, s_obj_t **pinned, kvt_account_t *acct, uint64_t *charged,
+                               bool *limited)
 {
     uint32_t k = 0;
     for (; k < n; k++) {
@@ -756,7 +772,7 @@ static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const uint8_t (*keys)
         pthread_mutex_lock(&sh->lock);
         s_obj_t *o = s_find(sh, ns, keys[k], h);
         bool ok = o && o->state == S_READY;
-        if (ok && acct && !kvt_account_charge(acct, s_pages(o->length), limit, NULL)) {
+        if (ok && acct && !s_charge(self, acct, s_pages(o->length), NULL)) {
             ok = false;
             *limited = true;
         } else if (ok && acct) {
@@ -801,8 +817,7 @@ int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
     kvt_account_t *acct = s_account(self, owner);
     uint64_t charged = 0;
     bool limited = false;
-    uint32_t k = s_ready_prefix(self, ns, keys, n, pinned, acct, self->cfg->max_leased_bytes,
-                                &charged, &limited);
+    uint32_t k = s_ready_prefix(self, ns, keys, n, pinned, acct, &charged, &limited);
     for (uint32_t j = 0; j < k; j++)
         slots[j] = (kvt_slot_t){kvt_block_offset(pinned[j]->block), pinned[j]->length};
     kvt_lease_t *l = k ? kvt_lease_new(owner, KVT_LEASE_READ, (void *const *)pinned, k) : NULL;
@@ -831,7 +846,7 @@ int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
     s_ns_t *ns = n ? s_ns_get(self, ref, false) : NULL;
     if (!ns)
         return 0;
-    *hits = s_ready_prefix(self, ns, keys, n, NULL, NULL, 0, NULL, NULL);
+    *hits = s_ready_prefix(self, ns, keys, n, NULL, NULL, NULL, NULL);
     s_ns_put(self, ns);
     return 0;
 }
