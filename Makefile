@@ -54,12 +54,16 @@ CLIENT_LIBS = $(shell pkg-config --libs libzmq msgpack jansson libxxhash 2>/dev/
 ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))
 UNIT_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(UNIT_SRC))
 PLUGIN_EXAMPLE := $(BUILD)/kvtier-l2-example.so
+PLUGIN_EXAMPLE_ABI1 := $(BUILD)/kvtier-l2-example-abi1.so
+PLUGIN_ENV = KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
+             KVT_L2_EXAMPLE_PLUGIN_ABI1=$(abspath $(PLUGIN_EXAMPLE_ABI1))
 
-.PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-smoke \
+.PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-l2 bench-smoke \
         test-gpu bench-gpu check-nocuda FORCE valgrind check
 .DEFAULT_GOAL := all
 
-all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE)
+all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE) \
+     $(PLUGIN_EXAMPLE_ABI1)
 
 # Installs what is missing, once; nothing when every package is present.
 deps:
@@ -108,9 +112,15 @@ $(BUILD)/libkvtier.so: $(sort $(CLIENT_OBJ)) client/libkvtier.map
 	  -Wl,--version-script=client/libkvtier.map -o $@ $(filter %.o,$^) $(CLIENT_LIBS)
 
 # An example L2 plugin (plugin:build/kvtier-l2-example.so): self-contained, no daemon symbols.
+# The same source built as an ABI 1 plugin (what plugins written before ABI 2 look like), for
+# the tests of the compatibility path.
 $(PLUGIN_EXAMPLE): l2/plugins/example_mem.c l2/kvt_l2.h common/kvt_error.h
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -shared -o $@ $< -lpthread
+
+$(PLUGIN_EXAMPLE_ABI1): l2/plugins/example_mem.c l2/kvt_l2.h common/kvt_error.h
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) -DKVT_EXAMPLE_ABI=1 -shared -o $@ $< -lpthread
 
 $(BUILD)/kvtier: $(BUILD)/obj/client/kvtier_cli.o $(BUILD)/libkvtier.a
 	$(CC) $(ALLCFLAGS) -o $@ $^ $(CLIENT_LIBS)
@@ -125,16 +135,16 @@ run: deps all
 	@mkdir -p var/run var/data
 	exec $(BUILD)/kvtierd
 
-unit: deps $(UNIT_BIN) $(PLUGIN_EXAMPLE)
+unit: deps $(UNIT_BIN) $(PLUGIN_EXAMPLE) $(PLUGIN_EXAMPLE_ABI1)
 	@set -e; for t in $(UNIT_BIN); do echo "== $$t"; \
-	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) timeout 120 $$t; done
+	  $(PLUGIN_ENV) timeout 120 $$t; done
 
 # Integration tests run against the ASan+UBSan daemon; a sanitizer report fails the test.
 integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART)
 	KVT_DAEMON=$(abspath $(BUILD)/asan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
 	  KVT_MOCK_CUDART=$(if $(MOCK_CUDART),$(abspath $(MOCK_CUDART))) \
 	  KVT_CLIENT_TEST=$(abspath $(BUILD)/kvtier-client-test) \
-	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
+	  $(PLUGIN_ENV) \
 	  timeout 900 $(PYTHON) -m pytest -q -p no:cacheprovider tests/integration
 
 check-asan: unit integration
@@ -257,9 +267,9 @@ $(BUILD)/vg/tests/%: tests/unit/%.c $(VG_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -O1 -g -o $@ $^ $(LIBS) -lcmocka
 
-valgrind: deps $(VG_OBJ) $(VG_BIN) $(PLUGIN_EXAMPLE)
+valgrind: deps $(VG_OBJ) $(VG_BIN) $(PLUGIN_EXAMPLE) $(PLUGIN_EXAMPLE_ABI1)
 	@set -e; mkdir -p $(BUILD)/vg/logs; for t in $(VALGRIND_TESTS); do echo "== valgrind $$t"; \
-	  KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) timeout 900 \
+	  $(PLUGIN_ENV) timeout 900 \
 	    valgrind $(VALGRIND_ARGS) --log-file=$(BUILD)/vg/logs/$$t.log $(BUILD)/vg/tests/$$t \
 	    || { tail -n 80 $(BUILD)/vg/logs/$$t.log; echo "valgrind $$t: FAILED (log: \
 	    $(BUILD)/vg/logs/$$t.log)"; exit 1; }; \
@@ -279,9 +289,22 @@ $(BENCH_L1): bench/kvt_bench_l1.c $(CORE_OBJ)
 bench-l1: deps $(BENCH_L1)
 	$(BENCH_L1) $(BENCH_L1_ARGS)
 
+# L2 data path microbenchmark (write-behind and prefetch loads through kvt_l2mgr, hashing, the
+# COMMIT checksum), -O2 without sanitizers. `make bench-l2` runs it in full (< 1 min; fs under
+# /dev/shm); BENCH_L2_ARGS=--quick for a smoke run, "--dir DIR" for the fs adapter on a disk.
+BENCH_L2      := $(BUILD)/kvt-bench-l2
+BENCH_L2_ARGS ?= --json $(BUILD)/bench-l2.json
+
+$(BENCH_L2): bench/kvt_bench_l2.c $(CORE_OBJ)
+	$(CC) $(ALLCFLAGS) -o $@ $^ $(LIBS)
+
+bench-l2: deps $(BENCH_L2)
+	$(BENCH_L2) $(BENCH_L2_ARGS)
+
 # A benchmark is not a test: CI runs it only in its short smoke mode, never judging timings.
-bench-smoke: deps $(BENCH_L1) $(BUILD)/kvtierd $(BUILD)/kvtier-bench
+bench-smoke: deps $(BENCH_L1) $(BENCH_L2) $(BUILD)/kvtierd $(BUILD)/kvtier-bench
 	$(BENCH_L1) --quick > /dev/null
+	$(BENCH_L2) --quick > /dev/null
 	timeout 120 $(BUILD)/kvtier-bench --quick --daemon $(BUILD)/kvtierd > /dev/null
 
 clean:

@@ -45,6 +45,11 @@ typedef struct kvt_config {
     uint64_t max_reply_pinned;     /* L1 bytes unsent GET replies may pin, per connection */
     uint64_t max_reply_backlog;    /* daemon memory unsent replies may hold, per connection */
     bool allow_unpinned;
+    /* bytes one client instance may hold under leases (reservations and read pins), 0: no
+     * limit; the daemon's own leases are never limited */
+    uint64_t max_leased_bytes;
+    /* XXH3-64 of every L1 object at COMMIT, checked by GET and before write-behind */
+    bool l1_checksum;
     char *shm_group; /* group allowed to map the arena (0660), "" for owner only (0600) */
     bool allow_insecure_remote;
     /* CURVE on every tcp:// listen endpoint (both set, or neither): the daemon's secret

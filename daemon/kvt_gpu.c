@@ -976,6 +976,7 @@ int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32
     uint64_t lease = 0;
     rc = kvt_l1_acquire(self->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
                         r->nkeys, slots, &n, &lease);
+    n = kvt_l1_verify(self->l1, KVT_OWNER_DAEMON, lease, n); /* l1_checksum: no damaged bytes */
     /* an object of another size was not written with this layout: the prefix ends there */
     while (rc == 0 && m < n && slots[m].length == chunk_bytes) {
         off[m] = slots[m].offset;

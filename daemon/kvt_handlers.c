@@ -232,6 +232,8 @@ static int s_slots_request(kvt_rq_t *c, bool reserve)
                             &lease, c->err, sizeof c->err);
     else
         rc = kvt_l1_acquire(c->svc->l1, c->owner, &ns, keys, r->nkeys, slots, &n, &lease);
+    if (rc == KVT_ENOSPC && !reserve) /* max_leased_bytes */
+        kvt_l1_owner_limit_error(c->svc->l1, c->owner, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 2);
         s_pack_slots(&c->pk, slots, n);
@@ -324,8 +326,10 @@ static int s_lookup(kvt_rq_t *c)
     kvt_nsref_t ns = s_nsref(r);
     uint32_t hits = 0;
     uint64_t lease = 0;
-    rc = kvt_l1_lookup(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys,
-                       r->lock, &hits, &lease);
+    rc = kvt_l1_lookup(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
+                       r->nkeys, r->lock, &hits, &lease);
+    if (rc == KVT_ENOSPC) /* max_leased_bytes */
+        kvt_l1_owner_limit_error(c->svc->l1, c->owner, c->err, sizeof c->err);
     if (rc)
         return rc;
     c->l1_hits = hits;
@@ -472,6 +476,7 @@ static int s_get(kvt_rq_t *c)
     uint64_t lease = 0;
     int rc = kvt_l1_acquire(c->svc->l1, KVT_OWNER_DAEMON, &ns,
                             (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys, slots, &n, &lease);
+    n = kvt_l1_verify(c->svc->l1, KVT_OWNER_DAEMON, lease, n); /* l1_checksum: no damaged bytes */
     /* a reply stays under max_message: stop before the object that would cross it */
     uint64_t total = 0;
     uint32_t found = 0;

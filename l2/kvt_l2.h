@@ -9,6 +9,17 @@
  * An adapter's state may be used by several of its threads at once: an adapter that cannot
  * allow that sets `max_threads` to 1.
  *
+ * Objects are opaque bytes to an adapter. What the daemon stores is the payload followed by a
+ * 40-byte integrity trailer (l2/kvt_l2_trailer.h) that it writes and verifies itself, so every
+ * adapter, plugins included, gets the same protection against corrupt bytes without doing
+ * anything: an adapter stores and returns bytes, the daemon judges them.
+ *
+ * ABI 2 adds the vectored storev/loadv, which the daemon uses whenever a table has them: the
+ * payload goes from and to the L1 arena in place and the trailer rides as its own vector, so
+ * nothing is copied to glue the two together. ABI 1 tables (store/load only) still load; the
+ * daemon then joins payload and trailer in a bounce buffer on store (one extra copy) and, on
+ * load, reads in place when the L1 block has room for the trailer, else through a bounce buffer.
+ *
  * Names are 65 printable ASCII bytes + NUL: 32 hex digits of the namespace hash, '-', 32 hex
  * digits of the key (kvt_l2_name). Adapters treat them as opaque. */
 #ifndef KVT_L2_H
@@ -16,9 +27,12 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #define KVT_L2_NAME_LEN 66 /* 65 characters + NUL */
-#define KVT_L2_ABI 1
+#define KVT_L2_ABI 2       /* what this header describes */
+#define KVT_L2_ABI_MIN 1   /* the oldest ABI the daemon still loads */
+#define KVT_L2_IOV_MAX 4   /* the most vectors the daemon passes to storev / loadv */
 
 typedef struct kvt_l2_ops {
     uint32_t abi;         /* KVT_L2_ABI */
@@ -49,9 +63,23 @@ typedef struct kvt_l2_ops {
 
     /* Adapter-specific gauges for /status and /metrics (may be NULL): bytes and objects held. */
     void (*usage)(void *state, uint64_t *bytes, uint64_t *objects);
+
+    /* ---- ABI 2: required from ABI 2 on; store and load above are then optional (the daemon
+     * calls these instead). An ABI 1 table ends before them and they are never read. ---- */
+
+    /* Stores the concatenation of iov[0..iovcnt) (1 <= iovcnt <= KVT_L2_IOV_MAX) under `name`,
+     * atomically, as store does. The vectors' memory is only read. The daemon passes the
+     * payload in the L1 arena (4 KiB aligned) then the trailer; adapters must not depend on it. */
+    int (*storev)(void *state, const char *name, const struct iovec *iov, int iovcnt);
+
+    /* Reads the object into iov[0..iovcnt) in order, as if they were one buffer. 0 and *len =
+     * the object's size when it is at most their total (the first *len bytes are filled);
+     * KVT_ENOSPC with *len when it is larger; KVT_ENOTFOUND when absent. */
+    int (*loadv)(void *state, const char *name, const struct iovec *iov, int iovcnt, size_t *len);
 } kvt_l2_ops_t;
 
-/* A plugin shared object exports this function (plugin:PATH.so). */
+/* A plugin shared object exports this function (plugin:PATH.so), whatever its ABI: the table's
+ * `abi` says which layout it has. */
 typedef const kvt_l2_ops_t *(*kvt_l2_plugin_fn)(void);
 #define KVT_L2_PLUGIN_SYMBOL "kvt_l2_plugin_v1"
 

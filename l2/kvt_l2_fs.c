@@ -314,42 +314,101 @@ static void s_make_room(s_fs_t *self, const char *keep, uint64_t keep_hash, bool
 
 /* ---- I/O helpers (return 0 or a positive errno) ------------------------------------------- */
 
-static int s_pwrite_all(int fd, const void *buf, size_t len, off_t off, size_t *done)
+static size_t s_iov_total(const struct iovec *iov, int n)
 {
-    const char *p = buf;
+    size_t t = 0;
+    for (int i = 0; i < n; i++)
+        t += iov[i].iov_len;
+    return t;
+}
+
+/* Copies bytes [off, off + len) of the concatenation of iov out to dst, or (in) from src. */
+static void s_iov_copy(const struct iovec *iov, int n, size_t off, void *dst, const void *src,
+                       size_t len)
+{
+    for (int i = 0; i < n && len; i++) {
+        if (off >= iov[i].iov_len) {
+            off -= iov[i].iov_len;
+            continue;
+        }
+        size_t k = iov[i].iov_len - off < len ? iov[i].iov_len - off : len;
+        char *p = (char *)iov[i].iov_base + off;
+        if (dst) {
+            memcpy(dst, p, k);
+            dst = (char *)dst + k;
+        } else {
+            memcpy(p, src, k);
+            src = (const char *)src + k;
+        }
+        len -= k;
+        off = 0;
+    }
+}
+
+/* pwritev / preadv of the first `len` bytes of iov at file offset `off`, resuming after short
+ * transfers. A read that ends early means the file was truncated behind our back (EIO). */
+static int s_rwv_all(int fd, bool write, const struct iovec *iov, int n, size_t len, off_t off,
+                     size_t *done)
+{
+    struct iovec v[KVT_L2_IOV_MAX];
+    int k = 0;
+    for (size_t left = len; k < n && k < KVT_L2_IOV_MAX && left; k++) {
+        v[k] = iov[k];
+        if (v[k].iov_len > left)
+            v[k].iov_len = left;
+        left -= v[k].iov_len;
+    }
     *done = 0;
-    while (*done < len) {
-        ssize_t n = pwrite(fd, p + *done, len - *done, off + (off_t)*done);
-        if (n < 0) {
+    for (int i = 0; *done < len && i < k;) {
+        ssize_t r = write ? pwritev(fd, v + i, k - i, off + (off_t)*done)
+                          : preadv(fd, v + i, k - i, off + (off_t)*done);
+        if (r < 0) {
             if (errno == EINTR)
                 continue;
             return errno;
         }
-        if (n == 0)
+        if (r == 0)
             return EIO;
-        *done += (size_t)n;
+        *done += (size_t)r;
+        size_t adv = (size_t)r;
+        for (; i < k && adv >= v[i].iov_len; i++)
+            adv -= v[i].iov_len;
+        if (i < k) {
+            v[i].iov_base = (char *)v[i].iov_base + adv;
+            v[i].iov_len -= adv;
+        }
     }
     return 0;
 }
 
-/* O_DIRECT write: the aligned body straight from the caller's (aligned) buffer, the tail from a
- * zero-padded bounce page — the caller's bytes past `len` may not be readable — then truncate. An
- * EINVAL after the first bytes went out is not a refusal of O_DIRECT but a failed write. */
-static int s_write_direct(int fd, const void *data, size_t len)
+static int s_pwrite_all(int fd, const void *buf, size_t len, off_t off, size_t *done)
 {
-    size_t body = len & ~(size_t)(S_ALIGN - 1), tail = len - body, done = 0;
-    int e = s_pwrite_all(fd, data, body, 0, &done);
+    struct iovec iov = {(void *)buf, len};
+    return s_rwv_all(fd, true, &iov, 1, len, off, done);
+}
+
+/* O_DIRECT write: the aligned body straight from the first (aligned) vector, the rest — the
+ * first vector's tail and the others, in the daemon's case less than a page plus the trailer —
+ * from zero-padded bounce pages, then truncate to the length. The caller's bytes past its
+ * vectors may not be readable, hence the bounce. An EINVAL after the first bytes went out is
+ * not a refusal of O_DIRECT but a failed write. */
+static int s_write_direct(int fd, const struct iovec *iov, int n)
+{
+    size_t total = s_iov_total(iov, n);
+    size_t body = iov[0].iov_len & ~(size_t)(S_ALIGN - 1), tail = total - body, done = 0;
+    int e = s_pwrite_all(fd, iov[0].iov_base, body, 0, &done);
     if (!e && tail) {
-        void *page = aligned_alloc(S_ALIGN, S_ALIGN);
+        size_t pages = (tail + S_ALIGN - 1) & ~(size_t)(S_ALIGN - 1);
+        void *page = aligned_alloc(S_ALIGN, pages);
         if (!page)
             return ENOMEM;
-        memcpy(page, (const char *)data + body, tail);
-        memset((char *)page + tail, 0, S_ALIGN - tail);
+        s_iov_copy(iov, n, body, page, NULL, tail);
+        memset((char *)page + tail, 0, pages - tail);
         size_t tdone = 0;
-        e = s_pwrite_all(fd, page, S_ALIGN, (off_t)body, &tdone);
+        e = s_pwrite_all(fd, page, pages, (off_t)body, &tdone);
         done += tdone;
         free(page);
-        if (!e && ftruncate(fd, (off_t)len) != 0)
+        if (!e && ftruncate(fd, (off_t)total) != 0)
             e = errno;
     }
     if (e == EINVAL && done > 0)
@@ -365,9 +424,9 @@ static void s_direct_refused(s_fs_t *self, const char *what)
 }
 
 /* Creates, fills and fdatasyncs the temp file `tmp`; removes it on any error. */
-static int s_write_tmp(s_fs_t *self, const char *tmp, const void *data, size_t len)
+static int s_write_tmp(s_fs_t *self, const char *tmp, const struct iovec *iov, int n)
 {
-    bool direct = atomic_load(&self->direct) && (uintptr_t)data % S_ALIGN == 0;
+    bool direct = atomic_load(&self->direct) && (uintptr_t)iov[0].iov_base % S_ALIGN == 0;
     for (;;) {
         int fd = openat(self->dirfd, tmp,
                         O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0), 0600);
@@ -375,7 +434,8 @@ static int s_write_tmp(s_fs_t *self, const char *tmp, const void *data, size_t l
         bool refused = e == EINVAL; /* only open and write answers say "no O_DIRECT here" */
         if (fd >= 0) {
             size_t done;
-            e = direct ? s_write_direct(fd, data, len) : s_pwrite_all(fd, data, len, 0, &done);
+            e = direct ? s_write_direct(fd, iov, n)
+                       : s_rwv_all(fd, true, iov, n, s_iov_total(iov, n), 0, &done);
             refused = e == EINVAL;
             if (!e && fdatasync(fd) != 0)
                 e = errno;
@@ -447,13 +507,17 @@ static int s_commit(s_fs_t *self, const char *tmp, s_obj_t *o)
 
 /* ---- operations --------------------------------------------------------------------------- */
 
-static int s_store(void *state, const char *name, const void *data, size_t len)
+static int s_storev(void *state, const char *name, const struct iovec *iov, int iovcnt)
 {
     s_fs_t *self = state;
     kvt_assert(s_is(self));
     size_t nlen;
-    if (!s_name_ok(name, &nlen) || (len && !data))
+    if (!s_name_ok(name, &nlen) || iovcnt < 1 || iovcnt > KVT_L2_IOV_MAX)
         return KVT_EINVAL;
+    for (int i = 0; i < iovcnt; i++)
+        if (iov[i].iov_len && !iov[i].iov_base)
+            return KVT_EINVAL;
+    size_t len = s_iov_total(iov, iovcnt);
     if (self->capacity && len > self->capacity)
         return KVT_ENOSPC;
     s_obj_t *o = calloc(1, sizeof *o + nlen + 1);
@@ -473,7 +537,7 @@ static int s_store(void *state, const char *name, const void *data, size_t len)
     char tmp[S_NAME_MAX + 32];
     snprintf(tmp, sizeof tmp, S_TMPDIR "/%s.%llu", name,
              (unsigned long long)atomic_fetch_add(&self->seq, 1));
-    int e = s_write_tmp(self, tmp, data, len);
+    int e = s_write_tmp(self, tmp, iov, iovcnt);
     if (!e)
         e = s_commit(self, tmp, o);
     pthread_mutex_lock(&self->lock);
@@ -495,6 +559,12 @@ static int s_store(void *state, const char *name, const void *data, size_t len)
     return 0;
 }
 
+static int s_store(void *state, const char *name, const void *data, size_t len)
+{
+    struct iovec iov = {(void *)data, len};
+    return s_storev(state, name, &iov, 1);
+}
+
 static int s_lookup(void *state, const char *name, size_t *len)
 {
     s_fs_t *self = state;
@@ -511,13 +581,13 @@ static int s_lookup(void *state, const char *name, size_t *len)
     return o ? 0 : KVT_ENOTFOUND;
 }
 
-/* Reads `size` bytes (asking for `want` >= size: the aligned length under O_DIRECT). A file
- * that ends early was truncated behind our back. */
-static int s_pread_all(int fd, void *buf, size_t size, size_t want, size_t *got)
+/* Reads `size` bytes at `off` (asking for `want` >= size: the aligned length under O_DIRECT).
+ * A file that ends early was truncated behind our back. */
+static int s_pread_all(int fd, void *buf, size_t size, size_t want, off_t off, size_t *got)
 {
     *got = 0;
     while (*got < size) {
-        ssize_t n = pread(fd, (char *)buf + *got, want - *got, (off_t)*got);
+        ssize_t n = pread(fd, (char *)buf + *got, want - *got, off + (off_t)*got);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -530,13 +600,40 @@ static int s_pread_all(int fd, void *buf, size_t size, size_t want, size_t *got)
     return 0;
 }
 
-static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *len)
+/* O_DIRECT read of `size` bytes into iov: the aligned body straight into the first (aligned)
+ * vector — all of the object when that vector has room for its page-rounded length — the rest
+ * through bounce pages (in the daemon's case, less than a page plus the trailer). */
+static int s_read_direct(int fd, const struct iovec *iov, int n, size_t size, size_t *got)
+{
+    size_t rounded = (size + S_ALIGN - 1) & ~(size_t)(S_ALIGN - 1);
+    size_t body = size < iov[0].iov_len ? size : iov[0].iov_len;
+    body = iov[0].iov_len >= rounded ? size : body & ~(size_t)(S_ALIGN - 1);
+    size_t want = body == size ? rounded : body;
+    int e = s_pread_all(fd, iov[0].iov_base, body, want, 0, got);
+    if (e || body == size)
+        return e;
+    size_t tail = size - body, pages = (tail + S_ALIGN - 1) & ~(size_t)(S_ALIGN - 1), tgot = 0;
+    void *page = aligned_alloc(S_ALIGN, pages);
+    if (!page)
+        return ENOMEM;
+    e = s_pread_all(fd, page, tail, pages, (off_t)body, &tgot);
+    if (!e)
+        s_iov_copy(iov, n, body, NULL, page, tail);
+    *got += tgot;
+    free(page);
+    return e;
+}
+
+static int s_loadv(void *state, const char *name, const struct iovec *iov, int iovcnt, size_t *len)
 {
     s_fs_t *self = state;
     kvt_assert(s_is(self));
     size_t nlen;
-    if (!s_name_ok(name, &nlen) || (cap && !buf))
+    if (!s_name_ok(name, &nlen) || iovcnt < 1 || iovcnt > KVT_L2_IOV_MAX)
         return KVT_EINVAL;
+    for (int i = 0; i < iovcnt; i++)
+        if (iov[i].iov_len && !iov[i].iov_base)
+            return KVT_EINVAL;
     uint64_t hash = s_hash(name, nlen), gen;
     pthread_mutex_lock(&self->lock);
     const s_obj_t *o = s_find(self, name, hash);
@@ -547,7 +644,8 @@ static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *
 
     char rel[S_NAME_MAX + 8];
     s_rel(rel, sizeof rel, name, hash);
-    bool direct = atomic_load(&self->direct) && (uintptr_t)buf % S_ALIGN == 0 && cap % S_ALIGN == 0;
+    size_t cap = s_iov_total(iov, iovcnt);
+    bool direct = atomic_load(&self->direct) && (uintptr_t)iov[0].iov_base % S_ALIGN == 0;
     size_t size = 0;
     int e;
     for (;;) {
@@ -565,11 +663,9 @@ static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *
                     *len = size;
                 return KVT_ENOSPC;
             }
-            if (!e) {
-                /* cap is a multiple of S_ALIGN here, so the rounded length fits in buf */
-                size_t want = direct ? (size + S_ALIGN - 1) & ~(size_t)(S_ALIGN - 1) : size;
-                e = s_pread_all(fd, buf, size, want, &got);
-            }
+            if (!e)
+                e = direct ? s_read_direct(fd, iov, iovcnt, size, &got)
+                           : s_rwv_all(fd, false, iov, iovcnt, size, 0, &got);
             close(fd);
             if (e == EINVAL && got > 0)
                 e = EIO;
@@ -601,6 +697,14 @@ static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *
     if (len)
         *len = size;
     return 0;
+}
+
+static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *len)
+{
+    if (cap && !buf)
+        return KVT_EINVAL;
+    struct iovec iov = {buf, cap};
+    return s_loadv(state, name, &iov, 1, len);
 }
 
 static int s_remove(void *state, const char *name)
@@ -1066,6 +1170,8 @@ static const kvt_l2_ops_t s_ops = {
     .remove = s_remove,
     .health = s_health,
     .usage = s_usage,
+    .storev = s_storev,
+    .loadv = s_loadv,
 };
 
 const kvt_l2_ops_t *kvt_l2_fs_ops(void)

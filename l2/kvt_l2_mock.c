@@ -2,13 +2,16 @@
  * that tests can exercise the daemon's slow-backend and failing-backend paths without a real
  * backend.
  *
- * Spec (after "mock:"): [latency_ms=N][,fail_rate=F][,seed=S][,capacity=SIZE], all optional
- * (defaults: 0, 0, 1, unlimited). Every store/lookup/load/remove first sleeps latency_ms, then
- * fails with probability fail_rate. An injected failure is KVT_EUNAVAIL — what a real backend
- * outage returns (redis), so the daemon's retry/backoff path is what the mock exercises — and
- * it happens before any state is read or written: a failed store stores nothing, a failed
- * load leaves the caller's buffer untouched. health is deterministic: KVT_EUNAVAIL only when
- * fail_rate >= 1 (every call fails), so /readyz is not flapping at random in tests.
+ * Spec (after "mock:"): [latency_ms=N][,fail_rate=F][,seed=S][,capacity=SIZE]
+ * [,corrupt_rate=F], all optional (defaults: 0, 0, 1, unlimited, 0). Every store/lookup/load/
+ * remove first sleeps latency_ms, then fails with probability fail_rate. A load that does not
+ * fail returns, with probability corrupt_rate, the object with one byte flipped (the object
+ * held stays intact): what a backend that damages data in flight looks like to the daemon. An
+ * injected failure is KVT_EUNAVAIL — what a real backend outage returns (redis), so the daemon's
+ * retry/backoff path is what the mock exercises — and it happens before any state is read or
+ * written: a failed store stores nothing, a failed load leaves the caller's buffer untouched.
+ * health is deterministic: KVT_EUNAVAIL only when fail_rate >= 1 (every call fails), so /readyz is
+ * not flapping at random in tests.
  *
  * The random draws are splitmix64 of seed + an atomic counter: thread-safe without a lock,
  * and one seed gives one sequence of draws (which thread gets which draw is up to the
@@ -43,6 +46,7 @@ typedef struct {
     uint32_t tag;
     uint32_t latency_ms;
     double fail_rate;
+    double corrupt_rate;
     uint64_t seed;
     uint64_t capacity; /* 0: unlimited */
     _Atomic uint64_t draws;
@@ -115,8 +119,10 @@ static int s_parse_size(const char *s, uint64_t *out)
 
 static int s_parse_spec(s_mock_t *m, const char *args, char *err, size_t errlen)
 {
-    static const char *const keys[] = {"latency_ms", "fail_rate", "seed", "capacity"};
-    bool seen[4] = {false};
+    static const char *const keys[] = {"latency_ms", "fail_rate", "seed", "capacity",
+                                       "corrupt_rate"};
+    enum { S_NKEYS = sizeof keys / sizeof keys[0] };
+    bool seen[S_NKEYS] = {false};
     char *copy = strdup(args ? args : "");
     kvt_assert(copy);
     int rc = 0;
@@ -131,10 +137,11 @@ static int s_parse_spec(s_mock_t *m, const char *args, char *err, size_t errlen)
         *eq = '\0';
         const char *v = eq + 1;
         size_t k = 0;
-        while (k < 4 && strcmp(tok, keys[k]) != 0)
+        while (k < S_NKEYS && strcmp(tok, keys[k]) != 0)
             k++;
-        if (k == 4 || seen[k]) {
-            snprintf(err, errlen, "mock: %s option \"%s\"", k == 4 ? "unknown" : "duplicate", tok);
+        if (k == S_NKEYS || seen[k]) {
+            snprintf(err, errlen, "mock: %s option \"%s\"", k == S_NKEYS ? "unknown" : "duplicate",
+                     tok);
             rc = KVT_EINVAL;
             break;
         }
@@ -145,26 +152,28 @@ static int s_parse_spec(s_mock_t *m, const char *args, char *err, size_t errlen)
             rc = s_parse_u64(v, S_MAX_LATENCY_MS, &u);
             m->latency_ms = (uint32_t)u;
             break;
-        case 1: {
+        case 1:
+        case 4: {
             char *end;
             errno = 0;
-            m->fail_rate = strtod(v, &end);
-            if (errno || end == v || *end != '\0' || !(m->fail_rate >= 0 && m->fail_rate <= 1))
+            double *rate = k == 1 ? &m->fail_rate : &m->corrupt_rate;
+            *rate = strtod(v, &end);
+            if (errno || end == v || *end != '\0' || !(*rate >= 0 && *rate <= 1))
                 rc = KVT_EINVAL; /* !(a && b) also catches NaN */
             break;
         }
         case 2:
             rc = s_parse_u64(v, UINT64_MAX, &m->seed);
             break;
-        default:
+        case 3:
             rc = s_parse_size(v, &m->capacity);
             break;
         }
         if (rc)
             snprintf(err, errlen, "mock: bad %s \"%s\"%s", tok, v,
-                     k == 1   ? " (want 0..1)"
-                     : k == 0 ? " (want 0..3600000)"
-                              : "");
+                     k == 1 || k == 4 ? " (want 0..1)"
+                     : k == 0         ? " (want 0..3600000)"
+                                      : "");
     }
     free(copy);
     return rc;
@@ -180,6 +189,13 @@ static uint64_t s_splitmix64(uint64_t x)
     return x ^ (x >> 31);
 }
 
+/* One uniform draw in [0, 1) from the shared sequence. */
+static double s_draw(s_mock_t *m)
+{
+    uint64_t n = atomic_fetch_add_explicit(&m->draws, 1, memory_order_relaxed);
+    return (double)(s_splitmix64(m->seed + n * 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53;
+}
+
 /* Sleeps latency_ms, then 0 or the injected failure. */
 static int s_delay_and_fail(s_mock_t *m)
 {
@@ -191,9 +207,7 @@ static int s_delay_and_fail(s_mock_t *m)
     }
     if (m->fail_rate <= 0)
         return 0;
-    uint64_t n = atomic_fetch_add_explicit(&m->draws, 1, memory_order_relaxed);
-    double u = (double)(s_splitmix64(m->seed + n * 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53;
-    return u < m->fail_rate ? KVT_EUNAVAIL : 0;
+    return s_draw(m) < m->fail_rate ? KVT_EUNAVAIL : 0;
 }
 
 static s_mock_t *s_self(void *state)
@@ -239,11 +253,14 @@ static int s_open(const char *args, void **state, char *err, size_t errlen)
     return 0;
 }
 
-static int s_store(void *state, const char *name, const void *data, size_t len)
+static int s_storev(void *state, const char *name, const struct iovec *iov, int iovcnt)
 {
     s_mock_t *m = s_self(state);
-    if (!s_name_ok(name))
+    if (!s_name_ok(name) || iovcnt < 1 || iovcnt > KVT_L2_IOV_MAX)
         return KVT_EINVAL;
+    size_t len = 0;
+    for (int i = 0; i < iovcnt; i++)
+        len += iov[i].iov_len;
     int rc = s_delay_and_fail(m);
     if (rc)
         return rc;
@@ -254,8 +271,9 @@ static int s_store(void *state, const char *name, const void *data, size_t len)
     if (!o)
         return KVT_ENOMEM;
     o->len = len;
-    if (len)
-        memcpy(o->data, data, len);
+    for (size_t off = 0, i = 0; i < (size_t)iovcnt; off += iov[i++].iov_len)
+        if (iov[i].iov_len)
+            memcpy(o->data + off, iov[i].iov_base, iov[i].iov_len);
     pthread_mutex_lock(&m->lock);
     const s_obj_t *old = zhashx_lookup(m->objects, name);
     uint64_t bytes = m->bytes - (old ? old->len : 0) + len;
@@ -287,14 +305,24 @@ static int s_lookup(void *state, const char *name, size_t *len)
     return o ? 0 : KVT_ENOTFOUND;
 }
 
-static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *len)
+static int s_store(void *state, const char *name, const void *data, size_t len)
+{
+    struct iovec iov = {(void *)data, len};
+    return s_storev(state, name, &iov, 1);
+}
+
+static int s_loadv(void *state, const char *name, const struct iovec *iov, int iovcnt, size_t *len)
 {
     s_mock_t *m = s_self(state);
-    if (!s_name_ok(name))
+    if (!s_name_ok(name) || iovcnt < 1 || iovcnt > KVT_L2_IOV_MAX)
         return KVT_EINVAL;
     int rc = s_delay_and_fail(m);
     if (rc)
         return rc;
+    size_t cap = 0;
+    for (int i = 0; i < iovcnt; i++)
+        cap += iov[i].iov_len;
+    bool corrupt = m->corrupt_rate > 0 && s_draw(m) < m->corrupt_rate;
     pthread_mutex_lock(&m->lock);
     const s_obj_t *o = zhashx_lookup(m->objects, name);
     if (!o) {
@@ -303,11 +331,23 @@ static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *
         *len = o->len;
         if (o->len > cap)
             rc = KVT_ENOSPC;
-        else if (o->len)
-            memcpy(buf, o->data, o->len); /* under the lock: a replace cannot tear it */
+        /* copied under the lock: a replace cannot tear it */
+        for (size_t off = 0, i = 0; !rc && off < o->len; i++) {
+            size_t k = o->len - off < iov[i].iov_len ? o->len - off : iov[i].iov_len;
+            memcpy(iov[i].iov_base, o->data + off, k);
+            if (corrupt && off <= o->len / 2 && o->len / 2 < off + k)
+                ((uint8_t *)iov[i].iov_base)[o->len / 2 - off] ^= 0x01;
+            off += k;
+        }
     }
     pthread_mutex_unlock(&m->lock);
     return rc;
+}
+
+static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *len)
+{
+    struct iovec iov = {buf, cap};
+    return s_loadv(state, name, &iov, 1, len);
 }
 
 static int s_remove(void *state, const char *name)
@@ -359,6 +399,8 @@ static const kvt_l2_ops_t s_ops = {
     .remove = s_remove,
     .health = s_health,
     .usage = s_usage,
+    .storev = s_storev,
+    .loadv = s_loadv,
 };
 
 const kvt_l2_ops_t *kvt_l2_mock_ops(void)

@@ -1,17 +1,34 @@
 /* DESIGN: the plugin loader — dlopen, one dlsym, and a check of the table before anything in
  * it is called. RTLD_NOW makes a plugin with unresolved symbols fail here, at start-up, rather
  * than at its first call on an adapter thread; RTLD_LOCAL keeps its symbols from satisfying
- * (or clashing with) another plugin's. No state: dlerror() is per thread in glibc, and each
- * failure path takes its text right after the failing call. */
+ * (or clashing with) another plugin's. No global state: dlerror() is per thread in glibc, and
+ * each failure path takes its text right after the failing call.
+ *
+ * The handle owns a copy of the plugin's table, made as long as this daemon's kvt_l2_ops_t:
+ * an ABI 1 table ends before the ABI 2 fields, so only its ABI 1 part is copied and the rest
+ * stays NULL — the daemon then never reads past the plugin's table, and tells an ABI 1 adapter
+ * by its NULL storev. */
 #include "kvt_l2_plugin.h"
 
 #include "kvt_error.h"
+#include "kvt_log.h"
 
 #include <dlfcn.h>
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define S_KIND_MAX 32
+
+/* The size of an ABI 1 table: everything before the first ABI 2 field. */
+#define S_ABI1_SIZE offsetof(kvt_l2_ops_t, storev)
+
+typedef struct {
+    void *dl;
+    kvt_l2_ops_t ops;
+} s_plugin_t;
 
 static const char *s_dlerror(void)
 {
@@ -25,9 +42,9 @@ int kvt_l2_plugin_check(const kvt_l2_ops_t *ops, char *err, size_t errlen)
         snprintf(err, errlen, "no adapter table (the plugin function returned NULL)");
         return KVT_EINVAL;
     }
-    if (ops->abi != KVT_L2_ABI) {
-        snprintf(err, errlen, "ABI %u, this daemon speaks ABI %u", (unsigned)ops->abi,
-                 (unsigned)KVT_L2_ABI);
+    if (ops->abi < KVT_L2_ABI_MIN || ops->abi > KVT_L2_ABI) {
+        snprintf(err, errlen, "ABI %u, this daemon loads ABI %u to %u", (unsigned)ops->abi,
+                 (unsigned)KVT_L2_ABI_MIN, (unsigned)KVT_L2_ABI);
         return KVT_EINVAL;
     }
     size_t n = ops->kind ? strnlen(ops->kind, S_KIND_MAX + 1) : 0;
@@ -42,14 +59,18 @@ int kvt_l2_plugin_check(const kvt_l2_ops_t *ops, char *err, size_t errlen)
         snprintf(err, errlen, "%s: max_threads is 0", ops->kind);
         return KVT_EINVAL;
     }
-    const char *missing = !ops->open     ? "open"
-                          : !ops->close  ? "close"
-                          : !ops->store  ? "store"
-                          : !ops->lookup ? "lookup"
-                          : !ops->load   ? "load"
-                          : !ops->remove ? "remove"
-                          : !ops->health ? "health"
-                                         : NULL;
+    bool v1 = ops->abi == 1; /* ABI 2 fields must not be read: the table may end before them */
+    const char *missing = !ops->open          ? "open"
+                          : !ops->close       ? "close"
+                          : v1 && !ops->store ? "store"
+                          : !ops->lookup      ? "lookup"
+                          : v1 && !ops->load  ? "load"
+                          : !ops->remove      ? "remove"
+                          : !ops->health      ? "health"
+                          : v1                ? NULL
+                          : !ops->storev      ? "storev"
+                          : !ops->loadv       ? "loadv"
+                                              : NULL;
     if (missing) {
         snprintf(err, errlen, "%s: no %s operation", ops->kind, missing);
         return KVT_EINVAL;
@@ -92,8 +113,12 @@ int kvt_l2_plugin_load(const char *path, const kvt_l2_ops_t **ops, void **handle
         snprintf(err, errlen, "plugin %s: %s", path, why);
         goto fail;
     }
-    *ops = t;
-    *handle = h;
+    s_plugin_t *p = calloc(1, sizeof *p);
+    kvt_assert(p);
+    p->dl = h;
+    memcpy(&p->ops, t, t->abi == 1 ? S_ABI1_SIZE : sizeof p->ops);
+    *ops = &p->ops;
+    *handle = p;
     return 0;
 fail:
     dlclose(h);
@@ -102,6 +127,9 @@ fail:
 
 void kvt_l2_plugin_unload(void *handle)
 {
-    if (handle)
-        dlclose(handle);
+    s_plugin_t *p = handle;
+    if (p) {
+        dlclose(p->dl);
+        free(p);
+    }
 }

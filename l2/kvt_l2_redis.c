@@ -118,6 +118,10 @@ typedef struct {
     int argc;
     const char *argv[3];
     size_t argvlen[3];
+    /* when set, the last argument is the concatenation of these vectors (SET of payload +
+     * trailer) instead of argv[argc - 1] */
+    const struct iovec *iov;
+    int iovcnt;
 } s_cmd_t;
 
 /* ---- spec parsing ------------------------------------------------------------------------ */
@@ -387,6 +391,42 @@ static int s_left_ms(uint64_t deadline)
     return now >= deadline ? 0 : (int)(deadline - now);
 }
 
+/* Appends a command whose last argument is gathered from cmd->iov. The RESP text is built
+ * here in one buffer, which hiredis then appends to its output buffer: two copies of the
+ * value, as redisAppendCommandArgv makes of a contiguous one, so the vectors cost nothing
+ * extra. REDIS_ERR with c->err set when out of memory. */
+static int s_append_vectored(redisContext *c, const s_cmd_t *cmd)
+{
+    size_t vlen = 0, len = 32 + (size_t)cmd->argc * 24;
+    for (int i = 0; i < cmd->iovcnt; i++)
+        vlen += cmd->iov[i].iov_len;
+    for (int i = 0; i < cmd->argc - 1; i++)
+        len += cmd->argvlen[i];
+    char *buf = malloc(len + vlen); /* large: fails softly (STYLE 4) */
+    if (!buf) {
+        c->err = REDIS_ERR_OOM;
+        snprintf(c->errstr, sizeof c->errstr, "Out of memory");
+        return REDIS_ERR;
+    }
+    size_t o = (size_t)snprintf(buf, len, "*%d\r\n", cmd->argc);
+    for (int i = 0; i < cmd->argc - 1; i++) {
+        o += (size_t)snprintf(buf + o, len - o, "$%zu\r\n", cmd->argvlen[i]);
+        memcpy(buf + o, cmd->argv[i], cmd->argvlen[i]);
+        o += cmd->argvlen[i];
+        memcpy(buf + o, "\r\n", 2);
+        o += 2;
+    }
+    o += (size_t)snprintf(buf + o, len - o, "$%zu\r\n", vlen);
+    for (int i = 0; i < cmd->iovcnt; i++) {
+        memcpy(buf + o, cmd->iov[i].iov_base, cmd->iov[i].iov_len);
+        o += cmd->iov[i].iov_len;
+    }
+    memcpy(buf + o, "\r\n", 2);
+    int rc = redisAppendFormattedCommand(c, buf, o + 2);
+    free(buf);
+    return rc;
+}
+
 /* Sends ncmd commands in one write (ASKING first when asking) and reads their replies, all
  * before timeout_ms. 0 and replies[0..ncmd) (ASKING's reply is dropped); otherwise a negative
  * code, a reason in why, and the context must be freed (it may be mid-reply). */
@@ -406,7 +446,9 @@ static int s_exec(const s_redis_t *s, redisContext *c, bool asking, const s_cmd_
     for (int i = 0; i < ncmd; i++) {
         const char *argv[3];
         memcpy(argv, cmds[i].argv, sizeof argv);
-        if (redisAppendCommandArgv(c, cmds[i].argc, argv, cmds[i].argvlen) != REDIS_OK)
+        if ((cmds[i].iov
+                 ? s_append_vectored(c, &cmds[i])
+                 : redisAppendCommandArgv(c, cmds[i].argc, argv, cmds[i].argvlen)) != REDIS_OK)
             goto io;
     }
 
@@ -496,6 +538,7 @@ static redisContext *s_connect(const s_redis_t *s, const s_node_t *n, char *why,
     (void)redisEnableKeepAlive(c); /* best effort: only speeds up noticing a dead peer */
 
     s_cmd_t cmds[2];
+    memset(cmds, 0, sizeof cmds); /* no vectored argument (iov NULL) */
     int ncmd = 0;
     char dbstr[16];
     if (s->password[0]) {
@@ -512,7 +555,7 @@ static redisContext *s_connect(const s_redis_t *s, const s_node_t *n, char *why,
     }
     if (s->db) {
         snprintf(dbstr, sizeof dbstr, "%d", s->db);
-        cmds[ncmd++] = (s_cmd_t){2, {"SELECT", dbstr}, {6, strlen(dbstr)}};
+        cmds[ncmd++] = (s_cmd_t){2, {"SELECT", dbstr}, {6, strlen(dbstr)}, NULL, 0};
     }
     if (ncmd) {
         redisReply *r[2] = {NULL, NULL};
@@ -722,7 +765,7 @@ static void s_refresh(s_redis_t *s)
             order[n++] = i;
     pthread_mutex_unlock(&s->lock);
 
-    static const s_cmd_t cmd = {2, {"CLUSTER", "SLOTS"}, {7, 5}};
+    static const s_cmd_t cmd = {2, {"CLUSTER", "SLOTS"}, {7, 5}, NULL, 0};
     char why[S_ERR_MAX] = "no node to ask";
     bool ok = false;
     for (int i = 0; i < n && !ok; i++) {
@@ -899,7 +942,7 @@ static void s_close(void *state)
 /* One PING to node ni (a pooled connection found closed is retried once on a fresh one). */
 static int s_ping(s_redis_t *s, int ni, char *why, size_t whylen)
 {
-    static const s_cmd_t cmd = {1, {"PING"}, {4}};
+    static const s_cmd_t cmd = {1, {"PING"}, {4}, NULL, 0};
     for (bool retried = false;; retried = true) {
         s_conn_t cn;
         redisReply *r = NULL;
@@ -959,20 +1002,26 @@ fail:
     return rc;
 }
 
-static int s_store(void *state, const char *name, const void *data, size_t len)
+static int s_storev(void *state, const char *name, const struct iovec *iov, int iovcnt)
 {
     s_redis_t *s = s_self(state);
     char key[S_PREFIX_MAX + KVT_L2_NAME_LEN];
     size_t keylen;
-    if (s_key(s, name, key, &keylen))
+    if (s_key(s, name, key, &keylen) || iovcnt < 1 || iovcnt > KVT_L2_IOV_MAX)
         return KVT_EINVAL;
-    s_cmd_t cmd = {3, {"SET", key, data ? (const char *)data : ""}, {3, keylen, len}};
+    s_cmd_t cmd = {3, {"SET", key, ""}, {3, keylen, 0}, iov, iovcnt};
     redisReply *r;
     int rc = s_call(s, key, keylen, &cmd, 1, &r);
     if (rc)
         return rc;
     freeReplyObject(r);
     return 0;
+}
+
+static int s_store(void *state, const char *name, const void *data, size_t len)
+{
+    struct iovec iov = {(void *)(data ? data : ""), len};
+    return s_storev(state, name, &iov, 1);
 }
 
 static int s_lookup(void *state, const char *name, size_t *len)
@@ -984,7 +1033,8 @@ static int s_lookup(void *state, const char *name, size_t *len)
         return KVT_EINVAL;
     /* STRLEN alone cannot tell an empty object from a missing one; EXISTS rides in the same
      * round trip. */
-    s_cmd_t cmds[2] = {{2, {"STRLEN", key}, {6, keylen}}, {2, {"EXISTS", key}, {6, keylen}}};
+    s_cmd_t cmds[2] = {{2, {"STRLEN", key}, {6, keylen}, NULL, 0},
+                       {2, {"EXISTS", key}, {6, keylen}, NULL, 0}};
     redisReply *r[2];
     int rc = s_call(s, key, keylen, cmds, 2, r);
     if (rc)
@@ -1000,16 +1050,18 @@ static int s_lookup(void *state, const char *name, size_t *len)
     return rc;
 }
 
-static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *len)
+static int s_loadv(void *state, const char *name, const struct iovec *iov, int iovcnt, size_t *len)
 {
     s_redis_t *s = s_self(state);
     char key[S_PREFIX_MAX + KVT_L2_NAME_LEN];
-    size_t keylen;
-    if (s_key(s, name, key, &keylen))
+    size_t keylen, cap = 0;
+    if (s_key(s, name, key, &keylen) || iovcnt < 1 || iovcnt > KVT_L2_IOV_MAX)
         return KVT_EINVAL;
+    for (int i = 0; i < iovcnt; i++)
+        cap += iov[i].iov_len;
     /* One GET: atomic, so a concurrent replace never yields a torn object. An object larger
      * than cap is read and dropped; names are ours and their sizes bounded by the daemon. */
-    s_cmd_t cmd = {2, {"GET", key}, {3, keylen}};
+    s_cmd_t cmd = {2, {"GET", key}, {3, keylen}, NULL, 0};
     redisReply *r;
     int rc = s_call(s, key, keylen, &cmd, 1, &r);
     if (rc)
@@ -1022,11 +1074,20 @@ static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *
         *len = r->len;
         if (r->len > cap)
             rc = KVT_ENOSPC;
-        else if (r->len)
-            memcpy(buf, r->str, r->len);
+        for (size_t off = 0, i = 0; !rc && off < r->len; i++) { /* scatter */
+            size_t k = r->len - off < iov[i].iov_len ? r->len - off : iov[i].iov_len;
+            memcpy(iov[i].iov_base, r->str + off, k);
+            off += k;
+        }
     }
     freeReplyObject(r);
     return rc;
+}
+
+static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *len)
+{
+    struct iovec iov = {buf, cap};
+    return s_loadv(state, name, &iov, 1, len);
 }
 
 static int s_remove(void *state, const char *name)
@@ -1036,7 +1097,7 @@ static int s_remove(void *state, const char *name)
     size_t keylen;
     if (s_key(s, name, key, &keylen))
         return KVT_EINVAL;
-    s_cmd_t cmd = {2, {"DEL", key}, {3, keylen}};
+    s_cmd_t cmd = {2, {"DEL", key}, {3, keylen}, NULL, 0};
     redisReply *r;
     int rc = s_call(s, key, keylen, &cmd, 1, &r);
     if (rc)
@@ -1107,6 +1168,8 @@ static const kvt_l2_ops_t s_ops = {
     /* usage: the server is shared and evicts on its own, so bytes "held" by this daemon are
      * unknowable; a count of bytes written would only mislead /metrics. */
     .usage = NULL,
+    .storev = s_storev,
+    .loadv = s_loadv,
 };
 
 const kvt_l2_ops_t *kvt_l2_redis_ops(void)

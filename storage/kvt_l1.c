@@ -11,7 +11,21 @@
  * Ownership: a RESERVED object belongs to its write lease (nothing else can reach it: readers,
  * REMOVE, CLEAR and eviction only act on READY objects). A READY object belongs to the index;
  * removal unlinks it from the index and the LRU under its shard lock, and whoever unlinks it
- * frees it — unless it is pinned, in which case it becomes DOOMED and the last unpin frees it. */
+ * frees it — unless it is pinned, in which case it becomes DOOMED and the last unpin frees it.
+ *
+ * max_leased_bytes: each client owner's leases charge its byte account in the lease table (the
+ * object sizes rounded up to pages, key by key, before the block is allocated or the object
+ * pinned), and settling a lease — COMMIT, RELEASE, expiry, BYE — gives them back. A request
+ * stops at the first key that would pass the limit: the prefix before it is answered, and
+ * no_space when that prefix is empty (as for a full L1). The daemon's own leases are not
+ * counted.
+ *
+ * l1_checksum: COMMIT stores the XXH3-64 of each object in its index entry (outside every lock:
+ * the object is still RESERVED, ours alone; a prefetch load brings the checksum it verified
+ * against the L2 trailer). GET (kvt_l1_verify) and write-behind (kvt_l1_check_sum) hash the
+ * bytes again under their own read pin; an object that differs was written after its COMMIT —
+ * by a client whose lease had ended, into space that went to another object — and is removed
+ * from the index instead of being served or written to L2. */
 #include "kvt_l1.h"
 
 #include "kvt_alloc.h"
@@ -55,7 +69,9 @@ typedef struct s_obj {
     uint8_t state;
     bool in_lru;
     uint8_t l2_pending; /* adapters that have not written it yet: not evictable until 0 */
+    bool has_sum;       /* l1_checksum: `sum` is the XXH3-64 of the bytes at COMMIT */
     uint32_t pins;
+    uint64_t sum;
     uint64_t hash;
     uint64_t length;
     s_ns_t *ns;
@@ -82,7 +98,7 @@ struct kvt_l1 {
     pthread_mutex_t ns_lock;
     zhashx_t *ns_table;
     uint64_t capacity, high_bytes, low_bytes;
-    _Atomic uint64_t objects, reserved, evictions, evicted_bytes;
+    _Atomic uint64_t objects, reserved, evictions, evicted_bytes, corrupt;
     /* eviction controller */
     pthread_t tid;
     bool started;
@@ -367,7 +383,8 @@ static void s_unpin(kvt_l1_t *self, s_obj_t *o)
         s_destroy_obj(self, o);
 }
 
-/* Acts on a lease taken out of the table: unpin (read) or discard (write). */
+/* Acts on a lease taken out of the table: unpin (read) or discard (write), and gives its bytes
+ * back to its owner's account. */
 static void s_drop_lease(kvt_lease_t *l, void *ctx)
 {
     kvt_l1_t *self = ctx;
@@ -380,6 +397,51 @@ static void s_drop_lease(kvt_lease_t *l, void *ctx)
         else
             s_unpin(self, o);
     }
+    kvt_leases_settle(self->leases, l);
+}
+
+/* What an object of `len` bytes holds of the arena, as leases are charged for it. */
+static uint64_t s_pages(uint64_t len)
+{
+    return len ? (len + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE : KVT_PAGE;
+}
+
+/* The byte account of a client owner; NULL for the daemon, whose leases are not counted. */
+static kvt_account_t *s_account(kvt_l1_t *self, uint64_t owner)
+{
+    return owner == KVT_OWNER_DAEMON ? NULL : kvt_leases_account(self->leases, owner);
+}
+
+/* Charges one key's bytes while a lease is built. Under a limit each key is charged at once,
+ * so the limit holds exactly even against the owner's other requests; without one nothing can
+ * be refused, and the bytes are added in one go by s_account_done. */
+static bool s_charge(kvt_l1_t *self, kvt_account_t *acct, uint64_t bytes, uint64_t *held)
+{
+    uint64_t limit = self->cfg->max_leased_bytes;
+    return !acct || !limit || kvt_account_charge(acct, bytes, limit, held);
+}
+
+static void s_uncharge(kvt_l1_t *self, kvt_account_t *acct, uint64_t bytes)
+{
+    if (acct && self->cfg->max_leased_bytes)
+        kvt_account_uncharge(acct, bytes);
+}
+
+/* Attaches the bytes charged while a lease was built (and the account reference) to it, or
+ * hands them back when no lease was made. */
+static void s_account_done(kvt_l1_t *self, kvt_account_t *acct, uint64_t charged, kvt_lease_t *l)
+{
+    if (!acct)
+        return;
+    if (!self->cfg->max_leased_bytes && l) /* not charged key by key: now, in one go */
+        kvt_account_charge(acct, charged, 0, NULL);
+    if (l) {
+        l->account = acct;
+        l->bytes = charged;
+        return;
+    }
+    s_uncharge(self, acct, charged);
+    kvt_leases_account_put(self->leases, acct);
 }
 
 static void s_wake_evictor(kvt_l1_t *self)
@@ -429,6 +491,8 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
     s_ns_t *ns = s_ns_get(self, ref, true);
     void **items = calloc(n, sizeof *items);
     kvt_assert(items);
+    kvt_account_t *acct = s_account(self, owner);
+    uint64_t limit = self->cfg->max_leased_bytes, charged = 0, held = 0;
     uint32_t i, nobj = 0;
     int rc = 0;
     for (i = 0; i < n; i++) {
@@ -442,7 +506,20 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
             slots[i] = (kvt_slot_t){0, 0};
             continue;
         }
+        if (!s_charge(self, acct, s_pages(sz), &held)) {
+            if (i == 0) {
+                snprintf(err, errlen,
+                         "instance holds %llu bytes under leases; %llu more would pass "
+                         "max_leased_bytes (%llu): commit or release leases first",
+                         (unsigned long long)held, (unsigned long long)s_pages(sz),
+                         (unsigned long long)limit);
+                rc = KVT_ENOSPC;
+            }
+            break;
+        }
         kvt_block_t *b = sz <= self->capacity ? s_alloc(self, sz) : NULL;
+        if (!b)
+            s_uncharge(self, acct, s_pages(sz));
         if (!b) {
             if (i == 0) {
                 snprintf(err, errlen,
@@ -467,6 +544,7 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
             pthread_mutex_unlock(&sh->lock);
             kvt_alloc_put(self->alloc, b);
             free(o);
+            s_uncharge(self, acct, s_pages(sz));
             slots[i] = (kvt_slot_t){0, 0};
             continue;
         }
@@ -476,11 +554,14 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
         s_inc(&self->reserved, 1);
         items[i] = o;
         nobj++;
+        charged += s_pages(sz);
         slots[i] = (kvt_slot_t){kvt_block_offset(b), sz};
     }
     *nslots = rc ? 0 : i;
-    if (nobj)
-        *lease = kvt_leases_add(self->leases, kvt_lease_new(owner, KVT_LEASE_WRITE, items, i));
+    kvt_lease_t *l = nobj ? kvt_lease_new(owner, KVT_LEASE_WRITE, items, i) : NULL;
+    s_account_done(self, acct, charged, l);
+    if (l)
+        *lease = kvt_leases_add(self->leases, l);
     free(items);
     s_ns_put(self, ns);
     s_wake_evictor(self);
@@ -500,7 +581,8 @@ static int s_lease_error(int rc, uint64_t id, const char *what, char *err, size_
 }
 
 static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *failed,
-                    uint32_t nfailed, bool loaded, uint32_t *stored, char *err, size_t errlen)
+                    uint32_t nfailed, bool loaded, const uint64_t *sums, uint32_t *stored,
+                    char *err, size_t errlen)
 {
     *stored = 0;
     kvt_lease_t *l = NULL;
@@ -520,6 +602,16 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
             s_discard(self, o);
             l->items[failed[f]] = NULL;
         }
+    }
+    /* checksummed while the objects are still RESERVED (ours alone, so without a lock); a load
+     * from L2 brings the checksum it verified */
+    const uint8_t *base = kvt_arena_base(self->arena);
+    for (uint32_t i = 0; self->cfg->l1_checksum && i < l->nitems; i++) {
+        s_obj_t *o = l->items[i];
+        if (!o)
+            continue;
+        o->sum = sums ? sums[i] : XXH3_64bits(base + kvt_block_offset(o->block), o->length);
+        o->has_sum = true;
     }
     /* noted while the objects are still RESERVED (ours alone): once READY, another thread may
      * evict them at any moment */
@@ -547,6 +639,7 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
         s_inc(&self->objects, 1);
         (*stored)++;
     }
+    kvt_leases_settle(self->leases, l);
     kvt_lease_free(l);
     s_batches_emit(self, &bs, loaded ? KVT_L1_LOADED : KVT_L1_STORED);
     return 0;
@@ -555,18 +648,99 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
 int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *failed,
                   uint32_t nfailed, uint32_t *stored, char *err, size_t errlen)
 {
-    return s_commit(self, owner, id, failed, nfailed, false, stored, err, errlen);
+    return s_commit(self, owner, id, failed, nfailed, false, NULL, stored, err, errlen);
 }
 
 int kvt_l1_commit_loaded(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t *failed,
-                         uint32_t nfailed, uint32_t *stored, char *err, size_t errlen)
+                         uint32_t nfailed, const uint64_t *sums, uint32_t *stored, char *err,
+                         size_t errlen)
 {
-    return s_commit(self, owner, id, failed, nfailed, true, stored, err, errlen);
+    return s_commit(self, owner, id, failed, nfailed, true, sums, stored, err, errlen);
 }
 
 void kvt_l1_set_l2_writes(kvt_l1_t *self, uint32_t n)
 {
     self->l2_writes = n > 255 ? 255 : n;
+}
+
+/* An object pinned by the caller whose bytes no longer match its checksum: out of the index
+ * (DOOMED: the caller's pin frees it), counted and logged once — whoever finds it first. */
+static void s_damaged(kvt_l1_t *self, s_obj_t *o, const char *instead)
+{
+    s_shard_t *sh = s_shard(self, o->hash);
+    s_batches_t bs = {0};
+    pthread_mutex_lock(&sh->lock);
+    bool found = o->state == S_READY;
+    if (found) {
+        s_batches_add(self, &bs, o->ns, o->key);
+        bool free_it = s_remove_ready(self, sh, o);
+        kvt_assert(!free_it); /* pinned by the caller: its release frees it */
+    }
+    pthread_mutex_unlock(&sh->lock);
+    if (!found)
+        return;
+    s_inc(&self->corrupt, 1);
+    char key[2 * KVT_KEY_LEN + 1], ns[65];
+    for (int i = 0; i < KVT_KEY_LEN; i++)
+        snprintf(key + 2 * i, 3, "%02x", o->key[i]);
+    uint32_t nl = o->ns->key.ns_len < sizeof ns - 1 ? o->ns->key.ns_len : sizeof ns - 1;
+    for (uint32_t i = 0; i < nl; i++) { /* ns is client text: printable in the log */
+        uint8_t c = o->ns->key.ns[i];
+        ns[i] = c >= 0x20 && c < 0x7f ? (char)c : '?';
+    }
+    ns[nl] = '\0';
+    kvt_log(KVT_LOG_WARN,
+            "l1: object %s of ns '%s' does not match the checksum taken at its COMMIT (written "
+            "into after its lease ended?): removed, not %s",
+            key, ns, instead);
+    s_batches_emit(self, &bs, KVT_L1_REMOVED);
+}
+
+uint32_t kvt_l1_verify(kvt_l1_t *self, uint64_t owner, uint64_t lease, uint32_t n)
+{
+    if (!self->cfg->l1_checksum || n == 0)
+        return n;
+    kvt_lease_t *l = kvt_leases_peek(self->leases, lease, owner);
+    if (!l || l->kind != KVT_LEASE_READ)
+        return 0;
+    const uint8_t *base = kvt_arena_base(self->arena);
+    uint32_t k = 0;
+    for (; k < n && k < l->nitems; k++) {
+        s_obj_t *o = l->items[k];
+        if (o->has_sum && XXH3_64bits(base + kvt_block_offset(o->block), o->length) != o->sum) {
+            s_damaged(self, o, "served");
+            break;
+        }
+    }
+    return k;
+}
+
+int kvt_l1_check_sum(kvt_l1_t *self, uint64_t owner, uint64_t lease, uint32_t i, uint64_t sum)
+{
+    if (!self->cfg->l1_checksum)
+        return 0;
+    kvt_lease_t *l = kvt_leases_peek(self->leases, lease, owner);
+    if (!l || l->kind != KVT_LEASE_READ || i >= l->nitems)
+        return KVT_EUNKLEASE;
+    s_obj_t *o = l->items[i];
+    if (!o->has_sum || o->sum == sum)
+        return 0;
+    s_damaged(self, o, "written to L2");
+    return KVT_EIO;
+}
+
+uint64_t kvt_l1_owner_bytes(kvt_l1_t *self, uint64_t owner)
+{
+    return kvt_leases_owner_bytes(self->leases, owner);
+}
+
+void kvt_l1_owner_limit_error(kvt_l1_t *self, uint64_t owner, char *err, size_t errlen)
+{
+    snprintf(err, errlen,
+             "instance holds %llu bytes under leases; pinning more would pass max_leased_bytes "
+             "(%llu): release leases first",
+             (unsigned long long)kvt_leases_owner_bytes(self->leases, owner),
+             (unsigned long long)self->cfg->max_leased_bytes);
 }
 
 void kvt_l1_l2_written(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t key[KVT_KEY_LEN])
@@ -585,9 +759,11 @@ void kvt_l1_l2_written(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t key
 }
 
 /* Counts the leading READY keys. With `pinned`, also pins them, puts them in pinned[] and
- * touches them in the LRU. */
+ * touches them in the LRU; with `acct`, each pin is first charged to it (s_charge): the prefix
+ * ends before the first that does not fit, and *limited says so. */
 static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const uint8_t (*keys)[KVT_KEY_LEN],
-                               uint32_t n, s_obj_t **pinned)
+                               uint32_t n, s_obj_t **pinned, kvt_account_t *acct, uint64_t *charged,
+                               bool *limited)
 {
     uint32_t k = 0;
     for (; k < n; k++) {
@@ -596,6 +772,12 @@ static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const uint8_t (*keys)
         pthread_mutex_lock(&sh->lock);
         s_obj_t *o = s_find(sh, ns, keys[k], h);
         bool ok = o && o->state == S_READY;
+        if (ok && acct && !s_charge(self, acct, s_pages(o->length), NULL)) {
+            ok = false;
+            *limited = true;
+        } else if (ok && acct) {
+            *charged += s_pages(o->length);
+        }
         if (ok && pinned)
             o->pins++;
         pthread_mutex_unlock(&sh->lock);
@@ -632,16 +814,20 @@ int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
         return 0;
     s_obj_t **pinned = malloc(n * sizeof *pinned);
     kvt_assert(pinned);
-    uint32_t k = s_ready_prefix(self, ns, keys, n, pinned);
+    kvt_account_t *acct = s_account(self, owner);
+    uint64_t charged = 0;
+    bool limited = false;
+    uint32_t k = s_ready_prefix(self, ns, keys, n, pinned, acct, &charged, &limited);
     for (uint32_t j = 0; j < k; j++)
         slots[j] = (kvt_slot_t){kvt_block_offset(pinned[j]->block), pinned[j]->length};
-    if (k)
-        *lease = kvt_leases_add(self->leases,
-                                kvt_lease_new(owner, KVT_LEASE_READ, (void *const *)pinned, k));
+    kvt_lease_t *l = k ? kvt_lease_new(owner, KVT_LEASE_READ, (void *const *)pinned, k) : NULL;
+    s_account_done(self, acct, charged, l);
+    if (l)
+        *lease = kvt_leases_add(self->leases, l);
     *nslots = k;
     free(pinned);
     s_ns_put(self, ns);
-    return 0;
+    return k == 0 && limited ? KVT_ENOSPC : 0;
 }
 
 int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
@@ -660,7 +846,7 @@ int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
     s_ns_t *ns = n ? s_ns_get(self, ref, false) : NULL;
     if (!ns)
         return 0;
-    *hits = s_ready_prefix(self, ns, keys, n, NULL);
+    *hits = s_ready_prefix(self, ns, keys, n, NULL, NULL, NULL, NULL);
     s_ns_put(self, ns);
     return 0;
 }
@@ -975,6 +1161,9 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
          KVT_METRIC_GAUGE, (double)s_get(&self->l2_pending_objects)},
         {"l1_pinned", "1 when the L1 arena is locked in memory.", KVT_METRIC_GAUGE,
          kvt_arena_pinned(self->arena) ? 1.0 : 0.0},
+        {"l1_corrupt_total",
+         "Objects whose bytes no longer matched their COMMIT checksum (l1_checksum): removed.",
+         KVT_METRIC_COUNTER, (double)s_get(&self->corrupt)},
         {"leases_active", "Leases held by clients.", KVT_METRIC_GAUGE, (double)c.leases_active},
         {"leases_expired_total", "Leases lost because their instance went silent.",
          KVT_METRIC_COUNTER, (double)c.leases_expired},
@@ -992,14 +1181,14 @@ json_t *kvt_l1_status_json(kvt_l1_t *self)
     kvt_alloc_stats(self->alloc, &st);
     kvt_l1_counts_t c;
     kvt_l1_counts(self, &c);
-    return json_pack("{s:s,s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:I,s:I,s:b,s:b,s:I,s:I}", "shm_path",
-                     kvt_arena_path(self->arena), "capacity", (json_int_t)st.capacity, "used",
-                     (json_int_t)st.used, "free", (json_int_t)st.free, "largest_free",
+    return json_pack("{s:s,s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:I,s:I,s:b,s:b,s:I,s:I,s:I}",
+                     "shm_path", kvt_arena_path(self->arena), "capacity", (json_int_t)st.capacity,
+                     "used", (json_int_t)st.used, "free", (json_int_t)st.free, "largest_free",
                      (json_int_t)st.largest_free, "fragmentation", st.fragmentation, "objects",
                      (json_int_t)c.objects, "reserved", (json_int_t)c.reserved, "evictions",
                      (json_int_t)c.evictions, "leases_active", (json_int_t)c.leases_active,
                      "leases_expired", (json_int_t)c.leases_expired, "pinned",
                      kvt_arena_pinned(self->arena), "huge_pages", kvt_arena_huge(self->arena),
                      "high_watermark_bytes", (json_int_t)self->high_bytes, "low_watermark_bytes",
-                     (json_int_t)self->low_bytes);
+                     (json_int_t)self->low_bytes, "corrupt", (json_int_t)s_get(&self->corrupt));
 }

@@ -92,9 +92,11 @@ int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t lease, const uint64_t
                   uint32_t nfailed, uint32_t *stored, char *err, size_t errlen);
 
 /* COMMIT of objects a prefetch loaded from L2: they are in L2 already (evictable at once) and
- * are announced as KVT_L1_LOADED. */
+ * are announced as KVT_L1_LOADED. sums[i] (may be NULL) is the XXH3-64 the load verified of
+ * item i, kept as its checksum under l1_checksum instead of hashing the bytes again. */
 int kvt_l1_commit_loaded(kvt_l1_t *self, uint64_t owner, uint64_t lease, const uint64_t *failed,
-                         uint32_t nfailed, uint32_t *stored, char *err, size_t errlen);
+                         uint32_t nfailed, const uint64_t *sums, uint32_t *stored, char *err,
+                         size_t errlen);
 
 /* Write-behind: every committed object must be written by `n` adapters before it may be
  * evicted (0, the default: no L2). Start-up only. */
@@ -105,12 +107,15 @@ void kvt_l1_set_l2_writes(kvt_l1_t *self, uint32_t n);
 void kvt_l1_l2_written(kvt_l1_t *self, const kvt_nsref_t *ns, const uint8_t key[KVT_KEY_LEN]);
 
 /* ACQUIRE: pins the leading READY keys under one read lease; slots[0..*nslots). *lease is 0 when
- * nothing was found. */
+ * nothing was found. For a client owner with max_leased_bytes set, the prefix ends before the
+ * first key that would take the owner past it; KVT_ENOSPC when that leaves nothing although the
+ * first key is READY (kvt_l1_owner_limit_error says why). */
 int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ns,
                    const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, kvt_slot_t *slots,
                    uint32_t *nslots, uint64_t *lease);
 
-/* LOOKUP: how many leading keys are READY; with `lock`, pins them like ACQUIRE. */
+/* LOOKUP: how many leading keys are READY; with `lock`, pins them like ACQUIRE (the same
+ * max_leased_bytes rule: *hits is then what was pinned). */
 int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ns,
                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, bool lock, uint32_t *hits,
                   uint64_t *lease);
@@ -133,6 +138,24 @@ uint64_t kvt_l1_release_owner(kvt_l1_t *self, uint64_t owner, bool expired);
 /* Evicts LRU objects until at least `bytes` are freed or nothing evictable is left; returns the
  * bytes freed. The controller calls it above the high watermark; tests call it directly. */
 uint64_t kvt_l1_evict(kvt_l1_t *self, uint64_t bytes);
+
+/* GET under l1_checksum: checks the first n objects of read lease `lease` of `owner` against the
+ * checksums taken at their COMMIT and returns how many leading ones match (n without
+ * l1_checksum). The first that does not is removed from L1 (counted in kvtier_l1_corrupt_total,
+ * logged); the lease still pins it until released. */
+uint32_t kvt_l1_verify(kvt_l1_t *self, uint64_t owner, uint64_t lease, uint32_t n);
+
+/* Write-behind under l1_checksum: `sum` is the XXH3-64 the caller just computed of item i of its
+ * read lease; 0 when it matches the COMMIT checksum (or none is kept), otherwise KVT_EIO and the
+ * object is removed as by kvt_l1_verify (it must not be written to L2). */
+int kvt_l1_check_sum(kvt_l1_t *self, uint64_t owner, uint64_t lease, uint32_t i, uint64_t sum);
+
+/* Bytes `owner` holds under leases (the page-rounded sizes of the objects its reservations and
+ * read pins cover); 0 for the daemon's own owner. For /status. */
+uint64_t kvt_l1_owner_bytes(kvt_l1_t *self, uint64_t owner);
+
+/* The sentence for an ACQUIRE or LOOKUP with lock refused by max_leased_bytes. */
+void kvt_l1_owner_limit_error(kvt_l1_t *self, uint64_t owner, char *err, size_t errlen);
 
 /* Metrics source: kvtier_l1_* and kvtier_leases_*. */
 void kvt_l1_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);

@@ -8,13 +8,21 @@
  * A store job pins each object in L1 (a daemon read lease) for the time of the write, so the
  * bytes cannot be reused under it; whatever the outcome, the object is then reported written
  * (kvt_l1_l2_written) so that it becomes evictable. Lock order: an adapter's lock and the
- * prefetch lock are leaves; L1 is called without them. */
+ * prefetch lock are leaves; L1 is called without them.
+ *
+ * Integrity (kvt_l2_trailer.h): every object goes to L2 as payload + trailer, the payload's
+ * XXH3-64 computed once per write on the adapter thread; every load is checked (trailer, length,
+ * name, checksum) before its L1 slot is committed. A corrupt object is a miss: counted
+ * (kvtier_l2_corrupt_total), logged once (it is removed from that adapter at once, so it is not
+ * seen again), announced as l2_removed, and the next adapter is asked. An object in a newer
+ * format is a miss left in place (a newer daemon sharing the backend wrote it). */
 #include "kvt_l2mgr.h"
 
 #include "kvt_alloc.h"
 #include "kvt_error.h"
 #include "kvt_l2.h"
 #include "kvt_l2_plugin.h"
+#include "kvt_l2_trailer.h"
 #include "kvt_log.h"
 
 #include <pthread.h>
@@ -23,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <xxhash.h>
 
 #define S_MAX_ADAPTERS 8
 /* One write-behind thread per adapter keeps each adapter's writes and removals in submission
@@ -71,8 +80,17 @@ typedef struct s_adapter {
     int nthreads;
     uint64_t next_probe_ms; /* under lock */
     _Atomic bool healthy;
-    char last_error[256]; /* under lock */
+    /* Errors for /status, under lock. last_error is current: once the adapter is healthy again
+     * (the probe answers after failing, or, for an error of one operation, an operation has
+     * succeeded since) it moves to past_error, so an operator is not shown a cured outage. */
+    char last_error[256];
+    double last_error_at; /* wall-clock seconds, 0 when last_error is "" */
+    bool error_from_op;   /* last_error came from an operation, not from the health probe */
+    char past_error[256];
+    double past_error_at, recovered_at;
+    _Atomic uint64_t ok_ms; /* wall-clock ms of the last store, load or remove that succeeded */
     _Atomic uint64_t stored, loaded, removed, errors, dropped, bytes_stored, bytes_loaded;
+    _Atomic uint64_t corrupt;
     kvt_hist_t latency;
     kvt_errrep_t rep;
 } s_adapter_t;
@@ -194,12 +212,24 @@ static void s_give_up(kvt_l2mgr_t *m, const s_job_t *j)
         kvt_l1_l2_written(m->l1, &ns, j->keys[i]);
 }
 
-static void s_event(kvt_l2mgr_t *m, const char *event, const s_job_t *j,
+static void s_event(kvt_l2mgr_t *m, const char *event, const kvt_nsref_t *ns,
                     const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, const s_adapter_t *a)
 {
     if (m->on_event && n)
-        m->on_event(m->event_ctx, event, j->ns, j->ns_len, j->salt, j->salt_len, keys, n,
+        m->on_event(m->event_ctx, event, ns->ns, ns->ns_len, ns->salt, ns->salt_len, keys, n,
                     a->label);
+}
+
+static void s_note_ok(s_adapter_t *a)
+{
+    atomic_store_explicit(&a->ok_ms, (uint64_t)(kvt_wall_s() * 1000.0), memory_order_relaxed);
+}
+
+/* Lock held. */
+static void s_set_error_locked(s_adapter_t *a, bool from_op)
+{
+    a->last_error_at = kvt_wall_s();
+    a->error_from_op = from_op;
 }
 
 static void s_note_error(s_adapter_t *a, int rc, const char *op, const char *name)
@@ -207,6 +237,7 @@ static void s_note_error(s_adapter_t *a, int rc, const char *op, const char *nam
     s_inc(&a->errors, 1);
     pthread_mutex_lock(&a->lock);
     snprintf(a->last_error, sizeof a->last_error, "%s %s: %s", op, name, kvt_strerror(rc));
+    s_set_error_locked(a, true);
     pthread_mutex_unlock(&a->lock);
     /* health is the probe's call (every second): one failed call must not flap /readyz */
     kvt_errrep_report(&a->rep, KVT_LOG_WARN, "l2 %s: %s %s failed: %s", a->label, op, name,
@@ -214,6 +245,75 @@ static void s_note_error(s_adapter_t *a, int rc, const char *op, const char *nam
 }
 
 static void s_probe(s_adapter_t *a);
+
+/* ---- integrity ---- */
+
+/* A corrupt object: counted, logged, removed from this adapter and announced as l2_removed.
+ * One log line per object: once removed it is not found again. */
+static void s_corrupt(s_adapter_t *a, const kvt_nsref_t *ns, const uint8_t key[KVT_KEY_LEN],
+                      const char *name, const char *why)
+{
+    s_inc(&a->corrupt, 1);
+    int rc = a->ops->remove(a->state, name);
+    kvt_log(KVT_LOG_WARN, "l2 %s: object %s is corrupt (%s): not served, %s", a->label, name, why,
+            rc == 0 || rc == KVT_ENOTFOUND ? "removed" : "and could not be removed");
+    if (rc == 0) {
+        s_inc(&a->removed, 1);
+        s_event(a->mgr, "l2_removed", ns, (const uint8_t(*)[KVT_KEY_LEN])key, 1, a);
+    } else if (rc != KVT_ENOTFOUND) {
+        s_note_error(a, rc, "remove", name);
+    }
+}
+
+/* Stores payload + trailer: vectored (ABI 2: the payload straight from the arena), or joined in
+ * a bounce buffer for an ABI 1 plugin. */
+static int s_write_obj(s_adapter_t *a, const char *name, const uint8_t *payload, size_t len,
+                       const uint8_t trailer[KVT_L2_TRAILER_LEN])
+{
+    if (a->ops->storev) {
+        struct iovec iov[2] = {{(void *)payload, len}, {(void *)trailer, KVT_L2_TRAILER_LEN}};
+        return a->ops->storev(a->state, name, iov, 2);
+    }
+    uint8_t *buf = malloc(len + KVT_L2_TRAILER_LEN); /* large: fails softly (STYLE 4) */
+    if (!buf)
+        return KVT_ENOMEM;
+    memcpy(buf, payload, len);
+    memcpy(buf + len, trailer, KVT_L2_TRAILER_LEN);
+    int rc = a->ops->store(a->state, name, buf, len + KVT_L2_TRAILER_LEN);
+    free(buf);
+    return rc;
+}
+
+/* Reads payload (len bytes, into dst: an L1 block of cap bytes) + trailer; *got is the
+ * object's size. ABI 2: vectored, in place. ABI 1: in place when the block has room for the
+ * trailer after the payload, else through an aligned bounce buffer (the ABI 1 load contract:
+ * a 4 KiB-aligned buffer of whole pages). */
+static int s_read_obj(s_adapter_t *a, const char *name, uint8_t *dst, size_t len, size_t cap,
+                      uint8_t trailer[KVT_L2_TRAILER_LEN], size_t *got)
+{
+    size_t want = len + KVT_L2_TRAILER_LEN;
+    if (a->ops->loadv) {
+        struct iovec iov[2] = {{dst, len}, {trailer, KVT_L2_TRAILER_LEN}};
+        return a->ops->loadv(a->state, name, iov, 2, got);
+    }
+    if (cap >= want) {
+        int rc = a->ops->load(a->state, name, dst, cap, got);
+        if (rc == 0 && *got == want)
+            memcpy(trailer, dst + len, KVT_L2_TRAILER_LEN);
+        return rc;
+    }
+    size_t bcap = (want + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE;
+    uint8_t *buf = aligned_alloc(KVT_PAGE, bcap);
+    if (!buf)
+        return KVT_ENOMEM;
+    int rc = a->ops->load(a->state, name, buf, bcap, got);
+    if (rc == 0 && *got == want) {
+        memcpy(dst, buf, len);
+        memcpy(trailer, buf + len, KVT_L2_TRAILER_LEN);
+    }
+    free(buf);
+    return rc;
+}
 
 /* ---- write-behind (adapter threads) ---- */
 
@@ -237,12 +337,21 @@ static void s_do_store(s_adapter_t *a, s_job_t *j)
         }
         char name[KVT_L2_NAME_LEN];
         kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
+        const uint8_t *payload = base + slot.offset;
+        uint64_t sum = XXH3_64bits(payload, slot.length); /* once: trailer and L1 check */
+        if (kvt_l1_check_sum(m->l1, KVT_OWNER_DAEMON, lease, 0, sum) != 0) {
+            /* damaged after its COMMIT (l1_checksum): L1 dropped it, L2 must not get it */
+            kvt_l1_release(m->l1, KVT_OWNER_DAEMON, lease);
+            continue;
+        }
+        uint8_t trailer[KVT_L2_TRAILER_LEN];
+        kvt_l2_trailer_make(trailer, name, slot.length, sum);
         int rc = atomic_load(&a->healthy) ? KVT_ETIMEDOUT : KVT_EUNAVAIL;
         for (int attempt = 0; attempt < S_RETRIES && atomic_load(&a->healthy); attempt++) {
             if (kvt_now_ms() > j->deadline_ms)
                 break;
             uint64_t t0 = kvt_now_ns();
-            rc = a->ops->store(a->state, name, base + slot.offset, slot.length);
+            rc = s_write_obj(a, name, payload, slot.length, trailer);
             kvt_hist_observe(&a->latency, kvt_now_ns() - t0);
             if (rc == 0 || rc == KVT_ENOSPC)
                 break; /* done, or retrying cannot help */
@@ -256,6 +365,7 @@ static void s_do_store(s_adapter_t *a, s_job_t *j)
         kvt_l1_release(m->l1, KVT_OWNER_DAEMON, lease);
         kvt_l1_l2_written(m->l1, &ns, j->keys[i]);
         if (rc == 0) {
+            s_note_ok(a);
             s_inc(&a->stored, 1);
             s_inc(&a->bytes_stored, slot.length);
             memcpy(done[ndone++], j->keys[i], KVT_KEY_LEN);
@@ -263,12 +373,13 @@ static void s_do_store(s_adapter_t *a, s_job_t *j)
             s_note_error(a, rc, "store", name);
         }
     }
-    s_event(m, "l2_stored", j, (const uint8_t(*)[KVT_KEY_LEN])done, ndone, a);
+    s_event(m, "l2_stored", &ns, (const uint8_t(*)[KVT_KEY_LEN])done, ndone, a);
     free(done);
 }
 
 static void s_do_remove(s_adapter_t *a, s_job_t *j)
 {
+    kvt_nsref_t ns = s_job_ns(j);
     uint8_t(*done)[KVT_KEY_LEN] = malloc((size_t)j->n * KVT_KEY_LEN);
     kvt_assert(done);
     uint32_t ndone = 0;
@@ -277,13 +388,14 @@ static void s_do_remove(s_adapter_t *a, s_job_t *j)
         kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
         int rc = a->ops->remove(a->state, name);
         if (rc == 0) {
+            s_note_ok(a);
             s_inc(&a->removed, 1);
             memcpy(done[ndone++], j->keys[i], KVT_KEY_LEN);
         } else if (rc != KVT_ENOTFOUND) {
             s_note_error(a, rc, "remove", name);
         }
     }
-    s_event(a->mgr, "l2_removed", j, (const uint8_t(*)[KVT_KEY_LEN])done, ndone, a);
+    s_event(a->mgr, "l2_removed", &ns, (const uint8_t(*)[KVT_KEY_LEN])done, ndone, a);
     free(done);
 }
 
@@ -292,15 +404,26 @@ static void s_probe(s_adapter_t *a)
     char why[200] = "";
     int rc = a->ops->health(a->state, why, sizeof why);
     bool was = atomic_exchange(&a->healthy, rc == 0);
+    pthread_mutex_lock(&a->lock);
+    /* an operation's error is cured by a later success of an operation, a probe's by a probe */
+    bool op_ok_since =
+        a->error_from_op && (double)atomic_load(&a->ok_ms) >= a->last_error_at * 1000.0;
     if (rc) {
-        pthread_mutex_lock(&a->lock);
         snprintf(a->last_error, sizeof a->last_error, "%s", why[0] ? why : kvt_strerror(rc));
-        pthread_mutex_unlock(&a->lock);
-        if (was)
-            kvt_log(KVT_LOG_ERROR, "l2 %s: unhealthy: %s", a->label, why);
-    } else if (!was) {
-        kvt_log(KVT_LOG_WARN, "l2 %s: healthy again", a->label);
+        s_set_error_locked(a, false);
+    } else if (a->last_error[0] && (!was || op_ok_since)) {
+        /* healthy again: the error is history, kept with its times for /status */
+        snprintf(a->past_error, sizeof a->past_error, "%s", a->last_error);
+        a->past_error_at = a->last_error_at;
+        a->recovered_at = kvt_wall_s();
+        a->last_error[0] = '\0';
+        a->last_error_at = 0;
     }
+    pthread_mutex_unlock(&a->lock);
+    if (rc && was)
+        kvt_log(KVT_LOG_ERROR, "l2 %s: unhealthy: %s", a->label, why);
+    else if (!rc && !was)
+        kvt_log(KVT_LOG_WARN, "l2 %s: healthy again", a->label);
 }
 
 static void *s_adapter_run(void *arg)
@@ -425,10 +548,12 @@ uint32_t kvt_l2mgr_lookup(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
                 continue;
             size_t len = 0;
             int rc = a->ops->lookup(a->state, name, &len);
-            if (rc == 0 && len > 0) {
-                sizes[k] = len;
+            if (rc == 0 && len > KVT_L2_TRAILER_LEN) {
+                sizes[k] = len - KVT_L2_TRAILER_LEN; /* what the load will put in L1 */
                 found = true;
-            } else if (rc && rc != KVT_ENOTFOUND) {
+            } else if (rc == 0) {
+                s_corrupt(a, ns, keys[k], name, kvt_l2_verdict_str(KVT_L2_V_SHORT));
+            } else if (rc != KVT_ENOTFOUND) {
                 s_note_error(a, rc, "lookup", name);
             }
         }
@@ -440,11 +565,27 @@ uint32_t kvt_l2mgr_lookup(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
 
 /* ---- prefetch (manager threads) ---- */
 
-/* Loads one key into its reserved slot from the first adapter that has it. */
-static int s_load_one(kvt_l2mgr_t *m, const s_job_t *j, uint32_t i, const kvt_slot_t *slot)
+/* Checks what s_read_obj read: the trailer, then the payload's checksum. */
+static kvt_l2_verdict_t s_verify(const char *name, const uint8_t *payload, size_t len,
+                                 const uint8_t trailer[KVT_L2_TRAILER_LEN], size_t got,
+                                 uint64_t *sum)
+{
+    if (got != len + KVT_L2_TRAILER_LEN) /* not the size the lookup saw: torn or truncated */
+        return got < KVT_L2_TRAILER_LEN ? KVT_L2_V_SHORT : KVT_L2_V_LENGTH;
+    kvt_l2_verdict_t v = kvt_l2_trailer_check(trailer, name, got, sum);
+    if (v == KVT_L2_V_OK && XXH3_64bits(payload, len) != *sum)
+        v = KVT_L2_V_CHECKSUM;
+    return v;
+}
+
+/* Loads one key into its reserved slot from the first adapter that has it intact; *sum is the
+ * payload's XXH3-64 (checked). A corrupt copy is a miss in its adapter (and removed there). */
+static int s_load_one(kvt_l2mgr_t *m, const s_job_t *j, uint32_t i, const kvt_slot_t *slot,
+                      uint64_t *sum)
 {
     char name[KVT_L2_NAME_LEN];
     kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
+    kvt_nsref_t ns = s_job_ns(j);
     uint8_t *dst = (uint8_t *)kvt_l1_base(m->l1) + slot->offset;
     size_t cap = (slot->length + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE; /* the block is page-sized */
     int rc = KVT_ENOTFOUND;
@@ -452,19 +593,31 @@ static int s_load_one(kvt_l2mgr_t *m, const s_job_t *j, uint32_t i, const kvt_sl
         s_adapter_t *a = &m->adapters[a_i];
         if (!atomic_load(&a->healthy))
             continue;
-        size_t len = 0;
+        uint8_t trailer[KVT_L2_TRAILER_LEN];
+        size_t got = 0;
         uint64_t t0 = kvt_now_ns();
-        rc = a->ops->load(a->state, name, dst, cap, &len);
+        rc = s_read_obj(a, name, dst, slot->length, cap, trailer, &got);
         kvt_hist_observe(&a->latency, kvt_now_ns() - t0);
-        if (rc == 0 && len == slot->length) {
+        if (rc == KVT_ENOTFOUND)
+            continue;
+        if (rc != 0 && rc != KVT_ENOSPC) { /* the backend failed, not the object */
+            s_note_error(a, rc, "load", name);
+            continue;
+        }
+        s_note_ok(a);
+        kvt_l2_verdict_t v = s_verify(name, dst, slot->length, trailer, rc ? SIZE_MAX : got, sum);
+        if (v == KVT_L2_V_OK) {
             s_inc(&a->loaded, 1);
-            s_inc(&a->bytes_loaded, len);
+            s_inc(&a->bytes_loaded, slot->length);
             return 0;
         }
-        if (rc == 0)
-            rc = KVT_EIO; /* it changed size since the lookup: do not serve it */
-        if (rc != KVT_ENOTFOUND)
-            s_note_error(a, rc, "load", name);
+        rc = KVT_ENOTFOUND;
+        if (v == KVT_L2_V_NEWER)
+            kvt_errrep_report(&a->rep, KVT_LOG_WARN,
+                              "l2 %s: object %s is %s: skipped, left for the daemon that wrote it",
+                              a->label, name, kvt_l2_verdict_str(v));
+        else
+            s_corrupt(a, &ns, j->keys[i], name, kvt_l2_verdict_str(v));
     }
     return rc;
 }
@@ -474,7 +627,8 @@ static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
     kvt_nsref_t ns = s_job_ns(j);
     kvt_slot_t *slots = calloc(j->n, sizeof *slots);
     uint64_t *failed = calloc(j->n, sizeof *failed);
-    kvt_assert(slots && failed);
+    uint64_t *sums = calloc(j->n, sizeof *sums);
+    kvt_assert(slots && failed && sums);
     uint32_t nslots = 0, nfailed = 0, stored = 0, present = 0;
     uint64_t lease = 0;
     char err[160];
@@ -486,15 +640,16 @@ static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
             continue;
         }
         if (atomic_load(&m->stop) || kvt_now_ms() > j->deadline_ms ||
-            s_load_one(m, j, i, &slots[i]) != 0)
+            s_load_one(m, j, i, &slots[i], &sums[i]) != 0)
             failed[nfailed++] = i;
     }
     if (lease)
-        kvt_l1_commit_loaded(m->l1, KVT_OWNER_DAEMON, lease, failed, nfailed, &stored, err,
+        kvt_l1_commit_loaded(m->l1, KVT_OWNER_DAEMON, lease, failed, nfailed, sums, &stored, err,
                              sizeof err);
     kvt_prefetch_update(m->prefetch, j->prefetch_job, stored + present, true, kvt_now_ms());
     free(slots);
     free(failed);
+    free(sums);
 }
 
 static void *s_prefetch_run(void *arg)
@@ -814,6 +969,9 @@ void kvt_l2mgr_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
          offsetof(s_adapter_t, bytes_stored)},
         {"l2_loaded_bytes_total", "Bytes loaded from the L2 adapter.", KVT_METRIC_COUNTER,
          offsetof(s_adapter_t, bytes_loaded)},
+        {"l2_corrupt_total",
+         "Objects that failed their integrity check on load (not served; removed).",
+         KVT_METRIC_COUNTER, offsetof(s_adapter_t, corrupt)},
     };
     for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++)
         for (uint32_t i = 0; i < self->nadapters; i++) {
@@ -865,16 +1023,19 @@ json_t *kvt_l2mgr_status_json(kvt_l2mgr_t *self)
         if (a->ops->usage)
             a->ops->usage(a->state, &bytes, &objects);
         pthread_mutex_lock(&a->lock);
-        json_t *o = json_pack("{s:s,s:s,s:b,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "adapter",
-                              a->label, "kind", a->ops->kind, "healthy",
-                              atomic_load(&a->healthy), "last_error", a->last_error,
-                              "queue_depth", (json_int_t)a->queue.keys, "stored",
-                              (json_int_t)s_get(&a->stored), "loaded",
-                              (json_int_t)s_get(&a->loaded), "errors",
-                              (json_int_t)s_get(&a->errors), "dropped",
-                              (json_int_t)s_get(&a->dropped), "removed",
-                              (json_int_t)s_get(&a->removed), "bytes", (json_int_t)bytes,
-                              "objects", (json_int_t)objects);
+        json_t *past = a->past_error[0]
+                           ? json_pack("{s:s,s:f,s:f}", "error", a->past_error, "at",
+                                       a->past_error_at, "recovered_at", a->recovered_at)
+                           : json_null();
+        json_t *o = json_pack(
+            "{s:s,s:s,s:b,s:s,s:f,s:o,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "adapter", a->label,
+            "kind", a->ops->kind, "healthy", atomic_load(&a->healthy), "last_error", a->last_error,
+            "last_error_at", a->last_error_at, "past_error", past, "queue_depth",
+            (json_int_t)a->queue.keys, "stored", (json_int_t)s_get(&a->stored), "loaded",
+            (json_int_t)s_get(&a->loaded), "errors", (json_int_t)s_get(&a->errors), "dropped",
+            (json_int_t)s_get(&a->dropped), "removed", (json_int_t)s_get(&a->removed), "corrupt",
+            (json_int_t)s_get(&a->corrupt), "bytes", (json_int_t)bytes, "objects",
+            (json_int_t)objects);
         pthread_mutex_unlock(&a->lock);
         json_array_append_new(arr, o);
     }

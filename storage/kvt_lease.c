@@ -1,7 +1,11 @@
 /* DESIGN: leases by id in a czmq hash (key: the id in hex) and by owner in per-owner doubly
  * linked lists (so BYE and expiry take all of an owner's leases without a scan). Expired ids go
  * into a bounded FIFO + hash so a late COMMIT learns lease_expired. One mutex; callers act on
- * a lease only after taking it out, so no lease is ever acted on twice. */
+ * a lease only after taking it out, so no lease is ever acted on twice.
+ *
+ * Byte accounts live in their own hash (hex owner -> account), reference-counted under the
+ * mutex: one reference per lease that carries bytes, one per request building a lease. Their
+ * byte counters are atomics changed with compare-and-swap, so charging a key needs no lock. */
 #include "kvt_lease.h"
 
 #include "kvt_error.h"
@@ -10,6 +14,7 @@
 #include <czmq.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,6 +28,13 @@ struct kvt_leases {
     zhashx_t *expired;  /* hex id -> (void *)1 */
     zlistx_t *expired_fifo; /* hex ids, oldest first */
     uint64_t expired_total;
+    zhashx_t *accounts; /* hex owner -> kvt_account_t */
+};
+
+struct kvt_account {
+    char key[17];  /* the owner in hex: the accounts key */
+    uint32_t refs; /* under the table lock */
+    _Atomic uint64_t bytes;
 };
 
 static void s_hex(uint64_t v, char out[17])
@@ -40,7 +52,9 @@ kvt_leases_t *kvt_leases_new(void)
     self->by_owner = zhashx_new();
     self->expired = zhashx_new();
     self->expired_fifo = zlistx_new();
-    kvt_assert(self->by_id && self->by_owner && self->expired && self->expired_fifo);
+    self->accounts = zhashx_new();
+    kvt_assert(self->by_id && self->by_owner && self->expired && self->expired_fifo &&
+               self->accounts);
     zlistx_set_destructor(self->expired_fifo, (zlistx_destructor_fn *)zstr_free);
     return self;
 }
@@ -53,8 +67,12 @@ void kvt_leases_destroy(kvt_leases_t **self_p, void (*drop)(kvt_lease_t *, void 
     for (kvt_lease_t *l = zhashx_first(self->by_id); l; l = zhashx_next(self->by_id)) {
         if (drop)
             drop(l, ctx);
+        kvt_leases_settle(self, l);
         kvt_lease_free(l);
     }
+    for (kvt_account_t *a = zhashx_first(self->accounts); a; a = zhashx_next(self->accounts))
+        free(a); /* only accounts of requests still building a lease: none at shutdown */
+    zhashx_destroy(&self->accounts);
     zhashx_destroy(&self->by_id);
     zhashx_destroy(&self->by_owner);
     zhashx_destroy(&self->expired);
@@ -205,4 +223,89 @@ uint64_t kvt_leases_expired_total(kvt_leases_t *self)
     uint64_t n = self->expired_total;
     pthread_mutex_unlock(&self->lock);
     return n;
+}
+
+kvt_lease_t *kvt_leases_peek(kvt_leases_t *self, uint64_t id, uint64_t owner)
+{
+    char key[17];
+    s_hex(id, key);
+    pthread_mutex_lock(&self->lock);
+    kvt_lease_t *l = zhashx_lookup(self->by_id, key);
+    if (l && l->owner != owner)
+        l = NULL;
+    pthread_mutex_unlock(&self->lock);
+    return l;
+}
+
+kvt_account_t *kvt_leases_account(kvt_leases_t *self, uint64_t owner)
+{
+    char key[17];
+    s_hex(owner, key);
+    pthread_mutex_lock(&self->lock);
+    kvt_account_t *a = zhashx_lookup(self->accounts, key);
+    if (!a) {
+        a = calloc(1, sizeof *a);
+        kvt_assert(a);
+        memcpy(a->key, key, sizeof key);
+        zhashx_insert(self->accounts, a->key, a);
+    }
+    a->refs++;
+    pthread_mutex_unlock(&self->lock);
+    return a;
+}
+
+void kvt_leases_account_put(kvt_leases_t *self, kvt_account_t *a)
+{
+    if (!a)
+        return;
+    pthread_mutex_lock(&self->lock);
+    kvt_assert(a->refs > 0);
+    bool last = --a->refs == 0;
+    if (last) {
+        kvt_assert(atomic_load(&a->bytes) == 0);
+        zhashx_delete(self->accounts, a->key);
+    }
+    pthread_mutex_unlock(&self->lock);
+    if (last)
+        free(a);
+}
+
+bool kvt_account_charge(kvt_account_t *a, uint64_t bytes, uint64_t limit, uint64_t *held)
+{
+    uint64_t cur = atomic_load_explicit(&a->bytes, memory_order_relaxed);
+    do {
+        if (held)
+            *held = cur;
+        if (limit && (cur + bytes > limit || cur + bytes < cur))
+            return false;
+    } while (!atomic_compare_exchange_weak_explicit(&a->bytes, &cur, cur + bytes,
+                                                    memory_order_relaxed, memory_order_relaxed));
+    return true;
+}
+
+void kvt_account_uncharge(kvt_account_t *a, uint64_t bytes)
+{
+    uint64_t was = atomic_fetch_sub_explicit(&a->bytes, bytes, memory_order_relaxed);
+    kvt_assert(was >= bytes);
+}
+
+void kvt_leases_settle(kvt_leases_t *self, kvt_lease_t *l)
+{
+    if (!l->account)
+        return;
+    kvt_account_uncharge(l->account, l->bytes);
+    kvt_leases_account_put(self, l->account);
+    l->account = NULL;
+    l->bytes = 0;
+}
+
+uint64_t kvt_leases_owner_bytes(kvt_leases_t *self, uint64_t owner)
+{
+    char key[17];
+    s_hex(owner, key);
+    pthread_mutex_lock(&self->lock);
+    const kvt_account_t *a = zhashx_lookup(self->accounts, key);
+    uint64_t bytes = a ? atomic_load(&a->bytes) : 0;
+    pthread_mutex_unlock(&self->lock);
+    return bytes;
 }

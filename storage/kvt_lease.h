@@ -4,7 +4,13 @@
  * objects it covers (opaque pointers owned by the L1 manager). Leases are taken out of the table
  * to be acted on (commit, release, expiry), so an id is acted on at most once. Ids of leases lost
  * to expiry are remembered (the last 65536) so that a late COMMIT/RELEASE is told lease_expired
- * rather than unknown_lease. Thread-safe: one mutex, a leaf in the lock order. */
+ * rather than unknown_lease.
+ *
+ * Byte accounts: what each owner holds under its leases, for max_leased_bytes. An account is
+ * charged key by key while a lease is being built (lock-free, so a limit is exact even when
+ * requests of one owner run at once), the lease then carries the bytes and a reference to the
+ * account, and settling the lease (whoever drops it) gives them back. Thread-safe: one mutex,
+ * a leaf in the lock order; account counters are atomic. */
 #ifndef KVT_LEASE_H
 #define KVT_LEASE_H
 
@@ -14,12 +20,16 @@
 
 typedef enum { KVT_LEASE_READ = 1, KVT_LEASE_WRITE = 2 } kvt_lease_kind_t;
 
+typedef struct kvt_account kvt_account_t;
+
 typedef struct kvt_lease {
     uint64_t id;
     uint64_t owner;
     kvt_lease_kind_t kind;
     uint32_t nitems;
     void **items;
+    kvt_account_t *account; /* NULL, or the account `bytes` are charged to (one reference) */
+    uint64_t bytes;
     struct kvt_lease *next_of_owner; /* table-internal */
     struct kvt_lease *prev_of_owner;
 } kvt_lease_t;
@@ -56,5 +66,29 @@ kvt_lease_t *kvt_leases_take_owner(kvt_leases_t *self, uint64_t owner, bool expi
 
 size_t kvt_leases_active(kvt_leases_t *self);
 uint64_t kvt_leases_expired_total(kvt_leases_t *self);
+
+/* Lease `id` while `owner` holds it, left in the table: only for the holder, which knows
+ * nobody else acts on it meanwhile. NULL when there is no such lease. */
+kvt_lease_t *kvt_leases_peek(kvt_leases_t *self, uint64_t id, uint64_t owner);
+
+/* The byte account of `owner` (created at 0 bytes), with one more reference for the caller. */
+kvt_account_t *kvt_leases_account(kvt_leases_t *self, uint64_t owner);
+
+/* Drops a reference; the last one frees the account (it must be at 0 bytes then). NULL is
+ * fine. */
+void kvt_leases_account_put(kvt_leases_t *self, kvt_account_t *account);
+
+/* Adds `bytes` to the account when it stays within `limit` (0: no limit) and returns true;
+ * otherwise changes nothing and returns false. *held (may be NULL) gets what it held before. */
+bool kvt_account_charge(kvt_account_t *account, uint64_t bytes, uint64_t limit, uint64_t *held);
+
+void kvt_account_uncharge(kvt_account_t *account, uint64_t bytes);
+
+/* Gives a lease's bytes back to its account and drops its reference (the lease is being let
+ * go: released, committed or expired). Idempotent. */
+void kvt_leases_settle(kvt_leases_t *self, kvt_lease_t *lease);
+
+/* Bytes `owner` holds under leases now (0 when it holds none). */
+uint64_t kvt_leases_owner_bytes(kvt_leases_t *self, uint64_t owner);
 
 #endif

@@ -8,6 +8,11 @@
  *          -o kvtier-l2-example.so
  * Use:   plugin:/path/kvtier-l2-example.so (l2/kvt_l2_plugin.h loads it)
  *
+ * It implements ABI 2 (the vectored storev/loadv the daemon calls) and, for plugins written
+ * against ABI 1, the plain store/load. Built with -DKVT_EXAMPLE_ABI=1 it presents an ABI 1
+ * table (what an old plugin looks like; `make` builds build/kvtier-l2-example-abi1.so so the
+ * tests can check that such plugins still load and work).
+ *
  * Spec: "" or "capacity=BYTES" (plain decimal; 0 or absent means unlimited). Contract notes:
  * store replaces atomically under the lock; load copies under the lock, so a concurrent
  * replace never tears; a store past capacity is KVT_ENOSPC. Up to 4 threads call in at once. */
@@ -22,6 +27,10 @@
 #include <string.h>
 
 #define S_BUCKETS 4096 /* fixed: an example, not a production index */
+
+#ifndef KVT_EXAMPLE_ABI
+#define KVT_EXAMPLE_ABI KVT_L2_ABI
+#endif
 
 typedef struct s_obj {
     struct s_obj *next;
@@ -102,11 +111,14 @@ static int s_open(const char *args, void **state, char *err, size_t errlen)
     return 0;
 }
 
-static int s_store(void *state, const char *name, const void *data, size_t len)
+static int s_storev(void *state, const char *name, const struct iovec *iov, int iovcnt)
 {
     s_mem_t *m = state;
-    if (!s_name_ok(name))
+    if (!s_name_ok(name) || iovcnt < 1)
         return KVT_EINVAL;
+    size_t len = 0;
+    for (int i = 0; i < iovcnt; i++)
+        len += iov[i].iov_len;
     if (m->capacity && len > m->capacity)
         return KVT_ENOSPC;
     s_obj_t *o = malloc(sizeof *o + len);
@@ -114,8 +126,10 @@ static int s_store(void *state, const char *name, const void *data, size_t len)
         return KVT_ENOMEM;
     snprintf(o->name, sizeof o->name, "%s", name);
     o->len = len;
-    if (len)
-        memcpy(o->data, data, len);
+    size_t off = 0;
+    for (int i = 0; i < iovcnt; off += iov[i++].iov_len)
+        if (iov[i].iov_len)
+            memcpy(o->data + off, iov[i].iov_base, iov[i].iov_len);
     int rc = 0;
     pthread_mutex_lock(&m->lock);
     s_obj_t **p = s_find(m, name);
@@ -148,11 +162,20 @@ static int s_lookup(void *state, const char *name, size_t *len)
     return o ? 0 : KVT_ENOTFOUND;
 }
 
-static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *len)
+static int s_store(void *state, const char *name, const void *data, size_t len)
+{
+    struct iovec iov = {(void *)data, len};
+    return s_storev(state, name, &iov, 1);
+}
+
+static int s_loadv(void *state, const char *name, const struct iovec *iov, int iovcnt, size_t *len)
 {
     s_mem_t *m = state;
-    if (!s_name_ok(name))
+    if (!s_name_ok(name) || iovcnt < 1)
         return KVT_EINVAL;
+    size_t cap = 0;
+    for (int i = 0; i < iovcnt; i++)
+        cap += iov[i].iov_len;
     int rc = 0;
     pthread_mutex_lock(&m->lock);
     const s_obj_t *o = *s_find(m, name);
@@ -162,11 +185,20 @@ static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *
         *len = o->len;
         if (o->len > cap)
             rc = KVT_ENOSPC;
-        else if (o->len)
-            memcpy(buf, o->data, o->len);
+        for (size_t off = 0, i = 0; !rc && off < o->len; i++) { /* scatter */
+            size_t k = o->len - off < iov[i].iov_len ? o->len - off : iov[i].iov_len;
+            memcpy(iov[i].iov_base, o->data + off, k);
+            off += k;
+        }
     }
     pthread_mutex_unlock(&m->lock);
     return rc;
+}
+
+static int s_load(void *state, const char *name, void *buf, size_t cap, size_t *len)
+{
+    struct iovec iov = {buf, cap};
+    return s_loadv(state, name, &iov, 1, len);
 }
 
 static int s_remove(void *state, const char *name)
@@ -205,7 +237,7 @@ static void s_usage(void *state, uint64_t *bytes, uint64_t *objects)
 }
 
 static const kvt_l2_ops_t s_ops = {
-    .abi = KVT_L2_ABI,
+    .abi = KVT_EXAMPLE_ABI,
     .kind = "example-mem",
     .max_threads = 4,
     .open = s_open,
@@ -216,6 +248,10 @@ static const kvt_l2_ops_t s_ops = {
     .remove = s_remove,
     .health = s_health,
     .usage = s_usage,
+#if KVT_EXAMPLE_ABI >= 2
+    .storev = s_storev,
+    .loadv = s_loadv,
+#endif
 };
 
 /* The one exported symbol (KVT_L2_PLUGIN_SYMBOL); declared here for -Wmissing-prototypes. */

@@ -20,11 +20,13 @@ from kvtest import (GET, PREFETCH_STATUS, PUT, MiB, Arena, error_code, key, metr
 
 NS = "l2-test/kv-v1"
 PLUGIN_ENV = "KVT_L2_EXAMPLE_PLUGIN"
+TRAILER = 40    # bytes of the integrity trailer stored after each object (test_l2_integrity.py)
 L2_FAMILIES = {
     "kvtier_l2_stored_total": "counter", "kvtier_l2_stored_bytes_total": "counter",
     "kvtier_l2_loaded_total": "counter", "kvtier_l2_loaded_bytes_total": "counter",
     "kvtier_l2_removed_total": "counter", "kvtier_l2_errors_total": "counter",
-    "kvtier_l2_dropped_total": "counter", "kvtier_l2_queue_depth": "gauge",
+    "kvtier_l2_dropped_total": "counter", "kvtier_l2_corrupt_total": "counter",
+    "kvtier_l2_queue_depth": "gauge",
     "kvtier_l2_up": "gauge", "kvtier_l2_bytes": "gauge",
     "kvtier_l2_operation_duration_seconds": "histogram",
     "kvtier_l1_l2_pending_objects": "gauge",
@@ -317,7 +319,8 @@ def test_fs_l2_survives_a_restart(daemon_factory, client, tmp_path):
 
     d2 = daemon_factory("--data-dir", data_dir)
     st = l2_status(d2, "fs:")
-    assert (st["objects"], st["bytes"]) == (24, sum(map(len, expected.values()))), st
+    assert (st["objects"], st["bytes"]) == \
+        (24, sum(map(len, expected.values())) + 24 * TRAILER), st
     assert l2_value(d2, "kvtier_l2_bytes", "fs:") == st["bytes"]
     s2, arena2 = client(d2, "after-restart")
     lk = d2.lookup(s2, NS, ks)
@@ -347,9 +350,10 @@ def test_four_times_l1_stays_reachable_through_fs(daemon_factory, client):
     assert metric_value(samples, "kvtier_l1_evictions_total") >= n - 64, \
         "256 MiB went through a 64 MiB L1 with few evictions"
     st = l2_status(d, "fs:")
-    assert (st["objects"], st["bytes"]) == (n, n * MiB), st
-    assert set(st) == {"adapter", "kind", "healthy", "last_error", "queue_depth", "stored",
-                       "loaded", "errors", "dropped", "removed", "bytes", "objects"}, st
+    assert (st["objects"], st["bytes"]) == (n, n * (MiB + TRAILER)), st
+    assert set(st) == {"adapter", "kind", "healthy", "last_error", "last_error_at",
+                       "past_error", "queue_depth", "stored", "loaded", "errors", "dropped",
+                       "removed", "corrupt", "bytes", "objects"}, st
     families, samples = d.metrics()
     for name, kind in L2_FAMILIES.items():
         assert families.get(name, {}).get("type") == kind, (name, families.get(name))
@@ -489,7 +493,7 @@ def test_plugin_adapter(daemon_factory, client):
     assert l2_value(d, "kvtier_l2_stored_total", spec) == 32
     st = l2_status(d, spec)
     assert (st["kind"], st["healthy"], st["objects"], st["bytes"]) == \
-        ("example-mem", True, 32, 32 * MiB), st
+        ("example-mem", True, 32, 32 * (MiB + TRAILER)), st
     lk = d.lookup(s, NS, ks)
     assert (lk["hits"], lk["l1"]) == (32, 0), lk
     lk, pst = prefetch(d, s, NS, ks[:4])

@@ -4,7 +4,10 @@
  * invisibility until COMMIT, failed indices, the longest-prefix-that-fits partial batch and
  * KVT_ENOSPC, on-demand eviction, the prefix-aware LRU (for stores and for ACQUIRE), pins
  * against eviction, REMOVE of a pinned object, CLEAR, ns/salt isolation, owner release with and
- * without expiry, counters, and an index test with 100k objects. */
+ * without expiry, counters, and an index test with 100k objects; the bytes each owner holds
+ * under leases (exact through RESERVE, COMMIT, ACQUIRE, RELEASE, expiry and BYE), the
+ * max_leased_bytes prefix rule and its no_space, and l1_checksum (COMMIT, GET's verify, the
+ * write-behind check, checksums brought by a prefetch). */
 #include "kvt_config.h"
 #include "kvt_error.h"
 #include "kvt_l1.h"
@@ -17,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 #include <cmocka.h>
 
@@ -1151,6 +1155,215 @@ static void test_index_100k(void **state)
 
 #define T(fn) cmocka_unit_test_setup_teardown(fn, s_setup, s_teardown)
 
+/* A fresh 16 MiB tier with one config option set. */
+static void s_fx_with(fx_t *fx, const char *name, const char *value)
+{
+    char err[KVT_ERR_LEN] = "";
+    fx->cfg = kvt_config_new();
+    assert_int_equal(kvt_config_set(fx->cfg, "l1_size", "16M", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(fx->cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
+    if (kvt_config_set(fx->cfg, name, value, false, err, sizeof err) != 0)
+        fail_msg("%s", err);
+    fx->l1 = kvt_l1_new(fx->cfg, err, sizeof err);
+    assert_non_null(fx->l1);
+    fx->base = kvt_l1_base(fx->l1);
+    fx->cap = kvt_l1_capacity(fx->l1);
+}
+
+static void s_fx_done(fx_t *fx)
+{
+    kvt_l1_destroy(&fx->l1);
+    kvt_config_destroy(&fx->cfg);
+}
+
+/* Every lease's bytes are counted to its owner, page-rounded, and given back exactly when the
+ * lease goes, however it goes; the daemon's leases are not counted. No limit by default. */
+static void test_owner_bytes(void **state)
+{
+    fx_t *f = *state;
+    kvt_nsref_t ns = s_ns("acct", "");
+    key_t16 k[8];
+    s_keys(k, 0x61, 0, 8);
+    kvt_slot_t slots[8];
+    uint64_t sizes[3] = {1, 4096, 10000}, lease = 0, rl = 0, dl = 0;
+    uint32_t n = 0, stored = 0;
+    char err[KVT_ERR_LEN] = "";
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 0);
+    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, (const key_t16 *)k, 3, sizes, 0, slots, &n,
+                                    &lease, err, sizeof err),
+                     0);
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 4096 + 4096 + 12288);
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 8), 0);
+    assert_int_equal(kvt_l1_commit(f->l1, 7, lease, NULL, 0, &stored, err, sizeof err), 0);
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 0);
+    /* read pins: two owners on the same objects, each counted */
+    assert_int_equal(kvt_l1_acquire(f->l1, 7, &ns, (const key_t16 *)k, 3, slots, &n, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, (const key_t16 *)k, 2, slots, &n, &dl), 0);
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 20480);
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 8), 8192);
+    assert_int_equal(kvt_l1_release(f->l1, 8, dl), 0);
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 8), 0);
+    uint32_t hits = 0;
+    assert_int_equal(kvt_l1_lookup(f->l1, 7, &ns, (const key_t16 *)k, 1, true, &hits, &dl), 0);
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 20480 + 4096);
+    /* a write lease with a failed index and a nil slot */
+    uint64_t wl = 0;
+    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, (const key_t16 *)&k[2], 3, NULL, 5000, slots, &n,
+                                    &wl, err, sizeof err),
+                     0);
+    assert_int_equal(slots[0].length, 0); /* k[2] is stored: nothing charged for it */
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 24576 + 2 * 8192);
+    /* expiry settles them all */
+    assert_int_equal(kvt_l1_release_owner(f->l1, 7, true), 3);
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 0);
+    /* the daemon's leases are never counted, and unlimited */
+    assert_int_equal(kvt_l1_reserve(f->l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)&k[5], 2, NULL,
+                                    5000, slots, &n, &lease, err, sizeof err),
+                     0);
+    assert_int_equal(kvt_l1_owner_bytes(f->l1, KVT_OWNER_DAEMON), 0);
+    assert_int_equal(kvt_l1_release(f->l1, KVT_OWNER_DAEMON, lease), 0);
+}
+
+/* max_leased_bytes: RESERVE and ACQUIRE stop before the key that would pass it (no_space when
+ * that is the first), what was charged is given back, and BYE frees the room. */
+static void test_max_leased_bytes(void **state)
+{
+    (void)state;
+    fx_t fx = {0};
+    s_fx_with(&fx, "max_leased_bytes", "40k");
+    kvt_nsref_t ns = s_ns("limit", "");
+    key_t16 k[16];
+    s_keys(k, 0x62, 0, 16);
+    kvt_slot_t slots[16];
+    uint32_t n = 0, stored = 0;
+    uint64_t lease = 0, l2 = 0;
+    char err[KVT_ERR_LEN] = "";
+    /* 12 KiB each: three fit in 40 KiB, the fourth does not */
+    assert_int_equal(kvt_l1_reserve(fx.l1, 3, &ns, (const key_t16 *)k, 5, NULL, 12288, slots, &n,
+                                    &lease, err, sizeof err),
+                     0);
+    assert_int_equal(n, 3);
+    assert_int_equal(kvt_l1_owner_bytes(fx.l1, 3), 36864);
+    assert_int_equal(s_counts(&fx).reserved, 3);
+    err[0] = '\0';
+    assert_int_equal(kvt_l1_reserve(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, NULL, 8192, slots, &n,
+                                    &l2, err, sizeof err),
+                     KVT_ENOSPC);
+    assert_int_equal(l2, 0);
+    assert_non_null(strstr(err, "max_leased_bytes (40960)"));
+    assert_non_null(strstr(err, "36864"));
+    assert_int_equal(kvt_l1_owner_bytes(fx.l1, 3), 36864);
+    /* a key that fits in what is left (4 KiB) still goes */
+    assert_int_equal(kvt_l1_reserve(fx.l1, 3, &ns, (const key_t16 *)&k[3], 2, NULL, 4096, slots, &n,
+                                    &l2, err, sizeof err),
+                     0);
+    assert_int_equal(n, 1);
+    assert_int_equal(kvt_l1_owner_bytes(fx.l1, 3), 40960);
+    /* another owner is not limited by this one */
+    uint64_t other = 0;
+    assert_int_equal(kvt_l1_reserve(fx.l1, 4, &ns, (const key_t16 *)&k[8], 3, NULL, 12288, slots,
+                                    &n, &other, err, sizeof err),
+                     0);
+    assert_int_equal(n, 3);
+    assert_int_equal(kvt_l1_release_owner(fx.l1, 4, false), 1);
+    assert_int_equal(kvt_l1_commit(fx.l1, 3, l2, NULL, 0, &stored, err, sizeof err), 0);
+    assert_int_equal(kvt_l1_owner_bytes(fx.l1, 3), 36864);
+    /* ACQUIRE under the same limit: k[3] (4 KiB) fits, nothing more */
+    uint64_t rl = 0;
+    assert_int_equal(kvt_l1_acquire(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, slots, &n, &rl), 0);
+    assert_int_equal(n, 1);
+    assert_int_equal(kvt_l1_acquire(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, slots, &n, &l2),
+                     KVT_ENOSPC);
+    assert_int_equal(n, 0);
+    assert_int_equal(l2, 0);
+    kvt_l1_owner_limit_error(fx.l1, 3, err, sizeof err);
+    assert_non_null(strstr(err, "40960 bytes under leases"));
+    uint32_t hits = 0;
+    assert_int_equal(kvt_l1_lookup(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, true, &hits, &l2),
+                     KVT_ENOSPC);
+    assert_int_equal(kvt_l1_lookup(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, false, &hits, &l2), 0);
+    assert_int_equal(hits, 1); /* a plain LOOKUP pins nothing: not limited */
+    /* BYE: everything back */
+    assert_int_equal(kvt_l1_release_owner(fx.l1, 3, false), 2);
+    assert_int_equal(kvt_l1_owner_bytes(fx.l1, 3), 0);
+    assert_int_equal(s_counts(&fx).reserved, 0);
+    s_fx_done(&fx);
+}
+
+/* l1_checksum: COMMIT keeps the checksum; bytes changed afterwards are caught by GET's verify
+ * (the object leaves the index, the lease still pins it) and by the write-behind check, each
+ * counted once; a prefetch's checksum is taken as given. */
+static void test_l1_checksum(void **state)
+{
+    (void)state;
+    fx_t fx = {0};
+    s_fx_with(&fx, "l1_checksum", "true");
+    kvt_nsref_t ns = s_ns("sum", "");
+    key_t16 k[4];
+    s_keys(k, 0x63, 0, 4);
+    assert_int_equal(s_store(&fx, 1, &ns, (const key_t16 *)k, 3, 10000), 3);
+    kvt_slot_t slots[4];
+    uint32_t n = 0;
+    uint64_t rl = 0;
+    assert_int_equal(
+        kvt_l1_acquire(fx.l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)k, 3, slots, &n, &rl), 0);
+    assert_int_equal(kvt_l1_verify(fx.l1, KVT_OWNER_DAEMON, rl, 3), 3);
+    fx.base[slots[1].offset + 9999] ^= 0x80; /* a late writer */
+    assert_int_equal(kvt_l1_verify(fx.l1, KVT_OWNER_DAEMON, rl, 3), 1);
+    assert_int_equal(s_hits(&fx, &ns, (const key_t16 *)k, 3), 1);
+    assert_int_equal(kvt_l1_verify(fx.l1, KVT_OWNER_DAEMON, rl, 1), 1);
+    assert_int_equal(kvt_l1_release(fx.l1, KVT_OWNER_DAEMON, rl), 0);
+    assert_int_equal(s_counts(&fx).objects, 2);
+    /* write-behind: the caller's checksum against the kept one */
+    assert_int_equal(
+        kvt_l1_acquire(fx.l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)&k[2], 1, slots, &n, &rl), 0);
+    uint64_t sum = XXH3_64bits(fx.base + slots[0].offset, slots[0].length);
+    assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 0, sum), 0);
+    assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 0, sum + 1), KVT_EIO);
+    /* still not to be written, but counted once */
+    assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 0, sum + 1), KVT_EIO);
+    assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 5, sum), KVT_EUNKLEASE);
+    assert_int_equal(kvt_l1_release(fx.l1, KVT_OWNER_DAEMON, rl), 0);
+    assert_false(s_present(&fx, &ns, k[2]));
+    assert_int_equal(kvt_l1_verify(fx.l1, KVT_OWNER_DAEMON, 999999, 2), 0); /* no such lease */
+    /* a prefetch brings its verified checksum: taken as is (here a wrong one, to see it kept) */
+    uint64_t wl = 0, sums[1] = {12345};
+    uint32_t stored = 0;
+    char err[KVT_ERR_LEN] = "";
+    assert_int_equal(kvt_l1_reserve(fx.l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)&k[3], 1, NULL,
+                                    4096, slots, &n, &wl, err, sizeof err),
+                     0);
+    assert_int_equal(
+        kvt_l1_commit_loaded(fx.l1, KVT_OWNER_DAEMON, wl, NULL, 0, sums, &stored, err, sizeof err),
+        0);
+    assert_int_equal(
+        kvt_l1_acquire(fx.l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)&k[3], 1, slots, &n, &rl), 0);
+    assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 0, 12345), 0);
+    assert_int_equal(kvt_l1_release(fx.l1, KVT_OWNER_DAEMON, rl), 0);
+    json_t *st = kvt_l1_status_json(fx.l1);
+    assert_int_equal(json_integer_value(json_object_get(st, "corrupt")), 2);
+    json_decref(st);
+    s_fx_done(&fx);
+}
+
+/* Without l1_checksum nothing is hashed and nothing is judged. */
+static void test_l1_checksum_off(void **state)
+{
+    fx_t *f = *state;
+    kvt_nsref_t ns = s_ns("nosum", "");
+    key_t16 k[1];
+    s_keys(k, 0x64, 0, 1);
+    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)k, 1, 4096), 1);
+    kvt_slot_t slot;
+    uint32_t n = 0;
+    uint64_t rl = 0;
+    assert_int_equal(
+        kvt_l1_acquire(f->l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)k, 1, &slot, &n, &rl), 0);
+    f->base[slot.offset] ^= 1;
+    assert_int_equal(kvt_l1_verify(f->l1, KVT_OWNER_DAEMON, rl, 1), 1);
+    assert_int_equal(kvt_l1_check_sum(f->l1, KVT_OWNER_DAEMON, rl, 0, 0), 0);
+    assert_int_equal(kvt_l1_release(f->l1, KVT_OWNER_DAEMON, rl), 0);
+}
 
 /* debug.fail_alloc_every: the injected failures answer ENOSPC (a first key) or cut the batch to
  * the prefix before it, never harm what is stored, and the next allocation works again. */
@@ -1228,8 +1441,12 @@ int main(void)
         T(test_release_owner_expired),
         T(test_release_owner_bye),
         T(test_destroy_with_everything_held),
+        T(test_owner_bytes),
+        T(test_l1_checksum_off),
         cmocka_unit_test(test_index_100k),
         cmocka_unit_test(test_fail_alloc_injection),
+        cmocka_unit_test(test_max_leased_bytes),
+        cmocka_unit_test(test_l1_checksum),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -12,6 +12,13 @@
  * index failed; victim read leases are never read. Their late COMMIT/RELEASE may answer 0,
  * lease_expired (expired) or unknown_lease (BYE), nothing else.
  *
+ * The tier runs with l1_checksum: every COMMIT hashes its objects while other threads work, and
+ * every read checks them with kvt_l1_verify (nothing writes after COMMIT here, so all match).
+ *
+ * A second test shares one owner between 4 threads under max_leased_bytes while another thread
+ * expires it again and again: the owner never holds more than the limit (sampled after every
+ * lease and by a monitor), and everything is given back at the end.
+ *
  * Runs under ASan+UBSan (make unit) and ThreadSanitizer (make tsan). */
 #include "kvt_config.h"
 #include "kvt_error.h"
@@ -267,6 +274,9 @@ static void s_op_read(worker_t *t, key_t16 *keys, uint32_t n)
     if (!nslots)
         return;
     s_verify_slots(slots, nslots, (const key_t16 *)keys, "after ACQUIRE");
+    uint32_t good = kvt_l1_verify(s_l1, owner, lease, nslots);
+    if (good != nslots)
+        ERR("l1_checksum: %u of %u objects match their COMMIT checksum\n", good, nslots);
     sched_yield(); /* let writers, the evictor and REMOVE run while we hold the pin */
     s_verify_slots(slots, nslots, (const key_t16 *)keys, "before RELEASE");
     rc = kvt_l1_release(s_l1, owner, lease);
@@ -434,6 +444,7 @@ static void test_concurrent(void **state)
     kvt_config_t *cfg = kvt_config_new();
     assert_int_equal(kvt_config_set(cfg, "l1_size", "16M", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "l1_checksum", "true", false, err, sizeof err), 0);
     s_l1 = kvt_l1_new(cfg, err, sizeof err);
     if (!s_l1)
         fail_msg("kvt_l1_new: %s", err);
@@ -532,10 +543,123 @@ static void test_concurrent(void **state)
     kvt_config_destroy(&cfg);
 }
 
+/* ---- one owner, 4 threads, max_leased_bytes, expiry in between ---- */
+
+#define LIMIT_BYTES (256u * 1024u)
+#define SHARED_OWNER 4242u
+
+static _Atomic uint64_t s_limit_max_seen, s_limit_refusals, s_limit_ops;
+
+static void s_limit_sample(void)
+{
+    uint64_t b = kvt_l1_owner_bytes(s_l1, SHARED_OWNER);
+    uint64_t m = atomic_load(&s_limit_max_seen);
+    while (b > m && !atomic_compare_exchange_weak(&s_limit_max_seen, &m, b))
+        ;
+}
+
+static void *s_limit_worker(void *arg)
+{
+    uint64_t seed = (uint64_t)(uintptr_t)arg;
+    key_t16 keys[4];
+    kvt_slot_t slots[4];
+    char err[KVT_ERR_LEN];
+    while (!atomic_load(&s_stop)) {
+        uint32_t n = 1 + (uint32_t)(s_rand(&seed) % 4), first = (uint32_t)(s_rand(&seed) % 64);
+        for (uint32_t i = 0; i < n; i++)
+            memcpy(keys[i], s_keys[first + i], KVT_KEY_LEN);
+        uint32_t got = 0, stored = 0;
+        uint64_t lease = 0;
+        int rc;
+        if (s_rand(&seed) % 2) {
+            uint64_t size = 16384 * (1 + s_rand(&seed) % 3);
+            rc = kvt_l1_reserve(s_l1, SHARED_OWNER, &s_ns, (const key_t16 *)keys, n, NULL, size,
+                                slots, &got, &lease, err, sizeof err);
+        } else {
+            rc = kvt_l1_acquire(s_l1, SHARED_OWNER, &s_ns, (const key_t16 *)keys, n, slots, &got,
+                                &lease);
+        }
+        s_limit_sample();
+        atomic_fetch_add(&s_limit_ops, 1);
+        if (rc == KVT_ENOSPC) {
+            atomic_fetch_add(&s_limit_refusals, 1);
+            continue;
+        }
+        if (rc) {
+            ERR("limit: %s (%s)\n", kvt_err_name(rc), err);
+            continue;
+        }
+        if (!lease)
+            continue;
+        /* commit a write lease with every index failed (no data), or release either kind */
+        uint64_t failed[4] = {0, 1, 2, 3};
+        rc = s_rand(&seed) % 2
+                 ? kvt_l1_release(s_l1, SHARED_OWNER, lease)
+                 : kvt_l1_commit(s_l1, SHARED_OWNER, lease, failed, 0, &stored, err, sizeof err);
+        if (rc == KVT_EBADREQ) /* COMMIT of a read lease */
+            rc = kvt_l1_release(s_l1, SHARED_OWNER, lease);
+        if (rc && rc != KVT_ELEXPIRED)
+            ERR("limit: settle: %s\n", kvt_err_name(rc));
+    }
+    return NULL;
+}
+
+static void *s_limit_expirer(void *arg)
+{
+    (void)arg;
+    while (!atomic_load(&s_stop)) {
+        s_sleep_us(3000);
+        kvt_l1_release_owner(s_l1, SHARED_OWNER, true);
+        s_limit_sample();
+    }
+    return NULL;
+}
+
+static void test_owner_limit_concurrent(void **state)
+{
+    (void)state;
+    char err[KVT_ERR_LEN] = "";
+    kvt_config_t *cfg = kvt_config_new();
+    assert_int_equal(kvt_config_set(cfg, "l1_size", "16M", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "max_leased_bytes", "256k", false, err, sizeof err), 0);
+    s_l1 = kvt_l1_new(cfg, err, sizeof err);
+    assert_non_null(s_l1);
+    atomic_store(&s_stop, false);
+    atomic_store(&s_errors, 0);
+    pthread_t wt[NWORKERS], et;
+    for (uintptr_t i = 0; i < NWORKERS; i++)
+        assert_int_equal(pthread_create(&wt[i], NULL, s_limit_worker, (void *)(i * 77 + 5)), 0);
+    assert_int_equal(pthread_create(&et, NULL, s_limit_expirer, NULL), 0);
+    for (int i = 0; i < 100; i++) /* 1 s */
+        s_sleep_us(10000);
+    atomic_store(&s_stop, true);
+    for (int i = 0; i < NWORKERS; i++)
+        pthread_join(wt[i], NULL);
+    pthread_join(et, NULL);
+    kvt_l1_release_owner(s_l1, SHARED_OWNER, false);
+    fprintf(stderr, "test_owner_limit_concurrent: %llu ops, %llu refused, most held %llu\n",
+            (unsigned long long)s_limit_ops, (unsigned long long)s_limit_refusals,
+            (unsigned long long)s_limit_max_seen);
+    assert_int_equal(atomic_load(&s_errors), 0);
+    assert_true(atomic_load(&s_limit_max_seen) <= LIMIT_BYTES);
+    assert_true(atomic_load(&s_limit_refusals) > 0);
+    assert_int_equal(kvt_l1_owner_bytes(s_l1, SHARED_OWNER), 0);
+    kvt_l1_counts_t c;
+    kvt_l1_counts(s_l1, &c);
+    assert_int_equal(c.leases_active, 0);
+    assert_int_equal(c.reserved, 0);
+    uint64_t removed = 0;
+    kvt_l1_clear(s_l1, NULL, 0, &removed);
+    kvt_l1_destroy(&s_l1);
+    kvt_config_destroy(&cfg);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_concurrent),
+        cmocka_unit_test(test_owner_limit_concurrent),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
 
 #include <cmocka.h>
 
@@ -266,6 +267,39 @@ static void test_concurrent(void **state)
     ops->close(st);
 }
 
+/* storev / loadv, and corrupt_rate: every load (rate 1) returns the object with its middle
+ * byte flipped, while the object held stays intact (rate 0 on the same data). */
+static void test_vectored_and_corrupt(void **state)
+{
+    (void)state;
+    const kvt_l2_ops_t *ops = kvt_l2_mock_ops();
+    assert_non_null(ops->storev);
+    assert_non_null(ops->loadv);
+    for (int rate = 0; rate <= 1; rate++) {
+        void *st = s_open(rate ? "corrupt_rate=1" : "corrupt_rate=0");
+        char name[KVT_L2_NAME_LEN];
+        s_name(name, 7);
+        uint8_t a[1000], b[40], back[1000], tb[40];
+        s_fill(a, sizeof a, 3);
+        s_fill(b, sizeof b, 4);
+        struct iovec in[2] = {{a, sizeof a}, {b, sizeof b}};
+        struct iovec out[2] = {{back, sizeof back}, {tb, sizeof tb}};
+        size_t len = 0;
+        assert_int_equal(ops->storev(st, name, in, 2), 0);
+        for (int round = 0; round < 2; round++) {
+            assert_int_equal(ops->loadv(st, name, out, 2, &len), 0);
+            assert_int_equal(len, sizeof a + sizeof b);
+            assert_memory_equal(tb, b, sizeof b);
+            assert_memory_equal(back, a, 520); /* the middle byte is 520 */
+            assert_int_equal(back[520], a[520] ^ (rate ? 1 : 0));
+            assert_memory_equal(back + 521, a + 521, sizeof a - 521);
+        }
+        out[1].iov_len = 10;
+        assert_int_equal(ops->loadv(st, name, out, 2, &len), KVT_ENOSPC);
+        ops->close(st);
+    }
+}
+
 static void test_bad_specs(void **state)
 {
     (void)state;
@@ -281,6 +315,8 @@ static void test_bad_specs(void **state)
         "fail_rate=nan",
         "fail_rate=",
         "fail_rate=0.5x",
+        "corrupt_rate=2",
+        "corrupt_rate=x",
         "seed=-3",
         "seed=1e3",
         "capacity=10Q",
@@ -314,6 +350,7 @@ int main(void)
         cmocka_unit_test(test_fail_rate_half),
         cmocka_unit_test(test_fail_rate_zero_and_one),
         cmocka_unit_test(test_concurrent),
+        cmocka_unit_test(test_vectored_and_corrupt),
         cmocka_unit_test(test_bad_specs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,8 +1,10 @@
 /* Unit tests of l2/kvt_l2_plugin: the example plugin (path in KVT_L2_EXAMPLE_PLUGIN; the test
- * is skipped when it is unset) loads and does a round trip through its ops; a missing file, a
- * shared object without the symbol (libm) and an empty path fail with KVT_EINVAL and a
- * reason; kvt_l2_plugin_check refuses a wrong ABI, a bad kind, max_threads 0 and each missing
- * operation, and accepts a table without usage. */
+ * is skipped when it is unset) loads and does a round trip through its ops, vectored (ABI 2);
+ * its ABI 1 build (KVT_L2_EXAMPLE_PLUGIN_ABI1) still loads, with the ABI 2 fields of the
+ * loader's copy NULL; a missing file, a shared object without the symbol (libm) and an empty
+ * path fail with KVT_EINVAL and a reason; kvt_l2_plugin_check refuses an ABI out of range, a
+ * bad kind, max_threads 0 and each missing operation of the table's ABI, and accepts a table
+ * without usage, and an ABI 2 one without store and load. */
 #include "kvt_error.h"
 #include "kvt_l2.h"
 #include "kvt_l2_plugin.h"
@@ -16,6 +18,82 @@
 #include <string.h>
 
 #include <cmocka.h>
+
+/* The example plugin built as `var` says (ABI 2, or ABI 1), loaded and of ABI `abi`, with an
+ * open state in *st; NULL when `var` is unset. */
+static const kvt_l2_ops_t *s_load_example(const char *var, uint32_t abi, void **h, void **st)
+{
+    const char *path = getenv(var);
+    if (!path || !*path) {
+        print_message("%s is not set: skipped\n", var);
+        return NULL;
+    }
+    const kvt_l2_ops_t *ops = NULL;
+    char err[512] = "";
+    int rc = kvt_l2_plugin_load(path, &ops, h, err, sizeof err);
+    if (rc)
+        fail_msg("load %s: %s", path, err);
+    assert_non_null(ops);
+    assert_non_null(*h);
+    assert_string_equal(ops->kind, "example-mem");
+    assert_int_equal(ops->abi, abi);
+    assert_int_equal(ops->open("", st, err, sizeof err), 0);
+    return ops;
+}
+
+static const char s_obj_name[] =
+    "0123456789abcdef0123456789abcdef-0123456789abcdef0123456789abcdef";
+
+static void test_example_vectored(void **state)
+{
+    (void)state;
+    void *h = NULL, *st = NULL;
+    const kvt_l2_ops_t *ops = s_load_example("KVT_L2_EXAMPLE_PLUGIN", 2, &h, &st);
+    if (!ops)
+        skip();
+    assert_non_null(ops->storev);
+    assert_non_null(ops->loadv);
+    const char *name = s_obj_name;
+    uint8_t a[3000], b[40], back[3000], tb[40];
+    for (size_t i = 0; i < sizeof a; i++)
+        a[i] = (uint8_t)(i * 7 + 1);
+    memset(b, 0x42, sizeof b);
+    struct iovec in[2] = {{a, sizeof a}, {b, sizeof b}},
+                 out[2] = {{back, sizeof back}, {tb, sizeof tb}};
+    size_t len = 0;
+    assert_int_equal(ops->storev(st, name, in, 2), 0);
+    assert_int_equal(ops->lookup(st, name, &len), 0);
+    assert_int_equal(len, sizeof a + sizeof b);
+    assert_int_equal(ops->loadv(st, name, out, 2, &len), 0);
+    assert_int_equal(len, sizeof a + sizeof b);
+    assert_memory_equal(back, a, sizeof a);
+    assert_memory_equal(tb, b, sizeof b);
+    out[1].iov_len = 39;
+    assert_int_equal(ops->loadv(st, name, out, 2, &len), KVT_ENOSPC);
+    ops->close(st);
+    kvt_l2_plugin_unload(h);
+}
+
+/* An ABI 1 plugin: loaded, its copy has no storev/loadv, and store/load work. */
+static void test_example_abi1(void **state)
+{
+    (void)state;
+    void *h = NULL, *st = NULL;
+    const kvt_l2_ops_t *ops = s_load_example("KVT_L2_EXAMPLE_PLUGIN_ABI1", 1, &h, &st);
+    if (!ops)
+        skip();
+    assert_null(ops->storev);
+    assert_null(ops->loadv);
+    const char *name = s_obj_name;
+    uint8_t data[100] = {1, 2, 3}, back[4096];
+    size_t len = 0;
+    assert_int_equal(ops->store(st, name, data, sizeof data), 0);
+    assert_int_equal(ops->load(st, name, back, sizeof back, &len), 0);
+    assert_int_equal(len, sizeof data);
+    assert_memory_equal(back, data, sizeof data);
+    ops->close(st);
+    kvt_l2_plugin_unload(h);
+}
 
 static void test_example_round_trip(void **state)
 {
@@ -147,6 +225,18 @@ static int s_health(void *state, char *why, size_t whylen)
     return 0;
 }
 
+static int s_storev(void *state, const char *name, const struct iovec *iov, int n)
+{
+    (void)state, (void)name, (void)iov, (void)n;
+    return 0;
+}
+
+static int s_loadv(void *state, const char *name, const struct iovec *iov, int n, size_t *len)
+{
+    (void)state, (void)name, (void)iov, (void)n, (void)len;
+    return KVT_ENOTFOUND;
+}
+
 static const kvt_l2_ops_t s_good = {
     .abi = KVT_L2_ABI,
     .kind = "test-good_1.0",
@@ -159,6 +249,8 @@ static const kvt_l2_ops_t s_good = {
     .remove = s_remove,
     .health = s_health,
     .usage = NULL,
+    .storev = s_storev,
+    .loadv = s_loadv,
 };
 
 static void s_expect_bad(const kvt_l2_ops_t *t, const char *needle)
@@ -179,6 +271,25 @@ static void test_check(void **state)
     kvt_l2_ops_t t = s_good;
     t.abi = KVT_L2_ABI + 1;
     s_expect_bad(&t, "ABI");
+    t.abi = 0;
+    s_expect_bad(&t, "ABI");
+    /* ABI 2: store and load are optional */
+    t = s_good;
+    t.store = NULL;
+    t.load = NULL;
+    assert_int_equal(kvt_l2_plugin_check(&t, err, sizeof err), 0);
+    /* ABI 1: storev and loadv are never looked at (an ABI 1 table ends before them) */
+    t = s_good;
+    t.abi = 1;
+    t.storev = NULL;
+    t.loadv = NULL;
+    assert_int_equal(kvt_l2_plugin_check(&t, err, sizeof err), 0);
+    t.store = NULL;
+    s_expect_bad(&t, "store");
+    t = s_good;
+    t.abi = 1;
+    t.load = NULL;
+    s_expect_bad(&t, "load");
 
     static const char *const kinds[] = {NULL,        "",    "has space",
                                         "new\nline", "a/b", "0123456789012345678901234567890123"};
@@ -196,9 +307,9 @@ static void test_check(void **state)
         const char *name;
     } ops[] = {
         {offsetof(kvt_l2_ops_t, open), "open"},     {offsetof(kvt_l2_ops_t, close), "close"},
-        {offsetof(kvt_l2_ops_t, store), "store"},   {offsetof(kvt_l2_ops_t, lookup), "lookup"},
-        {offsetof(kvt_l2_ops_t, load), "load"},     {offsetof(kvt_l2_ops_t, remove), "remove"},
-        {offsetof(kvt_l2_ops_t, health), "health"},
+        {offsetof(kvt_l2_ops_t, lookup), "lookup"}, {offsetof(kvt_l2_ops_t, remove), "remove"},
+        {offsetof(kvt_l2_ops_t, health), "health"}, {offsetof(kvt_l2_ops_t, storev), "storev"},
+        {offsetof(kvt_l2_ops_t, loadv), "loadv"},
     };
     for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++) {
         t = s_good;
@@ -211,10 +322,9 @@ static void test_check(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_example_round_trip),
-        cmocka_unit_test(test_missing_file),
-        cmocka_unit_test(test_no_symbol),
-        cmocka_unit_test(test_check),
+        cmocka_unit_test(test_example_round_trip), cmocka_unit_test(test_example_vectored),
+        cmocka_unit_test(test_example_abi1),       cmocka_unit_test(test_missing_file),
+        cmocka_unit_test(test_no_symbol),          cmocka_unit_test(test_check),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

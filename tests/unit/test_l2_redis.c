@@ -1,6 +1,7 @@
 /* Unit tests of l2/kvt_l2_redis against a real redis-server started on a free loopback port in
  * a temporary directory (every test is skipped when redis-server is not installed): round
- * trips of 1 byte .. 4 MiB, lookup sizes and empty objects, remove, load into a small buffer
+ * trips of 1 byte .. 4 MiB, vectored ones (storev / loadv: payload + trailer, the RESP text
+ * built from the vectors), lookup sizes and empty objects, remove, load into a small buffer
  * (NOSPC), the key layout and prefix isolation, ACL user + password + db, bad specs, pooled
  * connections closed by the server (retried, not failed), a stopped server (a timeout within
  * the deadline), a killed server (fail fast with UNAVAIL during the backoff, health says why)
@@ -30,6 +31,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -315,6 +317,46 @@ static void test_round_trip_sizes(void **state)
     }
     free(buf);
     free(data);
+    ops->close(st);
+}
+
+static void test_vectored(void **state)
+{
+    (void)state;
+    S_NEED_REDIS();
+    const kvt_l2_ops_t *ops = kvt_l2_redis_ops();
+    void *st = s_open("127.0.0.1:%d", s_port);
+    static const size_t sizes[] = {1, 4096, S_MIB + 3};
+    uint8_t *data = malloc(S_MIB + 3), *back = malloc(S_MIB + 3), *whole = malloc(S_MIB + 64);
+    uint8_t trailer[40], tb[40];
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        char name[KVT_L2_NAME_LEN];
+        s_name(name, 300 + (unsigned)i);
+        size_t n = sizes[i], len = 0;
+        s_fill(data, n, (unsigned)i + 9);
+        memset(trailer, (int)i + 1, sizeof trailer);
+        trailer[0] = '\r'; /* binary-safe: RESP lengths, not delimiters */
+        trailer[1] = '\n';
+        struct iovec in[3] = {{data, n / 2}, {data + n / 2, n - n / 2}, {trailer, 40}};
+        assert_int_equal(ops->storev(st, name, in, 3), 0);
+        assert_int_equal(ops->lookup(st, name, &len), 0);
+        assert_int_equal(len, n + 40);
+        struct iovec out[2] = {{back, n}, {tb, sizeof tb}};
+        assert_int_equal(ops->loadv(st, name, out, 2, &len), 0);
+        assert_int_equal(len, n + 40);
+        assert_memory_equal(back, data, n);
+        assert_memory_equal(tb, trailer, sizeof tb);
+        assert_int_equal(ops->load(st, name, whole, n + 64, &len), 0);
+        assert_int_equal(len, n + 40);
+        assert_memory_equal(whole, data, n);
+        out[1].iov_len = 39;
+        assert_int_equal(ops->loadv(st, name, out, 2, &len), KVT_ENOSPC);
+        assert_int_equal(ops->remove(st, name), 0);
+    }
+    assert_int_equal(ops->storev(st, "x", NULL, 0), KVT_EINVAL);
+    free(data);
+    free(back);
+    free(whole);
     ops->close(st);
 }
 
@@ -908,6 +950,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_trip_sizes),
+        cmocka_unit_test(test_vectored),
         cmocka_unit_test(test_lookup_remove_nospc),
         cmocka_unit_test(test_prefix_isolation),
         cmocka_unit_test(test_auth_and_db),

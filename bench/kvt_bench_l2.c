@@ -1,0 +1,540 @@
+/* kvt-bench-l2: focused benchmark of the L2 tier's data path, in process (no sockets, no
+ * daemon): write-behind of committed L1 objects to an adapter and prefetch loads from it back
+ * into L1, through the real L2 manager (kvt_l2mgr: its adapter thread, its prefetch thread, and
+ * whatever it does to the bytes on the way), each against baselines measured in the same run on
+ * the same bytes: memcpy, and for the fs adapter plain pwrite+fdatasync / pread of one file per
+ * object in the same directory. Also the hash throughput the integrity checks pay (XXH3-64 and
+ * XXH3-128 against memcpy), and the COMMIT of L1 objects with and without `l1_checksum`.
+ *
+ *   build/kvt-bench-l2 [--quick] [--json FILE] [--dir DIR] [--count N] [--size BYTES]
+ *                      [--rounds R]
+ *
+ * Defaults: 64 objects of 4 MiB, 3 rounds (the best round is reported), the fs adapter in a
+ * fresh directory under /dev/shm (tmpfs: the page cache, so the figures are CPU-bound and show
+ * what the daemon itself costs; --dir puts it on a disk). --quick: 8 objects of 1 MiB, 1 round.
+ * Everything it creates is removed at the end. */
+#include "kvt_config.h"
+#include "kvt_error.h"
+#include "kvt_l1.h"
+#include "kvt_l2mgr.h"
+#include "kvt_log.h"
+#include "kvt_prefetch.h"
+#include "kvt_supervisor.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <jansson.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#define NS "bench-l2"
+
+typedef uint8_t key_t16[KVT_KEY_LEN];
+
+typedef struct {
+    bool quick;
+    const char *json_path;
+    const char *dir;
+    uint32_t count;
+    uint64_t size;
+    int rounds;
+} opts_t;
+
+static json_t *s_out;
+static _Atomic uint64_t s_l2_stored; /* keys reported by l2_stored events */
+
+static double s_now(void)
+{
+    return (double)kvt_now_ns() * 1e-9;
+}
+
+/* Random-looking 64-bit values from a counter (xorshift-multiply; the fills are not timed). */
+static uint64_t s_scramble(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    return x * 0xc4ceb9fe1a85ec53ull;
+}
+
+static void s_key(uint8_t *k, uint64_t id)
+{
+    uint64_t a = s_scramble(id + 0x4c32ull), b = s_scramble(a ^ id);
+    memcpy(k, &a, 8);
+    memcpy(k + 8, &b, 8);
+}
+
+/* Pseudo-random bytes, different for every object (a compressing or deduplicating store would
+ * otherwise flatter itself). */
+static void s_fill_bytes(uint8_t *p, uint64_t len, uint64_t seed)
+{
+    uint64_t x = seed << 32;
+    for (uint64_t i = 0; i + 8 <= len; i += 8) {
+        uint64_t v = s_scramble(++x);
+        memcpy(p + i, &v, 8);
+    }
+    for (uint64_t i = len & ~7ull; i < len; i++)
+        p[i] = (uint8_t)s_scramble(x + i);
+}
+
+static void *s_xalloc(size_t n)
+{
+    void *p = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
+    if (!p) {
+        fprintf(stderr, "kvt-bench-l2: out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    memset(p, 0x5a, n); /* fault the pages in before anything is timed */
+    return p;
+}
+
+static void s_die(const char *what, const char *why)
+{
+    fprintf(stderr, "kvt-bench-l2: %s: %s\n", what, why);
+    exit(1);
+}
+
+static void s_row(const char *what, double gbps, double base, const char *base_name)
+{
+    if (base > 0)
+        printf("  %-44s %7.2f GB/s   %-28s %7.2f GB/s  %5.2fx\n", what, gbps, base_name, base,
+               gbps / base);
+    else
+        printf("  %-44s %7.2f GB/s\n", what, gbps);
+}
+
+static double s_best(const double *v, int n)
+{
+    double b = 0;
+    for (int i = 0; i < n; i++)
+        if (v[i] > b)
+            b = v[i];
+    return b;
+}
+
+/* ---- hashing vs memcpy ------------------------------------------------------------------ */
+
+static volatile uint64_t s_sink;
+
+static void s_bench_hash(const opts_t *o)
+{
+    uint64_t total = (uint64_t)o->count * o->size;
+    uint8_t *src = s_xalloc(total), *dst = s_xalloc(total);
+    for (uint32_t i = 0; i < o->count; i++)
+        s_fill_bytes(src + (uint64_t)i * o->size, o->size, i + 1);
+    double mc[8] = {0}, h64[8] = {0}, h128[8] = {0};
+    for (int r = 0; r < o->rounds && r < 8; r++) {
+        double t = s_now();
+        for (uint32_t i = 0; i < o->count; i++)
+            memcpy(dst + (uint64_t)i * o->size, src + (uint64_t)i * o->size, o->size);
+        mc[r] = (double)total / (s_now() - t) / 1e9;
+        t = s_now();
+        for (uint32_t i = 0; i < o->count; i++)
+            s_sink += XXH3_64bits(src + (uint64_t)i * o->size, o->size);
+        h64[r] = (double)total / (s_now() - t) / 1e9;
+        t = s_now();
+        for (uint32_t i = 0; i < o->count; i++)
+            s_sink += XXH3_128bits(src + (uint64_t)i * o->size, o->size).low64;
+        h128[r] = (double)total / (s_now() - t) / 1e9;
+    }
+    printf("hashing %u objects of %llu bytes (one pass each), against memcpy of the same bytes\n",
+           o->count, (unsigned long long)o->size);
+    s_row("memcpy", s_best(mc, o->rounds), 0, "");
+    s_row("XXH3-64", s_best(h64, o->rounds), s_best(mc, o->rounds), "memcpy");
+    s_row("XXH3-128", s_best(h128, o->rounds), s_best(mc, o->rounds), "memcpy");
+    json_object_set_new(s_out, "hash",
+                        json_pack("{s:f,s:f,s:f}", "memcpy_gbps", s_best(mc, o->rounds),
+                                  "xxh3_64_gbps", s_best(h64, o->rounds), "xxh3_128_gbps",
+                                  s_best(h128, o->rounds)));
+    free(src);
+    free(dst);
+}
+
+/* ---- the L2 path ------------------------------------------------------------------------ */
+
+static void s_on_event(void *ctx, const char *event, const uint8_t *ns, uint32_t ns_len,
+                       const uint8_t *salt, uint32_t salt_len, const uint8_t (*keys)[KVT_KEY_LEN],
+                       uint32_t n, const char *adapter)
+{
+    (void)ctx, (void)ns, (void)ns_len, (void)salt, (void)salt_len, (void)keys, (void)adapter;
+    if (strcmp(event, "l2_stored") == 0)
+        atomic_fetch_add(&s_l2_stored, n);
+}
+
+typedef struct {
+    kvt_config_t *cfg;
+    kvt_sup_t *sup;
+    kvt_l1_t *l1;
+    kvt_prefetch_t *pf;
+    kvt_l2mgr_t *mgr;
+    kvt_nsref_t ns;
+    key_t16 *keys;
+    uint64_t *sizes;
+} rig_t;
+
+static void s_rig_open(rig_t *g, const opts_t *o, const char *spec)
+{
+    char err[KVT_ERR_LEN] = "", size[32];
+    memset(g, 0, sizeof *g);
+    g->cfg = kvt_config_new();
+    /* room for every object twice over (a store round and a load round overlap) */
+    snprintf(size, sizeof size, "%lluM",
+             (unsigned long long)((2 * (uint64_t)o->count * (o->size + 8192)) >> 20) + 64);
+    if (kvt_config_set(g->cfg, "l1_size", size, false, err, sizeof err) ||
+        kvt_config_set(g->cfg, "allow_unpinned", "true", false, err, sizeof err) ||
+        kvt_config_set(g->cfg, "lease_ms", "600000", false, err, sizeof err) ||
+        kvt_config_set(g->cfg, "l2", spec, false, err, sizeof err))
+        s_die("config", err);
+    g->sup = kvt_sup_new(g->cfg);
+    g->l1 = kvt_l1_new(g->cfg, err, sizeof err);
+    if (!g->l1)
+        s_die("l1", err);
+    g->pf = kvt_prefetch_new(60000);
+    int code = 0;
+    g->mgr = kvt_l2mgr_new(g->cfg, g->l1, g->pf, g->sup, &code, err, sizeof err);
+    if (!g->mgr)
+        s_die(spec, err);
+    kvt_l2mgr_set_events(g->mgr, s_on_event, NULL);
+    g->ns = (kvt_nsref_t){(const uint8_t *)NS, (uint32_t)strlen(NS), NULL, 0};
+    g->keys = calloc(o->count, sizeof *g->keys);
+    g->sizes = calloc(o->count, sizeof *g->sizes);
+    for (uint32_t i = 0; i < o->count; i++)
+        s_key(g->keys[i], i);
+}
+
+static void s_rig_close(rig_t *g)
+{
+    kvt_l2mgr_destroy(&g->mgr);
+    kvt_prefetch_destroy(&g->pf);
+    kvt_l1_destroy(&g->l1);
+    kvt_sup_destroy(&g->sup);
+    kvt_config_destroy(&g->cfg);
+    free(g->keys);
+    free(g->sizes);
+}
+
+/* RESERVE + fill + COMMIT of every object (the daemon's owner: nothing is written behind until
+ * the benchmark asks). */
+static void s_rig_fill(rig_t *g, const opts_t *o)
+{
+    kvt_slot_t *slots = calloc(o->count, sizeof *slots);
+    uint32_t n = 0, stored = 0;
+    uint64_t lease = 0;
+    char err[KVT_ERR_LEN] = "";
+    int rc = kvt_l1_reserve(g->l1, KVT_OWNER_DAEMON, &g->ns, (const key_t16 *)g->keys, o->count,
+                            NULL, o->size, slots, &n, &lease, err, sizeof err);
+    if (rc || n != o->count)
+        s_die("reserve", rc ? err : "partial");
+    uint8_t *base = kvt_l1_base(g->l1);
+    for (uint32_t i = 0; i < n; i++)
+        s_fill_bytes(base + slots[i].offset, o->size, i + 1);
+    rc = kvt_l1_commit(g->l1, KVT_OWNER_DAEMON, lease, NULL, 0, &stored, err, sizeof err);
+    if (rc || stored != n)
+        s_die("commit", rc ? err : "partial");
+    free(slots);
+}
+
+/* Every object in L1 holds its bytes (checked after each load round, not timed). */
+static void s_rig_check(rig_t *g, const opts_t *o)
+{
+    uint8_t *want = s_xalloc(o->size);
+    uint8_t *base = kvt_l1_base(g->l1);
+    for (uint32_t i = 0; i < o->count; i++) {
+        kvt_slot_t slot;
+        uint32_t got = 0;
+        uint64_t lease = 0;
+        kvt_l1_acquire(g->l1, KVT_OWNER_DAEMON, &g->ns, (const key_t16 *)&g->keys[i], 1, &slot,
+                       &got, &lease);
+        s_fill_bytes(want, o->size, i + 1);
+        if (got != 1 || slot.length != o->size || memcmp(base + slot.offset, want, o->size))
+            s_die("check", "an object loaded back from L2 does not hold its bytes");
+        kvt_l1_release(g->l1, KVT_OWNER_DAEMON, lease);
+    }
+    free(want);
+}
+
+/* Seconds to write every object behind (from the queueing to the last l2_stored event). */
+static double s_rig_store(rig_t *g, const opts_t *o)
+{
+    atomic_store(&s_l2_stored, 0);
+    double t = s_now();
+    kvt_l2mgr_on_stored(g->mgr, &g->ns, (const key_t16 *)g->keys, o->count);
+    while (atomic_load(&s_l2_stored) < o->count) {
+        if (s_now() - t > 300)
+            s_die("store", "write-behind did not finish within 300 s");
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+    return s_now() - t;
+}
+
+/* Seconds to load every object back into an empty L1 (one prefetch job, as a LOOKUP with
+ * prefetch starts it; the L2 lookup of the sizes is timed apart, in *lookup_s). */
+static double s_rig_load(rig_t *g, const opts_t *o, double *lookup_s)
+{
+    uint64_t removed = 0;
+    kvt_l1_clear(g->l1, (const uint8_t *)NS, (uint32_t)strlen(NS), &removed);
+    if (removed != o->count)
+        s_die("clear", "not every object was in L1");
+    double t = s_now();
+    uint32_t hits = kvt_l2mgr_lookup(g->mgr, &g->ns, (const key_t16 *)g->keys, o->count,
+                                     kvt_now_ms() + 60000, g->sizes);
+    *lookup_s = s_now() - t;
+    if (hits != o->count)
+        s_die("lookup", "not every object was found in L2");
+    t = s_now();
+    uint64_t job = kvt_prefetch_start(g->pf, hits, false, kvt_now_ms());
+    kvt_l2mgr_prefetch(g->mgr, job, &g->ns, (const key_t16 *)g->keys, g->sizes, hits);
+    bool done = false;
+    uint32_t loaded = 0, h = 0;
+    while (!done) {
+        if (s_now() - t > 300)
+            s_die("load", "the prefetch did not finish within 300 s");
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+        kvt_prefetch_status(g->pf, job, &done, &loaded, &h);
+    }
+    double secs = s_now() - t;
+    if (loaded != o->count)
+        s_die("load", "the prefetch loaded fewer objects than were stored");
+    return secs;
+}
+
+/* The same bytes with plain syscalls, one file per object in dir/raw: open + pwrite +
+ * fdatasync + close, then open + pread + close, buffered and (*rdd, 0 when the filesystem
+ * refuses it) with O_DIRECT. Returns GB/s. */
+static void s_raw_fs(const char *dir, const opts_t *o, const uint8_t *src, uint8_t *dst, double *wr,
+                     double *rd, double *rdd)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/raw", dir);
+    mkdir(path, 0700);
+    uint64_t total = (uint64_t)o->count * o->size;
+    double t = s_now();
+    for (uint32_t i = 0; i < o->count; i++) {
+        snprintf(path, sizeof path, "%s/raw/%u", dir, i);
+        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (fd < 0 || pwrite(fd, src + (uint64_t)i * o->size, o->size, 0) != (ssize_t)o->size ||
+            fdatasync(fd) != 0)
+            s_die(path, strerror(errno));
+        close(fd);
+    }
+    *wr = (double)total / (s_now() - t) / 1e9;
+    t = s_now();
+    for (uint32_t i = 0; i < o->count; i++) {
+        snprintf(path, sizeof path, "%s/raw/%u", dir, i);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || pread(fd, dst + (uint64_t)i * o->size, o->size, 0) != (ssize_t)o->size)
+            s_die(path, strerror(errno));
+        close(fd);
+    }
+    *rd = (double)total / (s_now() - t) / 1e9;
+    /* the fs adapter reads with O_DIRECT where the filesystem allows it: so does this line */
+    *rdd = 0;
+    t = s_now();
+    for (uint32_t i = 0; i < o->count; i++) {
+        snprintf(path, sizeof path, "%s/raw/%u", dir, i);
+        int fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (fd < 0)
+            return; /* not on this filesystem */
+        ssize_t n = pread(fd, dst + (uint64_t)i * o->size, (o->size + 4095) & ~4095ull, 0);
+        close(fd);
+        if (n != (ssize_t)o->size)
+            return;
+    }
+    *rdd = (double)total / (s_now() - t) / 1e9;
+}
+
+static void s_bench_adapter(const opts_t *o, const char *kind, const char *spec, const char *dir)
+{
+    rig_t g;
+    s_rig_open(&g, o, spec);
+    s_rig_fill(&g, o);
+    uint64_t total = (uint64_t)o->count * o->size;
+    uint8_t *src = s_xalloc(total), *dst = s_xalloc(total);
+    for (uint32_t i = 0; i < o->count; i++)
+        s_fill_bytes(src + (uint64_t)i * o->size, o->size, i + 1);
+    double st[8] = {0}, ld[8] = {0}, lk[8] = {0}, mc[8] = {0}, rw[8] = {0}, rr[8] = {0};
+    double rd[8] = {0};
+    for (int r = 0; r < o->rounds && r < 8; r++) {
+        st[r] = (double)total / s_rig_store(&g, o) / 1e9;
+        double lookup_s = 0;
+        ld[r] = (double)total / s_rig_load(&g, o, &lookup_s) / 1e9;
+        lk[r] = lookup_s * 1e6 / o->count;
+        s_rig_check(&g, o);
+        double t = s_now();
+        for (uint32_t i = 0; i < o->count; i++)
+            memcpy(dst + (uint64_t)i * o->size, src + (uint64_t)i * o->size, o->size);
+        mc[r] = (double)total / (s_now() - t) / 1e9;
+        if (dir)
+            s_raw_fs(dir, o, src, dst, &rw[r], &rr[r], &rd[r]);
+    }
+    double bst = s_best(st, o->rounds), bld = s_best(ld, o->rounds), bmc = s_best(mc, o->rounds);
+    double brw = s_best(rw, o->rounds), brr = s_best(rr, o->rounds), brd = s_best(rd, o->rounds);
+    double blk = lk[0];
+    for (int r = 1; r < o->rounds; r++)
+        blk = lk[r] < blk ? lk[r] : blk;
+    printf("\nL2 adapter %s (%s)\n", kind, spec);
+    char what[96];
+    snprintf(what, sizeof what, "store (write-behind of %u x %llu B)", o->count,
+             (unsigned long long)o->size);
+    if (dir)
+        s_row(what, bst, brw, "raw pwrite+fdatasync");
+    s_row(dir ? "" : what, bst, bmc, "memcpy");
+    snprintf(what, sizeof what, "load (prefetch into L1 of %u x %llu B)", o->count,
+             (unsigned long long)o->size);
+    if (dir)
+        s_row(what, bld, brr, "raw pread");
+    if (dir && brd > 0)
+        s_row("", bld, brd, "raw pread O_DIRECT");
+    s_row(dir ? "" : what, bld, bmc, "memcpy");
+    printf("  %-44s %7.2f us per key\n", "L2 lookup (sizes of the keys to load)", blk);
+    json_object_set_new(s_out, kind,
+                        json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:f}", "spec", spec, "store_gbps",
+                                  bst, "load_gbps", bld, "memcpy_gbps", bmc, "raw_write_gbps", brw,
+                                  "raw_read_gbps", brr, "raw_read_direct_gbps", brd,
+                                  "lookup_us_per_key", blk));
+    free(src);
+    free(dst);
+    s_rig_close(&g);
+}
+
+/* ---- COMMIT with and without l1_checksum ------------------------------------------------- */
+
+static void s_bench_commit(const opts_t *o)
+{
+    double secs[2] = {0, 0};
+    for (int on = 0; on < 2; on++) {
+        rig_t g = {0};
+        char err[KVT_ERR_LEN] = "", size[32];
+        g.cfg = kvt_config_new();
+        snprintf(size, sizeof size, "%lluM",
+                 (unsigned long long)(((uint64_t)o->count * (o->size + 8192)) >> 20) + 64);
+        if (kvt_config_set(g.cfg, "l1_size", size, false, err, sizeof err) ||
+            kvt_config_set(g.cfg, "allow_unpinned", "true", false, err, sizeof err))
+            s_die("config", err);
+        if (on && kvt_config_set(g.cfg, "l1_checksum", "true", false, err, sizeof err)) {
+            printf("\nCOMMIT with l1_checksum: not measured (%s)\n", err);
+            kvt_config_destroy(&g.cfg);
+            return;
+        }
+        g.l1 = kvt_l1_new(g.cfg, err, sizeof err);
+        if (!g.l1)
+            s_die("l1", err);
+        g.ns = (kvt_nsref_t){(const uint8_t *)NS, (uint32_t)strlen(NS), NULL, 0};
+        kvt_slot_t slot;
+        double best = 1e9;
+        for (int r = 0; r < o->rounds; r++) {
+            double sum = 0;
+            for (uint32_t i = 0; i < o->count; i++) {
+                key_t16 k;
+                s_key(k, 1000000u * (uint64_t)(r + 1) + i);
+                uint32_t n = 0, stored = 0;
+                uint64_t lease = 0;
+                if (kvt_l1_reserve(g.l1, 1, &g.ns, (const key_t16 *)&k, 1, NULL, o->size, &slot, &n,
+                                   &lease, err, sizeof err) ||
+                    n != 1)
+                    s_die("reserve", err);
+                s_fill_bytes((uint8_t *)kvt_l1_base(g.l1) + slot.offset, 64, i);
+                double t = s_now();
+                kvt_l1_commit(g.l1, 1, lease, NULL, 0, &stored, err, sizeof err);
+                sum += s_now() - t;
+            }
+            best = sum < best ? sum : best;
+            uint64_t removed = 0;
+            kvt_l1_clear(g.l1, NULL, 0, &removed);
+        }
+        secs[on] = best / o->count;
+        kvt_l1_destroy(&g.l1);
+        kvt_config_destroy(&g.cfg);
+    }
+    printf("\nCOMMIT of one %llu-byte object (L1 only)\n", (unsigned long long)o->size);
+    printf("  %-44s %7.1f us\n", "l1_checksum off", secs[0] * 1e6);
+    printf("  %-44s %7.1f us  (+%.1f us, XXH3 at %.2f GB/s)\n", "l1_checksum on", secs[1] * 1e6,
+           (secs[1] - secs[0]) * 1e6, (double)o->size / (secs[1] - secs[0]) / 1e9);
+    json_object_set_new(
+        s_out, "commit",
+        json_pack("{s:f,s:f}", "us_checksum_off", secs[0] * 1e6, "us_checksum_on", secs[1] * 1e6));
+}
+
+/* ---- main -------------------------------------------------------------------------------- */
+
+static int s_rm_one(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+int main(int argc, char **argv)
+{
+    opts_t o = {.count = 64, .size = 4u << 20, .rounds = 3, .dir = "/dev/shm"};
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--quick") == 0) {
+            o.quick = true;
+            o.count = 8;
+            o.size = 1u << 20;
+            o.rounds = 1;
+        } else if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
+            o.json_path = argv[++i];
+        } else if (strcmp(argv[i], "--dir") == 0 && i + 1 < argc) {
+            o.dir = argv[++i];
+        } else if (strcmp(argv[i], "--count") == 0 && i + 1 < argc) {
+            o.count = (uint32_t)strtoul(argv[++i], NULL, 10);
+        } else if (strcmp(argv[i], "--size") == 0 && i + 1 < argc) {
+            uint64_t v = 0;
+            if (kvt_config_parse_size(argv[++i], &v) != 0)
+                v = 0;
+            o.size = v;
+        } else if (strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) {
+            o.rounds = atoi(argv[++i]);
+        } else {
+            fprintf(stderr,
+                    "usage: %s [--quick] [--json FILE] [--dir DIR] [--count N] [--size BYTES] "
+                    "[--rounds R]\n",
+                    argv[0]);
+            return 2;
+        }
+    }
+    if (o.count == 0 || o.size == 0 || o.rounds < 1 || o.rounds > 8) {
+        fprintf(stderr, "kvt-bench-l2: --count and --size > 0, --rounds 1..8\n");
+        return 2;
+    }
+    kvt_log_set_level(KVT_LOG_ERROR);
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/kvt-bench-l2-%d", o.dir, (int)getpid());
+    if (mkdir(dir, 0700) != 0)
+        s_die(dir, strerror(errno));
+    printf("kvt-bench-l2 %s (%s mode): %u objects of %llu bytes, best of %d rounds, fs in %s\n\n",
+           KVT_VERSION, o.quick ? "quick" : "full", o.count, (unsigned long long)o.size, o.rounds,
+           dir);
+    s_out = json_pack("{s:s,s:s,s:i,s:I,s:i,s:s}", "bench", "kvt-bench-l2", "mode",
+                      o.quick ? "quick" : "full", "count", (int)o.count, "size", (json_int_t)o.size,
+                      "rounds", o.rounds, "dir", dir);
+    double t0 = s_now();
+    s_bench_hash(&o);
+    char spec[4200];
+    snprintf(spec, sizeof spec, "fs:%s/l2", dir);
+    s_bench_adapter(&o, "fs", spec, dir);
+    s_bench_adapter(&o, "mock", "mock:seed=1", NULL);
+    s_bench_commit(&o);
+    nftw(dir, s_rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    double total = s_now() - t0;
+    printf("\ntotal %.1f s\n", total);
+    json_object_set_new(s_out, "total_seconds", json_real(total));
+    if (o.json_path) {
+        if (json_dump_file(s_out, o.json_path, JSON_INDENT(2)) != 0)
+            s_die(o.json_path, "cannot write");
+        printf("wrote %s\n", o.json_path);
+    }
+    json_decref(s_out);
+    return 0;
+}
