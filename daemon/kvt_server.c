@@ -674,6 +674,11 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
     return rc;
 }
 
+static uint64_t s_owner_bytes(void *l1, uint64_t owner)
+{
+    return kvt_l1_owner_bytes(l1, owner);
+}
+
 json_t *kvt_server_status_json(kvt_server_t *self)
 {
     json_t *eps = json_array();
@@ -683,7 +688,8 @@ json_t *kvt_server_status_json(kvt_server_t *self)
                            (json_int_t)s_in_flight(self), "prefetch_jobs",
                            (json_int_t)kvt_prefetch_jobs(self->svc.prefetch), "gpu",
                            kvt_gpu_status_json(self->svc.gpu));
-    json_t *clients = kvt_sessions_json(self->svc.sessions, kvt_now_ms());
+    json_t *clients =
+        kvt_sessions_json(self->svc.sessions, kvt_now_ms(), s_owner_bytes, self->svc.l1);
     json_object_update(st, clients); /* clients, clients_total, connections */
     json_decref(clients);
     json_object_set_new(json_object_get(st, "connections"), "open",

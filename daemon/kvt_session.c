@@ -601,7 +601,8 @@ static json_t *s_conn_json(const kvt_conn_t *c, uint64_t now_ms)
                      (json_int_t)(now_ms > since ? now_ms - since : 0), "cut", c->cut);
 }
 
-json_t *kvt_sessions_json(kvt_sessions_t *self, uint64_t now_ms)
+json_t *kvt_sessions_json(kvt_sessions_t *self, uint64_t now_ms, kvt_owner_bytes_fn leased,
+                          void *ctx)
 {
     json_t *clients = json_array(), *busy = json_array();
     uint64_t pending = 0, pinned = 0, backlog = 0;
@@ -612,11 +613,12 @@ json_t *kvt_sessions_json(kvt_sessions_t *self, uint64_t now_ms)
          s = zhashx_next(self->by_instance), listed++)
         json_array_append_new(
             clients,
-            json_pack("{s:s,s:s,s:I,s:I,s:I,s:I}", "instance", s->instance, "client", s->client,
+            json_pack("{s:s,s:s,s:I,s:I,s:I,s:I,s:I}", "instance", s->instance, "client", s->client,
                       "owner", (json_int_t)s->owner, "connections", (json_int_t)s->nconns,
                       "idle_ms",
                       (json_int_t)(now_ms > s->last_seen_ms ? now_ms - s->last_seen_ms : 0),
-                      "requests", (json_int_t)s->requests));
+                      "requests", (json_int_t)s->requests, "leased_bytes",
+                      (json_int_t)(leased ? leased(ctx, s->owner) : 0)));
     for (kvt_conn_t *c = zhashx_first(self->by_rid); c; c = zhashx_next(self->by_rid)) {
         uint64_t p = atomic_load(&c->pending);
         pending += p;

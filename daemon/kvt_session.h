@@ -115,9 +115,14 @@ size_t kvt_sessions_sweep(kvt_sessions_t *self, uint64_t now_ms);
 
 size_t kvt_sessions_count(kvt_sessions_t *self);
 
+/* Bytes an owner holds under leases, for /status (called under the sessions mutex). */
+typedef uint64_t (*kvt_owner_bytes_fn)(void *ctx, uint64_t owner);
+
 /* {clients: [...at most 100], clients_total, connections: {...}} for /status; bounded in
- * size whatever the number of clients. Any thread. */
-json_t *kvt_sessions_json(kvt_sessions_t *self, uint64_t now_ms);
+ * size whatever the number of clients. `leased` (may be NULL) fills each instance's
+ * leased_bytes. Any thread. */
+json_t *kvt_sessions_json(kvt_sessions_t *self, uint64_t now_ms, kvt_owner_bytes_fn leased,
+                          void *ctx);
 
 /* Metrics source: kvtier_clients_connected, kvtier_connections_cut_total{reason},
  * kvtier_reply_pending, kvtier_reply_pinned_bytes, kvtier_reply_backlog_bytes. */

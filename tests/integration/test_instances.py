@@ -209,3 +209,18 @@ def test_pinging_keeps_an_idle_instance_alive(daemon_factory):
         d.ok(beat, PING, {"instance": "engine"})
         time.sleep(0.1)
     d.release(main, d.reserve(main, NS, [key(1, b"beat")], size=PAGE)["lease"])
+
+
+def test_status_shows_the_bytes_each_instance_holds(daemon):
+    d = daemon
+    s = d.dealer()
+    d.hello(s, "holder")
+
+    def held():
+        return {c["instance"]: c["leased_bytes"]
+                for c in d.http_json("GET", "/status")["clients"]}["holder"]
+    assert held() == 0
+    w = d.reserve(s, NS, [key(i, b"held") for i in range(3)], size=PAGE + 1)
+    assert held() == 3 * 2 * PAGE            # page-rounded sizes
+    d.release(s, w["lease"])
+    assert held() == 0

@@ -181,7 +181,7 @@ static void test_every_silent_instance_expires_in_one_sweep(void **state)
     }
     assert_int_equal(kvt_sessions_count(s), 1500);
     /* a bounded /status */
-    json_t *st = kvt_sessions_json(s, 0);
+    json_t *st = kvt_sessions_json(s, 0, NULL, NULL);
     assert_int_equal(json_array_size(json_object_get(st, "clients")), 100);
     assert_int_equal(json_integer_value(json_object_get(st, "clients_total")), 1500);
     json_decref(st);
@@ -219,7 +219,7 @@ static void test_stalled_replies_cut_the_connection(void **state)
     kvt_sessions_sweep(s, 1600);
     /* shut down: the daemon's end reads end-of-stream (libzmq then closes it) */
     assert_int_equal(recv(sv[0], buf, sizeof buf, MSG_DONTWAIT), 0);
-    json_t *st = kvt_sessions_json(s, 1600);
+    json_t *st = kvt_sessions_json(s, 1600, NULL, NULL);
     json_t *cs = json_object_get(st, "connections");
     assert_int_equal(json_integer_value(json_object_get(cs, "replies_pending")), 2);
     assert_int_equal(json_integer_value(json_object_get(cs, "pinned_bytes")), 4096);
