@@ -14,7 +14,19 @@
  *
  * Every reply field is checked before it is used: a daemon that breaks the protocol gets
  * KVT_EINTERNAL with a sentence naming the field, never a crash or an out-of-arena pointer.
- * Outputs are zeroed on entry, so they read as "nothing" after any failure. */
+ * Outputs are zeroed on entry, so they read as "nothing" after any failure.
+ *
+ * Liveness (docs/protocol.md, "Client liveness"). The daemon drops an instance silent for
+ * lease_ms, with its leases and GPU registrations. Each kvtier_t therefore has a heartbeat
+ * (s_hb_t): a thread of its own with a DEALER of its own, which joins the instance with the
+ * token HELLO returned and sends PING {instance} every interval. The caller's thread and the
+ * heartbeat share only s_hb_t's token and generation (under its mutex, never taken on the hot
+ * path) and one atomic flag, `dropped`, that a call reads with one load. When a call answers
+ * instance_dropped, or the heartbeat raised the flag, s_reestablish says HELLO again (same
+ * name and token), remaps the arena if the daemon announced another, re-registers the GPU
+ * layouts it keeps copies of, hands the new token to the heartbeat, and the call is sent once
+ * more (s_retried: not COMMIT/RELEASE, whose lease is gone). Lock order: s_hb_t.lock is a leaf;
+ * s_ctx_lock is never held with it. */
 #include "kvtier.h"
 
 #include "kvtier_curve.h"
@@ -27,33 +39,75 @@
 #include <fcntl.h>
 #include <jansson.h>
 #include <msgpack.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <pthread.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
 _Static_assert(KVTIER_KEY_LEN == KVT_KEY_LEN, "kvtier.h and the protocol disagree on keys");
 _Static_assert(KVTIER_KEY_LEN == KVT_HASH_KEY_LEN, "kvtier.h and kvt_hash disagree on keys");
 
+typedef struct s_hb s_hb_t;
+
+/* A REGISTER_GPU the caller made, kept to be said again when the instance is re-established. */
+typedef struct {
+    uint32_t device;
+    bool live;  /* registered with the current instance */
+    void *body; /* the request body as sent */
+    size_t len;
+} s_gpu_reg_t;
+
 struct kvtier {
     void *ctx;
     void *sock;
     uint64_t next_uid;
     int timeout_ms;
+    pid_t pid; /* the process that connected: a forked child does not speak for it */
+    char client[KVT_MAX_NAME + 1];
     char instance[KVT_MAX_NAME + 1];
+    char token[KVT_MAX_TOKEN + 1]; /* from the last HELLO; "" when the daemon gave none */
     kvtier_info_t info;
     void *arena; /* MAP_SHARED mapping of HELLO's shm.path; NULL when it could not be mapped */
     size_t arena_size;
+    char *arena_path;         /* the shm.path HELLO announced last (NULL: none) ... */
+    uint64_t arena_announced; /* ... and its shm.size: a restarted daemon announces another */
     char arena_why[384]; /* why arena is NULL: the message of a local KVT_EUNAVAIL */
     char error[256];
     uint64_t spin_ns; /* busy-poll for a reply this long before sleeping (0: never) */
+    s_hb_t *hb;       /* NULL when disabled (KVTIER_HEARTBEAT_MS=0) */
+    s_gpu_reg_t *gpu; /* the caller's GPU registrations, one per device */
+    uint32_t ngpu, gpu_cap;
+};
+
+/* The heartbeat of one kvtier_t (see "the heartbeat" below). */
+struct s_hb {
+    atomic_bool dropped; /* raised by the heartbeat: the instance is gone, say HELLO again */
+    atomic_bool stop;
+    atomic_int interval_ms;
+    int wake;  /* eventfd: written to stop the thread, or to hand it a new token */
+    pid_t pid; /* the process whose thread it is: a forked child has none */
+    pthread_t thread;
+    pthread_mutex_t lock;          /* guards token, gen and busy; a leaf */
+    pthread_cond_t idle;           /* busy went false */
+    char token[KVT_MAX_TOKEN + 1]; /* the token to present: the caller's, or a newer one */
+    uint64_t gen;                  /* bumped by the caller's thread after each HELLO it said */
+    bool busy;                     /* the heartbeat's own HELLO is on the wire */
+    /* set before the thread starts, read-only after */
+    void *ctx;
+    int timeout_ms;
+    bool interval_fixed; /* KVTIER_HEARTBEAT_MS chose it, not lease_ms */
+    char *endpoint, *server_key, *client_cert;
+    char client[KVT_MAX_NAME + 1], instance[KVT_MAX_NAME + 1];
 };
 
 static _Atomic unsigned s_seq;
@@ -143,9 +197,9 @@ static void s_ctx_release(void *ctx)
 
 /* ---- envelope ---- */
 
-static int s_send_frame(void *sock, const void *data, size_t len, int more)
+static int s_send_frame(void *sock, const void *data, size_t len, int flags)
 {
-    return zmq_send(sock, data, len, more ? ZMQ_SNDMORE : 0) < 0 ? -1 : 0;
+    return zmq_send(sock, data, len, flags) < 0 ? -1 : 0;
 }
 
 static int s_pack_uint(char *buf, uint64_t v)
@@ -252,19 +306,26 @@ static int s_keep_data(s_reply_t *r, const zmq_msg_t *part)
     return 0;
 }
 
-static int s_send_request(kvtier_t *self, uint64_t uid, uint32_t type, const void *body,
-                          size_t len, const void *const *data, const size_t *lens, uint32_t ndata)
+/* Sends [uid, type, body, data...] on `sock` (flags: 0, or ZMQ_DONTWAIT). 0, or -1 with
+ * zmq_errno() set. A multipart message is queued atomically: once the uid frame is accepted,
+ * the rest cannot block, so a failure leaves nothing half-sent. */
+static int s_send_on(void *sock, int flags, uint64_t uid, uint32_t type, const void *body,
+                     size_t len, const void *const *data, const size_t *lens, uint32_t ndata)
 {
     char ubuf[16], tbuf[16];
     int ulen = s_pack_uint(ubuf, uid), tlen = s_pack_uint(tbuf, type);
-    /* A multipart message is queued atomically: once the uid frame is accepted, the rest
-     * cannot block, so a failure here leaves nothing half-sent. */
-    int bad = s_send_frame(self->sock, ubuf, (size_t)ulen, 1) ||
-              s_send_frame(self->sock, tbuf, (size_t)tlen, 1) ||
-              s_send_frame(self->sock, body, len, ndata > 0);
+    int bad = s_send_frame(sock, ubuf, (size_t)ulen, flags | ZMQ_SNDMORE) ||
+              s_send_frame(sock, tbuf, (size_t)tlen, ZMQ_SNDMORE) ||
+              s_send_frame(sock, body, len, ndata > 0 ? ZMQ_SNDMORE : 0);
     for (uint32_t i = 0; !bad && i < ndata; i++)
-        bad = s_send_frame(self->sock, data[i], lens[i], i + 1 < ndata);
-    if (bad)
+        bad = s_send_frame(sock, data[i], lens[i], i + 1 < ndata ? ZMQ_SNDMORE : 0);
+    return bad ? -1 : 0;
+}
+
+static int s_send_request(kvtier_t *self, uint64_t uid, uint32_t type, const void *body, size_t len,
+                          const void *const *data, const size_t *lens, uint32_t ndata)
+{
+    if (s_send_on(self->sock, 0, uid, type, body, len, data, lens, ndata) != 0)
         return s_fail(self, KVT_EUNAVAIL, "cannot send to the daemon: %s",
                       zmq_errno() == EAGAIN ? "no connection (timed out)"
                                             : zmq_strerror(zmq_errno()));
@@ -281,21 +342,24 @@ static uint64_t s_mono_ns(void)
 /* Busy-polls for the first part of a message for up to spin_ns: a reply that comes back within
  * it costs no sleep and wake-up of this thread (tens of microseconds on a VM). -1 when none
  * came (the caller then blocks). */
-static int s_spin_recv(kvtier_t *self, zmq_msg_t *part)
+static int s_spin_recv(void *sock, uint64_t spin_ns, zmq_msg_t *part)
 {
-    uint64_t end = s_mono_ns() + self->spin_ns;
+    uint64_t end = s_mono_ns() + spin_ns;
     do {
-        int n = zmq_msg_recv(part, self->sock, ZMQ_DONTWAIT);
+        int n = zmq_msg_recv(part, sock, ZMQ_DONTWAIT);
         if (n >= 0 || zmq_errno() != EAGAIN)
             return n;
     } while (s_mono_ns() < end);
     return -1;
 }
 
-/* Receives until the reply to `uid` arrives (copying its body, and copying or keeping its data
- * frames as `mode` says), skipping replies to earlier calls that timed out. Every message is read to its
- * last part, so the socket never gets out of step, even when a copy fails. */
-static int s_recv_reply(kvtier_t *self, uint64_t uid, s_data_mode_t mode, s_reply_t *r)
+/* Receives on `sock` until the reply to `uid` arrives (copying its body, and copying or keeping
+ * its data frames as `mode` says), skipping replies to earlier calls that timed out. Every
+ * message is read to its last part, so the socket never gets out of step, even when a copy
+ * fails. On failure *why is a sentence; KVT_ETIMEDOUT when nothing came within the socket's
+ * receive timeout. */
+static int s_recv_on(void *sock, uint64_t spin_ns, uint64_t uid, s_data_mode_t mode, s_reply_t *r,
+                     const char **why)
 {
     for (;;) {
         bool mine = false;
@@ -304,15 +368,14 @@ static int s_recv_reply(kvtier_t *self, uint64_t uid, s_data_mode_t mode, s_repl
         while (more) {
             zmq_msg_t part;
             zmq_msg_init(&part);
-            int got = idx == 0 && self->spin_ns ? s_spin_recv(self, &part) : -1;
-            if (got < 0 && zmq_msg_recv(&part, self->sock, 0) < 0) {
+            int got = idx == 0 && spin_ns ? s_spin_recv(sock, spin_ns, &part) : -1;
+            if (got < 0 && zmq_msg_recv(&part, sock, 0) < 0) {
                 int e = zmq_errno();
                 zmq_msg_close(&part);
                 if (idx > 0 && e == EINTR)
                     continue; /* the rest of a multipart message is already here */
-                if (e == EAGAIN)
-                    return s_fail(self, KVT_ETIMEDOUT, "timed out waiting for the daemon");
-                return s_fail(self, KVT_EUNAVAIL, "%s", zmq_strerror(e));
+                *why = e == EAGAIN ? "timed out waiting for the daemon" : zmq_strerror(e);
+                return e == EAGAIN ? KVT_ETIMEDOUT : KVT_EUNAVAIL;
             }
             more = zmq_msg_more(&part);
             if (idx == 0) {
@@ -336,12 +399,10 @@ static int s_recv_reply(kvtier_t *self, uint64_t uid, s_data_mode_t mode, s_repl
         }
         if (!mine)
             continue;
-        if (rc)
-            return s_fail(self, rc, "out of memory copying the reply");
-        if (idx < 3)
-            return s_fail(self, KVT_EINTERNAL, "reply of %u frames, expected [uid, type, body]",
-                          idx);
-        return 0;
+        *why = rc        ? "out of memory copying the reply"
+               : idx < 3 ? "a reply of fewer than 3 frames, expected [uid, type, body]"
+                         : "";
+        return rc ? rc : idx < 3 ? KVT_EINTERNAL : 0;
     }
 }
 
@@ -352,25 +413,9 @@ static int s_exchange(kvtier_t *self, uint32_t type, const void *body, size_t le
     self->error[0] = '\0';
     uint64_t uid = self->next_uid++;
     int rc = s_send_request(self, uid, type, body, len, data, lens, ndata);
-    return rc ? rc : s_recv_reply(self, uid, mode, r);
-}
-
-int kvtier_call(kvtier_t *self, uint32_t type, const void *body, size_t len, void **reply_body,
-                size_t *reply_len)
-{
-    if (!self || !reply_body || !reply_len || (!body && len))
-        return self ? s_fail(self, KVT_EINVAL, "kvtier_call: NULL argument") : KVT_EINVAL;
-    *reply_body = NULL;
-    *reply_len = 0;
-    s_reply_t r;
-    s_reply_init(&r);
-    int rc = s_exchange(self, type, body, len, NULL, NULL, 0, S_DATA_NONE, &r);
-    if (rc == 0) {
-        *reply_body = r.buf;
-        *reply_len = r.len;
-        r.buf = NULL;
-    }
-    s_reply_free(&r);
+    const char *why = "";
+    if (rc == 0 && (rc = s_recv_on(self->sock, self->spin_ns, uid, mode, r, &why)) != 0)
+        s_fail(self, rc, "%s", why);
     return rc;
 }
 
@@ -401,42 +446,154 @@ static int s_bad_reply(kvtier_t *self, uint32_t type, const char *field, const c
                   kvt_proto_name(type), field, want);
 }
 
-/* Sends `body` (consumed) plus data frames and decodes the reply. On 0, r->up.data is the ok
- * body; otherwise the daemon's error is mapped to a KVT_E* code and its message kept. The
- * caller frees r either way. */
-static int s_call_data(kvtier_t *self, uint32_t type, msgpack_sbuffer *body,
-                       const void *const *data, const size_t *lens, uint32_t ndata,
-                       s_data_mode_t mode, s_reply_t *r)
+/* Decodes r's body: 0 when it is ok; otherwise the daemon's error as a KVT_E* code, with
+ * *msg and *msg_len its message (pointing into r; NULL when it has none), or KVT_EINTERNAL with
+ * *undecodable set when the body is not a msgpack map. No state: the heartbeat uses it too. */
+static int s_decode(s_reply_t *r, const char **msg, size_t *msg_len, bool *undecodable)
 {
-    s_reply_init(r);
-    int rc = s_exchange(self, type, body->data, body->size, data, lens, ndata, mode, r);
-    msgpack_sbuffer_destroy(body);
-    if (rc)
-        return rc;
+    *msg = NULL;
+    *msg_len = 0;
     size_t off = 0;
-    if (msgpack_unpack_next(&r->up, r->buf, r->len, &off) != MSGPACK_UNPACK_SUCCESS ||
-        r->up.data.type != MSGPACK_OBJECT_MAP)
-        return s_fail(self, KVT_EINTERNAL, "undecodable %s reply from the daemon",
-                      kvt_proto_name(type));
+    *undecodable = msgpack_unpack_next(&r->up, r->buf, r->len, &off) != MSGPACK_UNPACK_SUCCESS ||
+                   r->up.data.type != MSGPACK_OBJECT_MAP;
+    if (*undecodable)
+        return KVT_EINTERNAL;
     const msgpack_object *ok = s_get(&r->up.data, "ok");
     if (ok && ok->type == MSGPACK_OBJECT_BOOLEAN && ok->via.boolean)
         return 0;
     const msgpack_object *error = s_get(&r->up.data, "error");
     const msgpack_object *code = error ? s_get(error, "code") : NULL;
-    const msgpack_object *msg = error ? s_get(error, "message") : NULL;
-    rc = code && code->type == MSGPACK_OBJECT_STR
-             ? kvt_err_from_wire(code->via.str.ptr, code->via.str.size)
-             : KVT_EINTERNAL;
-    if (msg && msg->type == MSGPACK_OBJECT_STR && msg->via.str.size)
-        s_fail(self, rc, "%.*s", (int)msg->via.str.size, msg->via.str.ptr);
-    else
+    const msgpack_object *m = error ? s_get(error, "message") : NULL;
+    if (m && m->type == MSGPACK_OBJECT_STR && m->via.str.size) {
+        *msg = m->via.str.ptr;
+        *msg_len = m->via.str.size;
+    }
+    return code && code->type == MSGPACK_OBJECT_STR
+               ? kvt_err_from_wire(code->via.str.ptr, code->via.str.size)
+               : KVT_EINTERNAL;
+}
+
+/* One request and its decoded reply (r initialised by the caller, freed by the caller). On 0,
+ * r->up.data is the ok body; otherwise the daemon's error is mapped to a KVT_E* code and its
+ * message kept. */
+static int s_call_once(kvtier_t *self, uint32_t type, const void *body, size_t len,
+                       const void *const *data, const size_t *lens, uint32_t ndata,
+                       s_data_mode_t mode, s_reply_t *r)
+{
+    int rc = s_exchange(self, type, body, len, data, lens, ndata, mode, r);
+    if (rc)
+        return rc;
+    const char *msg;
+    size_t msg_len;
+    bool undecodable;
+    rc = s_decode(r, &msg, &msg_len, &undecodable);
+    if (undecodable)
+        s_fail(self, rc, "undecodable %s reply from the daemon", kvt_proto_name(type));
+    else if (rc && msg)
+        s_fail(self, rc, "%.*s", (int)msg_len, msg);
+    else if (rc)
         s_fail(self, rc, "daemon error without a message (%s)", kvt_err_wire(rc));
+    return rc;
+}
+
+static int s_reestablish(kvtier_t *self);
+
+/* HELLO and BYE are the session itself: nothing re-establishes an instance around them. */
+static bool s_recovers(uint32_t type)
+{
+    return type != KVT_REQ_HELLO && type != KVT_REQ_BYE;
+}
+
+/* Before a call: when the heartbeat found the instance dropped, say HELLO again first (one
+ * atomic load otherwise: this is every call's path). A daemon that does not answer fails the
+ * call; one that answers the HELLO with an error leaves the flag up and the call goes out. */
+static int s_revive(kvtier_t *self, uint32_t type)
+{
+    if (!self->hb || !atomic_load_explicit(&self->hb->dropped, memory_order_acquire) ||
+        !s_recovers(type))
+        return 0;
+    int rc = s_reestablish(self);
+    return rc == KVT_ETIMEDOUT || rc == KVT_EUNAVAIL ? rc : 0;
+}
+
+/* Whether a call answered instance_dropped is sent once more after the instance was
+ * re-established. Not COMMIT and RELEASE: the lease they name died with the instance. Not
+ * UNREGISTER_GPU: the registration died with it too, which is what it asked for. */
+static bool s_retried(uint32_t type)
+{
+    return type != KVT_REQ_COMMIT && type != KVT_REQ_RELEASE && type != KVT_REQ_UNREGISTER_GPU;
+}
+
+/* After an answer instance_dropped (type s_recovers): re-establishes the instance and, for the
+ * calls s_retried names, sends the request once more. Returns the final answer (in r); a
+ * failed re-establishment's own error (r emptied); or, for a call not retried,
+ * instance_dropped with its message (r kept). */
+static int s_after_drop(kvtier_t *self, uint32_t type, const void *body, size_t len,
+                        const void *const *data, const size_t *lens, uint32_t ndata,
+                        s_data_mode_t mode, s_reply_t *r)
+{
+    char answer[sizeof self->error];
+    memcpy(answer, self->error, sizeof answer);
+    int rc = s_reestablish(self);
+    if (rc) {
+        s_reply_free(r);
+        s_reply_init(r);
+        return rc;
+    }
+    if (!s_retried(type)) {
+        memcpy(self->error, answer, sizeof answer);
+        return KVT_ENOINST;
+    }
+    s_reply_free(r);
+    s_reply_init(r);
+    return s_call_once(self, type, body, len, data, lens, ndata, mode, r);
+}
+
+/* Sends `body` (consumed) plus data frames and decodes the reply, re-establishing a dropped
+ * instance on the way (s_revive, s_after_drop). On 0, r->up.data is the ok body. The caller
+ * frees r either way. */
+static int s_call_data(kvtier_t *self, uint32_t type, msgpack_sbuffer *body,
+                       const void *const *data, const size_t *lens, uint32_t ndata,
+                       s_data_mode_t mode, s_reply_t *r)
+{
+    s_reply_init(r);
+    int rc = s_revive(self, type);
+    if (rc == 0)
+        rc = s_call_once(self, type, body->data, body->size, data, lens, ndata, mode, r);
+    if (rc == KVT_ENOINST && s_recovers(type))
+        rc = s_after_drop(self, type, body->data, body->size, data, lens, ndata, mode, r);
+    msgpack_sbuffer_destroy(body);
     return rc;
 }
 
 static int s_call(kvtier_t *self, uint32_t type, msgpack_sbuffer *body, s_reply_t *r)
 {
     return s_call_data(self, type, body, NULL, NULL, 0, S_DATA_NONE, r);
+}
+
+int kvtier_call(kvtier_t *self, uint32_t type, const void *body, size_t len, void **reply_body,
+                size_t *reply_len)
+{
+    if (!self || !reply_body || !reply_len || (!body && len))
+        return self ? s_fail(self, KVT_EINVAL, "kvtier_call: NULL argument") : KVT_EINVAL;
+    *reply_body = NULL;
+    *reply_len = 0;
+    s_reply_t r;
+    s_reply_init(&r);
+    int rc = s_revive(self, type);
+    if (rc == 0)
+        rc = s_call_once(self, type, body, len, NULL, NULL, 0, S_DATA_NONE, &r);
+    if (rc == KVT_ENOINST && s_recovers(type))
+        rc = s_after_drop(self, type, body, len, NULL, NULL, 0, S_DATA_NONE, &r);
+    if (r.buf) { /* an answer, ok or not: its raw body is the caller's */
+        *reply_body = r.buf;
+        *reply_len = r.len;
+        r.buf = NULL;
+        self->error[0] = '\0';
+        rc = 0;
+    }
+    s_reply_free(&r);
+    return rc;
 }
 
 /* A required non-negative integer of a reply body. */
@@ -558,27 +715,11 @@ static uint64_t s_uint(const msgpack_object *o)
     return o && o->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? o->via.u64 : 0;
 }
 
-/* Maps the arena HELLO announced. Failure is not an error of connect: a client on another
+/* Maps `size` bytes of the arena file. Failure is not an error of connect: a client on another
  * host has no such file, and PUT/GET still work for it. The reason is kept for the
  * KVT_EUNAVAIL that RESERVE and ACQUIRE then answer. */
-static void s_map_arena(kvtier_t *self, const msgpack_object *hello)
+static void s_map_arena(kvtier_t *self, const char *file, uint64_t size)
 {
-    const msgpack_object *shm = s_get(hello, "shm");
-    const msgpack_object *path = shm ? s_get(shm, "path") : NULL;
-    uint64_t size = s_uint(shm ? s_get(shm, "size") : NULL);
-    if (!path || path->type != MSGPACK_OBJECT_STR || path->via.str.size == 0 || size == 0) {
-        snprintf(self->arena_why, sizeof self->arena_why,
-                 "the daemon's HELLO named no shared-memory arena (use kvtier_put/kvtier_get)");
-        return;
-    }
-    char file[4096];
-    if (path->via.str.size >= sizeof file || memchr(path->via.str.ptr, 0, path->via.str.size)) {
-        snprintf(self->arena_why, sizeof self->arena_why,
-                 "the daemon's HELLO named an unusable shared-memory path");
-        return;
-    }
-    memcpy(file, path->via.str.ptr, path->via.str.size);
-    file[path->via.str.size] = '\0';
     const char *why = NULL;
     int fd = open(file, O_RDWR | O_CLOEXEC);
     struct stat st;
@@ -607,6 +748,590 @@ static void s_map_arena(kvtier_t *self, const msgpack_object *hello)
                  file, why);
 }
 
+/* Follows the arena a HELLO announced: the mapping stays while the announcement is the same;
+ * another one (a restarted daemon) unmaps the old arena — slots into it are dead — and maps
+ * the new one. */
+static void s_follow_arena(kvtier_t *self, const msgpack_object *hello)
+{
+    const msgpack_object *shm = s_get(hello, "shm");
+    const msgpack_object *path = shm ? s_get(shm, "path") : NULL;
+    uint64_t size = s_uint(shm ? s_get(shm, "size") : NULL);
+    bool named = path && path->type == MSGPACK_OBJECT_STR && path->via.str.size && size;
+    if (named && self->arena_path && self->arena_announced == size &&
+        strlen(self->arena_path) == path->via.str.size &&
+        memcmp(self->arena_path, path->via.str.ptr, path->via.str.size) == 0)
+        return;
+    if (self->arena)
+        munmap(self->arena, self->arena_size);
+    self->arena = NULL;
+    self->arena_size = 0;
+    free(self->arena_path);
+    self->arena_path = NULL;
+    self->arena_announced = 0;
+    if (!named) {
+        snprintf(self->arena_why, sizeof self->arena_why,
+                 "the daemon's HELLO named no shared-memory arena (use kvtier_put/kvtier_get)");
+        return;
+    }
+    if (path->via.str.size >= 4096 || memchr(path->via.str.ptr, 0, path->via.str.size)) {
+        snprintf(self->arena_why, sizeof self->arena_why,
+                 "the daemon's HELLO named an unusable shared-memory path");
+        return;
+    }
+    self->arena_path = strndup(path->via.str.ptr, path->via.str.size);
+    if (!self->arena_path) {
+        snprintf(self->arena_why, sizeof self->arena_why, "out of memory");
+        return;
+    }
+    self->arena_announced = size;
+    s_map_arena(self, self->arena_path, size);
+}
+
+/* Takes in what a HELLO answered: server facts, the instance's token, the arena. */
+static void s_apply_hello(kvtier_t *self, const msgpack_object *body)
+{
+    const msgpack_object *server = s_get(body, "server"), *token = s_get(body, "token");
+    self->info.version = (uint32_t)s_uint(s_get(body, "version"));
+    self->info.chunk_tokens = (uint32_t)s_uint(s_get(body, "chunk_tokens"));
+    self->info.lease_ms = (uint32_t)s_uint(s_get(body, "lease_ms"));
+    self->info.max_message = s_uint(s_get(body, "max_message"));
+    if (server && server->type == MSGPACK_OBJECT_STR)
+        snprintf(self->info.server, sizeof self->info.server, "%.*s", (int)server->via.str.size,
+                 server->via.str.ptr);
+    self->token[0] = '\0';
+    if (token && token->type == MSGPACK_OBJECT_STR && token->via.str.size <= KVT_MAX_TOKEN &&
+        !memchr(token->via.str.ptr, 0, token->via.str.size)) {
+        memcpy(self->token, token->via.str.ptr, token->via.str.size);
+        self->token[token->via.str.size] = '\0';
+    }
+    s_follow_arena(self, body);
+}
+
+/* HELLO {version, client, instance, token?}: token joins an instance that exists. */
+static void s_hello_body(msgpack_sbuffer *sb, const char *client, const char *instance,
+                         const char *token)
+{
+    msgpack_packer pk;
+    bool with_token = token && *token;
+    s_body_begin(sb, &pk, 3 + (with_token ? 1 : 0));
+    kvt_pack_str(&pk, "version");
+    msgpack_pack_uint32(&pk, KVT_PROTO_VERSION);
+    kvt_pack_str(&pk, "client");
+    kvt_pack_str(&pk, client);
+    kvt_pack_str(&pk, "instance");
+    kvt_pack_str(&pk, instance);
+    if (with_token) {
+        kvt_pack_str(&pk, "token");
+        kvt_pack_str(&pk, token);
+    }
+}
+
+/* A body naming the instance: PING (alive only if this connection acts for it) and BYE. */
+static void s_instance_body(msgpack_sbuffer *sb, const char *instance)
+{
+    msgpack_packer pk;
+    s_body_begin(sb, &pk, 1);
+    kvt_pack_str(&pk, "instance");
+    kvt_pack_str(&pk, instance);
+}
+
+static int s_hello(kvtier_t *self, const char *token, s_reply_t *r)
+{
+    msgpack_sbuffer sb;
+    s_hello_body(&sb, self->client, self->instance, token);
+    int rc = s_call_once(self, KVT_REQ_HELLO, sb.data, sb.size, NULL, NULL, 0, S_DATA_NONE, r);
+    msgpack_sbuffer_destroy(&sb);
+    return rc;
+}
+
+/* BYE, best effort: an instance that is not told expires after lease_ms anyway. */
+static void s_bye(kvtier_t *self)
+{
+    msgpack_sbuffer sb;
+    s_instance_body(&sb, self->instance);
+    s_reply_t r;
+    s_reply_init(&r);
+    s_call_once(self, KVT_REQ_BYE, sb.data, sb.size, NULL, NULL, 0, S_DATA_NONE, &r);
+    s_reply_free(&r);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+/* ---- the heartbeat ----
+ * Its own thread (named kvtier-hb) and its own DEALER on the process's context. It sleeps one
+ * interval before it opens its connection, so a connection that lives shorter (a CLI command)
+ * never pays for it; then it joins the instance with HELLO {instance, token} and sends
+ * PING {instance} every interval. Every wait is a poll(2) or zmq_poll on the wake eventfd
+ * too, so kvtier_close stops it at once, daemon or no daemon; ZMQ_IMMEDIATE keeps PINGs from
+ * queueing while the daemon is away. What it learns goes to the caller's thread through
+ * `dropped` (PING answered instance_dropped) or a newer token (its HELLO found the instance
+ * gone and made it anew: the caller's thread then joins that one). It never re-creates an
+ * instance it lost: that is the caller's thread's HELLO, which also re-registers the GPU
+ * layouts. */
+
+static void s_hb_wake(s_hb_t *hb)
+{
+    uint64_t one = 1;
+    ssize_t n = write(hb->wake, &one, sizeof one);
+    (void)n; /* a full counter already wakes it */
+}
+
+static void s_hb_drain(s_hb_t *hb)
+{
+    uint64_t n;
+    ssize_t got = read(hb->wake, &n, sizeof n);
+    (void)got;
+}
+
+/* Sleeps up to ms unless woken. false when the heartbeat must stop. */
+static bool s_hb_sleep(s_hb_t *hb, int ms)
+{
+    struct pollfd p = {hb->wake, POLLIN, 0};
+    if (poll(&p, 1, ms) > 0)
+        s_hb_drain(hb);
+    return !atomic_load(&hb->stop);
+}
+
+/* Waits up to ms for items[0] (the socket) to be ready. A wake on items[1] ends the wait and
+ * sets *woken: a stop, or a new token to act on at once (a request still unanswered then is
+ * given up; its late reply is skipped as stale). */
+static bool s_hb_poll(s_hb_t *hb, zmq_pollitem_t items[2], int ms, bool *woken)
+{
+    uint64_t end = s_mono_ns() + (uint64_t)ms * 1000000u;
+    for (;;) {
+        items[0].revents = items[1].revents = 0;
+        int n = zmq_poll(items, 2, ms);
+        if (n < 0 && zmq_errno() != EINTR)
+            return false;
+        if (items[1].revents) {
+            s_hb_drain(hb);
+            *woken = true;
+            return false;
+        }
+        if (items[0].revents)
+            return true;
+        uint64_t now = s_mono_ns();
+        if (now >= end)
+            return false;
+        ms = (int)((end - now) / 1000000u) + 1;
+    }
+}
+
+static void *s_hb_socket(const s_hb_t *hb)
+{
+    void *sock = zmq_socket(hb->ctx, ZMQ_DEALER);
+    if (!sock)
+        return NULL;
+    int zero = 0, one = 1;
+    zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(sock, ZMQ_RCVTIMEO, &zero, sizeof zero); /* waits are s_hb_poll's */
+    zmq_setsockopt(sock, ZMQ_IMMEDIATE, &one, sizeof one);
+    kvtier_curve_t curve = {hb->server_key, hb->client_cert};
+    bool used;
+    char err[256];
+    if (kvt__curve_setup(sock, hb->endpoint, &curve, &used, err, sizeof err) != 0 ||
+        zmq_connect(sock, hb->endpoint) != 0) {
+        zmq_close(sock);
+        return NULL;
+    }
+    return sock;
+}
+
+/* One request of the heartbeat and its decoded reply: 0, the daemon's KVT_E* answer, or
+ * KVT_EUNAVAIL / KVT_ETIMEDOUT when it could not be sent (no connection within an interval)
+ * or was not answered within an interval (at most the handle's timeout): a daemon that
+ * restarted lost it, and the next beat asks again. */
+static int s_hb_exchange(s_hb_t *hb, void *sock, uint64_t uid, uint32_t type,
+                         const msgpack_sbuffer *body, s_reply_t *r, bool *woken)
+{
+    int interval = atomic_load(&hb->interval_ms);
+    zmq_pollitem_t items[2] = {{sock, 0, ZMQ_POLLOUT, 0}, {NULL, hb->wake, ZMQ_POLLIN, 0}};
+    if (!s_hb_poll(hb, items, interval, woken) ||
+        s_send_on(sock, ZMQ_DONTWAIT, uid, type, body->data, body->size, NULL, NULL, 0) != 0)
+        return KVT_EUNAVAIL;
+    items[0].events = ZMQ_POLLIN;
+    int wait_ms = interval < hb->timeout_ms ? interval : hb->timeout_ms;
+    uint64_t end = s_mono_ns() + (uint64_t)wait_ms * 1000000u;
+    for (;;) {
+        uint64_t now = s_mono_ns();
+        if (now >= end || !s_hb_poll(hb, items, (int)((end - now) / 1000000u) + 1, woken))
+            return KVT_ETIMEDOUT;
+        const char *why, *msg;
+        size_t msg_len;
+        bool undecodable;
+        int rc = s_recv_on(sock, 0, uid, S_DATA_NONE, r, &why);
+        if (rc != KVT_ETIMEDOUT) /* ETIMEDOUT: it read a stale reply, and nothing else yet */
+            return rc ? rc : s_decode(r, &msg, &msg_len, &undecodable);
+    }
+}
+
+/* After the heartbeat's HELLO for generation gen: it joined when its token came back; another
+ * token means the instance was gone and this HELLO made it anew — the caller's thread must
+ * join that one (it keeps nothing of the old) and re-register. */
+static void s_hb_joined(s_hb_t *hb, uint64_t gen, const char *presented, int rc, const s_reply_t *r,
+                        uint64_t *joined)
+{
+    const msgpack_object *t = rc == 0 ? s_get(&r->up.data, "token") : NULL;
+    pthread_mutex_lock(&hb->lock);
+    if (rc == 0) {
+        *joined = gen;
+        bool anew = t && t->type == MSGPACK_OBJECT_STR && t->via.str.size <= KVT_MAX_TOKEN &&
+                    !memchr(t->via.str.ptr, 0, t->via.str.size) &&
+                    !(t->via.str.size == strlen(presented) &&
+                      memcmp(t->via.str.ptr, presented, t->via.str.size) == 0);
+        if (anew && hb->gen == gen) {
+            memcpy(hb->token, t->via.str.ptr, t->via.str.size);
+            hb->token[t->via.str.size] = '\0';
+            atomic_store_explicit(&hb->dropped, true, memory_order_release);
+        }
+    }
+    hb->busy = false;
+    pthread_cond_broadcast(&hb->idle);
+    pthread_mutex_unlock(&hb->lock);
+}
+
+/* PING for generation gen answered instance_dropped. A HELLO of the caller's thread since
+ * (a newer generation) already answered it. */
+static void s_hb_lost(s_hb_t *hb, uint64_t gen)
+{
+    pthread_mutex_lock(&hb->lock);
+    if (hb->gen == gen)
+        atomic_store_explicit(&hb->dropped, true, memory_order_release);
+    pthread_mutex_unlock(&hb->lock);
+}
+
+static void *s_hb_run(void *arg)
+{
+    s_hb_t *hb = arg;
+    void *sock = NULL;
+    uint64_t uid = 1, joined = 0, dead = 0;
+    bool woken = false;
+    while (woken || s_hb_sleep(hb, atomic_load(&hb->interval_ms))) {
+        woken = false;
+        if (atomic_load(&hb->stop))
+            break;
+        if (!sock && !(sock = s_hb_socket(hb)))
+            continue; /* tried again next interval */
+        char token[KVT_MAX_TOKEN + 1];
+        pthread_mutex_lock(&hb->lock);
+        uint64_t gen = hb->gen;
+        memcpy(token, hb->token, sizeof token);
+        bool hello = gen != joined && gen != dead;
+        hb->busy = hello;
+        pthread_mutex_unlock(&hb->lock);
+        if (gen == dead)
+            continue; /* lost: the caller's next call says HELLO, and gen moves on */
+        msgpack_sbuffer sb;
+        if (hello)
+            s_hello_body(&sb, hb->client, hb->instance, token);
+        else
+            s_instance_body(&sb, hb->instance);
+        s_reply_t r;
+        s_reply_init(&r);
+        int rc =
+            s_hb_exchange(hb, sock, uid++, hello ? KVT_REQ_HELLO : KVT_REQ_PING, &sb, &r, &woken);
+        msgpack_sbuffer_destroy(&sb);
+        if (hello) {
+            s_hb_joined(hb, gen, token, rc, &r, &joined);
+        } else if (rc == KVT_ENOINST) {
+            s_hb_lost(hb, gen);
+            dead = gen;
+        }
+        s_reply_free(&r);
+    }
+    if (sock)
+        zmq_close(sock);
+    return NULL;
+}
+
+/* The interval: KVTIER_HEARTBEAT_MS (0: no heartbeat; at least 10 ms), else lease_ms / 3
+ * within [100 ms, 10 s] (10 s when HELLO gave no lease_ms). */
+static int s_hb_interval(uint32_t lease_ms, bool *fixed)
+{
+    int env = s_env_int("KVTIER_HEARTBEAT_MS", -1, 0, 3600000);
+    *fixed = env >= 0;
+    if (env >= 0)
+        return env > 0 && env < 10 ? 10 : env;
+    uint32_t ms = lease_ms ? lease_ms / 3 : 10000;
+    return ms < 100 ? 100 : ms > 10000 ? 10000 : (int)ms;
+}
+
+static void s_hb_free(s_hb_t *hb, bool destroy_sync)
+{
+    if (hb->wake >= 0)
+        close(hb->wake);
+    if (destroy_sync) {
+        pthread_mutex_destroy(&hb->lock);
+        pthread_cond_destroy(&hb->idle);
+    }
+    free(hb->endpoint);
+    free(hb->server_key);
+    free(hb->client_cert);
+    free(hb);
+}
+
+static char *s_dup_opt(const char *s, bool *oom)
+{
+    char *d = s ? strdup(s) : NULL;
+    *oom = *oom || (s && !d);
+    return d;
+}
+
+/* Starts the heartbeat of a connected handle (nothing when KVTIER_HEARTBEAT_MS=0). The CURVE
+ * settings are copied (the environment's when curve is NULL): its socket is made later. */
+static int s_hb_start(kvtier_t *self, const char *endpoint, const kvtier_curve_t *curve, char *err,
+                      size_t errlen)
+{
+    bool fixed;
+    int interval = s_hb_interval(self->info.lease_ms, &fixed);
+    if (interval == 0)
+        return 0;
+    s_hb_t *hb = calloc(1, sizeof *hb);
+    if (!hb) {
+        snprintf(err, errlen, "out of memory");
+        return KVT_ENOMEM;
+    }
+    pthread_mutex_init(&hb->lock, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&hb->idle, &ca);
+    pthread_condattr_destroy(&ca);
+    bool oom = false;
+    hb->endpoint = s_dup_opt(endpoint, &oom);
+    hb->server_key = s_dup_opt(curve ? curve->server_key : getenv("KVTIER_CURVE_SERVERKEY"), &oom);
+    hb->client_cert = s_dup_opt(curve ? curve->client_cert : getenv("KVTIER_CURVE_CERT"), &oom);
+    hb->wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    atomic_init(&hb->dropped, false);
+    atomic_init(&hb->stop, false);
+    atomic_init(&hb->interval_ms, interval);
+    hb->interval_fixed = fixed;
+    hb->pid = self->pid;
+    hb->ctx = self->ctx;
+    hb->timeout_ms = self->timeout_ms;
+    hb->gen = 1;
+    memcpy(hb->token, self->token, sizeof hb->token);
+    memcpy(hb->client, self->client, sizeof hb->client);
+    memcpy(hb->instance, self->instance, sizeof hb->instance);
+    int e = oom ? ENOMEM : hb->wake < 0 ? errno : 0;
+    if (e == 0) {
+        /* the heartbeat takes no signal: the application's threads get them all */
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        e = pthread_create(&hb->thread, NULL, s_hb_run, hb);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (e == 0) /* named here, not in the thread: it shows as such from connect on */
+            pthread_setname_np(hb->thread, "kvtier-hb");
+    }
+    if (e) {
+        snprintf(err, errlen,
+                 "cannot start the heartbeat thread: %s (KVTIER_HEARTBEAT_MS=0 "
+                 "runs without one)",
+                 strerror(e));
+        s_hb_free(hb, true);
+        return e == ENOMEM ? KVT_ENOMEM : KVT_EINTERNAL;
+    }
+    self->hb = hb;
+    return 0;
+}
+
+/* Stops and joins the heartbeat: its waits end at the wake, so this takes no longer than a
+ * poll wake-up, daemon or no daemon. In a forked child there is no thread (nor may its lock
+ * be taken: the parent's thread may have held it at the fork): only the memory goes. */
+static void s_hb_stop(s_hb_t **hb_p)
+{
+    s_hb_t *hb = *hb_p;
+    if (!hb)
+        return;
+    *hb_p = NULL;
+    if (hb->pid != getpid()) {
+        s_hb_free(hb, false);
+        return;
+    }
+    atomic_store(&hb->stop, true);
+    s_hb_wake(hb);
+    pthread_join(hb->thread, NULL);
+    s_hb_free(hb, true);
+}
+
+/* The heartbeat of this process (not one inherited through fork), or NULL. */
+static s_hb_t *s_hb_mine(const kvtier_t *self)
+{
+    return self->hb && self->hb->pid == getpid() ? self->hb : NULL;
+}
+
+/* The token to present when saying HELLO again: the heartbeat's when it made the instance
+ * anew, else the caller's own. */
+static void s_hb_token(const kvtier_t *self, char out[KVT_MAX_TOKEN + 1])
+{
+    s_hb_t *hb = s_hb_mine(self);
+    if (!hb) {
+        memcpy(out, self->token, KVT_MAX_TOKEN + 1);
+        return;
+    }
+    pthread_mutex_lock(&hb->lock);
+    memcpy(out, hb->token, KVT_MAX_TOKEN + 1);
+    pthread_mutex_unlock(&hb->lock);
+}
+
+/* After a HELLO refused bad_request: waits (bounded) for a HELLO of the heartbeat in flight —
+ * it may just be making the instance anew — and tells whether it brought a token other than
+ * `presented` (then copied there). */
+static bool s_hb_newer_token(const kvtier_t *self, char presented[KVT_MAX_TOKEN + 1])
+{
+    s_hb_t *hb = s_hb_mine(self);
+    if (!hb)
+        return false;
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += self->timeout_ms / 1000;
+    until.tv_nsec += (long)(self->timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&hb->lock);
+    while (hb->busy && pthread_cond_timedwait(&hb->idle, &hb->lock, &until) == 0)
+        ;
+    bool newer = strcmp(hb->token, presented) != 0;
+    if (newer)
+        memcpy(presented, hb->token, KVT_MAX_TOKEN + 1);
+    pthread_mutex_unlock(&hb->lock);
+    return newer;
+}
+
+/* After a HELLO of the caller's thread: the heartbeat joins with the new token now, and its
+ * interval follows the daemon's lease_ms (unless KVTIER_HEARTBEAT_MS set it). */
+static void s_hb_publish(kvtier_t *self)
+{
+    s_hb_t *hb = s_hb_mine(self);
+    if (!hb)
+        return;
+    bool fixed;
+    if (!hb->interval_fixed)
+        atomic_store(&hb->interval_ms, s_hb_interval(self->info.lease_ms, &fixed));
+    pthread_mutex_lock(&hb->lock);
+    memcpy(hb->token, self->token, sizeof hb->token);
+    hb->gen++;
+    atomic_store_explicit(&hb->dropped, false, memory_order_release);
+    pthread_mutex_unlock(&hb->lock);
+    s_hb_wake(hb);
+}
+
+/* ---- GPU registrations kept for re-establishment ---- */
+
+static int s_gpu_find(const kvtier_t *self, uint32_t device)
+{
+    for (uint32_t i = 0; i < self->ngpu; i++)
+        if (self->gpu[i].device == device)
+            return (int)i;
+    return -1;
+}
+
+/* Room for one more, made before REGISTER_GPU is sent: once the daemon holds a registration,
+ * keeping its copy cannot fail. */
+static int s_gpu_room(kvtier_t *self)
+{
+    if (self->ngpu < self->gpu_cap)
+        return 0;
+    uint32_t cap = self->gpu_cap ? 2 * self->gpu_cap : 4;
+    s_gpu_reg_t *g = realloc(self->gpu, cap * sizeof *g);
+    if (!g)
+        return KVT_ENOMEM;
+    self->gpu = g;
+    self->gpu_cap = cap;
+    return 0;
+}
+
+/* Keeps (owns) the body of a registration the daemon accepted. */
+static void s_gpu_keep(kvtier_t *self, uint32_t device, void *body, size_t len)
+{
+    int i = s_gpu_find(self, device);
+    if (i < 0)
+        i = (int)self->ngpu++;
+    else
+        free(self->gpu[i].body);
+    self->gpu[i] = (s_gpu_reg_t){device, true, body, len};
+}
+
+static void s_gpu_forget(kvtier_t *self, uint32_t device)
+{
+    int i = s_gpu_find(self, device);
+    if (i < 0)
+        return;
+    free(self->gpu[i].body);
+    self->gpu[i] = self->gpu[--self->ngpu];
+}
+
+/* Says one kept registration again; it is live when the daemon accepts it. */
+static int s_gpu_register_again(kvtier_t *self, s_gpu_reg_t *g)
+{
+    s_reply_t r;
+    s_reply_init(&r);
+    int rc =
+        s_call_once(self, KVT_REQ_REGISTER_GPU, g->body, g->len, NULL, NULL, 0, S_DATA_NONE, &r);
+    s_reply_free(&r);
+    g->live = rc == 0;
+    return rc;
+}
+
+/* Before STORE_GPU / RETRIEVE_GPU: a registration whose re-establishment failed is tried once
+ * more, and if it fails again the call fails saying why (not a bare "send REGISTER_GPU"). */
+static int s_gpu_ensure(kvtier_t *self, uint32_t type, uint32_t device)
+{
+    int i = s_gpu_find(self, device);
+    if (i < 0 || self->gpu[i].live)
+        return 0;
+    int rc = s_gpu_register_again(self, &self->gpu[i]);
+    if (rc == 0)
+        return 0;
+    char why[sizeof self->error];
+    memcpy(why, self->error, sizeof why);
+    return s_fail(self, rc,
+                  "%s: the GPU registration of device %u was lost with the instance, and "
+                  "registering it again failed: %s",
+                  kvt_proto_name(type), device, why);
+}
+
+/* ---- re-establishment ---- */
+
+/* The instance is gone (a call answered instance_dropped, or the heartbeat said so): HELLO
+ * again under the same name with the freshest token. The token that comes back tells what
+ * happened: the caller's own (only this connection had lost the instance, e.g. after a
+ * reconnect: its leases and registrations live on) or a new one (the instance is new: every
+ * lease is gone, and the GPU layouts are registered again). */
+static int s_reestablish(kvtier_t *self)
+{
+    char presented[KVT_MAX_TOKEN + 1], before[KVT_MAX_TOKEN + 1];
+    memcpy(before, self->token, sizeof before);
+    s_hb_token(self, presented);
+    s_reply_t r;
+    s_reply_init(&r);
+    int rc = s_hello(self, presented, &r);
+    if (rc == KVT_EBADREQ && s_hb_newer_token(self, presented)) {
+        s_reply_free(&r);
+        s_reply_init(&r);
+        rc = s_hello(self, presented, &r);
+    }
+    if (rc) {
+        char why[sizeof self->error];
+        memcpy(why, self->error, sizeof why);
+        s_reply_free(&r);
+        return s_fail(self, rc,
+                      "instance '%.64s' was dropped by the daemon, and saying HELLO again "
+                      "failed: %s",
+                      self->instance, why);
+    }
+    s_apply_hello(self, &r.up.data);
+    s_reply_free(&r);
+    bool same = self->token[0] && strcmp(self->token, before) == 0;
+    s_hb_publish(self);
+    for (uint32_t i = 0; !same && i < self->ngpu; i++)
+        s_gpu_register_again(self, &self->gpu[i]); /* a failure: s_gpu_ensure reports it */
+    self->error[0] = '\0';
+    return 0;
+}
+
 kvtier_t *kvtier_connect(const char *endpoint, const char *client, const char *instance,
                          int timeout_ms, char *err, size_t errlen)
 {
@@ -623,6 +1348,10 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
     }
     if (!client || !*client)
         client = "kvtier";
+    if (strlen(client) > KVT_MAX_NAME || (instance && strlen(instance) > KVT_MAX_NAME)) {
+        snprintf(err, errlen, "client and instance names are at most %d bytes", KVT_MAX_NAME);
+        return NULL;
+    }
     kvtier_t *self = calloc(1, sizeof *self);
     if (!self) {
         snprintf(err, errlen, "out of memory");
@@ -630,10 +1359,12 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
     }
     self->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
     self->next_uid = 1;
+    self->pid = getpid();
+    snprintf(self->client, sizeof self->client, "%s", client);
     if (instance)
         snprintf(self->instance, sizeof self->instance, "%s", instance);
     else
-        snprintf(self->instance, sizeof self->instance, "%s-%d-%u", client, (int)getpid(),
+        snprintf(self->instance, sizeof self->instance, "%s-%d-%u", client, (int)self->pid,
                  atomic_fetch_add(&s_seq, 1));
     self->spin_ns = (uint64_t)s_env_int("KVTIER_SPIN_US", 0, 0, 100000) * 1000u;
     self->ctx = s_ctx_acquire();
@@ -653,17 +1384,9 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
         snprintf(err, errlen, "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
         goto fail;
     }
-    msgpack_sbuffer sb;
-    msgpack_packer pk;
-    s_body_begin(&sb, &pk, 3);
-    kvt_pack_str(&pk, "version");
-    msgpack_pack_uint32(&pk, KVT_PROTO_VERSION);
-    kvt_pack_str(&pk, "client");
-    kvt_pack_str(&pk, client);
-    kvt_pack_str(&pk, "instance");
-    kvt_pack_str(&pk, self->instance);
     s_reply_t r;
-    int rc = s_call(self, KVT_REQ_HELLO, &sb, &r);
+    s_reply_init(&r);
+    int rc = s_hello(self, NULL, &r);
     if (rc) {
         snprintf(err, errlen, "HELLO to %s failed: %s (%s)%s", endpoint, self->error,
                  kvt_err_wire(rc),
@@ -674,18 +1397,17 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
         s_reply_free(&r);
         goto fail;
     }
-    const msgpack_object *body = &r.up.data, *server = s_get(body, "server");
-    self->info.version = (uint32_t)s_uint(s_get(body, "version"));
-    self->info.chunk_tokens = (uint32_t)s_uint(s_get(body, "chunk_tokens"));
-    self->info.lease_ms = (uint32_t)s_uint(s_get(body, "lease_ms"));
-    self->info.max_message = s_uint(s_get(body, "max_message"));
-    if (server && server->type == MSGPACK_OBJECT_STR)
-        snprintf(self->info.server, sizeof self->info.server, "%.*s", (int)server->via.str.size,
-                 server->via.str.ptr);
-    s_map_arena(self, body);
+    s_apply_hello(self, &r.up.data);
     s_reply_free(&r);
+    if (s_hb_start(self, endpoint, curve, err, errlen) != 0) {
+        s_bye(self);
+        goto fail;
+    }
     return self;
 fail:
+    if (self->arena)
+        munmap(self->arena, self->arena_size);
+    free(self->arena_path);
     if (self->sock)
         zmq_close(self->sock);
     s_ctx_release(self->ctx);
@@ -698,27 +1420,38 @@ void kvtier_close(kvtier_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvtier_t *self = *self_p;
-    msgpack_sbuffer sb;
-    msgpack_packer pk;
-    s_body_begin(&sb, &pk, 1);
-    kvt_pack_str(&pk, "instance");
-    kvt_pack_str(&pk, self->instance);
-    s_reply_t r;
-    s_call(self, KVT_REQ_BYE, &sb, &r); /* best effort: leases expire anyway */
-    s_reply_free(&r);
+    /* the heartbeat first: nothing may join or ping the instance after its BYE */
+    s_hb_stop(&self->hb);
+    /* a child forked after connect inherited the parent's instance: it is not its to end */
+    if (self->pid == getpid())
+        s_bye(self);
     if (self->arena)
         munmap(self->arena, self->arena_size);
+    free(self->arena_path);
+    for (uint32_t i = 0; i < self->ngpu; i++)
+        free(self->gpu[i].body);
+    free(self->gpu);
     zmq_close(self->sock);
     s_ctx_release(self->ctx);
     free(self);
     *self_p = NULL;
 }
 
-/* The public codes are the internal vocabulary's numbers: keep them in step. */
-_Static_assert(KVTIER_EBADREQ == KVT_EBADREQ && KVTIER_ENOSPC == KVT_ENOSPC &&
-                   KVTIER_ELEXPIRED == KVT_ELEXPIRED && KVTIER_EUNAVAIL == KVT_EUNAVAIL &&
-                   KVTIER_ETIMEDOUT == KVT_ETIMEDOUT && KVTIER_EINVAL == KVT_EINVAL,
+/* The public codes are the internal vocabulary's numbers: keep them in step (every row). */
+_Static_assert(KVTIER_EBADREQ == KVT_EBADREQ && KVTIER_EUNKTYPE == KVT_EUNKTYPE &&
+                   KVTIER_EVERSION == KVT_EVERSION && KVTIER_ETOOBIG == KVT_ETOOBIG &&
+                   KVTIER_ENOSPC == KVT_ENOSPC && KVTIER_ENOTFOUND == KVT_ENOTFOUND &&
+                   KVTIER_ELEXPIRED == KVT_ELEXPIRED && KVTIER_EUNKLEASE == KVT_EUNKLEASE &&
+                   KVTIER_EBUSY == KVT_EBUSY && KVTIER_EINTERNAL == KVT_EINTERNAL &&
+                   KVTIER_EUNAVAIL == KVT_EUNAVAIL && KVTIER_ENOMEM == KVT_ENOMEM &&
+                   KVTIER_EIO == KVT_EIO && KVTIER_ETIMEDOUT == KVT_ETIMEDOUT &&
+                   KVTIER_EINVAL == KVT_EINVAL && KVTIER_ENOINST == KVT_ENOINST,
                "kvtier.h error codes differ from kvt_error.h");
+/* ... and a new row of kvt_error.h needs its KVTIER_ name (and the check above) */
+#define S_ROWS(name, num, wire, msg) +1
+_Static_assert(0 KVT_ERRNO_MAP(S_ROWS) == -KVTIER_ENOINST,
+               "kvt_error.h has a code kvtier.h does not name");
+#undef S_ROWS
 
 const char *kvtier_strerror(int code)
 {
@@ -752,8 +1485,7 @@ int kvtier_ping(kvtier_t *self)
     if (!self)
         return KVT_EINVAL;
     msgpack_sbuffer sb;
-    msgpack_packer pk;
-    s_body_begin(&sb, &pk, 0);
+    s_instance_body(&sb, self->instance); /* alive only if this connection acts for it */
     s_reply_t r;
     int rc = s_call(self, KVT_REQ_PING, &sb, &r);
     s_reply_free(&r);
@@ -1320,9 +2052,21 @@ int kvtier_register_gpu(kvtier_t *self, const kvtier_gpu_layout_t *lay)
         for (uint32_t i = 0; i < lay->layers; i++)
             msgpack_pack_uint64(&pk, lay->offsets[i]);
     }
+    /* a copy to say again after a re-establishment, and room for it, before it is sent */
+    void *copy = s_gpu_room(self) == 0 ? malloc(sb.size) : NULL;
+    size_t len = sb.size;
+    if (!copy) {
+        msgpack_sbuffer_destroy(&sb);
+        return s_fail(self, KVT_ENOMEM, "register_gpu: out of memory");
+    }
+    memcpy(copy, sb.data, len);
     s_reply_t r;
     int rc = s_call(self, KVT_REQ_REGISTER_GPU, &sb, &r);
     s_reply_free(&r);
+    if (rc == 0)
+        s_gpu_keep(self, lay->device, copy, len);
+    else
+        free(copy);
     return rc;
 }
 
@@ -1335,9 +2079,14 @@ int kvtier_unregister_gpu(kvtier_t *self, uint32_t device)
     msgpack_packer pk;
     s_body_begin(&sb, &pk, 1);
     s_pack_uint_field(&pk, "device", device);
+    s_gpu_forget(self, device);
     s_reply_t r;
     int rc = s_call(self, KVT_REQ_UNREGISTER_GPU, &sb, &r);
     s_reply_free(&r);
+    if (rc == KVT_ENOINST) { /* re-established without it: gone, as asked */
+        self->error[0] = '\0';
+        rc = 0;
+    }
     return rc;
 }
 
@@ -1355,6 +2104,11 @@ static int s_gpu_copy(kvtier_t *self, uint32_t type, const char *ns, const char 
         return rc;
     if (nblock_ids && !block_ids)
         return s_fail(self, KVT_EINVAL, "%s: block_ids is NULL", kvt_proto_name(type));
+    rc = s_revive(self, type);
+    if (rc == 0)
+        rc = s_gpu_ensure(self, type, device);
+    if (rc)
+        return rc;
     msgpack_sbuffer sb;
     msgpack_packer pk;
     s_body_keyed(&sb, &pk, ns, salt, keys, n, 2 + (event ? 1 : 0));

@@ -2,14 +2,38 @@
  *
  * A kvtier_t is one DEALER connection that has said HELLO under a stable instance name. It is
  * NOT thread-safe: use one kvtier_t per thread (several per process is fine; give each its own
- * instance name, or share one name to share leases). Calls are synchronous with a per-call
+ * instance name: an instance belongs to the connection that created it, and another connection
+ * joins it only with the token its HELLO returned). Calls are synchronous with a per-call
  * timeout; a reply that arrives after its call timed out is discarded by uid. Every call returns
  * 0 or a negative KVTIER_E* code (below); kvtier_last_error() has the server's message.
  * Output pointers for counts (stored, removed, l1, loaded, lease, job) may be NULL.
  *
- * Liveness: the daemon drops an instance that sends nothing for lease_ms (kvtier_info) and
- * releases its leases; RESERVE/ACQUIRE then answer bad_request until a new connect. A client
- * that holds leases across long pauses calls kvtier_ping. */
+ * Liveness (docs/protocol.md, "Client liveness"): the daemon drops an instance that sends
+ * nothing for lease_ms (kvtier_info), with its leases and GPU registrations. So each kvtier_t
+ * has a heartbeat while connected: a thread of its own with a connection of its own, which
+ * joins the instance (HELLO with its token) one interval after connect and then sends
+ * PING {instance} every interval, so an idle kvtier_t keeps its instance, leases and GPU
+ * registrations. Interval: KVTIER_HEARTBEAT_MS (read at connect; at least 10), else lease_ms / 3
+ * within [100 ms, 10 s]; KVTIER_HEARTBEAT_MS=0 runs without one. The calls themselves take no
+ * lock and make no system call for it (one atomic load). The heartbeat holds the instance as
+ * long as the process lives and the handle is open: a lease the caller forgets is held until
+ * kvtier_close, not lease_ms.
+ *
+ * If the instance was dropped anyway (heartbeat disabled, the process stopped, the daemon
+ * restarted), libkvtier re-establishes it transparently — when a call answers instance_dropped
+ * (KVTIER_ENOINST), or before the next call when the heartbeat found it gone: it says HELLO
+ * again (same instance name, its token); if that made the instance anew, it maps the new arena
+ * if the daemon announced another one (a restarted daemon: the old mapping is unmapped) and
+ * registers again every GPU layout registered with kvtier_register_gpu (and not unregistered);
+ * then the call that answered instance_dropped is sent once more. Not sent again: kvtier_commit,
+ * kvtier_release and
+ * kvtier_release_async (the lease they name died with the instance: they answer lease_expired
+ * or unknown_lease), and kvtier_unregister_gpu (the registration died too: it returns 0). What a
+ * caller may observe: slots and leases handed out before the drop are gone — their bytes may be
+ * reused at any time, and after a daemon restart their pointers point into an unmapped range
+ * (do not touch them); a commit of such a lease fails; STORE_GPU/RETRIEVE_GPU fail with the
+ * reason if registering a layout again failed. A HELLO that fails again (no daemon) is the
+ * call's error; the next call tries again. */
 #ifndef KVTIER_H
 #define KVTIER_H
 
@@ -38,6 +62,10 @@ typedef struct kvtier kvtier_t;
 #define KVTIER_EIO (-13)
 #define KVTIER_ETIMEDOUT (-14) /* no reply within the call's timeout */
 #define KVTIER_EINVAL (-15)    /* invalid arguments, caught before sending */
+/* "instance_dropped": this connection acts for no instance (it was dropped, or the daemon
+ * restarted). libkvtier says HELLO again and retries by itself (Liveness, above): a caller sees
+ * it only from a call that is not retried, or when the retried call answered it again. */
+#define KVTIER_ENOINST (-16)
 
 /* A sentence for an error code ("no space in tier"); never NULL. */
 const char *kvtier_strerror(int code);
@@ -55,9 +83,10 @@ typedef struct {
 } kvtier_info_t;
 
 /* Connects to `endpoint` ("ipc:///run/kvtier/kvtier.sock", "tcp://127.0.0.1:5555"), says HELLO
- * as `client` with instance `instance` (NULL: "<client>-<pid>-<n>"). NULL on failure with a
- * sentence in err. `timeout_ms` bounds every later call (0: 5000). tcp:// endpoints use CURVE
- * when KVTIER_CURVE_SERVERKEY is set (see kvtier_connect_curve).
+ * as `client` with instance `instance` (NULL: "<client>-<pid>-<n>"; names are at most 256
+ * bytes) and starts the heartbeat (above). NULL on failure with a sentence in err. `timeout_ms`
+ * bounds every later call (0: 5000). tcp:// endpoints use CURVE when KVTIER_CURVE_SERVERKEY is
+ * set (see kvtier_connect_curve); the heartbeat's connection uses the same keys.
  *
  * Every connection of a process shares one zmq context with KVTIER_IO_THREADS I/O threads
  * (environment, read at the first connect; default 2). KVTIER_SPIN_US (read at each connect;
@@ -91,11 +120,16 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
  * public key as Z85 text. 0 or KVTIER_EINVAL with a sentence in err. */
 int kvtier_curve_keygen(const char *path, char *public_key, char *err, size_t errlen);
 
-/* Says BYE (releasing every lease of the instance), closes and frees. Accepts NULL. */
+/* Stops the heartbeat (at once, whether or not the daemon answers), says BYE (releasing every
+ * lease of the instance; waits at most the handle's timeout), closes and frees. Accepts NULL.
+ * In a child forked after connect it frees the child's copy and leaves the parent's instance
+ * alone (no BYE). */
 void kvtier_close(kvtier_t **self_p);
 
 const kvtier_info_t *kvtier_info(const kvtier_t *self);
 
+/* PING {instance}: a round trip that also tells whether the instance is alive — if it was
+ * dropped, it is re-established (above) and kvtier_ping returns 0. */
 int kvtier_ping(kvtier_t *self);
 
 /* STATS as a JSON text (caller frees with free()). */
@@ -206,8 +240,9 @@ uint32_t kvtier_hash_tokens_local(const uint32_t *tokens, size_t ntokens, uint32
  * that allocation. Block b of a layer is block_tokens x token_bytes bytes at offset
  * b x block_tokens x token_bytes. The daemon then copies between the blocks and L1 objects on
  * its own CUDA streams; a call returns when the copy is complete. The registration ends with
- * kvtier_unregister_gpu, kvtier_close or the instance's silence. A daemon without a GPU (or
- * built without CUDA) answers KVTIER_EUNAVAIL. */
+ * kvtier_unregister_gpu or kvtier_close (a dropped instance loses it, and libkvtier registers
+ * it again: see Liveness above). A daemon without a GPU (or built without CUDA) answers
+ * KVTIER_EUNAVAIL. */
 
 #define KVTIER_IPC_HANDLE_LEN 64
 
@@ -222,10 +257,13 @@ typedef struct {
     const uint64_t *offsets; /* NULL: every buffer starts its allocation */
 } kvtier_gpu_layout_t;
 
-/* REGISTER_GPU: once per device per instance (a second is KVTIER_EBADREQ). */
+/* REGISTER_GPU: once per device per instance (a second is KVTIER_EBADREQ). libkvtier keeps a
+ * copy of the request (the handles, not the memory) to register it again when the instance is
+ * re-established; kvtier_unregister_gpu drops it. */
 int kvtier_register_gpu(kvtier_t *self, const kvtier_gpu_layout_t *layout);
 
-/* UNREGISTER_GPU: KVTIER_ENOTFOUND when this instance has no registration on the device. */
+/* UNREGISTER_GPU: KVTIER_ENOTFOUND when this instance has no registration on the device; 0
+ * when the instance had been dropped (the registration went with it). */
 int kvtier_unregister_gpu(kvtier_t *self, uint32_t device);
 
 /* STORE_GPU: chunk i of keys[0..n) is in blocks block_ids[i*per .. (i+1)*per) of every layer
@@ -244,8 +282,9 @@ int kvtier_retrieve_gpu(kvtier_t *self, const char *ns, const char *salt, uint32
                         uint32_t *found);
 
 /* Sends a raw request (body: one msgpack map) and waits for its reply; *reply_body is a
- * malloc'd copy of the reply body (caller frees). For request types this header has no call
- * for. */
+ * malloc'd copy of the reply body (caller frees), ok or not. For request types this header has
+ * no call for. An answer instance_dropped is re-established and retried like the calls above
+ * (by `type`); a REGISTER_GPU sent this way is not kept for re-registration. */
 int kvtier_call(kvtier_t *self, uint32_t type, const void *body, size_t len, void **reply_body,
                 size_t *reply_len);
 

@@ -401,6 +401,10 @@ int main(int argc, char **argv)
     if (!endpoint || !*endpoint)
         endpoint = "ipc://var/run/kvtier.sock";
     char err[256];
+    /* The heartbeat stays on (KVTIER_HEARTBEAT_MS as for any client): it opens its connection
+     * only one interval (lease_ms / 3, 100 ms to 10 s) after connect, so a command shorter than
+     * that costs a thread start and stop and nothing on the wire, and a long put or get of a
+     * large object is covered like any other client's call. */
     kvtier_t *c =
         kvtier_connect_curve(endpoint, "kvtier-cli", NULL, timeout, &curve, err, sizeof err);
     if (!c) {

@@ -14,17 +14,35 @@
  *   prefetch    LOOKUP with KVTIER_PREFETCH, PREFETCH_STATUS (and not_found for a bad job)
  *   remote      a client that cannot map the arena: RESERVE/ACQUIRE refuse, PUT/GET work
  *
+ * Liveness (the heartbeat and re-establishment; run with a short --lease-ms):
+ *   idle          the heartbeat keeps an idle handle's instance and write lease for 3 x lease_ms
+ *   no-heartbeat  KVTIER_HEARTBEAT_MS=0: the instance is dropped (pause "dropped"), COMMIT of
+ *                 the old lease fails, the next RESERVE re-establishes it by itself; with
+ *                 KVT_TEST_GPU_FILE (the mock CUDA runtime) the GPU layout comes back too
+ *                 (pause "reregistered") and STORE_GPU works
+ *   restart       pause "restart" (the driver starts another daemon on the endpoint): the next
+ *                 call works, in the new daemon's arena (pause "after")
+ *   close         kvtier_close with the daemon gone (pause "joined": the driver kills it)
+ *                 returns within the timeout, and no thread is left
+ *   fork          a child closes its copy of the handle at once without ending the parent's
+ *                 instance, and connects on its own
+ * A pause prints "pause: WHAT" and waits for a line on stdin (none with stdin /dev/null).
+ * KVT_TEST_INSTANCE names the instance of the scenario's connection.
+ *
  * Uses only the public API: kvtier.h and the KVT_E* codes of kvt_error.h. Prints one line per
  * scenario; exit 0 passed, 1 failed (the failed check on stderr), 2 usage. */
 #include "kvt_error.h"
 #include "kvtier.h"
 
+#include <dirent.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #define S_NS "c-client-test"
 #define S_CHUNKS 4
@@ -436,6 +454,12 @@ static int s_errors(kvtier_t *c)
     longns[sizeof longns - 1] = '\0';
     const uint64_t bogus = 0x7ead5eedull;
 
+    /* the public codes name the daemon's, instance_dropped included */
+    S_CHECK(KVTIER_ENOINST == KVT_ENOINST && KVTIER_EINVAL == KVT_EINVAL, "codes differ");
+    S_CHECK(!strcmp(kvtier_error_code(KVTIER_ENOINST), "instance_dropped"), "%s",
+            kvtier_error_code(KVTIER_ENOINST));
+    S_CHECK(strcmp(kvtier_strerror(KVTIER_ENOINST), kvtier_strerror(-99)) != 0, "%s",
+            kvtier_strerror(KVTIER_ENOINST));
     S_FAILS(c, KVT_EUNKLEASE, kvtier_release(c, bogus));
     S_FAILS(c, KVT_EUNKLEASE, kvtier_commit(c, bogus, NULL, 0, NULL));
     S_OK(c, kvtier_ping(c));
@@ -598,14 +622,267 @@ out:
     return rc;
 }
 
+/* ---- liveness: the heartbeat, re-establishment, close and fork ---- */
+
+static const char *s_endpoint; /* argv[1], for the scenarios that connect themselves */
+
+/* Waits for the test driver: "pause: WHAT" on stdout, then one line on stdin (at once when
+ * stdin is /dev/null). */
+static void s_pause(const char *what)
+{
+    printf("pause: %s\n", what);
+    fflush(stdout);
+    char line[64];
+    if (!fgets(line, sizeof line, stdin))
+        return;
+}
+
+/* Threads of this process whose name starts with `name` (/proc/self/task/N/comm); every
+ * thread for NULL. */
+static int s_threads(const char *name)
+{
+    DIR *d = opendir("/proc/self/task");
+    if (!d)
+        return -1;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        if (e->d_name[0] == '.')
+            continue;
+        char path[300], comm[32] = "";
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+        FILE *f = name ? fopen(path, "r") : NULL;
+        if (f && fgets(comm, sizeof comm, f))
+            comm[strcspn(comm, "\n")] = '\0';
+        if (f)
+            fclose(f);
+        n += !name || !strncmp(comm, name, strlen(name));
+    }
+    closedir(d);
+    return n;
+}
+
+static uint64_t s_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void s_sleep_ms(uint64_t ms)
+{
+    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0)
+        ;
+}
+
+/* RESERVE one 4 KiB object under `key`, fill it, COMMIT, then ACQUIRE it and check the bytes. */
+static int s_roundtrip(kvtier_t *c, uint8_t key, uint8_t fill)
+{
+    int rc = 0;
+    uint8_t keys[1][KVTIER_KEY_LEN] = {{0x11, key}};
+    kvtier_slot_t slot;
+    uint32_t n = 0, stored = 0;
+    uint64_t lease = 0;
+    S_OK(c,
+         kvtier_reserve(c, S_NS "-live", NULL, (s_keys_t)keys, 1, NULL, 4096, &slot, &n, &lease));
+    S_CHECK(n == 1 && slot.ptr && lease, "reserve: %u slots, lease %llu", n,
+            (unsigned long long)lease);
+    memset(slot.ptr, fill, slot.length);
+    S_OK(c, kvtier_commit(c, lease, NULL, 0, &stored));
+    S_CHECK(stored == 1, "stored %u", stored);
+    S_OK(c, kvtier_acquire(c, S_NS "-live", NULL, (s_keys_t)keys, 1, &slot, &n, &lease));
+    S_CHECK(n == 1 && ((const uint8_t *)slot.ptr)[0] == fill &&
+                ((const uint8_t *)slot.ptr)[4095] == fill,
+            "acquire: %u slots or other bytes", n);
+    S_OK(c, kvtier_release(c, lease));
+out:
+    return rc;
+}
+
+static int s_idle(kvtier_t *c)
+{
+    int rc = 0;
+    uint32_t lease_ms = kvtier_info(c)->lease_ms, n = 0, stored = 0;
+    uint8_t keys[1][KVTIER_KEY_LEN] = {{0x1d}};
+    kvtier_slot_t slot;
+    uint64_t lease = 0;
+    S_CHECK(s_threads("kvtier-hb") == 1, "%d heartbeat threads", s_threads("kvtier-hb"));
+    S_OK(c,
+         kvtier_reserve(c, S_NS "-live", NULL, (s_keys_t)keys, 1, NULL, 4096, &slot, &n, &lease));
+    S_CHECK(n == 1 && slot.ptr && lease, "reserve: %u slots", n);
+    memset(slot.ptr, 0x1d, slot.length);
+    s_sleep_ms(3u * lease_ms);
+    S_OK(c, kvtier_commit(c, lease, NULL, 0, &stored)); /* the write lease outlived the idle */
+    S_CHECK(stored == 1, "stored %u", stored);
+    S_CHECK(s_roundtrip(c, 2, 0x2e) == 0, "a store after the idle time");
+    printf("idle: %u ms without a call, instance and lease kept\n", 3u * lease_ms);
+out:
+    return rc;
+}
+
+/* The mock CUDA runtime's layout of tests/gpu/mock_cudart.c: one layer in KVT_TEST_GPU_FILE
+ * (the IPC handle is "KVTMOCK\0" + its path), 16 blocks of 4 tokens x 256 bytes. */
+static void s_mock_layout(const char *file, uint8_t handle[KVTIER_IPC_HANDLE_LEN],
+                          kvtier_gpu_layout_t *lay)
+{
+    memset(handle, 0, KVTIER_IPC_HANDLE_LEN);
+    memcpy(handle, "KVTMOCK", 8);
+    snprintf((char *)handle + 8, KVTIER_IPC_HANDLE_LEN - 8, "%s", file);
+    *lay = (kvtier_gpu_layout_t){.device = 0,
+                                 .layers = 1,
+                                 .num_blocks = 16,
+                                 .block_tokens = 4,
+                                 .token_bytes = 256,
+                                 .dtype = "float16",
+                                 .handles = (const uint8_t(*)[KVTIER_IPC_HANDLE_LEN])handle};
+}
+
+static int s_no_heartbeat(kvtier_t *c)
+{
+    int rc = 0;
+    const char *gpu = getenv("KVT_TEST_GPU_FILE");
+    uint8_t handle[KVTIER_IPC_HANDLE_LEN], keys[1][KVTIER_KEY_LEN] = {{0x0d}};
+    kvtier_gpu_layout_t lay;
+    kvtier_slot_t slot;
+    uint32_t n = 0, stored = 0;
+    uint64_t lease = 0, ids[2] = {3, 4};
+    S_CHECK(s_threads("kvtier-hb") == 0, "KVTIER_HEARTBEAT_MS=0, yet %d heartbeat threads",
+            s_threads("kvtier-hb"));
+    if (gpu) {
+        s_mock_layout(gpu, handle, &lay);
+        S_OK(c, kvtier_register_gpu(c, &lay));
+    }
+    S_OK(c,
+         kvtier_reserve(c, S_NS "-live", NULL, (s_keys_t)keys, 1, NULL, 4096, &slot, &n, &lease));
+    S_CHECK(n == 1 && lease, "reserve: %u slots", n);
+    s_pause("dropped");
+    /* not retried: the lease died with the instance */
+    S_FAILS(c, KVT_ELEXPIRED, kvtier_commit(c, lease, NULL, 0, &stored));
+    /* RESERVE answers instance_dropped: HELLO again (GPU layout included), then retried */
+    S_CHECK(s_roundtrip(c, 3, 0x3f) == 0, "a store after the drop");
+    if (gpu) {
+        s_pause("reregistered");
+        S_OK(c, kvtier_store_gpu(c, S_NS "-live-gpu", NULL, 0, (s_keys_t)keys, 1, ids, 2, NULL,
+                                 &stored));
+        S_CHECK(stored == 1, "store_gpu stored %u", stored);
+        S_OK(c, kvtier_unregister_gpu(c, 0));
+    }
+    printf("no-heartbeat: dropped, re-established%s\n", gpu ? " with the GPU layout" : "");
+out:
+    return rc;
+}
+
+static int s_restart(kvtier_t *c)
+{
+    int rc = 0;
+    size_t before = 0, after = 0;
+    uint8_t keys[1][KVTIER_KEY_LEN] = {{0x11, 5}};
+    uint32_t hits = 9;
+    S_CHECK(kvtier_arena(c, &before) && before, "no arena");
+    S_CHECK(s_roundtrip(c, 5, 0x55) == 0, "a store before the restart");
+    s_pause("restart");
+    S_CHECK(s_roundtrip(c, 6, 0x66) == 0, "a store in the restarted daemon");
+    S_CHECK(kvtier_arena(c, &after) && after != before,
+            "the arena is still the old one (%zu bytes)", after);
+    S_OK(c, kvtier_lookup(c, S_NS "-live", NULL, (s_keys_t)keys, 1, 0, &hits, NULL, NULL, NULL));
+    S_CHECK(hits == 0, "the new daemon has the old daemon's object");
+    printf("restart: arena of %zu bytes, then %zu bytes\n", before, after);
+    s_pause("after");
+out:
+    return rc;
+}
+
+static int s_close(kvtier_t *unused)
+{
+    (void)unused;
+    int rc = 0;
+    char err[256] = "";
+    kvtier_t *c = NULL, *quiet = NULL;
+    c = kvtier_connect(s_endpoint, "c-client-test", getenv("KVT_TEST_INSTANCE"), 300, err,
+                       sizeof err);
+    S_CHECK(c, "connect: %s", err);
+    S_CHECK(s_threads("kvtier-hb") == 1 && s_threads("ZMQbg") > 0, "%d heartbeat threads",
+            s_threads("kvtier-hb"));
+    setenv("KVTIER_HEARTBEAT_MS", "0", 1);
+    quiet = kvtier_connect(s_endpoint, "c-client-test", NULL, 300, err, sizeof err);
+    unsetenv("KVTIER_HEARTBEAT_MS");
+    S_CHECK(quiet, "connect: %s", err);
+    S_CHECK(s_threads("kvtier-hb") == 1, "KVTIER_HEARTBEAT_MS=0 started a heartbeat");
+    kvtier_close(&quiet);
+    s_pause("joined");
+    uint64_t t0 = s_now_ms();
+    kvtier_close(&c);
+    uint64_t took = s_now_ms() - t0;
+    S_CHECK(took < 300 + 300, "kvtier_close took %llu ms without a daemon",
+            (unsigned long long)took);
+    /* the heartbeat's, and libzmq's (ZMQbg/IO/N, ZMQbg/Reaper: the context ends with the last
+     * handle) */
+    S_CHECK(s_threads("kvtier-hb") == 0 && s_threads("ZMQbg") == 0,
+            "threads left after the last close: %d kvtier-hb, %d ZMQbg", s_threads("kvtier-hb"),
+            s_threads("ZMQbg"));
+    printf("close: %llu ms without a daemon, no thread left\n", (unsigned long long)took);
+out:
+    kvtier_close(&quiet);
+    kvtier_close(&c);
+    return rc;
+}
+
+static int s_fork(kvtier_t *c)
+{
+    int rc = 0, status = 0;
+    uint8_t keys[1][KVTIER_KEY_LEN] = {{0xf0}};
+    kvtier_slot_t slot;
+    uint32_t n = 0, stored = 0;
+    uint64_t lease = 0;
+    S_OK(c,
+         kvtier_reserve(c, S_NS "-live", NULL, (s_keys_t)keys, 1, NULL, 4096, &slot, &n, &lease));
+    S_CHECK(n == 1 && lease, "reserve: %u slots", n);
+    fflush(NULL);
+    pid_t pid = fork();
+    S_CHECK(pid >= 0, "fork failed");
+    if (pid == 0) {
+        /* the copy of the parent's handle: freed at once, without a word to the daemon */
+        uint64_t t0 = s_now_ms();
+        kvtier_close(&c);
+        uint64_t took = s_now_ms() - t0;
+        char err[256] = "";
+        kvtier_t *own = kvtier_connect(s_endpoint, "c-fork-child", NULL, 2000, err, sizeof err);
+        int ok = took < 1000 && own && kvtier_ping(own) == 0;
+        if (!ok)
+            fprintf(stderr, "fork child: close took %llu ms; own connection: %s\n",
+                    (unsigned long long)took, own ? kvtier_last_error(own) : err);
+        kvtier_close(&own);
+        _exit(ok ? 0 : 3);
+    }
+    S_CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+            "the child failed (status 0x%x)", status);
+    memset(slot.ptr, 0xf0, slot.length);
+    S_OK(c, kvtier_commit(c, lease, NULL, 0, &stored)); /* the parent's instance lives on */
+    S_CHECK(stored == 1, "stored %u", stored);
+    printf("fork: the child closed its copy and connected; the parent's lease is intact\n");
+out:
+    return rc;
+}
+
 static const struct {
     const char *name;
     int (*run)(kvtier_t *c);
+    bool own; /* the scenario connects by itself (main passes NULL) */
 } s_scenarios[] = {
-    {"gpu-none", s_gpu_none},
-    {"rank-store", s_rank_store}, {"rank-load", s_rank_load}, {"salt", s_salt},
-    {"embed", s_embed},           {"hash", s_hash},           {"errors", s_errors},
-    {"prefetch", s_prefetch},     {"remote", s_remote},
+    {"gpu-none", s_gpu_none, false},
+    {"rank-store", s_rank_store, false},
+    {"rank-load", s_rank_load, false},
+    {"salt", s_salt, false},
+    {"embed", s_embed, false},
+    {"hash", s_hash, false},
+    {"errors", s_errors, false},
+    {"prefetch", s_prefetch, false},
+    {"remote", s_remote, false},
+    {"idle", s_idle, false},
+    {"no-heartbeat", s_no_heartbeat, false},
+    {"restart", s_restart, false},
+    {"close", s_close, true},
+    {"fork", s_fork, false},
 };
 
 int main(int argc, char **argv)
@@ -622,8 +899,12 @@ int main(int argc, char **argv)
         return 2;
     }
     char err[256];
-    kvtier_t *c = kvtier_connect(argv[1], "c-client-test", NULL, 10000, err, sizeof err);
-    if (!c) {
+    s_endpoint = argv[1];
+    kvtier_t *c = s_scenarios[i].own
+                      ? NULL
+                      : kvtier_connect(argv[1], "c-client-test", getenv("KVT_TEST_INSTANCE"), 10000,
+                                       err, sizeof err);
+    if (!c && !s_scenarios[i].own) {
         fprintf(stderr, "%s: %s\n", argv[2], err);
         return 1;
     }

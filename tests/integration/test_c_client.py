@@ -9,12 +9,16 @@ scenario tests are skipped; without KVT_CLI the CLI tests are.
 
 import os
 import random
+import select
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 
-from kvtest import MiB
+from kvtest import MiB, wait_until
+from test_security import curve_args, pki  # noqa: F401 - pki is a fixture
 
 VECTOR = ["361d40d624bc45847cb55c04878d9596", "390d55d1f642cbe361c5f27bacda5d77"]
 VECTOR_SALTED = ["d94d032fdacc9824ff9e899c1d74acfc", "dafdfb4cdf651f440368d67cab9efb68"]
@@ -66,6 +70,58 @@ def _finish(proc, name, daemon):
 def run_scenario(daemon, name, endpoint=None):
     """Runs one scenario of kvtier-client-test in its own process; returns its stdout."""
     return _finish(_start_scenario(endpoint or daemon.ipc, name), name, daemon)
+
+
+class Scenario:
+    """A scenario that pauses ("pause: WHAT" on stdout, then a line on stdin) so that the test
+    can look at or change the daemon in between."""
+
+    def __init__(self, endpoint, name, env=None):
+        e = _env()
+        e.update(env or {})
+        self.name = name
+        self.proc = subprocess.Popen([_client_test_bin(), endpoint, name], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e)
+        self.out = b""
+
+    def wait_pause(self, what, timeout=20):
+        want = ("pause: %s\n" % what).encode()
+        deadline = time.monotonic() + timeout
+        while want not in self.out:
+            left = deadline - time.monotonic()
+            assert left > 0, "scenario %s did not pause at %r: %r" % (self.name, what, self.out)
+            if select.select([self.proc.stdout], [], [], left)[0]:
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    self.proc.wait(10)
+                    raise AssertionError("scenario %s exited %s before %r\n%s%s"
+                                         % (self.name, self.proc.returncode, what,
+                                            self.out.decode(), self.proc.stderr.read().decode()))
+                self.out += chunk
+
+    def resume(self):
+        self.proc.stdin.write(b"\n")
+        self.proc.stdin.flush()
+
+    def finish(self, daemon):
+        self.proc.stdin.close()
+        self.proc.stdin = None
+        try:
+            out, err = self.proc.communicate(timeout=SCENARIO_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+        out = (self.out + out).decode()
+        assert self.proc.returncode == 0, ("scenario %s failed (exit %s)\n--- stdout ---\n%s"
+                                           "--- stderr ---\n%s--- kvtierd stderr tail ---\n%s"
+                                           % (self.name, self.proc.returncode, out,
+                                              err.decode(), daemon.stderr_tail(30)))
+        return out
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 # ----------------------------------------------------------------------------------------
@@ -126,6 +182,173 @@ def test_gpu_calls_without_gpu(daemon):
 @needs_client_test
 def test_prefetch(daemon):
     assert "prefetch:" in run_scenario(daemon, "prefetch")
+
+
+# ----------------------------------------------------------------------------------------
+# Liveness: the heartbeat keeps an idle handle's instance; a dropped one comes back by itself
+
+LEASE_MS = 400
+
+
+def instance_status(d, instance):
+    """The daemon's /status entry of `instance`, or None."""
+    for c in d.http_json("GET", "/status")["clients"]:
+        if c.get("instance") == instance:
+            return c
+    return None
+
+
+def drop_lines(d, instance):
+    """The daemon's log lines saying it dropped `instance` for silence."""
+    return [line for line in d.log_lines() if "client instance %s silent" % instance in line]
+
+
+@needs_client_test
+@pytest.mark.parametrize("transport", ["ipc", "tcp-curve"])
+def test_idle_handle_keeps_its_instance(daemon_factory, transport, request):
+    """An engine idle for 3 x lease_ms: the heartbeat (its own thread and connection, with
+    the handle's CURVE keys on tcp) keeps the instance and its write lease; the daemon never
+    drops it."""
+    env = {"KVT_TEST_INSTANCE": "c-idle"}
+    if transport == "ipc":
+        d = daemon_factory("--lease-ms", str(LEASE_MS))
+    else:
+        keys = request.getfixturevalue("pki")
+        d = daemon_factory(*curve_args(keys), "--lease-ms", str(LEASE_MS))
+        env.update(KVTIER_CURVE_SERVERKEY=keys["server"], KVTIER_CURVE_CERT=keys["alice"])
+    sc = Scenario(d.ipc if transport == "ipc" else d.tcp, "idle", env)
+    try:
+        wait_until(lambda: (instance_status(d, "c-idle") or {}).get("connections") == 2, 5,
+                   what="the heartbeat to join the instance (a second connection)")
+        out = sc.finish(d)
+    finally:
+        sc.kill()
+    assert "instance and lease kept" in out, out
+    assert drop_lines(d, "c-idle") == [], drop_lines(d, "c-idle")
+
+
+def _reestablish(daemon_factory, tmp_path, with_gpu):
+    if with_gpu:
+        from test_gpu import MockEngine, count, mock_daemon
+        d, log = mock_daemon(daemon_factory, tmp_path, "--lease-ms", str(LEASE_MS))
+        engine = MockEngine(layers=1, num_blocks=16, block_tokens=4, token_bytes=256,
+                            shared=False)
+    else:
+        d, log, engine = daemon_factory("--lease-ms", str(LEASE_MS)), None, None
+    env = {"KVTIER_HEARTBEAT_MS": "0", "KVT_TEST_INSTANCE": "c-quiet"}
+    if engine:
+        env["KVT_TEST_GPU_FILE"] = engine.where[0][0]
+    sc = Scenario(d.ipc, "no-heartbeat", env)
+    try:
+        sc.wait_pause("dropped")
+        owner = instance_status(d, "c-quiet")["owner"]
+        assert instance_status(d, "c-quiet")["connections"] == 1     # no heartbeat
+        if engine:
+            regs = d.http_json("GET", "/status")["gpu"]["registrations"]
+            assert [r["owner"] for r in regs] == [owner], regs
+        wait_until(lambda: drop_lines(d, "c-quiet"), 5, what="the daemon to drop c-quiet")
+        if engine:
+            wait_until(lambda: count(log, "close") == 1, 5, what="its IPC handle closed")
+        sc.resume()
+        if engine:
+            sc.wait_pause("reregistered")
+            again = instance_status(d, "c-quiet")
+            assert again is not None and again["owner"] != owner, again
+            regs = d.http_json("GET", "/status")["gpu"]["registrations"]
+            assert [r["owner"] for r in regs] == [again["owner"]], regs
+            assert count(log, "open") == 2, log
+            sc.resume()
+        out = sc.finish(d)
+    finally:
+        sc.kill()
+        if engine:
+            engine.close()
+    assert "re-established" in out, out
+    assert d.stats()["leases_active"] == 0
+
+
+@needs_client_test
+def test_dropped_instance_comes_back_by_itself(daemon_factory, tmp_path):
+    """KVTIER_HEARTBEAT_MS=0 and idle past lease_ms: the daemon drops the instance; COMMIT of
+    the old lease fails (not retried), the next RESERVE says HELLO again and is retried."""
+    _reestablish(daemon_factory, tmp_path, with_gpu=False)
+
+
+@needs_client_test
+@pytest.mark.skipif(not os.environ.get("KVT_MOCK_CUDART"),
+                    reason="no mock libcudart (KVT_MOCK_CUDART; CUDA=0)")
+def test_dropped_instance_gets_its_gpu_layout_back(daemon_factory, tmp_path):
+    """The same with a GPU registration (the mock CUDA runtime): registered again with the
+    new instance (/status gpu.registrations, the mock's handle opens), STORE_GPU works."""
+    _reestablish(daemon_factory, tmp_path, with_gpu=True)
+
+
+def restart_daemon(daemon_factory, d, *extra):
+    """Stops d and starts another daemon on its run dir and ipc endpoint (another process,
+    so another arena), with its own HTTP port and `extra` flags."""
+    d.stop()
+    d2 = daemon_factory(start=False)
+    d2.args = ["--run-dir", d.run_dir, "--data-dir", d2.data_dir, "--listen", d.ipc,
+               "--http", d2.http_addr, "--log-level", "debug", "--l2", "none"] + list(extra)
+    d2.ipc, d2.ipc_path = d.ipc, d.ipc_path
+    return d2.start()
+
+
+@needs_client_test
+@pytest.mark.parametrize("heartbeat", ["on", "off"])
+def test_daemon_restart(daemon_factory, heartbeat):
+    """The daemon restarts on the same endpoint: the handle's next call works, in the new
+    daemon's arena (the old one unmapped)."""
+    d = daemon_factory("--lease-ms", str(LEASE_MS))
+    env = {"KVT_TEST_INSTANCE": "c-restart"}
+    if heartbeat == "off":
+        env["KVTIER_HEARTBEAT_MS"] = "0"
+    sc = Scenario(d.ipc, "restart", env)
+    try:
+        sc.wait_pause("restart")
+        old_shm = d.hello(d.dealer(), "probe-old")["shm"]["path"]
+        d2 = restart_daemon(daemon_factory, d, "--l1-size", "32M", "--lease-ms", str(LEASE_MS))
+        sc.resume()
+        sc.wait_pause("after")
+        new_shm = d2.hello(d2.dealer(), "probe-new")["shm"]["path"]
+        with open("/proc/%d/maps" % sc.proc.pid) as f:
+            maps = f.read()
+        assert new_shm in maps and old_shm not in maps, (old_shm, new_shm, maps)
+        st = instance_status(d2, "c-restart")
+        assert st is not None, d2.http_json("GET", "/status")["clients"]
+        if heartbeat == "on":    # the heartbeat joined the new instance too
+            wait_until(lambda: instance_status(d2, "c-restart")["connections"] == 2, 5,
+                       what="the heartbeat to join the new instance")
+        sc.resume()
+        out = sc.finish(d2)
+        d2.stop()           # before the fixture removes the first daemon's run dir
+    finally:
+        sc.kill()
+    assert "then 33554432 bytes" in out, out
+
+
+@needs_client_test
+def test_close_stops_the_heartbeat_without_a_daemon(daemon_factory):
+    """kvtier_close with the daemon gone: the heartbeat stops at once (its waits watch an
+    eventfd), BYE waits no longer than the handle's timeout, no thread is left."""
+    d = daemon_factory("--lease-ms", "300")
+    sc = Scenario(d.ipc, "close", {"KVT_TEST_INSTANCE": "c-close"})
+    try:
+        sc.wait_pause("joined")
+        wait_until(lambda: (instance_status(d, "c-close") or {}).get("connections") == 2, 5,
+                   what="the heartbeat to join the instance")
+        d.stop(signal.SIGKILL)
+        sc.resume()
+        out = sc.finish(d)
+    finally:
+        sc.kill()
+    assert "no thread left" in out, out
+
+
+@needs_client_test
+def test_fork_child_leaves_the_parents_instance(daemon):
+    out = run_scenario(daemon, "fork")
+    assert "lease is intact" in out, out
 
 
 def _can_unshare():
@@ -261,3 +484,12 @@ def test_cli_errors(daemon, kvt_cli_bin, tmp_path):
     assert cp.returncode == 1 and "missing.bin" in cp.stderr, cp
     cp = cli(kvt_cli_bin, "-t", "300", "get", "00" * 16, endpoint="ipc:///nonexistent/k.sock")
     assert cp.returncode == 1 and cp.stderr.strip(), cp
+
+
+def test_cli_pays_no_heartbeat(daemon, kvt_cli_bin):
+    """A CLI command is over before the heartbeat's first interval: one HELLO, one connection
+    (the heartbeat never connects)."""
+    before = daemon.stats()["requests_total"]["hello"]
+    cp = cli(kvt_cli_bin, "ping", endpoint=daemon.ipc)
+    assert cp.returncode == 0 and cp.stdout.startswith("pong"), cp
+    assert daemon.stats()["requests_total"]["hello"] == before + 1

@@ -444,7 +444,7 @@ def test_bad_input_raises_typed_errors(daemon_factory, connect):
 
 def test_lease_expired(daemon_factory, connect):
     d = daemon_factory("--lease-ms", "500")
-    c = connect(d, instance="inst-silent")
+    c = connect(d, instance="inst-silent", heartbeat_ms=0)    # silent: no heartbeat either
     observer = connect(d, instance="inst-observer")
     k = key(1, b"exp")
     slots, lease = c.reserve(NS, [k], 8192)

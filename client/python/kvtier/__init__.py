@@ -10,7 +10,8 @@
             ...read the read-only memoryviews (zero-copy)...
 
 Modules: client (Client, the requests), errors (KvtierError and one subclass per wire code),
-hashing (hash_tokens, xxh3_128: keys computed locally), events (Subscriber).
+hashing (hash_tokens, xxh3_128: keys computed locally), events (Subscriber), heartbeat (the
+thread that keeps an idle Client's instance alive).
 Not thread-safe: one Client (and one Subscriber) per thread.
 """
 
@@ -18,9 +19,9 @@ from .client import (ACQUIRE, BYE, CLEAR, COMMIT, GET, HASH_TOKENS, HELLO, LOOKU
                      PREFETCH_STATUS, PROTO_VERSION, PUT, REGISTER_GPU, RELEASE, REMOVE,
                      RESERVE, RETRIEVE_GPU, STATS, STORE_GPU, UNREGISTER_GPU,
                      Acquired, Client, Lookup, PrefetchStatus, Reservation)
-from .errors import (BadRequest, Busy, Internal, KvtierError, LeaseExpired, NoSpace, NotFound,
-                     ProtocolError, Timeout, TooLarge, Unavailable, UnknownLease, UnknownType,
-                     UnsupportedVersion, error_for)
+from .errors import (BadRequest, Busy, InstanceDropped, Internal, KvtierError, LeaseExpired,
+                     NoSpace, NotFound, ProtocolError, Timeout, TooLarge, Unavailable,
+                     UnknownLease, UnknownType, UnsupportedVersion, error_for)
 from .events import Subscriber
 from .hashing import have_xxhash, hash_tokens, token_bytes, xxh3_128
 
@@ -30,8 +31,8 @@ __all__ = [
     "Client", "Subscriber", "hash_tokens", "xxh3_128", "token_bytes", "have_xxhash",
     "Lookup", "PrefetchStatus", "Reservation", "Acquired",
     "KvtierError", "BadRequest", "UnknownType", "UnsupportedVersion", "TooLarge", "NoSpace",
-    "NotFound", "LeaseExpired", "UnknownLease", "Busy", "Internal", "Unavailable", "Timeout",
-    "ProtocolError", "error_for",
+    "NotFound", "LeaseExpired", "UnknownLease", "Busy", "Internal", "Unavailable",
+    "InstanceDropped", "Timeout", "ProtocolError", "error_for",
     "PROTO_VERSION", "HELLO", "BYE", "PING", "LOOKUP", "PREFETCH_STATUS", "RESERVE", "COMMIT",
     "ACQUIRE", "RELEASE", "PUT", "GET", "REMOVE", "CLEAR", "STATS", "HASH_TOKENS",
     "REGISTER_GPU", "UNREGISTER_GPU", "STORE_GPU", "RETRIEVE_GPU",

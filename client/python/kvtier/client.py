@@ -15,8 +15,19 @@ ValueError instead of reading memory the daemon may have reused. When the arena 
 opened (a client on another machine, over tcp) `.arena` is None, RESERVE / ACQUIRE raise
 Unavailable, and PUT / GET carry the bytes inline instead.
 
-Leases are renewed by any request of the instance; a client that holds leases for longer than
-`lease_ms` between requests must call ping().
+Liveness (docs/protocol.md, "Client liveness"): the daemon drops an instance silent for
+`lease_ms`, with its leases and GPU registrations. A Client therefore runs a heartbeat while
+open (kvtier.heartbeat: a daemon thread with its own socket, never this one) that joins the
+instance and PINGs it every interval — lease_ms / 3 within [100 ms, 10 s], or `heartbeat_ms` /
+KVTIER_HEARTBEAT_MS; 0 disables it. A lease is then held until COMMIT/RELEASE or close(), not
+lease_ms. If the instance was dropped anyway (heartbeat disabled, the process stopped, the
+daemon restarted), call() re-establishes it transparently: when a request answers
+instance_dropped, or the heartbeat found the instance gone, it says HELLO again (same name,
+its token), maps the new arena if the daemon announced another, releases every view (their
+leases died with the instance), registers the GPU layouts again, and sends the request once
+more — except COMMIT and RELEASE (their lease is gone: LeaseExpired / UnknownLease) and
+UNREGISTER_GPU (the registration is gone too: it returns). send()/recv() are the raw layer:
+they never re-establish (InstanceDropped reaches the caller; hello() re-establishes).
 """
 
 import collections
@@ -25,14 +36,16 @@ import itertools
 import mmap
 import os
 import time
+import weakref
 
 import msgpack
 import zmq
 
 from . import curve as _curve
 from . import hashing
-from .errors import KvtierError, ProtocolError, Timeout, Unavailable, error_for, \
-    LeaseExpired, UnknownLease
+from . import heartbeat as _heartbeat
+from .errors import BadRequest, InstanceDropped, KvtierError, ProtocolError, Timeout, \
+    Unavailable, error_for, LeaseExpired, UnknownLease
 
 __all__ = [
     "Client", "Lookup", "PrefetchStatus", "Reservation", "Acquired", "PROTO_VERSION",
@@ -74,6 +87,11 @@ Acquired = collections.namedtuple("Acquired", "views lease")
 
 _instance_seq = itertools.count(1)
 
+# Requests that answered instance_dropped are sent once more after the instance is
+# re-established, except these: HELLO and BYE are the session itself, COMMIT and RELEASE name
+# a lease that died with the instance, and UNREGISTER_GPU's registration died with it too.
+_NOT_RETRIED = frozenset({HELLO, BYE, COMMIT, RELEASE, UNREGISTER_GPU})
+
 
 def _pack(obj):
     return msgpack.packb(obj, use_bin_type=True)
@@ -102,23 +120,35 @@ class Client:
                CURVE for tcp:// endpoints (kvtier.curve): the daemon's public key (Z85 text or
                certificate path) and this client's certificate path; default from
                KVTIER_CURVE_SERVERKEY / KVTIER_CURVE_CERT
+    heartbeat_ms the heartbeat's interval (module docstring); None: KVTIER_HEARTBEAT_MS, else
+               lease_ms / 3 within [100 ms, 10 s]; 0: no heartbeat
 
-    Attributes: info (the HELLO reply body), instance, arena (mmap or None), chunk_tokens,
-    lease_ms, max_message.
+    Attributes: info (the HELLO reply body), instance, token (the instance's, from HELLO),
+    arena (mmap or None), chunk_tokens, lease_ms, max_message, heartbeat_ms (0: none).
     """
 
     def __init__(self, endpoint, client="python", instance=None, timeout_ms=5000,
-                 context=None, map_arena=True, curve_serverkey=None, curve_cert=None):
+                 context=None, map_arena=True, curve_serverkey=None, curve_cert=None,
+                 heartbeat_ms=None):
+        if heartbeat_ms is not None and int(heartbeat_ms) < 0:
+            raise ValueError("heartbeat_ms must be 0 (no heartbeat) or positive")
         self.endpoint = endpoint
         self.client = client
         self.instance = instance or "%s-%d-%d" % (client, os.getpid(), next(_instance_seq))
         self.timeout_ms = int(timeout_ms)
         self.info = None
+        self.token = None
         self.arena = None
+        self.heartbeat_ms = 0
         self._arena_view = None
+        self._arena_at = None       # (shm.path, shm.size) HELLO announced last
+        self._want_arena = map_arena
         self._uids = itertools.count(1)
         self._waiting = {}          # uid -> reply frames (or None while still outstanding)
         self._views = {}            # lease -> memoryviews handed out under it
+        self._gpu = {}              # device -> [REGISTER_GPU body, live], said again on re-HELLO
+        self._hb = None
+        self._pid = os.getpid()
         self._closed = False
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.DEALER)
@@ -128,9 +158,16 @@ class Client:
             _curve.apply(self._sock, endpoint, curve_serverkey, curve_cert)
             self._sock.connect(endpoint)
             self.hello()
-            if map_arena:
-                self._map_arena(self.info.get("shm"))
+            interval, self._hb_fixed = _heartbeat.interval_ms(heartbeat_ms, self.lease_ms)
+            if interval:
+                self._hb = _heartbeat.Heartbeat(ctx, endpoint, client, self.instance, self.token,
+                                                interval, self.timeout_ms, curve_serverkey,
+                                                curve_cert)
+                self.heartbeat_ms = interval
+                # a Client collected without close() must not keep its instance alive for ever
+                weakref.finalize(self, self._hb.request_stop)
         except BaseException:
+            self._unmap_arena()
             self._sock.close(linger=0)
             self._closed = True
             raise
@@ -138,11 +175,52 @@ class Client:
     # -- session ------------------------------------------------------------------------
 
     def hello(self):
-        """Says HELLO (again): binds this connection to `instance`. The constructor does it;
-        call it again after the daemon dropped a silent instance (lease_expired)."""
-        self.info = self.call(HELLO, {"version": PROTO_VERSION, "client": self.client,
-                                      "instance": self.instance})[0]
-        return self.info
+        """Says HELLO (again) under `instance`, presenting its token: the constructor does it,
+        and call() re-establishes a dropped instance with it (call it yourself after
+        InstanceDropped from send()/recv()). When the instance is new (it had been dropped, or
+        the daemon restarted), every view is released (the leases died), the arena is
+        re-mapped if the daemon announced another, and the GPU layouts are registered again.
+        Returns the HELLO reply (also .info)."""
+        before = self.token
+        hb = self._hb if self._hb is not None and self._hb.mine() else None
+        presented = hb.token() if hb is not None else self.token
+        try:
+            info = self._say_hello(presented)
+        except BadRequest:                  # the heartbeat may be making it anew right now
+            newer = hb.newer_token(presented, self.timeout_ms / 1000.0) if hb else None
+            if newer is None:
+                raise
+            info = self._say_hello(newer)
+        self.info = info
+        self.token = info.get("token")
+        new = not self.token or self.token != before
+        if new:
+            self._drop_all_views()
+        if self._want_arena:
+            self._follow_arena(info.get("shm"))
+        if hb is not None:
+            hb.publish(self.token, None if self._hb_fixed
+                       else _heartbeat.interval_ms(None, self.lease_ms)[0])
+        if new and before is not None:
+            for entry in self._gpu.values():
+                self._register_again(entry)
+        return info
+
+    def _say_hello(self, token):
+        body = {"version": PROTO_VERSION, "client": self.client, "instance": self.instance}
+        if token:
+            body["token"] = token
+        return self._call_once(HELLO, body)[0]
+
+    def _revive(self):
+        """Before a call: the heartbeat found the instance gone. A daemon that does not answer
+        fails the call; an error answer to the HELLO leaves the flag up and the call goes."""
+        try:
+            self.hello()
+        except Timeout:
+            raise
+        except KvtierError:
+            pass
 
     @property
     def chunk_tokens(self):
@@ -155,6 +233,31 @@ class Client:
     @property
     def max_message(self):
         return self.info["max_message"]
+
+    def _follow_arena(self, shm):
+        """Keeps the mapping while HELLO announces the same arena; another one (a restarted
+        daemon) is mapped instead of the old."""
+        at = (shm.get("path"), shm.get("size")) if isinstance(shm, dict) else None
+        if at == self._arena_at:
+            return
+        self._unmap_arena()
+        self._arena_at = at
+        self._map_arena(shm)
+
+    def _unmap_arena(self):
+        """Releases every view and the arena. If the caller still holds views derived from it
+        (slices of a released view, numpy arrays), the mapping stays until those are gone."""
+        self._drop_all_views()
+        if self._arena_view is not None:
+            with contextlib.suppress(BufferError):
+                self._arena_view.release()
+            self._arena_view = None
+        if self.arena is not None:
+            try:
+                self.arena.close()
+            except BufferError:             # caller still holds exports of the mapping
+                pass
+            self.arena = None
 
     def _map_arena(self, shm):
         if not isinstance(shm, dict) or not shm.get("path") or not shm.get("size"):
@@ -173,35 +276,29 @@ class Client:
         """Says BYE: the daemon releases every lease of this instance at once. Returns how
         many it released. Views handed out are released too."""
         released = self.call(BYE, {"instance": self.instance})[0].get("released", 0)
-        for lease in list(self._views):
-            self._drop_views(lease)
+        self._drop_all_views()
         return released
 
     def close(self):
-        """BYE (best effort), release every view, unmap the arena, close the socket.
-        Idempotent. If the caller still holds views derived from the arena (slices of a
-        released view, numpy arrays), the mapping stays until those are gone."""
+        """Stops the heartbeat (at once, daemon or no daemon), says BYE (best effort, at most
+        1 s), releases every view, unmaps the arena, closes the socket. Idempotent. If the
+        caller still holds views derived from the arena (slices of a released view, numpy
+        arrays), the mapping stays until those are gone. In a child forked after the Client
+        was made, the parent's instance is left alone (no BYE)."""
         if self._closed:
             return
+        timeout = self.timeout_ms
         try:
-            timeout, self.timeout_ms = self.timeout_ms, min(self.timeout_ms, 1000)
-            self.bye()
+            if self._hb is not None:
+                self._hb.stop()
+            if self._pid == os.getpid():
+                self.timeout_ms = min(self.timeout_ms, 1000)
+                self.bye()
         except (KvtierError, zmq.ZMQError):
             pass
         finally:
             self.timeout_ms = timeout
-            for lease in list(self._views):
-                self._drop_views(lease)
-            if self._arena_view is not None:
-                with contextlib.suppress(BufferError):
-                    self._arena_view.release()
-                self._arena_view = None
-            if self.arena is not None:
-                try:
-                    self.arena.close()
-                except BufferError:             # caller still holds exports of the mapping
-                    pass
-                self.arena = None
+            self._unmap_arena()
             self._sock.close(linger=0)
             self._closed = True
 
@@ -265,7 +362,22 @@ class Client:
         return self._decode(frames, check, copy)
 
     def call(self, type_, body=None, data=(), check=True, copy=True, timeout_ms=None):
-        """send() + recv(): one request, its (body, data)."""
+        """send() + recv(): one request, its (body, data) — re-establishing a dropped
+        instance on the way (module docstring): a request that answers instance_dropped is
+        sent once more after hello(), unless it is HELLO, BYE, COMMIT, RELEASE or
+        UNREGISTER_GPU."""
+        if self._hb is not None and self._hb.dropped and type_ not in (HELLO, BYE):
+            self._revive()
+        reply = self._call_once(type_, body, data, False, copy, timeout_ms)
+        if _error(reply[0])[0] == InstanceDropped.code and type_ not in (HELLO, BYE):
+            self.hello()
+            if type_ not in _NOT_RETRIED:
+                reply = self._call_once(type_, body, data, False, copy, timeout_ms)
+        if check and not reply[0]["ok"]:
+            raise error_for(*_error(reply[0]), type_)
+        return reply
+
+    def _call_once(self, type_, body=None, data=(), check=True, copy=True, timeout_ms=None):
         return self.recv(self.send(type_, body, data), timeout_ms=timeout_ms, check=check,
                          copy=copy)
 
@@ -281,8 +393,7 @@ class Client:
         if not isinstance(body, dict) or not isinstance(body.get("ok"), bool):
             raise ProtocolError("reply body is not a map with 'ok': %r" % (body,))
         if check and not body["ok"]:
-            err = body.get("error") or {}
-            raise error_for(err.get("code", "internal"), err.get("message", ""), rtype)
+            raise error_for(*_error(body), rtype)
         data = [f.bytes if copy else f.buffer for f in frames[3:]]
         return body, data
 
@@ -336,11 +447,16 @@ class Client:
             with contextlib.suppress(BufferError):
                 v.release()
 
+    def _drop_all_views(self):
+        for lease in list(self._views):
+            self._drop_views(lease)
+
     # -- the requests -----------------------------------------------------------------------
 
     def ping(self):
-        """PING: a round trip; also renews this instance's leases."""
-        self.call(PING, {})
+        """PING {instance}: a round trip that also renews this instance's leases; if the
+        instance was dropped, it is re-established first (call())."""
+        self.call(PING, {"instance": self.instance})
 
     def stats(self):
         """STATS -> dict of the daemon's counters and gauges (docs/protocol.md)."""
@@ -502,11 +618,42 @@ class Client:
                 "handles": [bytes(h) for h in handles]}
         if offsets is not None:
             body["offsets"] = list(offsets)
-        return self.call(REGISTER_GPU, body)[0]
+        reply = self.call(REGISTER_GPU, body)[0]
+        self._gpu[device] = [body, True]      # said again if the instance is re-established
+        return reply
 
     def unregister_gpu(self, device):
-        """UNREGISTER_GPU; raises NotFound when this instance has no registration there."""
-        self.call(UNREGISTER_GPU, {"device": device})
+        """UNREGISTER_GPU; raises NotFound when this instance has no registration there
+        (returns when the instance had been dropped: the registration went with it)."""
+        self._gpu.pop(device, None)
+        try:
+            self.call(UNREGISTER_GPU, {"device": device})
+        except InstanceDropped:
+            pass                               # re-established without it: gone, as asked
+
+    def _register_again(self, entry):
+        try:
+            self._call_once(REGISTER_GPU, entry[0])
+            entry[1] = True
+        except KvtierError as e:
+            entry[1] = False
+            return e
+        return None
+
+    def _gpu_ready(self, type_, device):
+        """Before STORE_GPU / RETRIEVE_GPU: a registration that could not be said again when
+        the instance was re-established is tried once more; failing, the call fails saying
+        why (rather than the daemon's bare "send REGISTER_GPU first")."""
+        if self._hb is not None and self._hb.dropped:
+            self._revive()
+        entry = self._gpu.get(device)
+        if entry is None or entry[1]:
+            return
+        e = self._register_again(entry)
+        if e is not None:
+            raise error_for(e.code, "the GPU registration of device %d was lost with the "
+                            "instance, and registering it again failed: %s"
+                            % (device, e.message), type_) from e
 
     def _gpu_copy(self, ns, keys, block_ids, device, salt, event):
         body = self._keyed(ns, keys, salt)
@@ -521,11 +668,13 @@ class Client:
         len(block_ids) // len(keys)); event: a 64-byte cudaIpcEventHandle_t to wait for.
         -> stored."""
         body = self._gpu_copy(ns, keys, block_ids, device, salt, event)
+        self._gpu_ready(STORE_GPU, device)
         return self.call(STORE_GPU, body)[0].get("stored", 0)
 
     def retrieve_gpu(self, ns, keys, block_ids, device=0, salt=None, event=None):
         """RETRIEVE_GPU: the leading chunks found in L1 written into their blocks -> found."""
         body = self._gpu_copy(ns, keys, block_ids, device, salt, event)
+        self._gpu_ready(RETRIEVE_GPU, device)
         return self.call(RETRIEVE_GPU, body)[0].get("found", 0)
 
     def chunk_keys(self, tokens, chunk_tokens=None, salt=None):
@@ -540,3 +689,11 @@ class Client:
 
 def _now_ms():
     return time.monotonic() * 1000.0
+
+
+def _error(body):
+    """(code, message) of a failed reply body; (None, "") when it is ok."""
+    if body.get("ok"):
+        return None, ""
+    err = body.get("error") or {}
+    return err.get("code", "internal"), err.get("message", "")

@@ -10,7 +10,7 @@ client's own and never come from the daemon: `timeout` (no reply within timeout_
 __all__ = [
     "KvtierError", "BadRequest", "UnknownType", "UnsupportedVersion", "TooLarge", "NoSpace",
     "NotFound", "LeaseExpired", "UnknownLease", "Busy", "Internal", "Unavailable",
-    "Timeout", "ProtocolError", "error_for",
+    "InstanceDropped", "Timeout", "ProtocolError", "error_for",
 ]
 
 
@@ -56,13 +56,18 @@ Busy = _subclass("Busy", "busy", "The daemon is overloaded; retry later.")
 Internal = _subclass("Internal", "internal", "A bug or an allocation failure in the daemon.")
 Unavailable = _subclass("Unavailable", "unavailable",
                         "Valid, but not available here (daemon version, or no arena mapping).")
+InstanceDropped = _subclass(
+    "InstanceDropped", "instance_dropped",
+    "This connection acts for no client instance: it was dropped (silent for longer than "
+    "lease_ms) or the daemon restarted. Client.call() says HELLO again and retries by itself, "
+    "so it reaches the caller only from calls that are not retried, or from send()/recv().")
 Timeout = _subclass("Timeout", "timeout", "Client side: no reply within timeout_ms.")
 ProtocolError = _subclass("ProtocolError", "protocol",
                           "Client side: a reply that does not follow protocol v1.")
 
 _BY_CODE = {c.code: c for c in (BadRequest, UnknownType, UnsupportedVersion, TooLarge, NoSpace,
                                 NotFound, LeaseExpired, UnknownLease, Busy, Internal, Unavailable,
-                                Timeout, ProtocolError)}
+                                InstanceDropped, Timeout, ProtocolError)}
 
 
 def error_for(code, message="", type=None):  # noqa: A002
