@@ -26,6 +26,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import msgpack
@@ -629,6 +630,12 @@ class Daemon:
             self.tokens[instance] = reply["token"]
         return reply
 
+    def heartbeat(self, instance, interval=0.1):
+        """A background heartbeat for `instance` (which this Daemon said HELLO as), as the
+        clients keep one: a thread with its own DEALER joins the instance with its token and
+        sends PING {instance} every `interval` s. Use as a context manager."""
+        return _Heartbeat(self, instance, self.tokens[instance], interval)
+
     def ping(self, sock):
         return self.ok(sock, PING, {})
 
@@ -779,6 +786,50 @@ class Daemon:
 
     def __repr__(self):
         return "<Daemon pid=%s dir=%s>" % (self.proc.pid if self.proc else None, self.dir)
+
+
+class _Heartbeat:
+    """See Daemon.heartbeat. Any failed beat is kept in .error and re-raised on exit."""
+
+    def __init__(self, daemon, instance, token, interval):
+        self._d, self._instance, self._token, self._interval = daemon, instance, token, interval
+        self._stop = threading.Event()
+        self.error = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _call(self, sock, uid, type_, body):
+        sock.send_multipart([pack(uid), pack(type_), pack(body)])
+        frames = sock.recv_multipart()
+        reply = unpack(frames[2])
+        if not reply.get("ok"):
+            raise AssertionError("heartbeat of %s: %r" % (self._instance, reply))
+
+    def _run(self):
+        sock = self._d.ctx.socket(zmq.DEALER)   # created and used by this thread only
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, RCVTIMEO_MS)
+        try:
+            sock.connect(self._d.ipc)
+            self._call(sock, 1, HELLO, {"version": PROTO_VERSION, "client": "heartbeat",
+                                        "instance": self._instance, "token": self._token})
+            uid = 1
+            while not self._stop.wait(self._interval):
+                uid += 1
+                self._call(sock, uid, PING, {"instance": self._instance})
+        except Exception as e:   # noqa: BLE001 - reported by __exit__
+            self.error = e
+        finally:
+            sock.close(linger=0)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+        if self.error is not None and exc[0] is None:
+            raise self.error
 
 
 def run_kvtierd(args, env=None, timeout=10.0, cwd=None, binary=None):

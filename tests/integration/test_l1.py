@@ -449,32 +449,35 @@ def test_killed_client_loses_its_leases(daemon_factory, connect):
     assert m0["kvtier_l1_used_bytes"] == 8 * MiB and m0["kvtier_leases_active"] == 0, m0
     big = key(3, b"big")
 
-    w = WorkerProcess()
-    try:
-        assert w.cmd("connect", d.ipc, "inst-doomed")["ok"]
-        r = w.cmd("call", RESERVE, {"ns": NS, "keys": [big], "size": 48 * MiB})
-        assert r["ok"] and len(r["slots"]) == 1 and r["slots"][0] is not None, r
-        w.cmd("write", r["slots"][0]["offset"], 5, MiB)           # half-written
-        a = w.cmd("call", ACQUIRE, {"ns": NS, "keys": [x]})
-        assert a["ok"] and len(a["slots"]) == 1 and a["lease"] > 0, a
-        m1 = d.l1_metrics()
-        assert m1["kvtier_leases_active"] == 2, m1
-        assert m1["kvtier_l1_used_bytes"] == 56 * MiB, m1
-        assert m1["kvtier_l1_reserved_objects"] == 1, m1
-        w.kill()
-        t_kill = time.monotonic()
-    finally:
-        w.close()
+    # the survivor stays alive while the worker process starts and works (seconds on a busy
+    # machine, past lease_ms): a heartbeat, as the clients keep one
+    with d.heartbeat("inst-survivor"):
+        w = WorkerProcess()
+        try:
+            assert w.cmd("connect", d.ipc, "inst-doomed")["ok"]
+            r = w.cmd("call", RESERVE, {"ns": NS, "keys": [big], "size": 48 * MiB})
+            assert r["ok"] and len(r["slots"]) == 1 and r["slots"][0] is not None, r
+            w.cmd("write", r["slots"][0]["offset"], 5, MiB)           # half-written
+            a = w.cmd("call", ACQUIRE, {"ns": NS, "keys": [x]})
+            assert a["ok"] and len(a["slots"]) == 1 and a["lease"] > 0, a
+            m1 = d.l1_metrics()
+            assert m1["kvtier_leases_active"] == 2, m1
+            assert m1["kvtier_l1_used_bytes"] == 56 * MiB, m1
+            assert m1["kvtier_l1_reserved_objects"] == 1, m1
+            w.kill()
+            t_kill = time.monotonic()
+        finally:
+            w.close()
 
-    def recovered():
-        d.ping(s)                     # the survivor stays alive meanwhile
-        m = d.l1_metrics()
-        return (m["kvtier_leases_active"] == 0
-                and m["kvtier_leases_expired_total"] >= m0["kvtier_leases_expired_total"] + 2
-                and m["kvtier_l1_used_bytes"] == m0["kvtier_l1_used_bytes"]
-                and m["kvtier_l1_reserved_objects"] == 0) and m
-    m = wait_until(recovered, timeout=2.5, interval=0.05,
-                   what="the killed client's leases to expire (lease_ms 500)")
+        def recovered():
+            d.ping(s)                     # the survivor stays alive meanwhile
+            m = d.l1_metrics()
+            return (m["kvtier_leases_active"] == 0
+                    and m["kvtier_leases_expired_total"] >= m0["kvtier_leases_expired_total"] + 2
+                    and m["kvtier_l1_used_bytes"] == m0["kvtier_l1_used_bytes"]
+                    and m["kvtier_l1_reserved_objects"] == 0) and m
+        m = wait_until(recovered, timeout=2.5, interval=0.05,
+                       what="the killed client's leases to expire (lease_ms 500)")
     took = time.monotonic() - t_kill
     assert took >= 0.3, "leases expired %.2f s after the kill, before lease_ms" % took
     assert m["kvtier_leases_expired_total"] == m0["kvtier_leases_expired_total"] + 2, m
