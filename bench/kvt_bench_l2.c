@@ -198,7 +198,7 @@ static void s_rig_open(rig_t *g, const opts_t *o, const char *spec)
     g->l1 = kvt_l1_new(g->cfg, err, sizeof err);
     if (!g->l1)
         s_die("l1", err);
-    g->pf = kvt_prefetch_new(60000);
+    g->pf = kvt_prefetch_new(60000, 65536);
     int code = 0;
     g->mgr = kvt_l2mgr_new(g->cfg, g->l1, g->pf, g->sup, &code, err, sizeof err);
     if (!g->mgr)
