@@ -253,7 +253,10 @@ tsan: deps all $(TSAN_OBJ) $(TSAN_BIN) $(BUILD)/tsan/kvtierd
 VG_OBJ   := $(call obj,$(BUILD)/vg,$(CORE_SRC) $(DAEMON_SRC))
 VG_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/vg/tests/%,$(UNIT_SRC))
 VALGRIND_TESTS ?= $(patsubst tests/unit/%.c,%,$(UNIT_SRC))
-VALGRIND_ARGS  := --tool=memcheck --leak-check=full --show-leak-kinds=definite,indirect \
+# --fair-sched=yes: valgrind runs one thread at a time, and by default a thread spinning on a
+# lock or a flag may be rescheduled forever (test_l1_concurrent's limit test then never ends).
+VALGRIND_ARGS  := --tool=memcheck --fair-sched=yes --leak-check=full \
+                  --show-leak-kinds=definite,indirect \
                   --errors-for-leak-kinds=definite,indirect --error-exitcode=99 \
                   --track-origins=yes --num-callers=30 --suppressions=tests/valgrind.supp \
                   --gen-suppressions=all
