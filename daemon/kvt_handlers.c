@@ -377,7 +377,8 @@ static int s_prefetch_status(kvt_rq_t *c)
     uint32_t loaded = 0, hits = 0;
     if (kvt_prefetch_status(c->svc->prefetch, c->req.job, &done, &loaded, &hits) != 0) {
         snprintf(c->err, sizeof c->err,
-                 "no prefetch job %llu (never started, or finished and swept after 60 s)",
+                 "no prefetch job %llu (never started, or finished and swept: after 60 s, or 1 s "
+                 "while over half of max_prefetch_jobs are in use)",
                  (unsigned long long)c->req.job);
         return KVT_ENOTFOUND;
     }
