@@ -47,7 +47,6 @@ struct kvt_conn {
     int fd;
     uint32_t gen; /* its connection's generation on fd */
     uint64_t id;
-    bool linked; /* in the tables; false once its connection is gone */
     bool cut;
     uint64_t last_ms;
     s_session_t **inst; /* instances it acts for; the last one is current */
@@ -163,7 +162,7 @@ static void s_set_owner(kvt_conn_t *c)
 
 /* Links connection and instance both ways (the instance becomes the current one); lock held.
  * The caller checked the connection's limit. */
-static void s_link(kvt_sessions_t *self, kvt_conn_t *c, s_session_t *s)
+static void s_link(kvt_conn_t *c, s_session_t *s)
 {
     if (s_acts_for(c, s)) { /* move it to the end: current */
         uint32_t i = 0;
@@ -180,7 +179,6 @@ static void s_link(kvt_sessions_t *self, kvt_conn_t *c, s_session_t *s)
         }
         s->conns[s->nconns++] = c;
     }
-    (void)self;
     s_set_owner(c);
 }
 
@@ -244,7 +242,6 @@ static void s_conn_retire(kvt_sessions_t *self, kvt_conn_t *c)
         s_unlink(c, c->inst[0]);
     if (c->fd >= 0 && (size_t)c->fd < self->nfd && self->by_fd[c->fd] == c)
         self->by_fd[c->fd] = NULL;
-    c->linked = false;
     zhashx_delete(self->by_rid, &c->rid);
     atomic_fetch_sub_explicit(&self->conns, 1, memory_order_relaxed);
     kvt_conn_unref(&c);
@@ -291,7 +288,6 @@ kvt_conn_t *kvt_sessions_conn(kvt_sessions_t *self, const uint8_t *rid, size_t r
         c->fd = fd;
         c->gen = gen;
         c->id = ++self->next_conn;
-        c->linked = true;
         zhashx_insert(self->by_rid, &c->rid, c);
         s_by_fd_set(self, fd, c);
         atomic_fetch_add_explicit(&self->conns, 1, memory_order_relaxed);
@@ -447,7 +443,7 @@ int kvt_sessions_hello(kvt_sessions_t *self, kvt_conn_t *c, const char *instance
     free(s->client);
     s->client = strdup(client);
     kvt_assert(s->client);
-    s_link(self, c, s);
+    s_link(c, s);
     c->dropped[0] = '\0';
     s->last_seen_ms = now_ms;
     *owner = s->owner;
