@@ -15,7 +15,24 @@ DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev li
             redis-server iproute2 valgrind
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
-INC      := -Icommon -Iprotocol -Iconfig -Istorage -Il2 -Idaemon -Iclient
+# The layers and what each may include (docs/architecture.md): a folder's sources see only its
+# own headers and those of the layers below it, so an upward #include does not compile.
+#   daemon -> protocol, storage, config;  storage -> l2, config;  client -> protocol;
+#   protocol, config, l2 -> common
+# Tests, benchmarks and fuzzers see everything. `make check-layers` also compiles every header
+# alone against its own layer's paths.
+LAYERS       := common protocol config l2 storage daemon client
+INC_common   := -Icommon
+INC_protocol := -Iprotocol -Icommon
+INC_config   := -Iconfig -Icommon
+INC_l2       := -Il2 -Icommon
+INC_storage  := -Istorage -Il2 -Iconfig -Icommon
+INC_daemon   := -Idaemon -Istorage -Iprotocol -Iconfig -Icommon
+INC_client   := -Iclient -Iprotocol -Icommon
+INC_ALL      := -Icommon -Iprotocol -Iconfig -Istorage -Il2 -Idaemon -Iclient
+# the layer of the source being compiled ($< = "storage/kvt_l1.c"); links and tests get them all
+layer_of  = $(firstword $(subst /, ,$(1)))
+INC       = $(or $(if $(filter $(LAYERS),$(call layer_of,$<)),$(INC_$(call layer_of,$<))),$(INC_ALL))
 CFLAGS   ?= -O2 -g
 ALLCFLAGS = -std=gnu11 $(WARN) $(CFLAGS) -fPIC -D_GNU_SOURCE -DKVT_VERSION='"$(VERSION)"' $(INC) \
             $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
@@ -59,7 +76,7 @@ PLUGIN_ENV = KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
              KVT_L2_EXAMPLE_PLUGIN_ABI1=$(abspath $(PLUGIN_EXAMPLE_ABI1))
 
 .PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-l2 bench-smoke \
-        test-gpu bench-gpu check-nocuda FORCE valgrind check
+        test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE) \
@@ -139,6 +156,15 @@ unit: deps $(UNIT_BIN) $(PLUGIN_EXAMPLE) $(PLUGIN_EXAMPLE_ABI1)
 	@set -e; for t in $(UNIT_BIN); do echo "== $$t"; \
 	  $(PLUGIN_ENV) timeout 120 $$t; done
 
+# Every header compiles on its own with only its layer's include paths: a header that leans on
+# one of a higher layer (or on being included after another) fails here.
+check-layers: deps
+	@set -e; $(foreach l,$(LAYERS),for h in $(l)/*.h; do \
+	  echo "#include \"$$(basename $$h)\"" | $(CC) -std=gnu11 $(WARN) -D_GNU_SOURCE \
+	    -fsyntax-only -x c - $(INC_$(l)) $(shell pkg-config --cflags $(PKGS) 2>/dev/null) \
+	    || { echo "check-layers: $$h does not compile within $(l)/"; exit 1; }; done;) \
+	echo "check-layers: every header compiles within its layer"
+
 # Integration tests run against the ASan+UBSan daemon; a sanitizer report fails the test.
 integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART)
 	KVT_DAEMON=$(abspath $(BUILD)/asan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
@@ -150,11 +176,11 @@ integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART)
 check-asan: unit integration
 
 # CI's entry point (.ci/run): about 7 min from a fresh clone on 2 cores (its budget is 15).
-test: deps all check-nocuda unit tsan valgrind bench-smoke fuzz-smoke integration test-gpu
+test: deps check-layers all check-nocuda unit tsan valgrind bench-smoke fuzz-smoke integration test-gpu
 
 # Everything, longer: each fuzzer for CHECK_FUZZ_SECONDS instead of CI's 60 s.
 CHECK_FUZZ_SECONDS ?= 600
-check: deps all check-nocuda unit tsan valgrind bench-smoke integration test-gpu
+check: deps check-layers all check-nocuda unit tsan valgrind bench-smoke integration test-gpu
 	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(CHECK_FUZZ_SECONDS)
 
 # The build without the CUDA toolkit still compiles and links (CI has nvcc, so this is the only

@@ -19,6 +19,7 @@
 #include "kvt_l2mgr.h"
 #include "kvt_log.h"
 #include "kvt_prefetch.h"
+#include "kvt_size.h"
 #include "kvt_supervisor.h"
 
 #include <errno.h>
@@ -194,7 +195,7 @@ static void s_rig_open(rig_t *g, const opts_t *o, const char *spec)
         kvt_config_set(g->cfg, "lease_ms", "600000", false, err, sizeof err) ||
         kvt_config_set(g->cfg, "l2", spec, false, err, sizeof err))
         s_die("config", err);
-    g->sup = kvt_sup_new(g->cfg);
+    g->sup = kvt_sup_new(NULL);
     g->l1 = kvt_l1_new(g->cfg, err, sizeof err);
     if (!g->l1)
         s_die("l1", err);
@@ -491,7 +492,7 @@ int main(int argc, char **argv)
             o.count = (uint32_t)strtoul(argv[++i], NULL, 10);
         } else if (strcmp(argv[i], "--size") == 0 && i + 1 < argc) {
             uint64_t v = 0;
-            if (kvt_config_parse_size(argv[++i], &v) != 0)
+            if (kvt_size_parse(argv[++i], &v) != 0)
                 v = 0;
             o.size = v;
         } else if (strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) {

@@ -16,6 +16,7 @@
 
 #include "kvt_error.h"
 #include "kvt_log.h"
+#include "kvt_size.h"
 
 #include <ctype.h>
 #include <grp.h>
@@ -584,64 +585,6 @@ static int s_check_fault_mode(const char *v, char *why, size_t whylen)
 
 /* --------------------------------------------------------------------------- value parsing */
 
-/* 0, -1 (not a size) or -2 (a size that does not fit in 64 bits). */
-static int s_parse_size(const char *s, uint64_t *out)
-{
-    const char *p = s;
-    uint64_t v = 0;
-    unsigned shift = 0;
-    if (!isdigit((unsigned char)*p))
-        return -1; /* rejects "", "-1", "+1", " 1" */
-    bool overflow = false;
-    for (; isdigit((unsigned char)*p); p++) {
-        unsigned d = (unsigned)(*p - '0');
-        if (v > (UINT64_MAX - d) / 10)
-            overflow = true;
-        else
-            v = v * 10 + d;
-    }
-    switch (tolower((unsigned char)*p)) {
-    case 'k':
-        shift = 10;
-        break;
-    case 'm':
-        shift = 20;
-        break;
-    case 'g':
-        shift = 30;
-        break;
-    case 't':
-        shift = 40;
-        break;
-    default:
-        break;
-    }
-    if (shift) {
-        p++;
-        if (tolower((unsigned char)p[0]) == 'i' && tolower((unsigned char)p[1]) == 'b')
-            p += 2;
-        else if (tolower((unsigned char)*p) == 'b')
-            p++;
-    } else if (tolower((unsigned char)*p) == 'b') {
-        p++; /* "512B" */
-    }
-    if (*p != '\0')
-        return -1;
-    if (overflow || (shift && v > (UINT64_MAX >> shift)))
-        return -2;
-    *out = v << shift;
-    return 0;
-}
-
-int kvt_config_parse_size(const char *s, uint64_t *out)
-{
-    uint64_t v;
-    if (!s || !out || s_parse_size(s, &v) != 0)
-        return KVT_EINVAL;
-    *out = v;
-    return 0;
-}
-
 /* Plain decimal digits: 0, -1 (not an integer) or -2 (too big for 64 bits). */
 static int s_parse_u64(const char *s, uint64_t *out)
 {
@@ -848,11 +791,11 @@ static int s_set_text(kvt_config_t *self, const s_opt_t *o, const char *v, bool 
                       : s_list_set_split(self, o, v, err, errlen);
     case S_SIZE: {
         uint64_t x = 0;
-        int rc = s_parse_size(v, &x);
-        if (rc == -1)
+        int rc = kvt_size_parse(v, &x);
+        if (rc == KVT_EINVAL)
             return s_fail(err, errlen, "%s: '%s' is not a size (use e.g. 512M, 4G)", o->name,
                           shown);
-        if (rc == -2)
+        if (rc == KVT_ETOOBIG)
             x = UINT64_MAX; /* out of range whatever the bounds */
         return s_store_uint(self, o, x, shown, err, errlen);
     }
@@ -862,7 +805,7 @@ static int s_set_text(kvt_config_t *self, const s_opt_t *o, const char *v, bool 
         int rc = s_parse_u64(v, &x);
         if (rc == -1)
             return s_fail(err, errlen, "%s: '%s' is not an integer", o->name, shown);
-        if (rc == -2)
+        if (rc == KVT_ETOOBIG)
             x = UINT64_MAX;
         return s_store_uint(self, o, x, shown, err, errlen);
     }

@@ -123,7 +123,4 @@ void kvt_config_usage(void *out);
  * KVT_EINVAL when no such group exists. */
 int kvt_config_shm_gid(const kvt_config_t *self, gid_t *gid);
 
-/* "512M", "4G", "1073741824", "64k" -> bytes (binary multiples). 0 or KVT_EINVAL. */
-int kvt_config_parse_size(const char *s, uint64_t *out);
-
 #endif

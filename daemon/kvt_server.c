@@ -22,6 +22,7 @@
 #include "kvt_prefetch.h"
 #include "kvt_proto.h"
 #include "kvt_reload.h"
+#include "kvt_reqstats.h"
 #include "kvt_session.h"
 #include "kvt_workers.h"
 
@@ -44,7 +45,7 @@
 
 struct kvt_server {
     const kvt_config_t *cfg;
-    kvt_metrics_t *metrics;
+    kvt_reqstats_t *stats;
     kvt_sup_thread_t *beat;
     kvt_services_t svc;
     kvt_workers_t *workers;
@@ -210,7 +211,7 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
                             (sent + 1 < nframes ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT) >= 0)
             sent++;
     if (sent < nframes) {
-        kvt_metrics_reply_failed(self->metrics);
+        kvt_reqstats_reply_failed(self->stats);
         kvt_errrep_report(&s_rep_send, KVT_LOG_WARN, "reply dropped: %s", zmq_strerror(errno));
         for (uint32_t i = sent; i < nframes; i++)
             zmq_msg_close(&frames[i]); /* their free callbacks end the reply */
@@ -218,7 +219,7 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
     if (frames != stack_frames)
         free(frames);
     rq->nout = 0;
-    kvt_metrics_request(self->metrics, rq->type, rq->rc, kvt_now_ns() - rq->t0_ns);
+    kvt_reqstats_request(self->stats, rq->type, rq->rc, kvt_now_ns() - rq->t0_ns);
     s_rq_free(self, rq);
 }
 
@@ -352,7 +353,7 @@ static void s_handle_message(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
     if (m->parts < 1 ||
         kvt_msg_read_uint(zmq_msg_data(&rq->uid), zmq_msg_size(&rq->uid), &uidv) != 0) {
         /* without a uid there is nothing a reply could be matched to */
-        kvt_metrics_dropped(self->metrics);
+        kvt_reqstats_dropped(self->stats);
         kvt_errrep_report(&s_rep_bad, KVT_LOG_WARN,
                           "dropped a message whose first frame is not a msgpack uint uid");
         s_rq_free(self, rq);
@@ -515,7 +516,8 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kv
     kvt_server_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->cfg = cfg;
-    self->metrics = metrics;
+    self->stats = kvt_reqstats_new();
+    kvt_metrics_add_source(metrics, kvt_reqstats_source, self->stats);
     self->svc.cfg = cfg;
     self->svc.metrics = metrics;
     self->svc.l1 = l1;
@@ -593,6 +595,7 @@ void kvt_server_destroy(kvt_server_t **self_p)
     }
     kvt_workers_destroy(&self->lookups);
     kvt_gpu_destroy(&self->svc.gpu); /* after the workers, before L1 goes */
+    kvt_reqstats_destroy(&self->stats);
     if (self->spare) {
         free(self->spare->data); /* its messages are closed already */
         msgpack_sbuffer_destroy(&self->spare->sbuf);

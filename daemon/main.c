@@ -274,7 +274,11 @@ int main(int argc, char **argv)
         goto done;
     metrics = kvt_metrics_new();
     kvt_metrics_add_source(metrics, kvt_accept_metrics_source, NULL);
-    sup = kvt_sup_new(cfg);
+    kvt_sup_fault_t fault = {.thread = cfg->debug_fault_thread,
+                             .mode = cfg->debug_fault_mode,
+                             .after_ms = cfg->debug_fault_after_ms,
+                             .for_ms = cfg->debug_fault_for_ms};
+    sup = kvt_sup_new(&fault);
     kvt_metrics_add_source(metrics, kvt_sup_metrics_source, sup);
     l1 = kvt_l1_new(cfg, err, sizeof err);
     if (!l1)

@@ -36,10 +36,10 @@
  * Capacity: a store first reserves its length and evicts least-recently-used objects until the
  * committed bytes plus the reservations fit (crediting the object it replaces), then evicts
  * again after its commit, since concurrent stores may each have found the space free. */
-#include "kvt_config.h"
 #include "kvt_error.h"
 #include "kvt_l2.h"
 #include "kvt_log.h"
+#include "kvt_size.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -855,7 +855,7 @@ static int s_parse(s_fs_t *self, char *copy, char **dir, char *err, size_t errle
         if (val)
             *val++ = '\0';
         if (strcmp(opt, "capacity") == 0 && val) {
-            if (kvt_config_parse_size(val, &self->capacity) != 0) {
+            if (kvt_size_parse(val, &self->capacity) != 0) {
                 s_err(err, errlen, "fs:%s: capacity '%s' is not a size (like 512M or 10G)", *dir,
                       val);
                 return KVT_EINVAL;

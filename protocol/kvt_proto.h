@@ -7,14 +7,13 @@
 #ifndef KVT_PROTO_H
 #define KVT_PROTO_H
 
+#include "kvt_key.h"
+
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #define KVT_PROTO_VERSION 1
-#define KVT_KEY_LEN 16
-#define KVT_MAX_NS 256
-#define KVT_MAX_SALT 128
 #define KVT_MAX_NAME 256 /* client and instance names */
 #define KVT_IPC_HANDLE_LEN 64 /* cudaIpcMemHandle_t / cudaIpcEventHandle_t, as bytes */
 #define KVT_MAX_GPU_LAYERS 4096 /* entries of `handles` (a layer = one device buffer) */

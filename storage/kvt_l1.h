@@ -16,8 +16,8 @@
 #define KVT_L1_H
 
 #include "kvt_config.h"
+#include "kvt_key.h"
 #include "kvt_metrics.h"
-#include "kvt_proto.h"
 #include "kvt_supervisor.h"
 
 #include <jansson.h>

@@ -11,6 +11,7 @@
 #include <cmocka.h>
 
 #include "kvt_config.h"
+#include "kvt_size.h"
 #include "kvt_error.h"
 
 #include <stdio.h>
@@ -242,17 +243,20 @@ static void test_parse_size(void **state)
     };
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
         uint64_t v = 12345;
-        if (kvt_config_parse_size(good[i].s, &v) != 0 || v != good[i].v)
+        if (kvt_size_parse(good[i].s, &v) != 0 || v != good[i].v)
             fail_msg("size '%s' -> %llu, wanted %llu", good[i].s, (unsigned long long)v,
                      (unsigned long long)good[i].v);
     }
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         uint64_t v = 12345;
-        if (kvt_config_parse_size(bad[i], &v) != KVT_EINVAL || v != 12345)
+        if (kvt_size_parse(bad[i], &v) == 0 || v != 12345)
             fail_msg("size '%s' accepted (%llu)", bad[i], (unsigned long long)v);
     }
     uint64_t v;
-    assert_int_equal(kvt_config_parse_size(NULL, &v), KVT_EINVAL);
+    assert_int_equal(kvt_size_parse(NULL, &v), KVT_EINVAL);
+    assert_int_equal(kvt_size_parse("1P", &v), KVT_EINVAL);
+    assert_int_equal(kvt_size_parse("16777216T", &v), KVT_ETOOBIG); /* a size, too big */
+    assert_int_equal(kvt_size_parse("18446744073709551616", &v), KVT_ETOOBIG);
 }
 
 static void test_set_values(void **state)

@@ -9,7 +9,6 @@
 #ifndef KVT_SUPERVISOR_H
 #define KVT_SUPERVISOR_H
 
-#include "kvt_config.h"
 #include "kvt_metrics.h"
 
 #include <jansson.h>
@@ -20,7 +19,17 @@
 typedef struct kvt_sup kvt_sup_t;
 typedef struct kvt_sup_thread kvt_sup_thread_t;
 
-kvt_sup_t *kvt_sup_new(const kvt_config_t *cfg);
+/* A fault to inject (debug.fault_* in the config): `thread` is the name of the thread that
+ * stalls for `for_ms` ("stall") or exits ("exit") `after_ms` after kvt_sup_new. */
+typedef struct {
+    const char *thread; /* NULL or "" for none */
+    const char *mode;   /* "stall" | "exit" */
+    uint32_t after_ms;
+    uint32_t for_ms;
+} kvt_sup_fault_t;
+
+/* `fault` may be NULL; it is copied. */
+kvt_sup_t *kvt_sup_new(const kvt_sup_fault_t *fault);
 
 /* Stops the supervisor thread (if started) and frees everything. */
 void kvt_sup_destroy(kvt_sup_t **self_p);

@@ -34,11 +34,15 @@ struct kvt_sup_thread {
     bool fault;
     bool fault_done;
     uint64_t fault_at_ms;
-    const kvt_config_t *cfg;
+    bool fault_exit;     /* else stall */
+    uint32_t fault_for_ms;
 };
 
 struct kvt_sup {
-    const kvt_config_t *cfg;
+    char fault_thread[32]; /* "" for none */
+    bool fault_exit;
+    uint32_t fault_after_ms;
+    uint32_t fault_for_ms;
     kvt_sup_thread_t threads[S_MAX_THREADS];
     _Atomic int nthreads;
     kvt_sup_thread_t *self_slot;
@@ -52,11 +56,16 @@ struct kvt_sup {
     bool notified_ready;
 };
 
-kvt_sup_t *kvt_sup_new(const kvt_config_t *cfg)
+kvt_sup_t *kvt_sup_new(const kvt_sup_fault_t *fault)
 {
     kvt_sup_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
-    self->cfg = cfg;
+    if (fault && fault->thread && fault->thread[0]) {
+        snprintf(self->fault_thread, sizeof self->fault_thread, "%s", fault->thread);
+        self->fault_exit = fault->mode && strcmp(fault->mode, "exit") == 0;
+        self->fault_after_ms = fault->after_ms;
+        self->fault_for_ms = fault->for_ms;
+    }
     self->started_ms = kvt_now_ms();
     return self;
 }
@@ -83,11 +92,11 @@ kvt_sup_thread_t *kvt_sup_register(kvt_sup_t *self, const char *name, uint32_t m
     t->max_silence_ms = max_silence_ms;
     atomic_store(&t->last_beat_ms, kvt_now_ms());
     atomic_store(&t->state, S_RUNNING);
-    const kvt_config_t *cfg = self->cfg;
-    if (cfg && cfg->debug_fault_thread && strcmp(cfg->debug_fault_thread, name) == 0) {
+    if (self->fault_thread[0] && strcmp(self->fault_thread, name) == 0) {
         t->fault = true;
-        t->cfg = cfg;
-        t->fault_at_ms = self->started_ms + cfg->debug_fault_after_ms;
+        t->fault_exit = self->fault_exit;
+        t->fault_for_ms = self->fault_for_ms;
+        t->fault_at_ms = self->started_ms + self->fault_after_ms;
     }
     atomic_store(&self->nthreads, i + 1);
     return t;
@@ -100,15 +109,12 @@ bool kvt_sup_beat(kvt_sup_thread_t *t)
     if (!t->fault || t->fault_done || now < t->fault_at_ms)
         return true;
     t->fault_done = true;
-    const kvt_config_t *cfg = t->cfg;
-    if (strcmp(cfg->debug_fault_mode, "exit") == 0) {
+    if (t->fault_exit) {
         kvt_log(KVT_LOG_WARN, "debug fault: thread %s exits now", t->name);
         return false;
     }
-    kvt_log(KVT_LOG_WARN, "debug fault: thread %s stalls for %u ms", t->name,
-            cfg->debug_fault_for_ms);
-    struct timespec ts = {cfg->debug_fault_for_ms / 1000,
-                          (long)(cfg->debug_fault_for_ms % 1000) * 1000000L};
+    kvt_log(KVT_LOG_WARN, "debug fault: thread %s stalls for %u ms", t->name, t->fault_for_ms);
+    struct timespec ts = {t->fault_for_ms / 1000, (long)(t->fault_for_ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
     atomic_store_explicit(&t->last_beat_ms, kvt_now_ms(), memory_order_relaxed);
     return true;

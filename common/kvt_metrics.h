@@ -1,10 +1,11 @@
-/* kvt_metrics: the daemon's counters, gauges and histograms, and their three renderings
- * (Prometheus text for /metrics, JSON for /status, the STATS reply) from one sample stream.
+/* kvt_metrics: the registry of metric sources and their three renderings (Prometheus text for
+ * /metrics, JSON for /status, the STATS reply) from one sample stream, plus the latency
+ * histogram every layer uses.
  *
- * Request counters are written by the threads that finish requests (relaxed atomics, no
- * locks) and read by the HTTP thread. Other modules contribute their own samples through
- * sources registered at start-up (before any reader runs); a source is called from the
- * reading thread and must only read atomics or take its own short locks. */
+ * Modules own their counters (relaxed atomics written by their own threads) and contribute
+ * them through sources registered at start-up (before any reader runs); a source is called
+ * from the reading thread and must only read atomics or take its own short locks. The registry
+ * itself only adds the uptime families. */
 #ifndef KVT_METRICS_H
 #define KVT_METRICS_H
 
@@ -54,18 +55,10 @@ void kvt_hist_emit(kvt_hist_t *h, const char *name, const char *help, const char
 kvt_metrics_t *kvt_metrics_new(void);
 void kvt_metrics_destroy(kvt_metrics_t **self_p);
 
-/* Counts one finished request of wire type `type` (unknown ids count as "unknown") with
- * result `rc` (0 or a KVT_E* code) that took `ns` nanoseconds. Any thread. */
-void kvt_metrics_request(kvt_metrics_t *self, uint64_t type, int rc, uint64_t ns);
-
-/* Messages dropped without a reply (no uid frame) and replies that could not be sent. */
-void kvt_metrics_dropped(kvt_metrics_t *self);
-void kvt_metrics_reply_failed(kvt_metrics_t *self);
-
 /* Adds a source of samples; start-up only (main thread, before HTTP starts). */
 void kvt_metrics_add_source(kvt_metrics_t *self, kvt_source_fn fn, void *ctx);
 
-/* Emits every sample: own families first, then each source in registration order. */
+/* Emits every sample: the uptime families first, then each source in registration order. */
 void kvt_metrics_each(kvt_metrics_t *self, kvt_sample_fn emit, void *ctx);
 
 /* Prometheus text exposition format 0.0.4, names prefixed kvtier_. Caller frees. */

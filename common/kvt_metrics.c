@@ -1,12 +1,10 @@
-/* DESIGN: fixed arrays of relaxed atomics indexed by request type and wire error; no locks on
- * the write path. Readers (HTTP thread, STATS on the server thread) walk the arrays while
- * writers keep counting, so a scrape is a consistent-enough snapshot, as usual for
- * Prometheus. Sources are appended only at start-up, so the readers need no lock for them. */
+/* DESIGN: the registry holds no counters of its own beyond uptime: every family comes from a
+ * source, and sources are appended only at start-up, so the readers (HTTP thread, STATS on the
+ * server thread) need no lock to walk them while writers keep counting their own atomics. */
 #include "kvt_metrics.h"
 
 #include "kvt_error.h"
 #include "kvt_log.h"
-#include "kvt_proto.h"
 
 #include <stdatomic.h>
 #include <stdio.h>
@@ -21,11 +19,6 @@ static const double s_bounds[KVT_HIST_BOUNDS] = {
 #define S_NB KVT_HIST_BOUNDS
 
 struct kvt_metrics {
-    _Atomic uint64_t requests[KVT_REQ_SLOTS];
-    _Atomic uint64_t errors[KVT_WIRE_ERRORS];
-    kvt_hist_t durations[KVT_REQ_SLOTS]; /* buckets per bucket, made cumulative when read */
-    _Atomic uint64_t dropped;
-    _Atomic uint64_t reply_failed;
     double started_wall;
     uint64_t started_ms;
     struct {
@@ -52,16 +45,6 @@ void kvt_metrics_destroy(kvt_metrics_t **self_p)
     }
 }
 
-void kvt_metrics_request(kvt_metrics_t *self, uint64_t type, int rc, uint64_t ns)
-{
-    size_t t = kvt_proto_info(type) ? (size_t)type : 0;
-    atomic_fetch_add_explicit(&self->requests[t], 1, memory_order_relaxed);
-    if (rc)
-        atomic_fetch_add_explicit(&self->errors[kvt_err_wire_index(rc)], 1,
-                                  memory_order_relaxed);
-    kvt_hist_observe(&self->durations[t], ns);
-}
-
 void kvt_hist_observe(kvt_hist_t *h, uint64_t ns)
 {
     double s = (double)ns / 1e9;
@@ -72,16 +55,6 @@ void kvt_hist_observe(kvt_hist_t *h, uint64_t ns)
         atomic_fetch_add_explicit(&h->buckets[b], 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&h->sum_ns, ns, memory_order_relaxed);
     atomic_fetch_add_explicit(&h->count, 1, memory_order_relaxed);
-}
-
-void kvt_metrics_dropped(kvt_metrics_t *self)
-{
-    atomic_fetch_add_explicit(&self->dropped, 1, memory_order_relaxed);
-}
-
-void kvt_metrics_reply_failed(kvt_metrics_t *self)
-{
-    atomic_fetch_add_explicit(&self->reply_failed, 1, memory_order_relaxed);
 }
 
 void kvt_metrics_add_source(kvt_metrics_t *self, kvt_source_fn fn, void *ctx)
@@ -122,33 +95,6 @@ static void s_scalar(kvt_sample_fn emit, void *ctx, const char *name, const char
 
 void kvt_metrics_each(kvt_metrics_t *self, kvt_sample_fn emit, void *ctx)
 {
-    static const char *req_help = "Requests answered, by request type.";
-    for (size_t t = 0; t < KVT_REQ_SLOTS; t++) {
-        if (t && !kvt_proto_info(t))
-            continue;
-        kvt_sample_t s = {.name = "requests_total", .help = req_help,
-                          .kind = KVT_METRIC_COUNTER, .label = "type",
-                          .label_value = kvt_proto_name(t), .value = (double)s_load(&self->requests[t])};
-        emit(ctx, &s);
-    }
-    for (int e = 0; e < KVT_WIRE_ERRORS; e++) {
-        kvt_sample_t s = {.name = "request_errors_total",
-                          .help = "Requests answered with an error, by error code.",
-                          .kind = KVT_METRIC_COUNTER, .label = "code",
-                          .label_value = kvt_err_wire_name(e), .value = (double)s_load(&self->errors[e])};
-        emit(ctx, &s);
-    }
-    for (size_t t = 0; t < KVT_REQ_SLOTS; t++)
-        if (t == 0 || kvt_proto_info(t))
-            kvt_hist_emit(&self->durations[t], "request_duration_seconds",
-                          "Time from receiving a request to sending its reply.", "type",
-                          kvt_proto_name(t), emit, ctx);
-    s_scalar(emit, ctx, "messages_dropped_total",
-             "Messages dropped without a reply because their first frame was not a uid.",
-             KVT_METRIC_COUNTER, (double)s_load(&self->dropped));
-    s_scalar(emit, ctx, "replies_failed_total",
-             "Replies that could not be sent (the client connection was gone).",
-             KVT_METRIC_COUNTER, (double)s_load(&self->reply_failed));
     s_scalar(emit, ctx, "uptime_seconds", "Seconds since the daemon started.", KVT_METRIC_GAUGE,
              (double)(kvt_now_ms() - self->started_ms) / 1e3);
     s_scalar(emit, ctx, "start_time_seconds", "Start time of the daemon, Unix epoch seconds.",
