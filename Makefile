@@ -146,6 +146,10 @@ $(BUILD)/asan/tests/%: tests/unit/%.c $(ASAN_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -O1 $(SAN) -o $@ $^ $(LIBS) -lcmocka
 
+# test_client_codes checks libkvtier's codes against the daemon's tables: it links libkvtier too
+$(BUILD)/asan/tests/test_client_codes: $(call obj,$(BUILD)/asan,$(CLIENT_SRC))
+$(BUILD)/vg/tests/test_client_codes: $(call obj,$(BUILD)/vg,$(CLIENT_SRC))
+
 asan: $(BUILD)/asan/kvtierd
 
 run: deps all
