@@ -258,7 +258,8 @@ $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS)
 
 # The unit tests with threads (L1 under 4 threads, lease add/expire races, every L2 adapter's
-# contract under max_threads callers, the L2 manager's threads, request counters from 4 threads), then the concurrent integration tests against a TSan daemon: 32 clients at once,
+# contract under max_threads callers, the L2 manager's threads, request counters from 4
+# threads), then the concurrent integration tests against a TSan daemon: 32 clients at once,
 # SIGTERM under 8 writers with L2 write-behind, clients pinging while the daemon stops, replies
 # completed on libzmq's I/O threads while the server loop counts and cuts connections.
 TSAN_INTEGRATION := tests/integration/test_reliability.py \
