@@ -1,9 +1,9 @@
-/* Unit tests of l2/kvt_l2_plugin: the example plugin (path in KVT_L2_EXAMPLE_PLUGIN; the test
- * is skipped when it is unset) loads and refuses a bad spec (its contract, and its ABI 1
- * build's, through the loader, is test_l2_conformance.c); a missing file, a shared object
- * without the symbol (libm) and an empty path fail with KVT_EINVAL and a reason; kvt_l2_plugin_check refuses an ABI out of range, a
- * bad kind, max_threads 0 and each missing operation of the table's ABI, and accepts a table
- * without usage, and an ABI 2 one without store and load. */
+/* Unit tests of l2/kvt_l2_plugin: the example plugin (path in KVT_L2_EXAMPLE_PLUGIN; the test is
+ * skipped when it is unset) loads and refuses a bad spec (its contract, and its ABI 1 build's,
+ * through the loader, is test_l2_conformance.c); a missing file, a shared object without the
+ * symbol (libm) and an empty path fail with KVT_EINVAL and a reason; kvt_l2_plugin_check refuses
+ * an ABI out of range, a bad kind, max_threads 0 and each missing operation of the table's ABI,
+ * and accepts a table without usage, and an ABI 2 one without store and load. */
 #include "kvt_error.h"
 #include "kvt_l2.h"
 #include "kvt_l2_plugin.h"

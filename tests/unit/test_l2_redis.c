@@ -1,12 +1,12 @@
-/* Unit tests of l2/kvt_l2_redis against a real redis-server started on a free loopback port in
- * a temporary directory (every test is skipped when redis-server is not installed): a key of
- * another type (EIO), the key layout and prefix isolation, ACL user + password + db, bad
- * specs, pooled connections closed by the server (retried, not failed), a stopped server (a
- * timeout within the deadline), a killed server (fail fast with UNAVAIL during the backoff, health says why)
- * and its restart on the same port (calls succeed again within a bounded wait), 4 threads
- * across a kill and restart, and — when a 3-node cluster can be created in
- * time — cluster routing, MOVED after a reshard, and a dead master. The adapter contract
- * (round trips, vectored, NOTFOUND, NOSPC, empty objects, threads) is test_l2_conformance.c. */
+/* Unit tests of l2/kvt_l2_redis against a real redis-server started on a free loopback port in a
+ * temporary directory (every test is skipped when redis-server is not installed): a key of another
+ * type (EIO), the key layout and prefix isolation, ACL user + password + db, bad specs, pooled
+ * connections closed by the server (retried, not failed), a stopped server (a timeout within the
+ * deadline), a killed server (fail fast with UNAVAIL during the backoff, health says why) and its
+ * restart on the same port (calls succeed again within a bounded wait), 4 threads across a kill
+ * and restart, and — when a 3-node cluster can be created in time — cluster routing, MOVED after a
+ * reshard, and a dead master. The adapter contract (round trips, vectored, NOTFOUND, NOSPC, empty
+ * objects, threads) is test_l2_conformance.c. */
 #include "kvt_error.h"
 #include "kvt_l2.h"
 #include "kvt_log.h"
