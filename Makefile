@@ -146,6 +146,10 @@ $(BUILD)/asan/tests/%: tests/unit/%.c $(ASAN_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -O1 $(SAN) -o $@ $^ $(LIBS) -lcmocka
 
+# test_client_codes checks libkvtier's codes against the daemon's tables: it links libkvtier too
+$(BUILD)/asan/tests/test_client_codes: $(call obj,$(BUILD)/asan,$(CLIENT_SRC))
+$(BUILD)/vg/tests/test_client_codes: $(call obj,$(BUILD)/vg,$(CLIENT_SRC))
+
 asan: $(BUILD)/asan/kvtierd
 
 run: deps all
@@ -247,14 +251,15 @@ $(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS) -lcmocka
 
-TSAN_UNIT := test_l1_concurrent test_lease test_l2_mock test_l2_fs
+TSAN_UNIT := test_l1_concurrent test_lease test_l2_conformance test_l2_fs test_l2mgr test_reqstats
 TSAN_BIN  := $(addprefix $(BUILD)/tsan/tests/,$(TSAN_UNIT))
 
 $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS)
 
-# The unit tests with threads (L1 under 4 threads, lease add/expire races, the L2 adapters'
-# thread pools), then the concurrent integration tests against a TSan daemon: 32 clients at once,
+# The unit tests with threads (L1 under 4 threads, lease add/expire races, every L2 adapter's
+# contract under max_threads callers, the L2 manager's threads, request counters from 4
+# threads), then the concurrent integration tests against a TSan daemon: 32 clients at once,
 # SIGTERM under 8 writers with L2 write-behind, clients pinging while the daemon stops, replies
 # completed on libzmq's I/O threads while the server loop counts and cuts connections.
 TSAN_INTEGRATION := tests/integration/test_reliability.py \

@@ -1,9 +1,10 @@
-/* Unit tests of l2/kvt_l2_fs (the `fs` L2 adapter) and kvt_l2_name: round trips at the 4 KiB
- * edges, overwrite, the index rebuilt at open (foreign files ignored, crash leftovers removed,
- * LRU order from mtimes), capacity and LRU eviction, a 4-thread run with self-checking
- * payloads, O_DIRECT (real tmpfs and disk directories, plus a refusal injected below), disk
- * errors injected below (no partial file, temp cleaned, health says why), a removed directory,
- * and bad arguments.
+/* Unit tests of l2/kvt_l2_fs (the `fs` L2 adapter) and kvt_l2_name, beyond the adapter contract
+ * (test_l2_conformance.c): the files on disk agree with usage through stores at the 4 KiB
+ * edges, unaligned data, an empty object and removes; the index rebuilt at open (foreign files
+ * ignored, crash leftovers removed, LRU order from mtimes), capacity and LRU eviction, a
+ * 4-thread run under a capacity with self-checking payloads, O_DIRECT (real tmpfs and disk
+ * directories, plus a refusal injected below), disk errors injected below (no partial file,
+ * temp cleaned, health says why), a removed directory, and bad arguments.
  *
  * The vectored storev/loadv (ABI 2): payload + trailer at the 4 KiB edges, with and without
  * O_DIRECT, in place and through the bounce pages, short and long buffers, and write errors on
@@ -340,7 +341,9 @@ static void test_name_vectors(void **state)
 
 /* ---- round trips --------------------------------------------------------------------------- */
 
-static void test_round_trip(void **state)
+/* Usage and the files on disk agree through stores, an unaligned one, an empty object and
+ * removes. */
+static void test_files_on_disk(void **state)
 {
     ctx_t *c = *state;
     void *fs = s_open(c, NULL);
@@ -361,24 +364,8 @@ static void test_round_trip(void **state)
         assert_int_equal(objects, i + 1);
     }
     s_check_disk(c, fs, 0, 0);
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i++)
         s_check_seed(fs, names[i], sizes[i], i + 100);
-
-        /* a larger buffer than needed is fine */
-        size_t cap = s_round(sizes[i]) + 2 * PG, got = 0;
-        uint8_t *buf = s_alloc(cap);
-        assert_int_equal(s_ops()->load(fs, names[i], buf, cap, &got), 0);
-        assert_int_equal(got, sizes[i]);
-
-        /* a buffer one page too small: KVT_ENOSPC, and the size the caller needs */
-        if (s_round(sizes[i]) > PG) {
-            got = 0;
-            assert_int_equal(s_ops()->load(fs, names[i], buf, s_round(sizes[i]) - PG, &got),
-                             KVT_ENOSPC);
-            assert_int_equal(got, sizes[i]);
-        }
-        free(buf);
-    }
 
     /* the caller's data need not be aligned (buffered for that object) */
     uint8_t *raw = malloc(5000 + 1);
@@ -420,28 +407,6 @@ static void test_round_trip(void **state)
     char why[256] = "x";
     assert_int_equal(s_ops()->health(fs, why, sizeof why), 0);
     assert_string_equal(why, "");
-    s_ops()->close(fs);
-}
-
-static void test_overwrite(void **state)
-{
-    ctx_t *c = *state;
-    void *fs = s_open(c, NULL);
-    char name[KVT_L2_NAME_LEN];
-    s_name(1, name);
-    s_store_seed(fs, name, 10000, 1);
-    s_store_seed(fs, name, 5000, 2);
-    size_t len = 0;
-    assert_int_equal(s_ops()->lookup(fs, name, &len), 0);
-    assert_int_equal(len, 5000);
-    s_check_seed(fs, name, 5000, 2);
-    s_store_seed(fs, name, 3 * MIB + 1, 3);
-    s_check_seed(fs, name, 3 * MIB + 1, 3);
-    uint64_t bytes, objects;
-    s_usage(fs, &bytes, &objects);
-    assert_int_equal(bytes, 3 * MIB + 1);
-    assert_int_equal(objects, 1);
-    s_check_disk(c, fs, 0, 0);
     s_ops()->close(fs);
 }
 
@@ -839,11 +804,6 @@ static void s_run_threads(ctx_t *c, const char *opts, uint64_t capacity)
     s_ops()->close(fs);
 }
 
-static void test_threads(void **state)
-{
-    s_run_threads(*state, NULL, 0);
-}
-
 static void test_threads_capacity(void **state)
 {
     s_run_threads(*state, "capacity=2M", 2 * MIB);
@@ -1209,42 +1169,20 @@ static void test_vectored(void **state)
     s_ops()->close(fs);
 }
 
-static void test_ops_table(void **state)
-{
-    (void)state;
-    const kvt_l2_ops_t *ops = kvt_l2_fs_ops();
-    assert_int_equal(ops->abi, KVT_L2_ABI);
-    assert_string_equal(ops->kind, "fs");
-    assert_true(ops->max_threads >= 1);
-    assert_non_null(ops->open);
-    assert_non_null(ops->close);
-    assert_non_null(ops->store);
-    assert_non_null(ops->lookup);
-    assert_non_null(ops->load);
-    assert_non_null(ops->remove);
-    assert_non_null(ops->health);
-    assert_non_null(ops->usage);
-    assert_non_null(ops->storev);
-    assert_non_null(ops->loadv);
-}
-
 #define T(f) cmocka_unit_test_setup_teardown(f, s_setup, s_teardown)
 
 int main(void)
 {
     kvt_log_set_level(KVT_LOG_ERROR); /* the injected failures would log warnings */
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_ops_table),
         cmocka_unit_test(test_name_vectors),
-        T(test_round_trip),
-        T(test_overwrite),
+        T(test_files_on_disk),
         T(test_bad_names),
         T(test_reopen_rebuilds_index),
         T(test_leftover_temp_removed),
         T(test_capacity_lru),
         T(test_capacity_too_big),
         T(test_capacity_reopen_order),
-        T(test_threads),
         T(test_threads_capacity),
         T(test_direct_tmpfs),
         T(test_direct_refused),

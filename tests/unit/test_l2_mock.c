@@ -1,13 +1,12 @@
-/* Unit tests of l2/kvt_l2_mock: the contract on a round trip (lookup, load, remove, NOTFOUND,
- * NOSPC for a small buffer and past capacity, usage), latency applied to every call (bounded
- * timing, generous margins), fail_rate 0.5 over 1000 calls failing 35-65 % with every
- * successful load exact, fail_rate 0 never failing, fail_rate 1 failing and unhealthy,
- * concurrent callers, and bad specs rejected with KVT_EINVAL. */
+/* Unit tests of what only l2/kvt_l2_mock does (its contract as an adapter is
+ * test_l2_conformance.c): latency applied to every call (bounded timing, generous margins),
+ * fail_rate 0.5 over 1000 calls failing 35-65 % with every successful load exact, fail_rate 0
+ * never failing, fail_rate 1 failing and unhealthy, corrupt_rate, and bad specs rejected with
+ * KVT_EINVAL. */
 #include "kvt_error.h"
 #include "kvt_l2.h"
 #include "kvt_log.h"
 
-#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -39,82 +38,6 @@ static void s_fill(uint8_t *p, size_t n, unsigned seed)
 {
     for (size_t i = 0; i < n; i++)
         p[i] = (uint8_t)(seed * 131 + i * 7 + (i >> 8));
-}
-
-static void test_ops_table(void **state)
-{
-    (void)state;
-    const kvt_l2_ops_t *ops = kvt_l2_mock_ops();
-    assert_int_equal(ops->abi, KVT_L2_ABI);
-    assert_string_equal(ops->kind, "mock");
-    assert_true(ops->max_threads >= 1);
-    assert_non_null(ops->usage);
-}
-
-static void test_round_trip(void **state)
-{
-    (void)state;
-    const kvt_l2_ops_t *ops = kvt_l2_mock_ops();
-    void *st = s_open("latency_ms=0,fail_rate=0,capacity=64k");
-    char name[KVT_L2_NAME_LEN];
-    s_name(name, 1);
-    size_t len = 0;
-    uint8_t *buf = aligned_alloc(4096, 16384);
-    uint8_t data[12345];
-    s_fill(data, sizeof data, 1);
-
-    assert_int_equal(ops->lookup(st, name, &len), KVT_ENOTFOUND);
-    assert_int_equal(ops->load(st, name, buf, 16384, &len), KVT_ENOTFOUND);
-    assert_int_equal(ops->remove(st, name), KVT_ENOTFOUND);
-    assert_int_equal(ops->store(st, name, data, sizeof data), 0);
-    assert_int_equal(ops->lookup(st, name, &len), 0);
-    assert_int_equal(len, sizeof data);
-    memset(buf, 0, 16384);
-    assert_int_equal(ops->load(st, name, buf, 16384, &len), 0);
-    assert_int_equal(len, sizeof data);
-    assert_memory_equal(buf, data, sizeof data);
-    assert_int_equal(ops->load(st, name, buf, 4096, &len), KVT_ENOSPC);
-
-    uint64_t bytes = 0, objects = 0;
-    ops->usage(st, &bytes, &objects);
-    assert_int_equal(bytes, sizeof data);
-    assert_int_equal(objects, 1);
-
-    /* replace with a smaller object, then fill up to the capacity */
-    assert_int_equal(ops->store(st, name, data, 100), 0);
-    assert_int_equal(ops->lookup(st, name, &len), 0);
-    assert_int_equal(len, 100);
-    char other[KVT_L2_NAME_LEN];
-    s_name(other, 2);
-    uint8_t *big = calloc(1, 65536);
-    assert_int_equal(ops->store(st, other, big, 65536 - 100), 0);
-    assert_int_equal(ops->store(st, other, big, 65536 - 99), KVT_ENOSPC);
-    assert_int_equal(ops->store(st, other, big, 65537), KVT_ENOSPC);
-    ops->usage(st, &bytes, &objects);
-    assert_int_equal(bytes, 65536);
-    assert_int_equal(objects, 2);
-    assert_int_equal(ops->lookup(st, other, &len), 0);
-    assert_int_equal(len, 65536 - 100); /* a refused replace keeps the old object */
-
-    /* empty objects exist */
-    assert_int_equal(ops->remove(st, other), 0);
-    assert_int_equal(ops->store(st, other, NULL, 0), 0);
-    assert_int_equal(ops->lookup(st, other, &len), 0);
-    assert_int_equal(len, 0);
-    assert_int_equal(ops->load(st, other, buf, 4096, &len), 0);
-    assert_int_equal(len, 0);
-
-    assert_int_equal(ops->remove(st, name), 0);
-    assert_int_equal(ops->remove(st, name), KVT_ENOTFOUND);
-    assert_int_equal(ops->lookup(st, name, &len), KVT_ENOTFOUND);
-    assert_int_equal(ops->store(st, "", data, 1), KVT_EINVAL);
-
-    char why[128] = "";
-    assert_int_equal(ops->health(st, why, sizeof why), 0);
-    ops->close(st);
-    ops->close(NULL);
-    free(big);
-    free(buf);
 }
 
 static void test_latency(void **state)
@@ -220,53 +143,6 @@ static void test_fail_rate_zero_and_one(void **state)
     ops->close(st);
 }
 
-typedef struct {
-    const kvt_l2_ops_t *ops;
-    void *st;
-    unsigned id;
-    int bad;
-} s_worker_t;
-
-static void *s_worker(void *arg)
-{
-    s_worker_t *w = arg;
-    uint8_t *buf = aligned_alloc(4096, 4096);
-    uint8_t data[3000];
-    for (unsigned i = 0; i < 500; i++) {
-        char name[KVT_L2_NAME_LEN];
-        unsigned k = w->id * 1000 + i % 20;
-        s_name(name, k);
-        s_fill(data, sizeof data, k);
-        size_t len = 0;
-        if (w->ops->store(w->st, name, data, sizeof data) != 0 ||
-            w->ops->load(w->st, name, buf, 4096, &len) != 0 || len != sizeof data ||
-            memcmp(buf, data, len) != 0)
-            w->bad++;
-        if (i % 20 == 19 && w->ops->remove(w->st, name) != 0)
-            w->bad++;
-    }
-    free(buf);
-    return NULL;
-}
-
-static void test_concurrent(void **state)
-{
-    (void)state;
-    const kvt_l2_ops_t *ops = kvt_l2_mock_ops();
-    void *st = s_open("fail_rate=0");
-    pthread_t t[8];
-    s_worker_t w[8];
-    for (unsigned i = 0; i < 8; i++) {
-        w[i] = (s_worker_t){ops, st, i, 0};
-        assert_int_equal(pthread_create(&t[i], NULL, s_worker, &w[i]), 0);
-    }
-    for (unsigned i = 0; i < 8; i++) {
-        pthread_join(t[i], NULL);
-        assert_int_equal(w[i].bad, 0);
-    }
-    ops->close(st);
-}
-
 /* storev / loadv, and corrupt_rate: every load (rate 1) returns the object with its middle
  * byte flipped, while the object held stays intact (rate 0 on the same data). */
 static void test_vectored_and_corrupt(void **state)
@@ -344,12 +220,9 @@ static void test_bad_specs(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_ops_table),
-        cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_latency),
         cmocka_unit_test(test_fail_rate_half),
         cmocka_unit_test(test_fail_rate_zero_and_one),
-        cmocka_unit_test(test_concurrent),
         cmocka_unit_test(test_vectored_and_corrupt),
         cmocka_unit_test(test_bad_specs),
     };

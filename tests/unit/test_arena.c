@@ -1,0 +1,115 @@
+/* Unit tests of storage/kvt_arena: a segment of the configured size under /dev/shm, mode 0600,
+ * owned by this user, mapped read-write at its base (bytes written through the mapping are in
+ * the file), pinned when mlock allows it and otherwise only with allow_unpinned (as far as this
+ * machine lets a test see both); two arenas have different paths; destroy
+ * unlinks the segment and accepts NULL. */
+#include "kvt_arena.h"
+#include "kvt_config.h"
+#include "kvt_error.h"
+#include "kvt_log.h"
+
+#include <fcntl.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+static kvt_config_t *s_cfg(const char *size, const char *unpinned)
+{
+    char err[KVT_ERR_LEN] = "";
+    kvt_config_t *cfg = kvt_config_new();
+    assert_non_null(cfg);
+    assert_int_equal(kvt_config_set(cfg, "l1_size", size, false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "allow_unpinned", unpinned, false, err, sizeof err), 0);
+    return cfg;
+}
+
+static void test_segment(void **state)
+{
+    (void)state;
+    kvt_config_t *cfg = s_cfg("4M", "true");
+    char err[KVT_ERR_LEN] = "";
+    kvt_arena_t *a = kvt_arena_new(cfg, err, sizeof err);
+    if (!a)
+        fail_msg("kvt_arena_new: %s", err);
+    kvt_arena_t *b = kvt_arena_new(cfg, err, sizeof err);
+    assert_non_null(b);
+    assert_int_equal(kvt_arena_size(a), 4u << 20);
+    const char *path = kvt_arena_path(a);
+    assert_non_null(strstr(path, "/dev/shm/kvtier-"));
+    assert_string_not_equal(path, kvt_arena_path(b));
+    struct stat st;
+    assert_int_equal(stat(path, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0600);
+    assert_int_equal(st.st_uid, getuid());
+    assert_int_equal((uint64_t)st.st_size, 4u << 20);
+
+    uint8_t *base = kvt_arena_base(a);
+    memcpy(base + 12345, "kvtier", 6);
+    int fd = open(path, O_RDONLY);
+    assert_true(fd >= 0);
+    char back[6];
+    assert_int_equal(pread(fd, back, 6, 12345), 6);
+    assert_memory_equal(back, "kvtier", 6);
+    close(fd);
+    print_message("pinned: %d, huge pages: %d\n", kvt_arena_pinned(a), kvt_arena_huge(a));
+
+    char *saved = strdup(path);
+    kvt_arena_destroy(&a);
+    assert_null(a);
+    assert_int_equal(access(saved, F_OK), -1); /* unlinked */
+    free(saved);
+    kvt_arena_destroy(&a);
+    kvt_arena_destroy(&b);
+    kvt_config_destroy(&cfg);
+}
+
+/* Without allow_unpinned an arena is pinned or refused, never unpinned; with it, the same size
+ * always starts, pinned exactly when it could be pinned without (this machine decides which:
+ * RLIMIT_MEMLOCK, CAP_IPC_LOCK). */
+static void test_pinning(void **state)
+{
+    (void)state;
+    struct rlimit rl;
+    assert_int_equal(getrlimit(RLIMIT_MEMLOCK, &rl), 0);
+    kvt_config_t *cfg = s_cfg("64M", "false");
+    char err[KVT_ERR_LEN] = "";
+    kvt_arena_t *a = kvt_arena_new(cfg, err, sizeof err);
+    bool lockable = a != NULL;
+    if (a) {
+        assert_true(kvt_arena_pinned(a));
+        kvt_arena_destroy(&a);
+    } else {
+        assert_non_null(strstr(err, "allow-unpinned"));
+    }
+    print_message("64 MiB with RLIMIT_MEMLOCK %lld: %s\n",
+                  rl.rlim_cur == RLIM_INFINITY ? -1LL : (long long)rl.rlim_cur,
+                  lockable ? "pinned" : err);
+    kvt_config_destroy(&cfg);
+    cfg = s_cfg("64M", "true");
+    a = kvt_arena_new(cfg, err, sizeof err);
+    kvt_config_destroy(&cfg);
+    assert_non_null(a);
+    bool pinned = kvt_arena_pinned(a);
+    kvt_arena_destroy(&a);
+    assert_true(pinned == lockable);
+}
+
+int main(void)
+{
+    kvt_log_set_level(KVT_LOG_ERROR);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_segment),
+        cmocka_unit_test(test_pinning),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
