@@ -283,7 +283,9 @@ tsan: deps all $(TSAN_OBJ) $(TSAN_BIN) $(BUILD)/tsan/kvtierd
 # with its reason. VALGRIND_TESTS narrows the run (VALGRIND_TESTS="test_msg test_l1").
 VG_OBJ   := $(call obj,$(BUILD)/vg,$(CORE_SRC) $(DAEMON_SRC))
 VG_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/vg/tests/%,$(UNIT_SRC))
-VALGRIND_TESTS ?= $(patsubst tests/unit/%.c,%,$(UNIT_SRC))
+# test_accept is left out: valgrind keeps descriptors of its own at the top of the open-files
+# limit and refuses setrlimit(RLIMIT_NOFILE) changes, which are what that test exercises.
+VALGRIND_TESTS ?= $(filter-out test_accept,$(patsubst tests/unit/%.c,%,$(UNIT_SRC)))
 # --fair-sched=yes: valgrind runs one thread at a time, and by default a thread spinning on a
 # lock or a flag may be rescheduled forever (test_l1_concurrent's limit test then never ends).
 VALGRIND_ARGS  := --tool=memcheck --fair-sched=yes --leak-check=full \
