@@ -2,7 +2,12 @@
  * the decoded body (rq->req), calls the modules in rq->svc and packs its ok body into rq->pk;
  * on failure it returns a KVT_E* code with a sentence in rq->err and packs nothing. Handlers of
  * WORKER types (PUT, CLEAR and the GPU requests) may run on any worker thread at the same time
- * as each other and as the server thread's handlers: they only use thread-safe modules. */
+ * as each other and as the server thread's handlers: they only use thread-safe modules.
+ *
+ * Types of run class INLINE_THEN_LOOKUP (LOOKUP) also have a row in s_staged[]: whether the
+ * inline part left work for the lookup pool, that part, and the undo of the inline part when
+ * the pool cannot take it. The inline part keeps what they need in the request's typed state
+ * (rq->lookup), and the undo sits beside the handler that took the lease. */
 #include "kvt_handlers.h"
 
 #include "kvt_error.h"
@@ -285,11 +290,12 @@ static int s_release(kvt_rq_t *c)
 
 static void s_pack_lookup(kvt_rq_t *c, uint32_t hits, uint64_t job)
 {
-    kvt_pack_ok(&c->pk, 2 + (c->lease != 0) + (job != 0));
+    const kvt_lookup_state_t *st = &c->lookup;
+    kvt_pack_ok(&c->pk, 2 + (st->lease != 0) + (job != 0));
     s_pack_uint_field(&c->pk, "hits", hits);
-    s_pack_uint_field(&c->pk, "l1", c->l1_hits);
-    if (c->lease)
-        s_pack_uint_field(&c->pk, "lease", c->lease);
+    s_pack_uint_field(&c->pk, "l1", st->l1_hits);
+    if (st->lease)
+        s_pack_uint_field(&c->pk, "lease", st->lease);
     if (job)
         s_pack_uint_field(&c->pk, "job", job);
 }
@@ -299,22 +305,37 @@ static void s_pack_lookup(kvt_rq_t *c, uint32_t hits, uint64_t job)
 static int s_lookup_l2(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
+    uint32_t l1_hits = c->lookup.l1_hits;
     kvt_nsref_t ns = s_nsref(r);
-    uint32_t rest = r->nkeys - c->l1_hits;
+    uint32_t rest = r->nkeys - l1_hits;
     uint64_t *sizes = calloc(rest, sizeof *sizes);
     kvt_assert(sizes);
-    const uint8_t(*keys)[KVT_KEY_LEN] = (const uint8_t(*)[KVT_KEY_LEN])r->keys + c->l1_hits;
+    const uint8_t(*keys)[KVT_KEY_LEN] = (const uint8_t(*)[KVT_KEY_LEN])r->keys + l1_hits;
     uint32_t in_l2 =
         kvt_l2mgr_lookup(c->svc->l2, &ns, keys, rest, kvt_now_ms() + S_L2_LOOKUP_MS, sizes);
     uint64_t job = 0;
     if (r->prefetch) {
-        job = kvt_prefetch_start(c->svc->prefetch, c->l1_hits + in_l2, in_l2 == 0, kvt_now_ms());
+        job = kvt_prefetch_start(c->svc->prefetch, l1_hits + in_l2, in_l2 == 0, kvt_now_ms());
         if (in_l2 && job) /* no job: max_prefetch_jobs loads are running */
             kvt_l2mgr_prefetch(c->svc->l2, job, &ns, keys, sizes, in_l2);
     }
     free(sizes);
-    s_pack_lookup(c, c->l1_hits + in_l2, job);
+    s_pack_lookup(c, l1_hits + in_l2, job);
     return 0;
+}
+
+static bool s_lookup_continues(const kvt_rq_t *c)
+{
+    return c->lookup.l2_rest;
+}
+
+/* The lookup pool cannot take the L2 part: the lease of `lock` goes back, as the client never
+ * learns its id. */
+static void s_lookup_undo(kvt_rq_t *c)
+{
+    if (c->lookup.lease)
+        kvt_l1_release(c->svc->l1, c->owner, c->lookup.lease);
+    c->lookup.lease = 0;
 }
 
 static int s_lookup(kvt_rq_t *c)
@@ -332,11 +353,11 @@ static int s_lookup(kvt_rq_t *c)
         kvt_l1_owner_limit_error(c->svc->l1, c->owner, c->err, sizeof c->err);
     if (rc)
         return rc;
-    c->l1_hits = hits;
-    c->lease = lease;
+    c->lookup.l1_hits = hits;
+    c->lookup.lease = lease;
     if (hits < r->nkeys && kvt_l2mgr_count(c->svc->l2)) {
-        c->cont = s_lookup_l2; /* the rest of the prefix may be in L2: not on the server loop */
-        return KVT_HANDLE_DEFER;
+        c->lookup.l2_rest = true; /* the rest of the prefix may be in L2: not on the server loop */
+        return 0;
     }
     uint64_t job = r->prefetch ? kvt_prefetch_start(c->svc->prefetch, hits, true, kvt_now_ms()) : 0;
     s_pack_lookup(c, hits, job);
@@ -574,6 +595,43 @@ static const s_handler_fn s_handlers[KVT_REQ_SLOTS] = {
     [KVT_REQ_STORE_GPU] = s_store_gpu,
     [KVT_REQ_RETRIEVE_GPU] = s_retrieve_gpu,
 };
+
+/* Types of run class INLINE_THEN_LOOKUP: see the DESIGN note. */
+typedef struct {
+    bool (*continues)(const kvt_rq_t *c);
+    s_handler_fn rest;         /* on a lookup worker */
+    void (*undo)(kvt_rq_t *c); /* the pool cannot take it (server thread) */
+} s_staged_t;
+
+static const s_staged_t s_staged[KVT_REQ_SLOTS] = {
+    [KVT_REQ_LOOKUP] = {s_lookup_continues, s_lookup_l2, s_lookup_undo},
+};
+
+/* The staged row of rq's type: only types of that run class reach here. */
+static const s_staged_t *s_staged_of(const kvt_rq_t *rq)
+{
+    const kvt_req_info_t *info = kvt_proto_info(rq->type);
+    kvt_assert(info && info->run == KVT_RUN_INLINE_THEN_LOOKUP && s_staged[rq->type].rest);
+    return &s_staged[rq->type];
+}
+
+bool kvt_handle_continues(const kvt_rq_t *rq)
+{
+    return s_staged_of(rq)->continues(rq);
+}
+
+int kvt_handle_continue(kvt_rq_t *rq)
+{
+    return s_staged_of(rq)->rest(rq);
+}
+
+int kvt_handle_refuse(kvt_rq_t *rq)
+{
+    s_staged_of(rq)->undo(rq);
+    snprintf(rq->err, sizeof rq->err, "%s: the L2 lookup queue is full, retry later",
+             kvt_proto_name(rq->type));
+    return KVT_EBUSY;
+}
 
 int kvt_handle(kvt_rq_t *rq)
 {

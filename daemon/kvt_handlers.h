@@ -1,10 +1,11 @@
 /* kvt_handlers: the request handlers — what each request type does once its envelope and body
  * have been decoded — and kvt_rq_t, the per-request context they work on.
  *
- * The server loop (kvt_server.c) owns the socket: it builds a kvt_rq_t from a message, runs
- * kvt_handle() inline or hands the request to a worker (types marked WORKER in KVT_REQ_MAP),
- * and sends the reply the handler packed. Handlers of WORKER types run on worker threads and
- * touch only thread-safe modules (L1, metrics); inline handlers run on the server thread. */
+ * The server loop (kvt_server.c) owns the socket: it builds a kvt_rq_t from a message, runs it
+ * by the run class of its type in KVT_REQ_MAP (INLINE: kvt_handle() on the server thread;
+ * WORKER: kvt_handle() on a worker; INLINE_THEN_LOOKUP: kvt_handle() on the server thread, then
+ * maybe kvt_handle_continue() on a lookup worker) and sends the reply the handler packed.
+ * Handlers that run on workers touch only thread-safe modules (L1, L2, prefetch, metrics). */
 #ifndef KVT_HANDLERS_H
 #define KVT_HANDLERS_H
 
@@ -18,6 +19,7 @@
 #include "kvt_session.h"
 
 #include <czmq.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 /* The modules handlers reach; owned by the server. */
@@ -30,6 +32,13 @@ typedef struct {
     kvt_prefetch_t *prefetch;
     kvt_gpu_t *gpu; /* the GPU path (CUDA loaded on first use) */
 } kvt_services_t;
+
+/* What a LOOKUP's inline part (L1, server thread) leaves to its part on the lookup pool (L2). */
+typedef struct {
+    uint32_t l1_hits; /* leading keys found in L1 */
+    uint64_t lease;   /* the read lease `lock` took on them, 0 when none */
+    bool l2_rest;     /* keys past the L1 prefix are to be asked of L2: nothing is packed yet */
+} kvt_lookup_state_t;
 
 /* One request from receipt to reply. Owns its frames, its decoded body (whose strings point
  * into `body`) and its reply. The frames are libzmq messages as received (no copies). */
@@ -50,20 +59,27 @@ typedef struct kvt_rq {
     kvt_slot_t *out;
     uint32_t nout;
     uint64_t out_lease;
-    /* a request deferred to the lookup pool (KVT_HANDLE_DEFER) resumes here */
-    int (*cont)(struct kvt_rq *rq);
-    uint32_t l1_hits;
-    uint64_t lease;
+    kvt_lookup_state_t lookup; /* LOOKUP (run class INLINE_THEN_LOOKUP) */
     int rc;
     char err[200];
 } kvt_rq_t;
 
 /* Runs the handler of rq->type on a decoded request: packs the ok body into rq->pk and returns
- * 0, or returns a KVT_E* code with rq->err set (the caller packs the error body), or returns
- * KVT_HANDLE_DEFER: the request needs L2 I/O, and the caller runs rq->cont(rq) on a lookup
- * worker, which returns like a handler. */
-#define KVT_HANDLE_DEFER 1
+ * 0, or returns a KVT_E* code with rq->err set (the caller packs the error body). For a type of
+ * run class INLINE_THEN_LOOKUP this is the inline part; see kvt_handle_continues. */
 int kvt_handle(kvt_rq_t *rq);
+
+/* After kvt_handle returned 0 for an INLINE_THEN_LOOKUP type: true when the request has a part
+ * left for the lookup pool (nothing is packed yet). The caller then runs kvt_handle_continue on
+ * a lookup worker, or kvt_handle_refuse when the pool cannot take the request. */
+bool kvt_handle_continues(const kvt_rq_t *rq);
+
+/* The part left for the lookup pool (a lookup worker); returns like kvt_handle. */
+int kvt_handle_continue(kvt_rq_t *rq);
+
+/* The lookup pool cannot take the request (queue full, or no pool): undoes what the inline part
+ * took (LOOKUP's lease) and returns KVT_EBUSY with rq->err set. Server thread. */
+int kvt_handle_refuse(kvt_rq_t *rq);
 
 /* Checks that need the data frames (PUT: one non-empty frame per key; others: none).
  * 0 or KVT_EBADREQ with rq->err set. Server thread, before kvt_handle. */

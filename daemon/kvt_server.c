@@ -4,8 +4,10 @@
  * (supervisor beat, session expiry, prefetch sweep), so a flood cannot starve the heartbeat.
  *
  * A message becomes a kvt_rq_t (kvt_handlers.h) that owns its frames, its decoded body and its
- * reply until s_finish() sends the reply and frees everything in one place. Fast requests run
- * inline; WORKER requests (PUT, CLEAR, GPU copies) go to the pool and come back through the done
+ * reply until s_finish() sends the reply and frees everything in one place. It runs by the run
+ * class of its type: INLINE requests on this loop; WORKER requests (PUT, CLEAR, GPU copies) on
+ * the worker pool; INLINE_THEN_LOOKUP requests (LOOKUP) on this loop, then, when their inline
+ * part leaves L2 work, on the lookup pool. Pooled requests come back through the pool's done
  * queue, so replies may leave out of order (the uid matches them). Replies go out with
  * ZMQ_DONTWAIT and ROUTER_MANDATORY: a client that vanished or stopped reading costs a
  * counter, never a blocked loop. On stop, intake ends and the jobs in flight are finished and
@@ -229,10 +231,10 @@ static void s_run_job(void *job)
     rq->rc = kvt_handle(rq);
 }
 
-static void s_run_cont(void *job)
+static void s_run_continue(void *job)
 {
     kvt_rq_t *rq = job;
-    rq->rc = rq->cont(rq);
+    rq->rc = kvt_handle_continue(rq);
 }
 
 /* One received message: its routing id and uid are in rq, the type frame in `type`, the
@@ -346,7 +348,34 @@ static int s_prepare(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
     return kvt_handle_check_frames(rq);
 }
 
-/* Runs one received message to its reply, or hands it to a worker. */
+/* Runs a valid request by the run class of its type: false when it is done (rq->rc set, the
+ * reply packed), true when a pool has it and answers it later. */
+static bool s_dispatch(kvt_server_t *self, kvt_rq_t *rq)
+{
+    const kvt_req_info_t *info = kvt_proto_info(rq->type);
+    switch (info->run) {
+    case KVT_RUN_WORKER:
+        if (kvt_workers_submit(self->workers, s_run_job, rq) == 0)
+            return true;
+        snprintf(rq->err, sizeof rq->err, "%s: the worker queue is full, retry later", info->name);
+        rq->rc = KVT_EBUSY;
+        return false;
+    case KVT_RUN_INLINE_THEN_LOOKUP:
+        rq->rc = kvt_handle(rq);
+        if (rq->rc || !kvt_handle_continues(rq))
+            return false;
+        if (self->lookups && kvt_workers_submit(self->lookups, s_run_continue, rq) == 0)
+            return true;
+        rq->rc = kvt_handle_refuse(rq);
+        return false;
+    case KVT_RUN_INLINE:
+        break;
+    }
+    rq->rc = kvt_handle(rq);
+    return false;
+}
+
+/* Runs one received message to its reply, or hands it to a pool. */
 static void s_handle_message(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
 {
     uint64_t uidv;
@@ -366,23 +395,8 @@ static void s_handle_message(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
                                  fd, kvt_accept_generation(fd), kvt_now_ms());
     rq->owner = kvt_conn_owner(rq->conn);
     rq->rc = s_prepare(self, rq, m);
-    const kvt_req_info_t *info = kvt_proto_info(rq->type);
-    if (rq->rc == 0 && info->run == KVT_RUN_WORKER) {
-        if (kvt_workers_submit(self->workers, s_run_job, rq) == 0)
-            return; /* answered when the job comes back */
-        snprintf(rq->err, sizeof rq->err, "%s: the worker queue is full, retry later", info->name);
-        rq->rc = KVT_EBUSY;
-    } else if (rq->rc == 0) {
-        rq->rc = kvt_handle(rq);
-        if (rq->rc == KVT_HANDLE_DEFER) {
-            if (self->lookups && kvt_workers_submit(self->lookups, s_run_cont, rq) == 0)
-                return;
-            kvt_l1_release(self->svc.l1, rq->owner, rq->lease);
-            snprintf(rq->err, sizeof rq->err, "%s: the L2 lookup queue is full, retry later",
-                     info->name);
-            rq->rc = KVT_EBUSY;
-        }
-    }
+    if (rq->rc == 0 && s_dispatch(self, rq))
+        return; /* answered when its job comes back */
     s_finish(self, rq);
 }
 

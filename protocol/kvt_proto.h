@@ -1,8 +1,8 @@
 /* kvt_proto: the request-type and field tables of wire protocol v1 (DESIGN.md, binding).
  *
  * KVT_REQ_MAP is the single source of truth for request types: frozen wire id, name, where the
- * server runs it (inline on the server loop or on a worker), the fields it requires and
- * accepts, and its own body-size bound. The table is append-only: ids and field meanings never
+ * server runs it (its run class), the fields it requires and accepts, and its own body-size
+ * bound. The table is append-only: ids and field meanings never
  * change. Pure data; any thread. */
 #ifndef KVT_PROTO_H
 #define KVT_PROTO_H
@@ -64,7 +64,14 @@ _Static_assert(KVT_FIELD_COUNT <= 32, "kvt_req_t.present is a uint32 bitmask");
 enum { KVT_FIELD_MAP(KVT_XX) };
 #undef KVT_XX
 
-typedef enum { KVT_RUN_INLINE = 0, KVT_RUN_WORKER = 1 } kvt_run_class_t;
+/* Where the server runs a request: INLINE on the server loop; WORKER on the worker pool;
+ * INLINE_THEN_LOOKUP on the server loop, then, when that part leaves work for L2 (LOOKUP: keys
+ * past the L1 prefix, with an L2 tier), on the lookup pool, which answers. */
+typedef enum {
+    KVT_RUN_INLINE = 0,
+    KVT_RUN_WORKER = 1,
+    KVT_RUN_INLINE_THEN_LOOKUP = 2
+} kvt_run_class_t;
 
 #define KVT_NONE 0u
 #define KVT_KEYED (KVT_F_NS | KVT_F_KEYS)
@@ -80,7 +87,8 @@ typedef enum { KVT_RUN_INLINE = 0, KVT_RUN_WORKER = 1 } kvt_run_class_t;
        65536)                                                                                  \
     XX(2, BYE, "bye", INLINE, KVT_F_INSTANCE, KVT_NONE, 65536)                                 \
     XX(3, PING, "ping", INLINE, KVT_NONE, KVT_F_INSTANCE, 65536)                               \
-    XX(4, LOOKUP, "lookup", INLINE, KVT_KEYED, KVT_F_SALT | KVT_F_LOCK | KVT_F_PREFETCH, 0)     \
+    XX(4, LOOKUP, "lookup", INLINE_THEN_LOOKUP, KVT_KEYED,                                     \
+       KVT_F_SALT | KVT_F_LOCK | KVT_F_PREFETCH, 0)                                             \
     XX(5, PREFETCH_STATUS, "prefetch_status", INLINE, KVT_F_JOB, KVT_NONE, 65536)              \
     XX(6, RESERVE, "reserve", INLINE, KVT_KEYED, KVT_F_SALT | KVT_F_SIZES | KVT_F_SIZE, 0)      \
     XX(7, COMMIT, "commit", INLINE, KVT_F_LEASE, KVT_F_FAILED, 0)                              \

@@ -1,18 +1,18 @@
-/* DESIGN: leases by id in a czmq hash (key: the id in hex) and by owner in per-owner doubly
- * linked lists (so BYE and expiry take all of an owner's leases without a scan). Expired ids go
- * into a bounded FIFO + hash so a late COMMIT learns lease_expired. One mutex; callers act on
- * a lease only after taking it out, so no lease is ever acted on twice.
+/* DESIGN: leases by id in a uint64 map and by owner in per-owner doubly linked lists (so BYE
+ * and expiry take all of an owner's leases without a scan). Expired ids go into a bounded ring
+ * (oldest overwritten) + a set so a late COMMIT learns lease_expired. One mutex; callers act on
+ * a lease only after taking it out, so no lease is ever acted on twice. Nothing observable
+ * depends on the maps' order: the only walk of by_id is destroy's.
  *
- * Byte accounts live in their own hash (hex owner -> account), reference-counted under the
- * mutex: one reference per lease that carries bytes, one per request building a lease. Their
- * byte counters are atomics changed with compare-and-swap, so charging a key needs no lock. */
+ * Byte accounts live in their own map (owner -> account), reference-counted under the mutex:
+ * one reference per lease that carries bytes, one per request building a lease. Their byte
+ * counters are atomics changed with compare-and-swap, so charging a key needs no lock. */
 #include "kvt_lease.h"
 
 #include "kvt_error.h"
 #include "kvt_log.h"
+#include "kvt_u64map.h"
 
-#include <czmq.h>
-#include <inttypes.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -20,27 +20,26 @@
 
 #define S_EXPIRED_KEEP 65536
 
+/* the value of an id in `expired`: the set only needs a non-NULL mark */
+static char s_expired_mark;
+
 struct kvt_leases {
     pthread_mutex_t lock;
     uint64_t next_id;
-    zhashx_t *by_id;    /* hex id -> kvt_lease_t */
-    zhashx_t *by_owner; /* hex owner -> first kvt_lease_t of that owner */
-    zhashx_t *expired;  /* hex id -> (void *)1 */
-    zlistx_t *expired_fifo; /* hex ids, oldest first */
+    kvt_u64map_t *by_id;    /* id -> kvt_lease_t */
+    kvt_u64map_t *by_owner; /* owner -> first kvt_lease_t of that owner */
+    kvt_u64map_t *expired;  /* id -> &s_expired_mark, for the ids in expired_ring */
+    uint64_t *expired_ring; /* S_EXPIRED_KEEP ids (allocated at the first expiry) */
+    size_t expired_next;    /* the ring's slot the next expired id goes to */
     uint64_t expired_total;
-    zhashx_t *accounts; /* hex owner -> kvt_account_t */
+    kvt_u64map_t *accounts; /* owner -> kvt_account_t */
 };
 
 struct kvt_account {
-    char key[17];  /* the owner in hex: the accounts key */
-    uint32_t refs; /* under the table lock */
+    uint64_t owner; /* the accounts key */
+    uint32_t refs;  /* under the table lock */
     _Atomic uint64_t bytes;
 };
-
-static void s_hex(uint64_t v, char out[17])
-{
-    snprintf(out, 17, "%016" PRIx64, v);
-}
 
 kvt_leases_t *kvt_leases_new(void)
 {
@@ -48,14 +47,10 @@ kvt_leases_t *kvt_leases_new(void)
     kvt_assert(self);
     pthread_mutex_init(&self->lock, NULL);
     self->next_id = 1;
-    self->by_id = zhashx_new();
-    self->by_owner = zhashx_new();
-    self->expired = zhashx_new();
-    self->expired_fifo = zlistx_new();
-    self->accounts = zhashx_new();
-    kvt_assert(self->by_id && self->by_owner && self->expired && self->expired_fifo &&
-               self->accounts);
-    zlistx_set_destructor(self->expired_fifo, (zlistx_destructor_fn *)zstr_free);
+    self->by_id = kvt_u64map_new();
+    self->by_owner = kvt_u64map_new();
+    self->expired = kvt_u64map_new();
+    self->accounts = kvt_u64map_new();
     return self;
 }
 
@@ -64,19 +59,20 @@ void kvt_leases_destroy(kvt_leases_t **self_p, void (*drop)(kvt_lease_t *, void 
     if (!self_p || !*self_p)
         return;
     kvt_leases_t *self = *self_p;
-    for (kvt_lease_t *l = zhashx_first(self->by_id); l; l = zhashx_next(self->by_id)) {
+    for (kvt_lease_t *l = kvt_u64map_first(self->by_id); l; l = kvt_u64map_next(self->by_id)) {
         if (drop)
             drop(l, ctx);
         kvt_leases_settle(self, l);
         kvt_lease_free(l);
     }
-    for (kvt_account_t *a = zhashx_first(self->accounts); a; a = zhashx_next(self->accounts))
+    for (kvt_account_t *a = kvt_u64map_first(self->accounts); a;
+         a = kvt_u64map_next(self->accounts))
         free(a); /* only accounts of requests still building a lease: none at shutdown */
-    zhashx_destroy(&self->accounts);
-    zhashx_destroy(&self->by_id);
-    zhashx_destroy(&self->by_owner);
-    zhashx_destroy(&self->expired);
-    zlistx_destroy(&self->expired_fifo);
+    kvt_u64map_destroy(&self->accounts);
+    kvt_u64map_destroy(&self->by_id);
+    kvt_u64map_destroy(&self->by_owner);
+    kvt_u64map_destroy(&self->expired);
+    free(self->expired_ring);
     pthread_mutex_destroy(&self->lock);
     free(self);
     *self_p = NULL;
@@ -108,16 +104,13 @@ void kvt_lease_free(kvt_lease_t *l)
 /* Indexes a lease under its id and owner; lock held. */
 static void s_link(kvt_leases_t *self, kvt_lease_t *l)
 {
-    char id[17], owner[17];
-    s_hex(l->id, id);
-    s_hex(l->owner, owner);
-    zhashx_insert(self->by_id, id, l);
-    kvt_lease_t *head = zhashx_lookup(self->by_owner, owner);
+    kvt_u64map_set(self->by_id, l->id, l);
+    kvt_lease_t *head = kvt_u64map_get(self->by_owner, l->owner);
     l->prev_of_owner = NULL;
     l->next_of_owner = head;
     if (head)
         head->prev_of_owner = l;
-    zhashx_update(self->by_owner, owner, l);
+    kvt_u64map_set(self->by_owner, l->owner, l);
 }
 
 uint64_t kvt_leases_add(kvt_leases_t *self, kvt_lease_t *l)
@@ -140,16 +133,13 @@ void kvt_leases_restore(kvt_leases_t *self, kvt_lease_t *l)
 /* Unlinks from both indexes; lock held. */
 static void s_unlink(kvt_leases_t *self, kvt_lease_t *l)
 {
-    char id[17], owner[17];
-    s_hex(l->id, id);
-    s_hex(l->owner, owner);
-    zhashx_delete(self->by_id, id);
+    kvt_u64map_remove(self->by_id, l->id);
     if (l->prev_of_owner)
         l->prev_of_owner->next_of_owner = l->next_of_owner;
     else if (l->next_of_owner)
-        zhashx_update(self->by_owner, owner, l->next_of_owner);
+        kvt_u64map_set(self->by_owner, l->owner, l->next_of_owner);
     else
-        zhashx_delete(self->by_owner, owner);
+        kvt_u64map_remove(self->by_owner, l->owner);
     if (l->next_of_owner)
         l->next_of_owner->prev_of_owner = l->prev_of_owner;
     l->prev_of_owner = l->next_of_owner = NULL;
@@ -158,16 +148,14 @@ static void s_unlink(kvt_leases_t *self, kvt_lease_t *l)
 int kvt_leases_take(kvt_leases_t *self, uint64_t id, uint64_t owner, int kind,
                     kvt_lease_t **out)
 {
-    char key[17];
-    s_hex(id, key);
     int rc = 0;
     pthread_mutex_lock(&self->lock);
-    kvt_lease_t *l = zhashx_lookup(self->by_id, key);
+    kvt_lease_t *l = kvt_u64map_get(self->by_id, id);
     if (l && l->owner == owner && kind && (int)l->kind != kind)
         rc = KVT_EBADREQ;
     else if (l && l->owner == owner)
         s_unlink(self, l);
-    else if (!l && zhashx_lookup(self->expired, key))
+    else if (!l && kvt_u64map_get(self->expired, id))
         rc = KVT_ELEXPIRED;
     else
         rc = KVT_EUNKLEASE;
@@ -176,32 +164,36 @@ int kvt_leases_take(kvt_leases_t *self, uint64_t id, uint64_t owner, int kind,
     return rc;
 }
 
+/* Remembers `id` as expired, forgetting the oldest of the last S_EXPIRED_KEEP; lock held. */
+static void s_remember_expired(kvt_leases_t *self, uint64_t id)
+{
+    if (!self->expired_ring) {
+        self->expired_ring = calloc(S_EXPIRED_KEEP, sizeof *self->expired_ring);
+        kvt_assert(self->expired_ring);
+    }
+    uint64_t *slot = &self->expired_ring[self->expired_next];
+    if (self->expired_total >= S_EXPIRED_KEEP) /* the ring is full: *slot is the oldest */
+        kvt_u64map_remove(self->expired, *slot);
+    *slot = id;
+    kvt_u64map_set(self->expired, id, &s_expired_mark);
+    self->expired_next = (self->expired_next + 1) % S_EXPIRED_KEEP;
+    self->expired_total++;
+}
+
 kvt_lease_t *kvt_leases_take_owner(kvt_leases_t *self, uint64_t owner, bool expired,
                                    size_t *count)
 {
-    char key[17];
-    s_hex(owner, key);
     size_t n = 0;
     kvt_lease_t *list = NULL;
     pthread_mutex_lock(&self->lock);
     kvt_lease_t *l;
-    while ((l = zhashx_lookup(self->by_owner, key)) != NULL) {
+    while ((l = kvt_u64map_get(self->by_owner, owner)) != NULL) {
         s_unlink(self, l);
         l->next_of_owner = list;
         list = l;
         n++;
-        if (!expired)
-            continue;
-        char id[17];
-        s_hex(l->id, id);
-        zhashx_insert(self->expired, id, (void *)1);
-        zlistx_add_end(self->expired_fifo, strdup(id));
-        self->expired_total++;
-        if (zlistx_size(self->expired_fifo) > S_EXPIRED_KEEP) {
-            char *old = zlistx_detach(self->expired_fifo, NULL);
-            zhashx_delete(self->expired, old);
-            free(old);
-        }
+        if (expired)
+            s_remember_expired(self, l->id);
     }
     pthread_mutex_unlock(&self->lock);
     if (count)
@@ -212,7 +204,7 @@ kvt_lease_t *kvt_leases_take_owner(kvt_leases_t *self, uint64_t owner, bool expi
 size_t kvt_leases_active(kvt_leases_t *self)
 {
     pthread_mutex_lock(&self->lock);
-    size_t n = zhashx_size(self->by_id);
+    size_t n = kvt_u64map_size(self->by_id);
     pthread_mutex_unlock(&self->lock);
     return n;
 }
@@ -227,10 +219,8 @@ uint64_t kvt_leases_expired_total(kvt_leases_t *self)
 
 kvt_lease_t *kvt_leases_peek(kvt_leases_t *self, uint64_t id, uint64_t owner)
 {
-    char key[17];
-    s_hex(id, key);
     pthread_mutex_lock(&self->lock);
-    kvt_lease_t *l = zhashx_lookup(self->by_id, key);
+    kvt_lease_t *l = kvt_u64map_get(self->by_id, id);
     if (l && l->owner != owner)
         l = NULL;
     pthread_mutex_unlock(&self->lock);
@@ -239,15 +229,13 @@ kvt_lease_t *kvt_leases_peek(kvt_leases_t *self, uint64_t id, uint64_t owner)
 
 kvt_account_t *kvt_leases_account(kvt_leases_t *self, uint64_t owner)
 {
-    char key[17];
-    s_hex(owner, key);
     pthread_mutex_lock(&self->lock);
-    kvt_account_t *a = zhashx_lookup(self->accounts, key);
+    kvt_account_t *a = kvt_u64map_get(self->accounts, owner);
     if (!a) {
         a = calloc(1, sizeof *a);
         kvt_assert(a);
-        memcpy(a->key, key, sizeof key);
-        zhashx_insert(self->accounts, a->key, a);
+        a->owner = owner;
+        kvt_u64map_set(self->accounts, owner, a);
     }
     a->refs++;
     pthread_mutex_unlock(&self->lock);
@@ -263,7 +251,7 @@ void kvt_leases_account_put(kvt_leases_t *self, kvt_account_t *a)
     bool last = --a->refs == 0;
     if (last) {
         kvt_assert(atomic_load(&a->bytes) == 0);
-        zhashx_delete(self->accounts, a->key);
+        kvt_u64map_remove(self->accounts, a->owner);
     }
     pthread_mutex_unlock(&self->lock);
     if (last)
@@ -301,10 +289,8 @@ void kvt_leases_settle(kvt_leases_t *self, kvt_lease_t *l)
 
 uint64_t kvt_leases_owner_bytes(kvt_leases_t *self, uint64_t owner)
 {
-    char key[17];
-    s_hex(owner, key);
     pthread_mutex_lock(&self->lock);
-    const kvt_account_t *a = zhashx_lookup(self->accounts, key);
+    const kvt_account_t *a = kvt_u64map_get(self->accounts, owner);
     uint64_t bytes = a ? atomic_load(&a->bytes) : 0;
     pthread_mutex_unlock(&self->lock);
     return bytes;

@@ -1,7 +1,7 @@
-/* DESIGN: jobs in a czmq hash keyed by id (hex), each also on one of two FIFOs: `running`
+/* DESIGN: jobs in a uint64 map keyed by id, each also on one of two FIFOs: `running`
  * (creation order) or `finished` (the order they finished). A sweep looks only at the head of
  * `finished`, so a job still running never holds back the sweep of those that finished after
- * it. One mutex, a leaf.
+ * it; the map's order matters nowhere. One mutex, a leaf.
  *
  * At most max_jobs are live. A new job past that takes the place of the oldest finished one,
  * or is refused (counted; the LOOKUP answers without a job) when every live job is still
@@ -13,9 +13,9 @@
 
 #include "kvt_error.h"
 #include "kvt_log.h"
+#include "kvt_u64map.h"
 
 #include <czmq.h>
-#include <inttypes.h>
 #include <pthread.h>
 #include <stdlib.h>
 
@@ -31,7 +31,7 @@ typedef struct {
 
 struct kvt_prefetch {
     pthread_mutex_t lock;
-    zhashx_t *jobs;     /* hex id -> s_job_t (owned) */
+    kvt_u64map_t *jobs; /* id -> s_job_t (owned) */
     zlistx_t *running;  /* s_job_t, oldest first (borrowed) */
     zlistx_t *finished; /* s_job_t, first finished first (borrowed) */
     uint64_t next_id;
@@ -40,28 +40,16 @@ struct kvt_prefetch {
     uint64_t refused;
 };
 
-static void s_job_free(void **item)
-{
-    free(*item);
-    *item = NULL;
-}
-
-static void s_hex(uint64_t v, char out[17])
-{
-    snprintf(out, 17, "%016" PRIx64, v);
-}
-
 kvt_prefetch_t *kvt_prefetch_new(uint64_t keep_ms, uint32_t max_jobs)
 {
     kvt_assert(max_jobs > 0);
     kvt_prefetch_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     pthread_mutex_init(&self->lock, NULL);
-    self->jobs = zhashx_new();
+    self->jobs = kvt_u64map_new();
     self->running = zlistx_new();
     self->finished = zlistx_new();
     kvt_assert(self->jobs && self->running && self->finished);
-    zhashx_set_destructor(self->jobs, s_job_free);
     self->next_id = 1;
     self->keep_ms = keep_ms;
     self->max_jobs = max_jobs;
@@ -75,7 +63,9 @@ void kvt_prefetch_destroy(kvt_prefetch_t **self_p)
     kvt_prefetch_t *self = *self_p;
     zlistx_destroy(&self->finished);
     zlistx_destroy(&self->running);
-    zhashx_destroy(&self->jobs);
+    for (s_job_t *j = kvt_u64map_first(self->jobs); j; j = kvt_u64map_next(self->jobs))
+        free(j);
+    kvt_u64map_destroy(&self->jobs);
     pthread_mutex_destroy(&self->lock);
     free(self);
     *self_p = NULL;
@@ -85,9 +75,8 @@ void kvt_prefetch_destroy(kvt_prefetch_t **self_p)
 static void s_drop_finished(kvt_prefetch_t *self)
 {
     s_job_t *j = zlistx_detach(self->finished, NULL);
-    char key[17];
-    s_hex(j->id, key);
-    zhashx_delete(self->jobs, key);
+    kvt_u64map_remove(self->jobs, j->id);
+    free(j);
 }
 
 /* Drops finished jobs kept long enough: keep_ms, or S_PRESSURE_KEEP_MS while more than half
@@ -96,7 +85,7 @@ static size_t s_sweep(kvt_prefetch_t *self, uint64_t now_ms)
 {
     size_t n = 0;
     for (s_job_t *j = zlistx_first(self->finished); j; j = zlistx_first(self->finished)) {
-        bool pressure = zhashx_size(self->jobs) > self->max_jobs / 2;
+        bool pressure = kvt_u64map_size(self->jobs) > self->max_jobs / 2;
         uint64_t keep =
             pressure && S_PRESSURE_KEEP_MS < self->keep_ms ? S_PRESSURE_KEEP_MS : self->keep_ms;
         if (now_ms - j->done_ms <= keep)
@@ -111,7 +100,7 @@ uint64_t kvt_prefetch_start(kvt_prefetch_t *self, uint32_t hits, bool done, uint
 {
     pthread_mutex_lock(&self->lock);
     s_sweep(self, now_ms);
-    if (zhashx_size(self->jobs) >= self->max_jobs) {
+    if (kvt_u64map_size(self->jobs) >= self->max_jobs) {
         if (zlistx_size(self->finished) == 0) {
             self->refused++;
             pthread_mutex_unlock(&self->lock);
@@ -125,9 +114,7 @@ uint64_t kvt_prefetch_start(kvt_prefetch_t *self, uint32_t hits, bool done, uint
     j->done = done;
     j->done_ms = now_ms;
     j->id = self->next_id++;
-    char key[17];
-    s_hex(j->id, key);
-    zhashx_insert(self->jobs, key, j);
+    kvt_u64map_set(self->jobs, j->id, j);
     j->handle = zlistx_add_end(done ? self->finished : self->running, j);
     kvt_assert(j->handle);
     uint64_t id = j->id;
@@ -138,10 +125,8 @@ uint64_t kvt_prefetch_start(kvt_prefetch_t *self, uint32_t hits, bool done, uint
 void kvt_prefetch_update(kvt_prefetch_t *self, uint64_t job, uint32_t loaded, bool done,
                          uint64_t now_ms)
 {
-    char key[17];
-    s_hex(job, key);
     pthread_mutex_lock(&self->lock);
-    s_job_t *j = zhashx_lookup(self->jobs, key);
+    s_job_t *j = kvt_u64map_get(self->jobs, job);
     if (j) {
         j->loaded += loaded;
         if (done && !j->done) {
@@ -158,10 +143,8 @@ void kvt_prefetch_update(kvt_prefetch_t *self, uint64_t job, uint32_t loaded, bo
 int kvt_prefetch_status(kvt_prefetch_t *self, uint64_t job, bool *done, uint32_t *loaded,
                         uint32_t *hits)
 {
-    char key[17];
-    s_hex(job, key);
     pthread_mutex_lock(&self->lock);
-    s_job_t *j = zhashx_lookup(self->jobs, key);
+    s_job_t *j = kvt_u64map_get(self->jobs, job);
     if (j) {
         *done = j->done;
         *loaded = j->loaded;
@@ -182,7 +165,7 @@ size_t kvt_prefetch_sweep(kvt_prefetch_t *self, uint64_t now_ms)
 size_t kvt_prefetch_jobs(kvt_prefetch_t *self)
 {
     pthread_mutex_lock(&self->lock);
-    size_t n = zhashx_size(self->jobs);
+    size_t n = kvt_u64map_size(self->jobs);
     pthread_mutex_unlock(&self->lock);
     return n;
 }
@@ -191,7 +174,7 @@ void kvt_prefetch_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
 {
     kvt_prefetch_t *self = ctx;
     pthread_mutex_lock(&self->lock);
-    double jobs = (double)zhashx_size(self->jobs), refused = (double)self->refused;
+    double jobs = (double)kvt_u64map_size(self->jobs), refused = (double)self->refused;
     pthread_mutex_unlock(&self->lock);
     kvt_sample_t j = {.name = "prefetch_jobs",
                       .help = "Prefetch jobs kept (running, or finished and not yet swept).",

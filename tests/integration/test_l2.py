@@ -15,8 +15,8 @@ import uuid
 import pytest
 import zmq
 
-from kvtest import (GET, PREFETCH_STATUS, PUT, MiB, Arena, error_code, key, metric_value,
-                    pack, payload, run_kvtierd, unpack, wait_until)
+from kvtest import (GET, LOOKUP, PREFETCH_STATUS, PUT, MiB, Arena, assert_error, error_code,
+                    key, metric_value, pack, payload, run_kvtierd, unpack, wait_until)
 
 NS = "l2-test/kv-v1"
 PLUGIN_ENV = "KVT_L2_EXAMPLE_PLUGIN"
@@ -372,6 +372,37 @@ def test_four_times_l1_stays_reachable_through_fs(daemon_factory, client):
         assert get(d, s, NS, sample) == [data_of(k, MiB) for k in sample]
         assert d.fetch(s, arena, NS, sample[:2]) == [data_of(k, MiB) for k in sample[:2]]
     assert l2_value(d, "kvtier_l2_loaded_total", "fs:") >= 16
+
+
+def test_full_lookup_queue_answers_busy_and_gives_back_the_lease(daemon_factory, client):
+    """LOOKUPs past the L1 prefix wait for the lookup pool (2 workers, 1024 queued). With a
+    backend taking 10 ms per lookup, 1500 sent at once overflow it: the overflow is answered
+    busy at once and the lease `lock` took on the L1 part goes back with it; the others answer
+    ok with their lease. Once those are released, no lease is left."""
+    d = daemon_factory("--l2", "mock:latency_ms=10")
+    s, _ = client(d, "flood")
+    k0 = key(0, b"flood")
+    assert d.call(s, PUT, {"ns": NS, "keys": [k0]}, data_of(k0, 4096))["ok"]
+    ks = [k0, key(1, b"flood")]                 # the second is nowhere: L2 is asked
+    total = 1500
+    for i in range(total):
+        s.send_multipart([pack(i), pack(LOOKUP), pack({"ns": NS, "keys": ks, "lock": True})])
+    leases, busy = [], 0
+    for _ in range(total):
+        assert s.poll(30000), "no reply for 30 s: %d ok, %d busy" % (len(leases), busy)
+        body = unpack(s.recv_multipart()[2])
+        if body["ok"]:
+            assert (body["hits"], body["l1"]) == (1, 1) and body.get("lease"), body
+            leases.append(body["lease"])
+        else:
+            assert_error(body, "busy", "lookup queue is full")
+            busy += 1
+    assert busy > 0 and leases, (len(leases), busy)
+    assert metric_value(d.metrics()[1], "kvtier_leases_active") == len(leases)
+    for lease in leases:
+        d.release(s, lease)
+    assert metric_value(d.metrics()[1], "kvtier_leases_active") == 0
+    assert d.alive()
 
 
 # ----------------------------------------------------------------------------------------

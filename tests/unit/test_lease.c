@@ -1,8 +1,8 @@
 /* Unit tests of storage/kvt_lease: ids unique and never 0, take by the owner only (a wrong
  * owner leaves the lease in place), a lease acted on at most once, kind checks and restore,
  * take_owner with and without expiry (a late take says lease_expired, or unknown_lease after
- * BYE), the bounded memory of expired ids, active / expired counters, and destroy handing the
- * leases left to `drop`. */
+ * BYE), the bounded memory of expired ids, active / expired counters, destroy handing the
+ * leases left to `drop`, and many leases of owners that agree in their low 32 bits. */
 #include "kvt_error.h"
 #include "kvt_lease.h"
 
@@ -374,6 +374,104 @@ static void test_add_races_take_owner(void **state)
     kvt_leases_destroy(&r.t, NULL, NULL);
 }
 
+/* Many leases of many owners whose ids agree in their low 32 bits (a table keyed by a
+ * truncated owner would merge them): each lease is found for its owner only, takes and expiry
+ * of some owners leave every other lease and account alone, and the expired ring keeps exactly
+ * the last 65536 ids however often it wraps. */
+static void s_free_list(kvt_lease_t *list)
+{
+    while (list) {
+        kvt_lease_t *next = list->next_of_owner;
+        kvt_lease_free(list);
+        list = next;
+    }
+}
+
+static void test_many_owners_and_ids(void **state)
+{
+    (void)state;
+    enum { OWNERS = 64, N = 20000, WINDOW = 65536 };
+    kvt_leases_t *t = kvt_leases_new();
+    uint64_t owners[OWNERS];
+    kvt_account_t *acct[OWNERS];
+    for (int k = 0; k < OWNERS; k++) {
+        owners[k] = ((uint64_t)k << 32) | 7;
+        acct[k] = kvt_leases_account(t, owners[k]);
+        assert_true(kvt_account_charge(acct[k], (uint64_t)k + 1, 0, NULL));
+    }
+    uint64_t *ids = malloc(N * sizeof *ids);
+    assert_non_null(ids);
+    for (int i = 0; i < N; i++)
+        ids[i] = kvt_leases_add(t, s_new(owners[i % OWNERS], KVT_LEASE_READ, 1));
+    for (int i = 0; i < N; i++) {
+        kvt_lease_t *l = kvt_leases_peek(t, ids[i], owners[i % OWNERS]);
+        assert_non_null(l);
+        assert_int_equal(l->id, ids[i]);
+        assert_null(kvt_leases_peek(t, ids[i], owners[(i + 1) % OWNERS]));
+    }
+    for (int k = 0; k < OWNERS; k++)
+        assert_int_equal(kvt_leases_owner_bytes(t, owners[k]), k + 1);
+    /* every third lease taken by id */
+    for (int i = 0; i < N; i += 3) {
+        kvt_lease_t *l = NULL;
+        assert_int_equal(kvt_leases_take(t, ids[i], owners[(i + 1) % OWNERS], 0, &l),
+                         KVT_EUNKLEASE);
+        assert_int_equal(kvt_leases_take(t, ids[i], owners[i % OWNERS], 0, &l), 0);
+        kvt_lease_free(l);
+    }
+    /* the even owners expire: their leases say lease_expired, the odd owners' stay */
+    size_t expired = 0;
+    for (int k = 0; k < OWNERS; k += 2) {
+        size_t n = 0;
+        s_free_list(kvt_leases_take_owner(t, owners[k], true, &n));
+        expired += n;
+    }
+    assert_int_equal(kvt_leases_expired_total(t), expired);
+    assert_int_equal(kvt_leases_active(t), N - N / 3 - 1 - expired);
+    for (int i = 0; i < N; i++) {
+        kvt_lease_t *l = NULL;
+        int rc = kvt_leases_take(t, ids[i], owners[i % OWNERS], 0, &l);
+        if (i % 3 == 0)
+            assert_int_equal(rc, KVT_EUNKLEASE);
+        else if (i % OWNERS % 2 == 0)
+            assert_int_equal(rc, KVT_ELEXPIRED);
+        else
+            assert_int_equal(rc, 0);
+        kvt_lease_free(l);
+    }
+    assert_int_equal(kvt_leases_active(t), 0);
+    for (int k = 0; k < OWNERS; k++) {
+        assert_int_equal(kvt_leases_owner_bytes(t, owners[k]), k + 1);
+        kvt_account_uncharge(acct[k], (uint64_t)k + 1);
+        kvt_leases_account_put(t, acct[k]);
+        assert_int_equal(kvt_leases_owner_bytes(t, owners[k]), 0);
+    }
+    /* the ring wraps twice more: exactly the last WINDOW expired ids are remembered (expired in
+     * batches of 1024, aligned with the window: a batch expires its newest lease first) */
+    uint64_t total = expired;
+    size_t cap = 2 * WINDOW + 3 * 1024;
+    uint64_t *late = malloc(cap * sizeof *late);
+    assert_non_null(late);
+    for (size_t i = 0; i < cap; i++) {
+        late[i] = kvt_leases_add(t, s_new(owners[1], KVT_LEASE_READ, 0));
+        if (i % 1024 == 1023) {
+            size_t n = 0;
+            s_free_list(kvt_leases_take_owner(t, owners[1], true, &n));
+            total += n;
+        }
+    }
+    assert_int_equal(kvt_leases_expired_total(t), total);
+    kvt_lease_t *l = NULL;
+    for (size_t i = 0; i < cap; i++)
+        assert_int_equal(kvt_leases_take(t, late[i], owners[1], 0, &l),
+                         i < cap - WINDOW ? KVT_EUNKLEASE : KVT_ELEXPIRED);
+    for (int i = 0; i < N; i++) /* older than the window */
+        assert_int_equal(kvt_leases_take(t, ids[i], owners[i % OWNERS], 0, &l), KVT_EUNKLEASE);
+    free(late);
+    free(ids);
+    kvt_leases_destroy(&t, NULL, NULL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -386,6 +484,7 @@ int main(void)
         cmocka_unit_test(test_expired_window_bounded),
         cmocka_unit_test(test_destroy_drops_leftovers),
         cmocka_unit_test(test_add_races_take_owner),
+        cmocka_unit_test(test_many_owners_and_ids),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,6 +1,6 @@
 /* Unit tests of the protocol decoder (protocol/kvt_msg.c): pre-scan bounds, uid/type frames,
- * field decoding per request type, error codes and messages, and a seeded random-input run
- * under ASan/UBSan. */
+ * field decoding per request type, error codes and messages, a seeded random-input run under
+ * ASan/UBSan, and the run class of every request type. */
 #include "kvt_error.h"
 #include "kvt_msg.h"
 
@@ -634,6 +634,36 @@ static void test_gpu_copy_decode(void **state)
     msgpack_sbuffer_destroy(&b.sb);
 }
 
+/* Where the server runs each type (KVT_REQ_MAP's run class): the slow ones on the worker pool,
+ * LOOKUP inline and then, for its L2 part, on the lookup pool, everything else inline. */
+static void test_run_classes(void **state)
+{
+    (void)state;
+    for (uint64_t t = 0; t < KVT_REQ_SLOTS + 2; t++) {
+        const kvt_req_info_t *info = kvt_proto_info(t);
+        if (t == 0 || t >= KVT_REQ_SLOTS) {
+            assert_null(info);
+            continue;
+        }
+        assert_non_null(info);
+        kvt_run_class_t want = KVT_RUN_INLINE;
+        switch (t) {
+        case KVT_REQ_PUT:
+        case KVT_REQ_CLEAR:
+        case KVT_REQ_REGISTER_GPU:
+        case KVT_REQ_UNREGISTER_GPU:
+        case KVT_REQ_STORE_GPU:
+        case KVT_REQ_RETRIEVE_GPU:
+            want = KVT_RUN_WORKER;
+            break;
+        case KVT_REQ_LOOKUP:
+            want = KVT_RUN_INLINE_THEN_LOOKUP;
+            break;
+        }
+        assert_int_equal(info->run, want);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -651,6 +681,7 @@ int main(void)
         cmocka_unit_test(test_random_inputs),
         cmocka_unit_test(test_register_gpu_decode),
         cmocka_unit_test(test_gpu_copy_decode),
+        cmocka_unit_test(test_run_classes),
     };
     return cmocka_run_group_tests(tests, s_setup, NULL);
 }

@@ -1,7 +1,8 @@
 /* Unit tests of storage/kvt_prefetch: ids unique and never 0; at max_jobs a new job replaces
  * the oldest finished one, and is refused (0, counted) only while every live job is running; a
  * running job at the head never holds back the sweep of jobs that finished after it; over half
- * the cap finished jobs are kept a second instead of keep_ms, down to half the cap. */
+ * the cap finished jobs are kept a second instead of keep_ms, down to half the cap; many jobs
+ * each found by their own id. */
 #include "kvt_error.h"
 #include "kvt_prefetch.h"
 
@@ -9,6 +10,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -129,12 +131,52 @@ static void test_pressure_sweeps_sooner(void **state)
     kvt_prefetch_destroy(&p);
 }
 
+/* Many jobs: each id finds its own job (hits, loaded, done) until it is swept, and ids that
+ * agree with a live one in their low 32 bits, or were never handed out, find nothing. */
+static void test_many_jobs(void **state)
+{
+    (void)state;
+    enum { N = 20000 };
+    kvt_prefetch_t *p = kvt_prefetch_new(1000, N);
+    uint64_t *ids = malloc(N * sizeof *ids);
+    assert_non_null(ids);
+    for (uint32_t i = 0; i < N; i++) {
+        ids[i] = kvt_prefetch_start(p, i, i % 2 == 0, 0); /* the even ones finish at once */
+        assert_true(ids[i] != 0);
+    }
+    for (uint32_t i = 1; i < N; i += 2)
+        kvt_prefetch_update(p, ids[i], i / 2, false, 0);
+    bool done;
+    uint32_t loaded, hits;
+    for (uint32_t i = 0; i < N; i++) {
+        assert_int_equal(kvt_prefetch_status(p, ids[i], &done, &loaded, &hits), 0);
+        assert_int_equal(hits, i);
+        assert_int_equal(done, i % 2 == 0);
+        assert_int_equal(loaded, i % 2 ? i / 2 : 0);
+        uint64_t twin = ids[i] + ((uint64_t)1 << 32);
+        assert_int_equal(kvt_prefetch_status(p, twin, &done, &loaded, &hits), KVT_ENOTFOUND);
+    }
+    assert_int_equal(kvt_prefetch_status(p, 0, &done, &loaded, &hits), KVT_ENOTFOUND);
+    assert_int_equal(kvt_prefetch_status(p, UINT64_MAX, &done, &loaded, &hits), KVT_ENOTFOUND);
+    /* the finished half is swept, the running half stays as it was */
+    assert_int_equal(kvt_prefetch_sweep(p, 5000), N / 2);
+    for (uint32_t i = 0; i < N; i++) {
+        int rc = kvt_prefetch_status(p, ids[i], &done, &loaded, &hits);
+        assert_int_equal(rc, i % 2 ? 0 : KVT_ENOTFOUND);
+        if (rc == 0)
+            assert_true(!done && hits == i && loaded == i / 2);
+    }
+    free(ids);
+    kvt_prefetch_destroy(&p); /* frees the running jobs (ASan) */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cap_refuses_only_when_all_run),
         cmocka_unit_test(test_running_head_does_not_block_sweep),
         cmocka_unit_test(test_pressure_sweeps_sooner),
+        cmocka_unit_test(test_many_jobs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,7 +1,8 @@
 /* Unit tests of daemon/kvt_session.c: who may act for an instance (HELLO, tokens, BYE,
  * PING's check), the caps, connection identity (routing id + descriptor, close reports by
  * generation), expiry of every silent instance in one sweep, reply accounting and the cut of
- * a connection that stopped reading (observed on a real socketpair), and the bounded /status. */
+ * a connection that stopped reading (observed on a real socketpair), the bounded /status, and
+ * many routing ids that a string key would merge. */
 #include "kvt_error.h"
 #include "kvt_session.h"
 
@@ -258,6 +259,83 @@ static void test_backlog_over_the_limit_cuts(void **state)
     close(sv[1]);
 }
 
+/* Routing ids are bytes, not strings: ids that a C-string or a truncated key would merge
+ * ("\0a" and "\0b", "ab" and "ab\0", one byte apart in 255) are separate connections, each
+ * found again by its own bytes among many, and retiring some leaves the others. */
+static kvt_conn_t *conn_bytes(kvt_sessions_t *s, const uint8_t *rid, size_t len, int fd)
+{
+    return kvt_sessions_conn(s, rid, len, fd, 1, 0);
+}
+
+static void test_many_routing_ids(void **state)
+{
+    (void)state;
+    enum { N = 2000, FD0 = 100 };
+    kvt_session_limits_t lim = s_lim;
+    lim.max_instances = N;
+    kvt_sessions_t *s = kvt_sessions_new(&lim, NULL, NULL);
+    static uint8_t rids[N][255];
+    static size_t lens[N];
+    static kvt_conn_t *conns[N];
+    static uint64_t owners[N];
+    for (int i = 0; i < N; i++) {
+        memset(rids[i], 0, sizeof rids[i]);
+        switch (i % 4) {
+        case 0: /* NUL first, then the index: all empty as C strings */
+            rids[i][1] = (uint8_t)i;
+            rids[i][2] = (uint8_t)(i >> 8);
+            lens[i] = 3;
+            break;
+        case 1: /* "ab", NULs, a last byte: many are prefixes of others */
+            rids[i][0] = 'a';
+            rids[i][1] = 'b';
+            lens[i] = 2 + (size_t)i / 4 % 200;
+            rids[i][lens[i] - 1] = (uint8_t)(i / 800); /* keeps same-length ones apart */
+            break;
+        case 2: /* 255 bytes differing only in the last two */
+            memset(rids[i], 0x5a, 255);
+            rids[i][253] = (uint8_t)i;
+            rids[i][254] = (uint8_t)(i >> 8);
+            lens[i] = 255;
+            break;
+        default: /* 5-byte ids as ZMQ makes them, counting up */
+            rids[i][1] = (uint8_t)i;
+            rids[i][2] = (uint8_t)(i >> 8);
+            lens[i] = 5;
+            break;
+        }
+    }
+    for (int i = 0; i < N; i++) {
+        conns[i] = conn_bytes(s, rids[i], lens[i], FD0 + i);
+        assert_int_equal(kvt_conn_owner(conns[i]), 0); /* new: no other id's connection */
+        char inst[32];
+        snprintf(inst, sizeof inst, "inst-%d", i);
+        assert_int_equal(hello(s, conns[i], inst, NULL, 0, NULL), 0);
+        owners[i] = kvt_conn_owner(conns[i]);
+    }
+    assert_int_equal(kvt_sessions_count(s), N);
+    /* each id finds its own connection, acting for its own instance */
+    for (int i = 0; i < N; i++) {
+        kvt_conn_t *again = conn_bytes(s, rids[i], lens[i], FD0 + i);
+        assert_ptr_equal(again, conns[i]);
+        assert_true(kvt_conn_owner(again) == owners[i]);
+        kvt_conn_unref(&again);
+    }
+    /* the odd ones close: the even ones are still found */
+    for (int i = 1; i < N; i += 2)
+        kvt_sessions_on_disconnect(s, FD0 + i, 1);
+    for (int i = 0; i < N; i++) {
+        kvt_conn_t *again = conn_bytes(s, rids[i], lens[i], FD0 + i);
+        if (i % 2)
+            assert_ptr_not_equal(again, conns[i]); /* a new connection for that id */
+        else
+            assert_ptr_equal(again, conns[i]);
+        kvt_conn_unref(&again);
+        kvt_conn_unref(&conns[i]);
+    }
+    kvt_sessions_destroy(&s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -267,6 +345,7 @@ int main(void)
         cmocka_unit_test(test_every_silent_instance_expires_in_one_sweep),
         cmocka_unit_test(test_stalled_replies_cut_the_connection),
         cmocka_unit_test(test_backlog_over_the_limit_cuts),
+        cmocka_unit_test(test_many_routing_ids),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
