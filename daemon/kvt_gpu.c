@@ -922,15 +922,14 @@ int kvt_gpu_store(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32_t 
             s_reg_put(self, reg);
         return rc;
     }
-    kvt_nsref_t ns = {r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
     kvt_slot_t *slots = malloc(r->nkeys * sizeof *slots);
     uint64_t *off = malloc(r->nkeys * sizeof *off);
     uint64_t *ids = malloc((size_t)r->nkeys * per * sizeof *ids);
     kvt_assert(slots && off && ids);
     uint32_t n = 0, m = 0;
     uint64_t lease = 0;
-    rc = kvt_l1_reserve(self->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                        r->nkeys, NULL, chunk_bytes, slots, &n, &lease, err, errlen);
+    rc = kvt_l1_reserve(self->l1, KVT_OWNER_DAEMON, &r->ns, r->keys, r->nkeys, NULL, chunk_bytes,
+                        slots, &n, &lease, err, errlen);
     if (rc == 0 && lease) {
         /* only the new objects (a nil slot: that key is stored already) */
         for (uint32_t i = 0; i < n; i++)
@@ -968,14 +967,13 @@ int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32
             s_reg_put(self, reg);
         return rc;
     }
-    kvt_nsref_t ns = {r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
     kvt_slot_t *slots = malloc(r->nkeys * sizeof *slots);
     uint64_t *off = malloc(r->nkeys * sizeof *off);
     kvt_assert(slots && off);
     uint32_t n = 0, m = 0;
     uint64_t lease = 0;
-    rc = kvt_l1_acquire(self->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                        r->nkeys, slots, &n, &lease);
+    rc = kvt_l1_acquire(self->l1, KVT_OWNER_DAEMON, &r->ns, r->keys, r->nkeys, slots, &n,
+                        &lease);
     n = kvt_l1_verify(self->l1, KVT_OWNER_DAEMON, lease, n); /* l1_checksum: no damaged bytes */
     /* an object of another size was not written with this layout: the prefix ends there */
     while (rc == 0 && m < n && slots[m].length == chunk_bytes) {

@@ -169,11 +169,6 @@ static int s_stats(kvt_rq_t *c)
 
 /* ---- L1 requests ---- */
 
-static kvt_nsref_t s_nsref(const kvt_req_t *r)
-{
-    return (kvt_nsref_t){r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
-}
-
 /* Requests that take a lease need an owner: the instance this connection said HELLO as.
  * Without one the answer is instance_dropped, which tells a client to say HELLO again. */
 static int s_need_owner(kvt_rq_t *c)
@@ -221,17 +216,15 @@ static int s_slots_request(kvt_rq_t *c, bool reserve)
     if (rc)
         return rc;
     const kvt_req_t *r = &c->req;
-    kvt_nsref_t ns = s_nsref(r);
-    const uint8_t(*keys)[KVT_KEY_LEN] = (const uint8_t(*)[KVT_KEY_LEN])r->keys;
     kvt_slot_t *slots = s_slots(r->nkeys);
     uint32_t n = 0;
     uint64_t lease = 0;
     if (reserve)
-        rc = kvt_l1_reserve(c->svc->l1, c->owner, &ns, keys, r->nkeys,
+        rc = kvt_l1_reserve(c->svc->l1, c->owner, &r->ns, r->keys, r->nkeys,
                             (r->present & KVT_F_SIZES) ? r->sizes : NULL, r->size, slots, &n,
                             &lease, c->err, sizeof c->err);
     else
-        rc = kvt_l1_acquire(c->svc->l1, c->owner, &ns, keys, r->nkeys, slots, &n, &lease);
+        rc = kvt_l1_acquire(c->svc->l1, c->owner, &r->ns, r->keys, r->nkeys, slots, &n, &lease);
     if (rc == KVT_ENOSPC && !reserve) /* max_leased_bytes */
         kvt_l1_owner_limit_error(c->svc->l1, c->owner, c->err, sizeof c->err);
     if (rc == 0) {
@@ -299,18 +292,17 @@ static void s_pack_lookup(kvt_rq_t *c, uint32_t hits, uint64_t job)
 static int s_lookup_l2(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
-    kvt_nsref_t ns = s_nsref(r);
     uint32_t rest = r->nkeys - c->l1_hits;
     uint64_t *sizes = calloc(rest, sizeof *sizes);
     kvt_assert(sizes);
-    const uint8_t(*keys)[KVT_KEY_LEN] = (const uint8_t(*)[KVT_KEY_LEN])r->keys + c->l1_hits;
+    const kvt_key_t *keys = r->keys + c->l1_hits;
     uint32_t in_l2 =
-        kvt_l2mgr_lookup(c->svc->l2, &ns, keys, rest, kvt_now_ms() + S_L2_LOOKUP_MS, sizes);
+        kvt_l2mgr_lookup(c->svc->l2, &r->ns, keys, rest, kvt_now_ms() + S_L2_LOOKUP_MS, sizes);
     uint64_t job = 0;
     if (r->prefetch) {
         job = kvt_prefetch_start(c->svc->prefetch, c->l1_hits + in_l2, in_l2 == 0, kvt_now_ms());
         if (in_l2 && job) /* no job: max_prefetch_jobs loads are running */
-            kvt_l2mgr_prefetch(c->svc->l2, job, &ns, keys, sizes, in_l2);
+            kvt_l2mgr_prefetch(c->svc->l2, job, &r->ns, keys, sizes, in_l2);
     }
     free(sizes);
     s_pack_lookup(c, c->l1_hits + in_l2, job);
@@ -323,11 +315,9 @@ static int s_lookup(kvt_rq_t *c)
     int rc = r->lock ? s_need_owner(c) : 0;
     if (rc)
         return rc;
-    kvt_nsref_t ns = s_nsref(r);
     uint32_t hits = 0;
     uint64_t lease = 0;
-    rc = kvt_l1_lookup(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                       r->nkeys, r->lock, &hits, &lease);
+    rc = kvt_l1_lookup(c->svc->l1, c->owner, &r->ns, r->keys, r->nkeys, r->lock, &hits, &lease);
     if (rc == KVT_ENOSPC) /* max_leased_bytes */
         kvt_l1_owner_limit_error(c->svc->l1, c->owner, c->err, sizeof c->err);
     if (rc)
@@ -346,11 +336,9 @@ static int s_lookup(kvt_rq_t *c)
 static int s_remove(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
-    kvt_nsref_t ns = s_nsref(r);
     uint32_t removed = 0;
-    int rc =
-        kvt_l1_remove(c->svc->l1, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys, &removed);
-    kvt_l2mgr_remove(c->svc->l2, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys);
+    int rc = kvt_l1_remove(c->svc->l1, &r->ns, r->keys, r->nkeys, &removed);
+    kvt_l2mgr_remove(c->svc->l2, &r->ns, r->keys, r->nkeys);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "removed", removed);
@@ -363,7 +351,8 @@ static int s_clear(kvt_rq_t *c)
     const kvt_req_t *r = &c->req;
     uint64_t removed = 0;
     int rc =
-        kvt_l1_clear(c->svc->l1, (r->present & KVT_F_NS) ? r->ns.ptr : NULL, r->ns.len, &removed);
+        kvt_l1_clear(c->svc->l1, (r->present & KVT_F_NS) ? r->ns.name : NULL, r->ns.name_len,
+                     &removed);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "removed", removed);
@@ -409,10 +398,10 @@ static int s_hash_tokens(kvt_rq_t *c)
                  (unsigned long long)nchunks, c->svc->cfg->max_keys);
         return KVT_ETOOBIG;
     }
-    uint8_t(*keys)[KVT_KEY_LEN] = malloc((nchunks ? nchunks : 1) * KVT_KEY_LEN);
+    uint8_t(*keys)[KVT_HASH_KEY_LEN] = malloc((nchunks ? nchunks : 1) * KVT_HASH_KEY_LEN);
     kvt_assert(keys);
-    uint32_t n = kvt_hash_tokens(r->tokens.ptr, r->tokens.len, (uint32_t)chunk, r->salt.ptr,
-                                 r->salt.len, keys, (uint32_t)nchunks);
+    uint32_t n = kvt_hash_tokens(r->tokens.ptr, r->tokens.len, (uint32_t)chunk, r->ns.salt,
+                                 r->ns.salt_len, keys, (uint32_t)nchunks);
     kvt_pack_ok(&c->pk, 1);
     kvt_pack_str(&c->pk, "keys");
     msgpack_pack_array(&c->pk, n);
@@ -433,12 +422,10 @@ static int s_put(kvt_rq_t *c)
     kvt_assert(sizes);
     for (uint32_t i = 0; i < r->nkeys; i++)
         sizes[i] = zmq_msg_size(&c->data[i]);
-    kvt_nsref_t ns = s_nsref(r);
     uint32_t n = 0, stored = 0;
     uint64_t lease = 0;
-    int rc =
-        kvt_l1_reserve(c->svc->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                       r->nkeys, sizes, 0, slots, &n, &lease, c->err, sizeof c->err);
+    int rc = kvt_l1_reserve(c->svc->l1, KVT_OWNER_DAEMON, &r->ns, r->keys, r->nkeys, sizes, 0,
+                            slots, &n, &lease, c->err, sizeof c->err);
     if (rc == 0 && lease) {
         uint8_t *base = kvt_l1_base(c->svc->l1);
         for (uint32_t i = 0; i < n; i++)
@@ -471,12 +458,11 @@ static int s_get(kvt_rq_t *c)
                  (unsigned long long)pinned);
         return KVT_EBUSY;
     }
-    kvt_nsref_t ns = s_nsref(r);
     kvt_slot_t *slots = s_slots(r->nkeys);
     uint32_t n = 0;
     uint64_t lease = 0;
-    int rc = kvt_l1_acquire(c->svc->l1, KVT_OWNER_DAEMON, &ns,
-                            (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys, slots, &n, &lease);
+    int rc = kvt_l1_acquire(c->svc->l1, KVT_OWNER_DAEMON, &r->ns, r->keys, r->nkeys, slots, &n,
+                            &lease);
     n = kvt_l1_verify(c->svc->l1, KVT_OWNER_DAEMON, lease, n); /* l1_checksum: no damaged bytes */
     /* a reply stays under max_message: stop before the object that would cross it */
     uint64_t total = 0;

@@ -222,11 +222,11 @@ static void test_module_without_gpu(void **state)
         assert_true(strlen(msg) > 20);
     }
     assert_int_equal(kvt_gpu_registrations(gpu), 0);
-    uint8_t keys[2][KVT_KEY_LEN] = {{1}, {2}};
+    kvt_key_t keys[2] = {{{1}}, {{2}}};
     uint64_t ids[2] = {0, 1};
     kvt_req_t c;
     memset(&c, 0, sizeof c);
-    c.ns = (kvt_bytes_t){(const uint8_t *)"m", 1};
+    c.ns = (kvt_ns_t){(const uint8_t *)"m", 1, NULL, 0};
     c.keys = keys;
     c.nkeys = 2;
     c.block_ids = ids;

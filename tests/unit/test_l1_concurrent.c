@@ -58,7 +58,7 @@ static _Atomic uint64_t s_mismatches;
 static _Atomic uint64_t s_verified_bytes;
 static _Atomic uint64_t s_ops[8];
 static key_t16 s_keys[NKEYS];
-static const kvt_nsref_t s_ns = {(const uint8_t *)"conc", 4, (const uint8_t *)"s", 1};
+static const kvt_ns_t s_ns = {(const uint8_t *)"conc", 4, (const uint8_t *)"s", 1};
 
 enum { OP_STORE, OP_READ, OP_LOOKUP, OP_LOCK, OP_REMOVE, OP_VICTIM_W, OP_VICTIM_R, OP_N };
 
@@ -128,11 +128,11 @@ static bool s_check(const uint8_t *p, uint64_t len, uint32_t id)
             fprintf(stderr, "test_l1_concurrent: " __VA_ARGS__);                                   \
     } while (0)
 
-static void s_verify_slots(const kvt_slot_t *slots, uint32_t n, const key_t16 *keys,
+static void s_verify_slots(const kvt_slot_t *slots, uint32_t n, const kvt_key_t *keys,
                            const char *when)
 {
     for (uint32_t i = 0; i < n; i++) {
-        uint32_t id = s_id_of(keys[i]);
+        uint32_t id = s_id_of(keys[i].b);
         if (slots[i].length != s_size_of(id) || slots[i].offset % 4096 ||
             slots[i].offset + slots[i].length > s_cap) {
             ERR("key %u: bad slot {%llu, %llu} (%s)\n", id, (unsigned long long)slots[i].offset,
@@ -214,7 +214,7 @@ static void s_op_store(worker_t *t, key_t16 *keys, uint32_t n)
     char err[KVT_ERR_LEN];
     for (uint32_t i = 0; i < n; i++)
         sizes[i] = s_size_of(s_id_of(keys[i]));
-    int rc = kvt_l1_reserve(s_l1, owner, &s_ns, (const key_t16 *)keys, n, sizes, 0, slots, &nslots,
+    int rc = kvt_l1_reserve(s_l1, owner, &s_ns, (const kvt_key_t *)keys, n, sizes, 0, slots, &nslots,
                             &lease, err, sizeof err);
     if (rc == KVT_ENOSPC)
         return;
@@ -265,7 +265,7 @@ static void s_op_read(worker_t *t, key_t16 *keys, uint32_t n)
     uint64_t owner = s_owner(t->w, -1), lease = 0;
     kvt_slot_t slots[MAXBATCH];
     uint32_t nslots = 0;
-    int rc = kvt_l1_acquire(s_l1, owner, &s_ns, (const key_t16 *)keys, n, slots, &nslots, &lease);
+    int rc = kvt_l1_acquire(s_l1, owner, &s_ns, (const kvt_key_t *)keys, n, slots, &nslots, &lease);
     if (rc || nslots > n || (nslots == 0) != (lease == 0)) {
         ERR("acquire: %s nslots %u lease %llu\n", kvt_err_name(rc), nslots,
             (unsigned long long)lease);
@@ -273,12 +273,12 @@ static void s_op_read(worker_t *t, key_t16 *keys, uint32_t n)
     }
     if (!nslots)
         return;
-    s_verify_slots(slots, nslots, (const key_t16 *)keys, "after ACQUIRE");
+    s_verify_slots(slots, nslots, (const kvt_key_t *)keys, "after ACQUIRE");
     uint32_t good = kvt_l1_verify(s_l1, owner, lease, nslots);
     if (good != nslots)
         ERR("l1_checksum: %u of %u objects match their COMMIT checksum\n", good, nslots);
     sched_yield(); /* let writers, the evictor and REMOVE run while we hold the pin */
-    s_verify_slots(slots, nslots, (const key_t16 *)keys, "before RELEASE");
+    s_verify_slots(slots, nslots, (const kvt_key_t *)keys, "before RELEASE");
     rc = kvt_l1_release(s_l1, owner, lease);
     if (rc)
         ERR("release of own read lease: %s\n", kvt_err_name(rc));
@@ -288,7 +288,7 @@ static void s_op_lookup(worker_t *t, key_t16 *keys, uint32_t n, bool lock)
 {
     uint64_t owner = s_owner(t->w, -1), lease = 0;
     uint32_t hits = 0;
-    int rc = kvt_l1_lookup(s_l1, owner, &s_ns, (const key_t16 *)keys, n, lock, &hits, &lease);
+    int rc = kvt_l1_lookup(s_l1, owner, &s_ns, (const kvt_key_t *)keys, n, lock, &hits, &lease);
     if (rc || hits > n || (!lock && lease) || (lock && (hits == 0) != (lease == 0))) {
         ERR("lookup: %s hits %u lease %llu\n", kvt_err_name(rc), hits, (unsigned long long)lease);
         return;
@@ -298,13 +298,13 @@ static void s_op_lookup(worker_t *t, key_t16 *keys, uint32_t n, bool lock)
         kvt_slot_t slots[MAXBATCH];
         uint32_t nslots = 0;
         uint64_t l2 = 0;
-        rc = kvt_l1_acquire(s_l1, owner, &s_ns, (const key_t16 *)keys, hits, slots, &nslots, &l2);
+        rc = kvt_l1_acquire(s_l1, owner, &s_ns, (const kvt_key_t *)keys, hits, slots, &nslots, &l2);
         /* the pinned keys cannot be evicted, but REMOVE may take them: nslots <= hits */
         if (rc || nslots > hits)
             ERR("acquire under a LOOKUP lock: %s nslots %u of %u\n", kvt_err_name(rc), nslots,
                 hits);
         if (!rc && nslots) {
-            s_verify_slots(slots, nslots, (const key_t16 *)keys, "under a LOOKUP lock");
+            s_verify_slots(slots, nslots, (const kvt_key_t *)keys, "under a LOOKUP lock");
             if (kvt_l1_release(s_l1, owner, l2))
                 ERR("release after lookup-lock acquire failed\n");
         }
@@ -317,7 +317,7 @@ static void s_op_remove(worker_t *t, key_t16 *keys, uint32_t n)
 {
     (void)t;
     uint32_t removed = 99;
-    int rc = kvt_l1_remove(s_l1, &s_ns, (const key_t16 *)keys, n, &removed);
+    int rc = kvt_l1_remove(s_l1, &s_ns, (const kvt_key_t *)keys, n, &removed);
     if (rc || removed > n)
         ERR("remove: %s removed %u of %u\n", kvt_err_name(rc), removed, n);
 }
@@ -333,12 +333,12 @@ static void s_op_victim(worker_t *t, key_t16 *keys, uint32_t n, bool write)
         uint64_t sizes[MAXBATCH];
         for (uint32_t i = 0; i < n; i++)
             sizes[i] = s_size_of(s_id_of(keys[i]));
-        rc = kvt_l1_reserve(s_l1, owner, &s_ns, (const key_t16 *)keys, n, sizes, 0, slots, &nslots,
+        rc = kvt_l1_reserve(s_l1, owner, &s_ns, (const kvt_key_t *)keys, n, sizes, 0, slots, &nslots,
                             &lease, err, sizeof err);
         if (rc && rc != KVT_ENOSPC)
             ERR("victim reserve: %s\n", kvt_err_name(rc));
     } else {
-        rc = kvt_l1_acquire(s_l1, owner, &s_ns, (const key_t16 *)keys, n, slots, &nslots, &lease);
+        rc = kvt_l1_acquire(s_l1, owner, &s_ns, (const kvt_key_t *)keys, n, slots, &nslots, &lease);
         if (rc)
             ERR("victim acquire: %s\n", kvt_err_name(rc));
     }
@@ -517,9 +517,9 @@ static void test_concurrent(void **state)
         uint32_t n = 0;
         uint64_t lease = 0;
         assert_int_equal(
-            kvt_l1_acquire(s_l1, 1, &s_ns, (const key_t16 *)&s_keys[i], 1, &slot, &n, &lease), 0);
+            kvt_l1_acquire(s_l1, 1, &s_ns, (const kvt_key_t *)&s_keys[i], 1, &slot, &n, &lease), 0);
         if (n) {
-            s_verify_slots(&slot, 1, (const key_t16 *)&s_keys[i], "at the end");
+            s_verify_slots(&slot, 1, (const kvt_key_t *)&s_keys[i], "at the end");
             assert_int_equal(kvt_l1_release(s_l1, 1, lease), 0);
             checked++;
         }
@@ -573,10 +573,10 @@ static void *s_limit_worker(void *arg)
         int rc;
         if (s_rand(&seed) % 2) {
             uint64_t size = 16384 * (1 + s_rand(&seed) % 3);
-            rc = kvt_l1_reserve(s_l1, SHARED_OWNER, &s_ns, (const key_t16 *)keys, n, NULL, size,
+            rc = kvt_l1_reserve(s_l1, SHARED_OWNER, &s_ns, (const kvt_key_t *)keys, n, NULL, size,
                                 slots, &got, &lease, err, sizeof err);
         } else {
-            rc = kvt_l1_acquire(s_l1, SHARED_OWNER, &s_ns, (const key_t16 *)keys, n, slots, &got,
+            rc = kvt_l1_acquire(s_l1, SHARED_OWNER, &s_ns, (const kvt_key_t *)keys, n, slots, &got,
                                 &lease);
         }
         s_limit_sample();
