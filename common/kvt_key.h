@@ -1,5 +1,6 @@
 /* kvt_key: the identity of a stored object below the wire: a 16-byte key inside a namespace
- * (a name and an optional salt). Shared by protocol/, storage/, l2/ and the daemon, so the
+ * (a name and an optional salt), and the wire sizes of the GPU requests. Shared by protocol/
+ * (which decodes them), storage/ (which checks and uses them), l2/ and the daemon, so the
  * lengths and the two types are spelled once. Pure data; any thread. */
 #ifndef KVT_KEY_H
 #define KVT_KEY_H
@@ -11,6 +12,10 @@
 #define KVT_KEY_LEN 16   /* bytes of a key (the wire's bin16) */
 #define KVT_MAX_NS 256   /* bytes of a namespace name */
 #define KVT_MAX_SALT 128 /* bytes of a salt */
+
+#define KVT_IPC_HANDLE_LEN 64   /* cudaIpcMemHandle_t / cudaIpcEventHandle_t, as bytes */
+#define KVT_MAX_GPU_LAYERS 4096 /* entries of `handles` (a layer = one device buffer) */
+#define KVT_MAX_DTYPE 32        /* bytes of a dtype name */
 
 /* A key by value: a struct rather than a bare array, so that a batch of keys is a plain
  * `const kvt_key_t *keys` and a key can be assigned and returned. Layout is exactly the wire's

@@ -413,32 +413,34 @@ static int s_hash_tokens(kvt_rq_t *c)
     return 0;
 }
 
+/* PUT's fill: each data frame copied into its slot. */
+static int s_put_fill(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n,
+                      uint64_t *failed, uint32_t *nfailed, uint64_t *sums, char *err,
+                      size_t errlen)
+{
+    const kvt_rq_t *c = ctx;
+    (void)failed, (void)nfailed, (void)sums, (void)err, (void)errlen;
+    for (uint32_t i = 0; i < n; i++)
+        if (slots[i].length)
+            memcpy(base + slots[i].offset, zmq_msg_data(&c->data[i]), slots[i].length);
+    return 0;
+}
+
 /* PUT (worker thread): the data frames are copied into reserved slots, then committed. */
 static int s_put(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
     uint64_t *sizes = malloc((r->nkeys ? r->nkeys : 1) * sizeof *sizes);
-    kvt_slot_t *slots = s_slots(r->nkeys);
     kvt_assert(sizes);
     for (uint32_t i = 0; i < r->nkeys; i++)
         sizes[i] = zmq_msg_size(&c->data[i]);
-    uint32_t n = 0, stored = 0;
-    uint64_t lease = 0;
-    int rc = kvt_l1_reserve(c->svc->l1, KVT_OWNER_DAEMON, &r->ns, r->keys, r->nkeys, sizes, 0,
-                            slots, &n, &lease, c->err, sizeof c->err);
-    if (rc == 0 && lease) {
-        uint8_t *base = kvt_l1_base(c->svc->l1);
-        for (uint32_t i = 0; i < n; i++)
-            if (slots[i].length)
-                memcpy(base + slots[i].offset, zmq_msg_data(&c->data[i]), slots[i].length);
-        rc = kvt_l1_commit(c->svc->l1, KVT_OWNER_DAEMON, lease, NULL, 0, &stored, c->err,
-                           sizeof c->err);
-    }
+    uint32_t stored = 0;
+    int rc = kvt_l1_write(c->svc->l1, &r->ns, r->keys, r->nkeys, sizes, 0, false, s_put_fill, c,
+                          &stored, NULL, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "stored", stored);
     }
-    free(slots);
     free(sizes);
     return rc;
 }
@@ -492,8 +494,15 @@ static int s_register_gpu(kvt_rq_t *c)
     int rc = s_need_owner(c);
     if (rc)
         return rc;
+    const kvt_req_t *r = &c->req;
+    kvt_gpu_reg_args_t args = {
+        .device = r->device, .layers = r->layers, .num_blocks = r->num_blocks,
+        .block_tokens = r->block_tokens, .token_bytes = r->token_bytes,
+        .dtype = r->dtype.ptr, .dtype_len = r->dtype.len,
+        .handles = (const uint8_t *)r->handles, .nhandles = r->nhandles,
+        .offsets = (r->present & KVT_F_OFFSETS) ? r->offsets : NULL, .noffsets = r->noffsets};
     kvt_gpu_layout_t lay;
-    rc = kvt_gpu_register(c->svc->gpu, c->owner, &c->req, &lay, c->err, sizeof c->err);
+    rc = kvt_gpu_register(c->svc->gpu, c->owner, &args, &lay, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 3);
         s_pack_uint_field(&c->pk, "device", lay.device);
@@ -513,12 +522,22 @@ static int s_unregister_gpu(kvt_rq_t *c)
     return rc;
 }
 
+/* STORE_GPU's and RETRIEVE_GPU's arguments: the request's keys and block ids, in place. */
+static kvt_gpu_copy_args_t s_copy_args(const kvt_req_t *r)
+{
+    return (kvt_gpu_copy_args_t){
+        .device = r->device, .ns = r->ns, .keys = r->keys, .nkeys = r->nkeys,
+        .block_ids = r->block_ids, .nblock_ids = r->nblock_ids,
+        .event = r->event.len == KVT_IPC_HANDLE_LEN ? r->event.ptr : NULL};
+}
+
 static int s_store_gpu(kvt_rq_t *c)
 {
     int rc = s_need_owner(c);
     uint32_t stored = 0;
+    kvt_gpu_copy_args_t args = s_copy_args(&c->req);
     if (rc == 0)
-        rc = kvt_gpu_store(c->svc->gpu, c->owner, &c->req, &stored, c->err, sizeof c->err);
+        rc = kvt_gpu_store(c->svc->gpu, c->owner, &args, &stored, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "stored", stored);
@@ -530,8 +549,9 @@ static int s_retrieve_gpu(kvt_rq_t *c)
 {
     int rc = s_need_owner(c);
     uint32_t found = 0;
+    kvt_gpu_copy_args_t args = s_copy_args(&c->req);
     if (rc == 0)
-        rc = kvt_gpu_retrieve(c->svc->gpu, c->owner, &c->req, &found, c->err, sizeof c->err);
+        rc = kvt_gpu_retrieve(c->svc->gpu, c->owner, &args, &found, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "found", found);

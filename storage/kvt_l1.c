@@ -650,6 +650,38 @@ int kvt_l1_commit_loaded(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint
     return s_commit(self, owner, id, failed, nfailed, true, sums, stored, err, errlen);
 }
 
+int kvt_l1_write(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uint32_t n,
+                 const uint64_t *sizes, uint64_t size, bool loaded, kvt_l1_fill_fn fill,
+                 void *ctx, uint32_t *stored, uint32_t *present, char *err, size_t errlen)
+{
+    *stored = 0;
+    if (present)
+        *present = 0;
+    kvt_slot_t *slots = malloc((n ? n : 1) * sizeof *slots);
+    uint64_t *failed = malloc((n ? n : 1) * sizeof *failed);
+    uint64_t *sums = loaded ? calloc(n ? n : 1, sizeof *sums) : NULL;
+    kvt_assert(slots && failed && (sums || !loaded));
+    uint32_t nslots = 0, nfailed = 0;
+    uint64_t lease = 0;
+    int rc = kvt_l1_reserve(self, KVT_OWNER_DAEMON, ns, keys, n, sizes, size, slots, &nslots,
+                            &lease, err, errlen);
+    for (uint32_t i = 0; present && i < nslots; i++)
+        *present += slots[i].length == 0;
+    if (rc == 0 && lease) {
+        rc = fill(ctx, kvt_arena_base(self->arena), slots, nslots, failed, &nfailed, sums, err,
+                  errlen);
+        if (rc == 0)
+            rc = s_commit(self, KVT_OWNER_DAEMON, lease, failed, nfailed, loaded, sums, stored,
+                          err, errlen);
+        else
+            kvt_l1_release(self, KVT_OWNER_DAEMON, lease); /* discards the reservations */
+    }
+    free(sums);
+    free(failed);
+    free(slots);
+    return rc;
+}
+
 void kvt_l1_set_l2_writes(kvt_l1_t *self, uint32_t n)
 {
     self->l2_writes = n > 255 ? 255 : n;

@@ -89,6 +89,27 @@ int kvt_l1_commit_loaded(kvt_l1_t *self, uint64_t owner, uint64_t lease, const u
                          uint32_t nfailed, const uint64_t *sums, uint32_t *stored, char *err,
                          size_t errlen);
 
+/* Writes the bytes of the objects kvt_l1_write reserved: slots[i] for i < n, in the arena at
+ * `base`; a nil slot (length 0) is a key that is stored already and gets nothing. Returns 0 to
+ * commit them — except the indices it appends to failed[] (*nfailed; room for n), which are
+ * discarded — or a KVT_E* code with a sentence in err to discard them all. For a load
+ * (kvt_l1_write with `loaded`), sums[i] is item i's XXH3-64 as kvt_l1_commit_loaded takes it;
+ * otherwise sums is NULL. */
+typedef int (*kvt_l1_fill_fn)(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n,
+                              uint64_t *failed, uint32_t *nfailed, uint64_t *sums, char *err,
+                              size_t errlen);
+
+/* The daemon's own store into L1 (inline PUT, STORE_GPU, a prefetch load from L2): RESERVE
+ * keys[0..n) under a daemon write lease (sizes and size as for kvt_l1_reserve: the longest
+ * prefix that fits), let `fill` write the new objects, then COMMIT them (kvt_l1_commit_loaded
+ * when `loaded`) — or, when fill fails, release the lease, which discards them. *stored is what
+ * COMMIT counts; *present (may be NULL) the keys of the reserved prefix that were already
+ * stored. Returns RESERVE's error (KVT_ENOSPC: not even the first key fits), fill's or
+ * COMMIT's; 0 without calling fill when every key is stored already. */
+int kvt_l1_write(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uint32_t n,
+                 const uint64_t *sizes, uint64_t size, bool loaded, kvt_l1_fill_fn fill,
+                 void *ctx, uint32_t *stored, uint32_t *present, char *err, size_t errlen);
+
 /* Write-behind: every committed object must be written by `n` adapters before it may be
  * evicted (0, the default: no L2). Start-up only. */
 void kvt_l1_set_l2_writes(kvt_l1_t *self, uint32_t n);

@@ -604,33 +604,38 @@ static int s_load_one(kvt_l2mgr_t *m, const s_job_t *j, uint32_t i, const kvt_sl
     return rc;
 }
 
+/* One load job on its way into L1 (kvt_l1_write's context). */
+typedef struct {
+    kvt_l2mgr_t *m;
+    const s_job_t *j;
+} s_load_t;
+
+/* A load's fill: each new object from L2; a key that cannot be loaded (or comes too late) is
+ * failed alone. */
+static int s_load_fill(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n,
+                       uint64_t *failed, uint32_t *nfailed, uint64_t *sums, char *err,
+                       size_t errlen)
+{
+    const s_load_t *ld = ctx;
+    (void)base, (void)err, (void)errlen;
+    for (uint32_t i = 0; i < n; i++) {
+        if (slots[i].length == 0)
+            continue; /* already in L1 (stored meanwhile) */
+        if (atomic_load(&ld->m->stop) || kvt_now_ms() > ld->j->deadline_ms ||
+            s_load_one(ld->m, ld->j, i, &slots[i], &sums[i]) != 0)
+            failed[(*nfailed)++] = i;
+    }
+    return 0;
+}
+
 static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
 {
-    kvt_slot_t *slots = calloc(j->n, sizeof *slots);
-    uint64_t *failed = calloc(j->n, sizeof *failed);
-    uint64_t *sums = calloc(j->n, sizeof *sums);
-    kvt_assert(slots && failed && sums);
-    uint32_t nslots = 0, nfailed = 0, stored = 0, present = 0;
-    uint64_t lease = 0;
+    uint32_t stored = 0, present = 0;
     char err[160];
-    kvt_l1_reserve(m->l1, KVT_OWNER_DAEMON, &j->ns, j->keys, j->n, j->sizes, 0, slots, &nslots,
-                   &lease, err, sizeof err);
-    for (uint32_t i = 0; i < nslots; i++) {
-        if (slots[i].length == 0) {
-            present++; /* already in L1 (stored meanwhile) */
-            continue;
-        }
-        if (atomic_load(&m->stop) || kvt_now_ms() > j->deadline_ms ||
-            s_load_one(m, j, i, &slots[i], &sums[i]) != 0)
-            failed[nfailed++] = i;
-    }
-    if (lease)
-        kvt_l1_commit_loaded(m->l1, KVT_OWNER_DAEMON, lease, failed, nfailed, sums, &stored, err,
-                             sizeof err);
+    s_load_t ld = {m, j};
+    kvt_l1_write(m->l1, &j->ns, j->keys, j->n, j->sizes, 0, true, s_load_fill, &ld, &stored,
+                 &present, err, sizeof err);
     kvt_prefetch_update(m->prefetch, j->prefetch_job, stored + present, true, kvt_now_ms());
-    free(slots);
-    free(failed);
-    free(sums);
 }
 
 static void *s_prefetch_run(void *arg)
