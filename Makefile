@@ -40,7 +40,7 @@ LIBS     = $(shell pkg-config --libs $(PKGS) 2>/dev/null) -ldl -lpthread -lm
 SAN      := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 # ---- CUDA (optional) -----------------------------------------------------------------------
-# The GPU module (daemon/kvt_gpu.c) is built against the CUDA Toolkit whenever its nvcc is
+# The GPU module (storage/kvt_gpu.c) is built against the CUDA Toolkit whenever its nvcc is
 # found (CUDA_HOME, default /usr/local/cuda); `make CUDA=0` forces it off. Either way every
 # binary builds: without the toolkit the GPU requests validate and answer `unavailable`. The
 # daemon does not link libcudart: it dlopens libcudart.so.<major> at the first GPU request,
@@ -105,8 +105,8 @@ $(BUILD)/asan/obj/%.o: %.c
 	$(Q)$(CC) $(ALLCFLAGS) -O1 $(SAN) -MMD -MP -c $< -o $@
 
 # kvt_gpu.o is rebuilt when CUDA is switched on or off (the stamp changes only then).
-GPU_OBJS := $(BUILD)/obj/daemon/kvt_gpu.o $(BUILD)/asan/obj/daemon/kvt_gpu.o \
-            $(BUILD)/tsan/obj/daemon/kvt_gpu.o
+GPU_OBJS := $(BUILD)/obj/storage/kvt_gpu.o $(BUILD)/asan/obj/storage/kvt_gpu.o \
+            $(BUILD)/tsan/obj/storage/kvt_gpu.o
 $(GPU_OBJS): ALLCFLAGS += $(CUDA_CFLAGS)
 $(GPU_OBJS): $(BUILD)/cuda.stamp
 $(BUILD)/cuda.stamp: FORCE
@@ -191,7 +191,7 @@ check: deps check-layers all check-nocuda unit tsan valgrind bench-smoke integra
 # place that path is built): the GPU module without KVT_HAVE_CUDA, linked into a daemon in
 # build/nocuda/ from the other objects of build/obj.
 NOCUDA_GPU := $(BUILD)/nocuda/kvt_gpu.o
-$(NOCUDA_GPU): daemon/kvt_gpu.c daemon/kvt_gpu.h
+$(NOCUDA_GPU): storage/kvt_gpu.c storage/kvt_gpu.h
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -c $< -o $@
 

@@ -27,7 +27,6 @@
 #define KEYS_PER_LOOKUP 64
 #define OBJ_SIZE 4096u
 
-typedef uint8_t key_t16[KVT_KEY_LEN];
 
 typedef struct {
     bool quick;
@@ -65,8 +64,9 @@ static uint64_t s_rand(uint64_t *s)
 }
 
 /* 128-bit chunk-hash-like keys: uniformly random bits, distinct per id. */
-static void s_key(uint8_t *k, uint64_t id, uint64_t tag)
+static void s_key(kvt_key_t *key, uint64_t id, uint64_t tag)
 {
+    uint8_t *k = key->b;
     uint64_t a = s_mix(id ^ (tag << 56)), b = s_mix(a ^ id);
     memcpy(k, &a, 8);
     memcpy(k + 8, &b, 8);
@@ -213,8 +213,8 @@ static void s_bench_alloc(const opts_t *o)
 
 typedef struct {
     kvt_l1_t *l1;
-    kvt_nsref_t ns;
-    key_t16 *keys; /* keys[i] = object i */
+    kvt_ns_t ns;
+    kvt_key_t *keys; /* keys[i] = object i */
     uint32_t stored;
 } l1_ctx_t;
 
@@ -228,7 +228,7 @@ static double s_fill(l1_ctx_t *c, uint32_t upto, uint32_t batch)
     while (c->stored < upto) {
         uint32_t n = upto - c->stored < batch ? upto - c->stored : batch, ns = 0, st = 0;
         uint64_t lease = 0;
-        int rc = kvt_l1_reserve(c->l1, 1, &c->ns, (const key_t16 *)&c->keys[c->stored], n, NULL,
+        int rc = kvt_l1_reserve(c->l1, 1, &c->ns, &c->keys[c->stored], n, NULL,
                                 OBJ_SIZE, slots, &ns, &lease, err, sizeof err);
         if (rc || ns != n || !lease) {
             fprintf(stderr, "kvt-bench-l1: reserve failed at %u: %s (%s)\n", c->stored,
@@ -256,7 +256,7 @@ static void s_bench_lookup(l1_ctx_t *c, uint32_t nlookups, json_t *arr)
     for (uint32_t i = 0; i < nlookups; i++) {
         uint32_t hits = 0;
         uint64_t lease = 0;
-        kvt_l1_lookup(c->l1, 0, &c->ns, (const key_t16 *)&c->keys[starts[i]], KEYS_PER_LOOKUP,
+        kvt_l1_lookup(c->l1, 0, &c->ns, &c->keys[starts[i]], KEYS_PER_LOOKUP,
                       false, &hits, &lease);
         if (hits != KEYS_PER_LOOKUP) {
             fprintf(stderr, "kvt-bench-l1: lookup found %u of 64\n", hits);
@@ -266,13 +266,13 @@ static void s_bench_lookup(l1_ctx_t *c, uint32_t nlookups, json_t *arr)
     }
     double hit_s = s_now() - t0;
     /* a miss on the first key: one probe per LOOKUP */
-    key_t16 absent[1];
+    kvt_key_t absent[1];
     double t1 = s_now();
     for (uint32_t i = 0; i < nlookups; i++) {
-        s_key(absent[0], c->stored + 1000000000ull + i, 7);
+        s_key(&absent[0], c->stored + 1000000000ull + i, 7);
         uint32_t hits = 0;
         uint64_t lease = 0;
-        kvt_l1_lookup(c->l1, 0, &c->ns, (const key_t16 *)absent, 1, false, &hits, &lease);
+        kvt_l1_lookup(c->l1, 0, &c->ns, absent, 1, false, &hits, &lease);
         if (hits) {
             fprintf(stderr, "kvt-bench-l1: absent key found\n");
             exit(1);
@@ -302,9 +302,9 @@ static void s_bench_l1(const opts_t *o)
         exit(1);
     }
     uint32_t maxobj = o->stages[o->nstages - 1];
-    key_t16 *keys = malloc((size_t)maxobj * sizeof *keys);
+    kvt_key_t *keys = malloc((size_t)maxobj * sizeof *keys);
     for (uint32_t i = 0; i < maxobj; i++)
-        s_key(keys[i], i, 1);
+        s_key(&keys[i], i, 1);
 
     double t0 = s_now();
     kvt_l1_t *l1 = kvt_l1_new(cfg, err, sizeof err);
@@ -322,7 +322,7 @@ static void s_bench_l1(const opts_t *o)
            create_s, OBJ_SIZE);
 
     l1_ctx_t c = {.l1 = l1, .keys = keys};
-    c.ns = (kvt_nsref_t){(const uint8_t *)"bench/model", 11, (const uint8_t *)"", 0};
+    c.ns = (kvt_ns_t){(const uint8_t *)"bench/model", 11, (const uint8_t *)"", 0};
 
     uint64_t res0, shr0, res1, shr1;
     s_statm(&res0, &shr0);
@@ -371,7 +371,7 @@ static void s_bench_l1(const opts_t *o)
             uint32_t start = (uint32_t)(s_rand(&seed) % (c.stored - width[w] + 1));
             uint32_t n = 0;
             uint64_t lease = 0;
-            kvt_l1_acquire(l1, 2, &c.ns, (const key_t16 *)&keys[start], width[w], slots, &n,
+            kvt_l1_acquire(l1, 2, &c.ns, &keys[start], width[w], slots, &n,
                            &lease);
             if (n != width[w] || kvt_l1_release(l1, 2, lease) != 0) {
                 fprintf(stderr, "kvt-bench-l1: acquire/release failed\n");

@@ -39,7 +39,6 @@
 
 #define NS "bench-l2"
 
-typedef uint8_t key_t16[KVT_KEY_LEN];
 
 typedef struct {
     bool quick;
@@ -67,8 +66,9 @@ static uint64_t s_scramble(uint64_t x)
     return x * 0xc4ceb9fe1a85ec53ull;
 }
 
-static void s_key(uint8_t *k, uint64_t id)
+static void s_key(kvt_key_t *key, uint64_t id)
 {
+    uint8_t *k = key->b;
     uint64_t a = s_scramble(id + 0x4c32ull), b = s_scramble(a ^ id);
     memcpy(k, &a, 8);
     memcpy(k + 8, &b, 8);
@@ -162,11 +162,10 @@ static void s_bench_hash(const opts_t *o)
 
 /* ---- the L2 path ------------------------------------------------------------------------ */
 
-static void s_on_event(void *ctx, const char *event, const uint8_t *ns, uint32_t ns_len,
-                       const uint8_t *salt, uint32_t salt_len, const uint8_t (*keys)[KVT_KEY_LEN],
+static void s_on_event(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_key_t *keys,
                        uint32_t n, const char *adapter)
 {
-    (void)ctx, (void)ns, (void)ns_len, (void)salt, (void)salt_len, (void)keys, (void)adapter;
+    (void)ctx, (void)ns, (void)keys, (void)adapter;
     if (strcmp(event, "l2_stored") == 0)
         atomic_fetch_add(&s_l2_stored, n);
 }
@@ -177,8 +176,8 @@ typedef struct {
     kvt_l1_t *l1;
     kvt_prefetch_t *pf;
     kvt_l2mgr_t *mgr;
-    kvt_nsref_t ns;
-    key_t16 *keys;
+    kvt_ns_t ns;
+    kvt_key_t *keys;
     uint64_t *sizes;
 } rig_t;
 
@@ -205,11 +204,11 @@ static void s_rig_open(rig_t *g, const opts_t *o, const char *spec)
     if (!g->mgr)
         s_die(spec, err);
     kvt_l2mgr_set_events(g->mgr, s_on_event, NULL);
-    g->ns = (kvt_nsref_t){(const uint8_t *)NS, (uint32_t)strlen(NS), NULL, 0};
+    g->ns = (kvt_ns_t){(const uint8_t *)NS, (uint32_t)strlen(NS), NULL, 0};
     g->keys = calloc(o->count, sizeof *g->keys);
     g->sizes = calloc(o->count, sizeof *g->sizes);
     for (uint32_t i = 0; i < o->count; i++)
-        s_key(g->keys[i], i);
+        s_key(&g->keys[i], i);
 }
 
 static void s_rig_close(rig_t *g)
@@ -231,7 +230,7 @@ static void s_rig_fill(rig_t *g, const opts_t *o)
     uint32_t n = 0, stored = 0;
     uint64_t lease = 0;
     char err[KVT_ERR_LEN] = "";
-    int rc = kvt_l1_reserve(g->l1, KVT_OWNER_DAEMON, &g->ns, (const key_t16 *)g->keys, o->count,
+    int rc = kvt_l1_reserve(g->l1, KVT_OWNER_DAEMON, &g->ns, g->keys, o->count,
                             NULL, o->size, slots, &n, &lease, err, sizeof err);
     if (rc || n != o->count)
         s_die("reserve", rc ? err : "partial");
@@ -253,7 +252,7 @@ static void s_rig_check(rig_t *g, const opts_t *o)
         kvt_slot_t slot;
         uint32_t got = 0;
         uint64_t lease = 0;
-        kvt_l1_acquire(g->l1, KVT_OWNER_DAEMON, &g->ns, (const key_t16 *)&g->keys[i], 1, &slot,
+        kvt_l1_acquire(g->l1, KVT_OWNER_DAEMON, &g->ns, &g->keys[i], 1, &slot,
                        &got, &lease);
         s_fill_bytes(want, o->size, i + 1);
         if (got != 1 || slot.length != o->size || memcmp(base + slot.offset, want, o->size))
@@ -268,7 +267,7 @@ static double s_rig_store(rig_t *g, const opts_t *o)
 {
     atomic_store(&s_l2_stored, 0);
     double t = s_now();
-    kvt_l2mgr_on_stored(g->mgr, &g->ns, (const key_t16 *)g->keys, o->count);
+    kvt_l2mgr_on_stored(g->mgr, &g->ns, g->keys, o->count);
     while (atomic_load(&s_l2_stored) < o->count) {
         if (s_now() - t > 300)
             s_die("store", "write-behind did not finish within 300 s");
@@ -287,14 +286,14 @@ static double s_rig_load(rig_t *g, const opts_t *o, double *lookup_s)
     if (removed != o->count)
         s_die("clear", "not every object was in L1");
     double t = s_now();
-    uint32_t hits = kvt_l2mgr_lookup(g->mgr, &g->ns, (const key_t16 *)g->keys, o->count,
+    uint32_t hits = kvt_l2mgr_lookup(g->mgr, &g->ns, g->keys, o->count,
                                      kvt_now_ms() + 60000, g->sizes);
     *lookup_s = s_now() - t;
     if (hits != o->count)
         s_die("lookup", "not every object was found in L2");
     t = s_now();
     uint64_t job = kvt_prefetch_start(g->pf, hits, false, kvt_now_ms());
-    kvt_l2mgr_prefetch(g->mgr, job, &g->ns, (const key_t16 *)g->keys, g->sizes, hits);
+    kvt_l2mgr_prefetch(g->mgr, job, &g->ns, g->keys, g->sizes, hits);
     bool done = false;
     uint32_t loaded = 0, h = 0;
     while (!done) {
@@ -431,17 +430,17 @@ static void s_bench_commit(const opts_t *o)
         g.l1 = kvt_l1_new(g.cfg, err, sizeof err);
         if (!g.l1)
             s_die("l1", err);
-        g.ns = (kvt_nsref_t){(const uint8_t *)NS, (uint32_t)strlen(NS), NULL, 0};
+        g.ns = (kvt_ns_t){(const uint8_t *)NS, (uint32_t)strlen(NS), NULL, 0};
         kvt_slot_t slot;
         double best = 1e9;
         for (int r = 0; r < o->rounds; r++) {
             double sum = 0;
             for (uint32_t i = 0; i < o->count; i++) {
-                key_t16 k;
-                s_key(k, 1000000u * (uint64_t)(r + 1) + i);
+                kvt_key_t k;
+                s_key(&k, 1000000u * (uint64_t)(r + 1) + i);
                 uint32_t n = 0, stored = 0;
                 uint64_t lease = 0;
-                if (kvt_l1_reserve(g.l1, 1, &g.ns, (const key_t16 *)&k, 1, NULL, o->size, &slot, &n,
+                if (kvt_l1_reserve(g.l1, 1, &g.ns, &k, 1, NULL, o->size, &slot, &n,
                                    &lease, err, sizeof err) ||
                     n != 1)
                     s_die("reserve", err);

@@ -48,9 +48,8 @@ static void s_drop(kvt_events_t *self, const char *why)
     kvt_errrep_report(&s_rep_drop, KVT_LOG_WARN, "events: dropped an event: %s", why);
 }
 
-void kvt_events_publish(kvt_events_t *self, const char *event, const uint8_t *ns, size_t ns_len,
-                        const uint8_t *salt, size_t salt_len, const uint8_t (*keys)[16],
-                        uint32_t n, const char *tier)
+void kvt_events_publish(kvt_events_t *self, const char *event, const kvt_ns_t *ns,
+                        const kvt_key_t *keys, uint32_t n, const char *tier)
 {
     if (!self || n == 0)
         return;
@@ -62,14 +61,14 @@ void kvt_events_publish(kvt_events_t *self, const char *event, const uint8_t *ns
     kvt_pack_str(&pk, "event");
     kvt_pack_str(&pk, event);
     kvt_pack_str(&pk, "ns");
-    kvt_pack_strn(&pk, ns, ns_len);
+    kvt_pack_strn(&pk, ns->name, ns->name_len);
     kvt_pack_str(&pk, "salt");
-    kvt_pack_strn(&pk, salt ? (const void *)salt : "", salt_len);
+    kvt_pack_strn(&pk, ns->salt ? (const void *)ns->salt : "", ns->salt_len);
     kvt_pack_str(&pk, "keys");
     msgpack_pack_array(&pk, n);
     for (uint32_t i = 0; i < n; i++) {
-        msgpack_pack_bin(&pk, 16);
-        msgpack_pack_bin_body(&pk, keys[i], 16);
+        msgpack_pack_bin(&pk, KVT_KEY_LEN);
+        msgpack_pack_bin_body(&pk, keys[i].b, KVT_KEY_LEN);
     }
     kvt_pack_str(&pk, "tier");
     kvt_pack_str(&pk, tier);

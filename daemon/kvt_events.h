@@ -9,6 +9,7 @@
 #ifndef KVT_EVENTS_H
 #define KVT_EVENTS_H
 
+#include "kvt_key.h"
 #include "kvt_metrics.h"
 #include "kvt_supervisor.h"
 
@@ -24,9 +25,8 @@ kvt_events_t *kvt_events_new(const char *endpoint, kvt_sup_t *sup, char *err, si
 void kvt_events_destroy(kvt_events_t **self_p);
 
 /* Queues one event; any thread, never blocks on subscribers. */
-void kvt_events_publish(kvt_events_t *self, const char *event, const uint8_t *ns, size_t ns_len,
-                        const uint8_t *salt, size_t salt_len, const uint8_t (*keys)[16],
-                        uint32_t n, const char *tier);
+void kvt_events_publish(kvt_events_t *self, const char *event, const kvt_ns_t *ns,
+                        const kvt_key_t *keys, uint32_t n, const char *tier);
 
 /* Metrics source: kvtier_events_published_total, kvtier_events_dropped_total. */
 void kvt_events_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);

@@ -174,11 +174,6 @@ static int s_stats(kvt_rq_t *c)
 
 /* ---- L1 requests ---- */
 
-static kvt_nsref_t s_nsref(const kvt_req_t *r)
-{
-    return (kvt_nsref_t){r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
-}
-
 /* Requests that take a lease need an owner: the instance this connection said HELLO as.
  * Without one the answer is instance_dropped, which tells a client to say HELLO again. */
 static int s_need_owner(kvt_rq_t *c)
@@ -226,17 +221,15 @@ static int s_slots_request(kvt_rq_t *c, bool reserve)
     if (rc)
         return rc;
     const kvt_req_t *r = &c->req;
-    kvt_nsref_t ns = s_nsref(r);
-    const uint8_t(*keys)[KVT_KEY_LEN] = (const uint8_t(*)[KVT_KEY_LEN])r->keys;
     kvt_slot_t *slots = s_slots(r->nkeys);
     uint32_t n = 0;
     uint64_t lease = 0;
     if (reserve)
-        rc = kvt_l1_reserve(c->svc->l1, c->owner, &ns, keys, r->nkeys,
+        rc = kvt_l1_reserve(c->svc->l1, c->owner, &r->ns, r->keys, r->nkeys,
                             (r->present & KVT_F_SIZES) ? r->sizes : NULL, r->size, slots, &n,
                             &lease, c->err, sizeof c->err);
     else
-        rc = kvt_l1_acquire(c->svc->l1, c->owner, &ns, keys, r->nkeys, slots, &n, &lease);
+        rc = kvt_l1_acquire(c->svc->l1, c->owner, &r->ns, r->keys, r->nkeys, slots, &n, &lease);
     if (rc == KVT_ENOSPC && !reserve) /* max_leased_bytes */
         kvt_l1_owner_limit_error(c->svc->l1, c->owner, c->err, sizeof c->err);
     if (rc == 0) {
@@ -306,18 +299,17 @@ static int s_lookup_l2(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
     uint32_t l1_hits = c->lookup.l1_hits;
-    kvt_nsref_t ns = s_nsref(r);
     uint32_t rest = r->nkeys - l1_hits;
     uint64_t *sizes = calloc(rest, sizeof *sizes);
     kvt_assert(sizes);
-    const uint8_t(*keys)[KVT_KEY_LEN] = (const uint8_t(*)[KVT_KEY_LEN])r->keys + l1_hits;
+    const kvt_key_t *keys = r->keys + l1_hits;
     uint32_t in_l2 =
-        kvt_l2mgr_lookup(c->svc->l2, &ns, keys, rest, kvt_now_ms() + S_L2_LOOKUP_MS, sizes);
+        kvt_l2mgr_lookup(c->svc->l2, &r->ns, keys, rest, kvt_now_ms() + S_L2_LOOKUP_MS, sizes);
     uint64_t job = 0;
     if (r->prefetch) {
         job = kvt_prefetch_start(c->svc->prefetch, l1_hits + in_l2, in_l2 == 0, kvt_now_ms());
         if (in_l2 && job) /* no job: max_prefetch_jobs loads are running */
-            kvt_l2mgr_prefetch(c->svc->l2, job, &ns, keys, sizes, in_l2);
+            kvt_l2mgr_prefetch(c->svc->l2, job, &r->ns, keys, sizes, in_l2);
     }
     free(sizes);
     s_pack_lookup(c, l1_hits + in_l2, job);
@@ -344,11 +336,9 @@ static int s_lookup(kvt_rq_t *c)
     int rc = r->lock ? s_need_owner(c) : 0;
     if (rc)
         return rc;
-    kvt_nsref_t ns = s_nsref(r);
     uint32_t hits = 0;
     uint64_t lease = 0;
-    rc = kvt_l1_lookup(c->svc->l1, c->owner, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                       r->nkeys, r->lock, &hits, &lease);
+    rc = kvt_l1_lookup(c->svc->l1, c->owner, &r->ns, r->keys, r->nkeys, r->lock, &hits, &lease);
     if (rc == KVT_ENOSPC) /* max_leased_bytes */
         kvt_l1_owner_limit_error(c->svc->l1, c->owner, c->err, sizeof c->err);
     if (rc)
@@ -367,11 +357,9 @@ static int s_lookup(kvt_rq_t *c)
 static int s_remove(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
-    kvt_nsref_t ns = s_nsref(r);
     uint32_t removed = 0;
-    int rc =
-        kvt_l1_remove(c->svc->l1, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys, &removed);
-    kvt_l2mgr_remove(c->svc->l2, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys);
+    int rc = kvt_l1_remove(c->svc->l1, &r->ns, r->keys, r->nkeys, &removed);
+    kvt_l2mgr_remove(c->svc->l2, &r->ns, r->keys, r->nkeys);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "removed", removed);
@@ -384,7 +372,8 @@ static int s_clear(kvt_rq_t *c)
     const kvt_req_t *r = &c->req;
     uint64_t removed = 0;
     int rc =
-        kvt_l1_clear(c->svc->l1, (r->present & KVT_F_NS) ? r->ns.ptr : NULL, r->ns.len, &removed);
+        kvt_l1_clear(c->svc->l1, (r->present & KVT_F_NS) ? r->ns.name : NULL, r->ns.name_len,
+                     &removed);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "removed", removed);
@@ -430,10 +419,10 @@ static int s_hash_tokens(kvt_rq_t *c)
                  (unsigned long long)nchunks, c->svc->cfg->max_keys);
         return KVT_ETOOBIG;
     }
-    uint8_t(*keys)[KVT_KEY_LEN] = malloc((nchunks ? nchunks : 1) * KVT_KEY_LEN);
+    uint8_t(*keys)[KVT_HASH_KEY_LEN] = malloc((nchunks ? nchunks : 1) * KVT_HASH_KEY_LEN);
     kvt_assert(keys);
-    uint32_t n = kvt_hash_tokens(r->tokens.ptr, r->tokens.len, (uint32_t)chunk, r->salt.ptr,
-                                 r->salt.len, keys, (uint32_t)nchunks);
+    uint32_t n = kvt_hash_tokens(r->tokens.ptr, r->tokens.len, (uint32_t)chunk, r->ns.salt,
+                                 r->ns.salt_len, keys, (uint32_t)nchunks);
     kvt_pack_ok(&c->pk, 1);
     kvt_pack_str(&c->pk, "keys");
     msgpack_pack_array(&c->pk, n);
@@ -445,34 +434,34 @@ static int s_hash_tokens(kvt_rq_t *c)
     return 0;
 }
 
+/* PUT's fill: each data frame copied into its slot. */
+static int s_put_fill(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n,
+                      uint64_t *failed, uint32_t *nfailed, uint64_t *sums, char *err,
+                      size_t errlen)
+{
+    const kvt_rq_t *c = ctx;
+    (void)failed, (void)nfailed, (void)sums, (void)err, (void)errlen;
+    for (uint32_t i = 0; i < n; i++)
+        if (slots[i].length)
+            memcpy(base + slots[i].offset, zmq_msg_data(&c->data[i]), slots[i].length);
+    return 0;
+}
+
 /* PUT (worker thread): the data frames are copied into reserved slots, then committed. */
 static int s_put(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
     uint64_t *sizes = malloc((r->nkeys ? r->nkeys : 1) * sizeof *sizes);
-    kvt_slot_t *slots = s_slots(r->nkeys);
     kvt_assert(sizes);
     for (uint32_t i = 0; i < r->nkeys; i++)
         sizes[i] = zmq_msg_size(&c->data[i]);
-    kvt_nsref_t ns = s_nsref(r);
-    uint32_t n = 0, stored = 0;
-    uint64_t lease = 0;
-    int rc =
-        kvt_l1_reserve(c->svc->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                       r->nkeys, sizes, 0, slots, &n, &lease, c->err, sizeof c->err);
-    if (rc == 0 && lease) {
-        uint8_t *base = kvt_l1_base(c->svc->l1);
-        for (uint32_t i = 0; i < n; i++)
-            if (slots[i].length)
-                memcpy(base + slots[i].offset, zmq_msg_data(&c->data[i]), slots[i].length);
-        rc = kvt_l1_commit(c->svc->l1, KVT_OWNER_DAEMON, lease, NULL, 0, &stored, c->err,
-                           sizeof c->err);
-    }
+    uint32_t stored = 0;
+    int rc = kvt_l1_write(c->svc->l1, &r->ns, r->keys, r->nkeys, sizes, 0, false, s_put_fill, c,
+                          &stored, NULL, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "stored", stored);
     }
-    free(slots);
     free(sizes);
     return rc;
 }
@@ -492,12 +481,11 @@ static int s_get(kvt_rq_t *c)
                  (unsigned long long)pinned);
         return KVT_EBUSY;
     }
-    kvt_nsref_t ns = s_nsref(r);
     kvt_slot_t *slots = s_slots(r->nkeys);
     uint32_t n = 0;
     uint64_t lease = 0;
-    int rc = kvt_l1_acquire(c->svc->l1, KVT_OWNER_DAEMON, &ns,
-                            (const uint8_t(*)[KVT_KEY_LEN])r->keys, r->nkeys, slots, &n, &lease);
+    int rc = kvt_l1_acquire(c->svc->l1, KVT_OWNER_DAEMON, &r->ns, r->keys, r->nkeys, slots, &n,
+                            &lease);
     n = kvt_l1_verify(c->svc->l1, KVT_OWNER_DAEMON, lease, n); /* l1_checksum: no damaged bytes */
     /* a reply stays under max_message: stop before the object that would cross it */
     uint64_t total = 0;
@@ -527,8 +515,15 @@ static int s_register_gpu(kvt_rq_t *c)
     int rc = s_need_owner(c);
     if (rc)
         return rc;
+    const kvt_req_t *r = &c->req;
+    kvt_gpu_reg_args_t args = {
+        .device = r->device, .layers = r->layers, .num_blocks = r->num_blocks,
+        .block_tokens = r->block_tokens, .token_bytes = r->token_bytes,
+        .dtype = r->dtype.ptr, .dtype_len = r->dtype.len,
+        .handles = (const uint8_t *)r->handles, .nhandles = r->nhandles,
+        .offsets = (r->present & KVT_F_OFFSETS) ? r->offsets : NULL, .noffsets = r->noffsets};
     kvt_gpu_layout_t lay;
-    rc = kvt_gpu_register(c->svc->gpu, c->owner, &c->req, &lay, c->err, sizeof c->err);
+    rc = kvt_gpu_register(c->svc->gpu, c->owner, &args, &lay, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 3);
         s_pack_uint_field(&c->pk, "device", lay.device);
@@ -548,12 +543,22 @@ static int s_unregister_gpu(kvt_rq_t *c)
     return rc;
 }
 
+/* STORE_GPU's and RETRIEVE_GPU's arguments: the request's keys and block ids, in place. */
+static kvt_gpu_copy_args_t s_copy_args(const kvt_req_t *r)
+{
+    return (kvt_gpu_copy_args_t){
+        .device = r->device, .ns = r->ns, .keys = r->keys, .nkeys = r->nkeys,
+        .block_ids = r->block_ids, .nblock_ids = r->nblock_ids,
+        .event = r->event.len == KVT_IPC_HANDLE_LEN ? r->event.ptr : NULL};
+}
+
 static int s_store_gpu(kvt_rq_t *c)
 {
     int rc = s_need_owner(c);
     uint32_t stored = 0;
+    kvt_gpu_copy_args_t args = s_copy_args(&c->req);
     if (rc == 0)
-        rc = kvt_gpu_store(c->svc->gpu, c->owner, &c->req, &stored, c->err, sizeof c->err);
+        rc = kvt_gpu_store(c->svc->gpu, c->owner, &args, &stored, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "stored", stored);
@@ -565,8 +570,9 @@ static int s_retrieve_gpu(kvt_rq_t *c)
 {
     int rc = s_need_owner(c);
     uint32_t found = 0;
+    kvt_gpu_copy_args_t args = s_copy_args(&c->req);
     if (rc == 0)
-        rc = kvt_gpu_retrieve(c->svc->gpu, c->owner, &c->req, &found, c->err, sizeof c->err);
+        rc = kvt_gpu_retrieve(c->svc->gpu, c->owner, &args, &found, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "found", found);

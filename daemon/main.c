@@ -109,26 +109,21 @@ static const char *const s_event_names[] = {[KVT_L1_STORED] = "stored",
                                             [KVT_L1_LOADED] = "stored"};
 
 /* L1 changes feed the events socket and, for objects clients stored, L2 write-behind. */
-static void s_on_l1_event(void *ctx, kvt_l1_event_t event, const uint8_t *ns, uint32_t ns_len,
-                          const uint8_t *salt, uint32_t salt_len,
-                          const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n)
+static void s_on_l1_event(void *ctx, kvt_l1_event_t event, const kvt_ns_t *ns,
+                          const kvt_key_t *keys, uint32_t n)
 {
     s_parts_t *p = ctx;
     if (p->events)
-        kvt_events_publish(p->events, s_event_names[event], ns, ns_len, salt, salt_len, keys, n,
-                           "l1");
-    if (event == KVT_L1_STORED) {
-        kvt_nsref_t ref = {ns, ns_len, salt, salt_len};
-        kvt_l2mgr_on_stored(p->l2, &ref, keys, n);
-    }
+        kvt_events_publish(p->events, s_event_names[event], ns, keys, n, "l1");
+    if (event == KVT_L1_STORED)
+        kvt_l2mgr_on_stored(p->l2, ns, keys, n);
 }
 
-static void s_on_l2_event(void *ctx, const char *event, const uint8_t *ns, uint32_t ns_len,
-                          const uint8_t *salt, uint32_t salt_len,
-                          const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, const char *adapter)
+static void s_on_l2_event(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_key_t *keys,
+                          uint32_t n, const char *adapter)
 {
     (void)adapter;
-    kvt_events_publish(ctx, event, ns, ns_len, salt, salt_len, keys, n, "l2");
+    kvt_events_publish(ctx, event, ns, keys, n, "l2");
 }
 
 static json_t *s_status_hook(void *ctx)

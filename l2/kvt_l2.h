@@ -21,7 +21,7 @@
  * load, reads in place when the L1 block has room for the trailer, else through a bounce buffer.
  *
  * Names are 65 printable ASCII bytes + NUL: 32 hex digits of the namespace hash, '-', 32 hex
- * digits of the key (kvt_l2_name). Adapters treat them as opaque. */
+ * digits of the key (kvt_l2_name.h). Adapters treat them as opaque. */
 #ifndef KVT_L2_H
 #define KVT_L2_H
 
@@ -87,9 +87,5 @@ typedef const kvt_l2_ops_t *(*kvt_l2_plugin_fn)(void);
 const kvt_l2_ops_t *kvt_l2_fs_ops(void);
 const kvt_l2_ops_t *kvt_l2_redis_ops(void);
 const kvt_l2_ops_t *kvt_l2_mock_ops(void);
-
-/* The name of (ns, salt, key): hex(XXH3_128(le32(ns_len) || ns || salt)) '-' hex(key). */
-void kvt_l2_name(const uint8_t *ns, uint32_t ns_len, const uint8_t *salt, uint32_t salt_len,
-                 const uint8_t key[16], char out[KVT_L2_NAME_LEN]);
 
 #endif

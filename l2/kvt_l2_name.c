@@ -4,7 +4,7 @@
  * ns_len is hashed first (little-endian) so that ("ab", "c") and ("a", "bc") differ. The key is
  * already a 128-bit hash and is printed as is, so an operator can find a key's object by eye.
  * Pure function; any thread. */
-#include "kvt_l2.h"
+#include "kvt_l2_name.h"
 
 #include "kvt_log.h"
 
@@ -24,9 +24,10 @@ static void s_hex(const uint8_t *bytes, size_t n, char *out)
     }
 }
 
-void kvt_l2_name(const uint8_t *ns, uint32_t ns_len, const uint8_t *salt, uint32_t salt_len,
-                 const uint8_t key[16], char out[KVT_L2_NAME_LEN])
+void kvt_l2_name(const kvt_ns_t *n, const kvt_key_t *key, char out[KVT_L2_NAME_LEN])
 {
+    const uint8_t *ns = n->name, *salt = n->salt;
+    uint32_t ns_len = n->name_len, salt_len = n->salt_len;
     const uint8_t le[4] = {(uint8_t)ns_len, (uint8_t)(ns_len >> 8), (uint8_t)(ns_len >> 16),
                            (uint8_t)(ns_len >> 24)};
     XXH128_hash_t h;
@@ -53,6 +54,6 @@ void kvt_l2_name(const uint8_t *ns, uint32_t ns_len, const uint8_t *salt, uint32
     XXH128_canonicalFromHash(&c, h);
     s_hex(c.digest, sizeof c.digest, out);
     out[32] = '-';
-    s_hex(key, 16, out + 33);
+    s_hex(key->b, KVT_KEY_LEN, out + 33);
     out[65] = '\0';
 }

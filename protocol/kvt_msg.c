@@ -264,9 +264,10 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
                      cnt, lim->max_keys);
             return KVT_ETOOBIG;
         }
+        kvt_key_t *keys = NULL;
         if (cnt) {
-            r->keys = msgpack_zone_malloc(r->mp.zone, (size_t)cnt * KVT_KEY_LEN);
-            if (!r->keys)
+            keys = msgpack_zone_malloc(r->mp.zone, (size_t)cnt * sizeof *keys);
+            if (!keys)
                 return s_fail(r, KVT_ENOMEM, "%s: out of memory", "keys");
         }
         for (uint32_t i = 0; i < cnt; i++) {
@@ -276,8 +277,9 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
                          "field 'keys': entry %u is not a 16-byte bin", i);
                 return KVT_EBADREQ;
             }
-            memcpy(r->keys[i], e->via.bin.ptr, KVT_KEY_LEN);
+            memcpy(keys[i].b, e->via.bin.ptr, KVT_KEY_LEN);
         }
+        r->keys = keys;
         r->nkeys = cnt;
         return 0;
     }
@@ -361,12 +363,14 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
     case KVT_FI_NS:
         if (kvt_msg_check_ns(str.len, r->error, sizeof r->error) != 0)
             return KVT_EBADREQ;
-        r->ns = str;
+        r->ns.name = str.ptr;
+        r->ns.name_len = str.len;
         break;
     case KVT_FI_SALT:
         if (str.len > KVT_MAX_SALT)
             return s_fail(r, KVT_EBADREQ, "field '%s': longer than 128 bytes", "salt");
-        r->salt = str;
+        r->ns.salt = str.ptr;
+        r->ns.salt_len = str.len;
         break;
     default:
         break;

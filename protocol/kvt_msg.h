@@ -36,8 +36,9 @@ typedef struct kvt_req {
     kvt_req_type_t type;
     uint32_t present;
     uint64_t version;
-    kvt_bytes_t client, instance, ns, salt, tokens;
-    uint8_t (*keys)[KVT_KEY_LEN];
+    kvt_bytes_t client, instance, tokens;
+    kvt_ns_t ns; /* `ns` and `salt` (HASH_TOKENS has a salt only; CLEAR an ns only) */
+    const kvt_key_t *keys;
     uint32_t nkeys;
     uint64_t *sizes;
     uint32_t nsizes;

@@ -15,9 +15,6 @@
 
 #define KVT_PROTO_VERSION 1
 #define KVT_MAX_NAME 256 /* client and instance names */
-#define KVT_IPC_HANDLE_LEN 64 /* cudaIpcMemHandle_t / cudaIpcEventHandle_t, as bytes */
-#define KVT_MAX_GPU_LAYERS 4096 /* entries of `handles` (a layer = one device buffer) */
-#define KVT_MAX_DTYPE 32
 #define KVT_MAX_TOKEN 64 /* HELLO's instance token (the daemon issues 32 hex digits) */
 
 /* XX(FIELD, "wire name", kind) — kinds: UINT, BOOL, STR, BIN, KEYS (array of bin16),

@@ -51,21 +51,16 @@
 
 enum { S_RESERVED = 1, S_READY = 2, S_DOOMED = 3 };
 
-/* An interned namespace; its key (lengths + bytes) is also the ns table key. */
+/* An interned namespace; `key` views its own bytes and is also the ns table key. */
 typedef struct {
-    uint32_t ns_len, salt_len;
-    const uint8_t *ns, *salt;
-} s_nskey_t;
-
-typedef struct {
-    s_nskey_t key; /* first: the hash table key points here */
+    kvt_ns_t key; /* first: the hash table key points here */
     uint64_t hash;
     uint64_t refs; /* objects + requests in flight; under ns_lock */
     uint8_t bytes[];
 } s_ns_t;
 
 typedef struct s_obj {
-    uint8_t key[KVT_KEY_LEN];
+    kvt_key_t key;
     uint8_t state;
     bool in_lru;
     uint8_t l2_pending; /* adapters that have not written it yet: not evictable until 0 */
@@ -132,32 +127,31 @@ static uint64_t s_get(_Atomic uint64_t *v)
 
 static size_t s_nskey_hash(const void *k)
 {
-    const s_nskey_t *key = k;
-    uint64_t h = XXH3_64bits_withSeed(key->ns, key->ns_len, key->ns_len);
+    const kvt_ns_t *key = k;
+    uint64_t h = XXH3_64bits_withSeed(key->name, key->name_len, key->name_len);
     return (size_t)XXH3_64bits_withSeed(key->salt, key->salt_len, h);
 }
 
 static int s_nskey_cmp(const void *a, const void *b)
 {
-    const s_nskey_t *x = a, *y = b;
-    if (x->ns_len != y->ns_len || x->salt_len != y->salt_len)
+    const kvt_ns_t *x = a, *y = b;
+    if (x->name_len != y->name_len || x->salt_len != y->salt_len)
         return 1;
-    return memcmp(x->ns, y->ns, x->ns_len) || memcmp(x->salt, y->salt, x->salt_len);
+    return memcmp(x->name, y->name, x->name_len) || memcmp(x->salt, y->salt, x->salt_len);
 }
 
 /* The interned namespace with one more reference, or NULL when absent and !create. */
-static s_ns_t *s_ns_get(kvt_l1_t *self, const kvt_nsref_t *ref, bool create)
+static s_ns_t *s_ns_get(kvt_l1_t *self, const kvt_ns_t *ref, bool create)
 {
-    s_nskey_t key = {ref->ns_len, ref->salt_len, ref->ns, ref->salt ? ref->salt : ref->ns};
+    kvt_ns_t key = *ref;
+    if (!key.salt)
+        key.salt = key.name; /* memcmp wants a pointer even for 0 bytes */
     pthread_mutex_lock(&self->ns_lock);
     s_ns_t *ns = zhashx_lookup(self->ns_table, &key);
     if (!ns && create) {
-        ns = calloc(1, sizeof *ns + ref->ns_len + ref->salt_len);
+        ns = calloc(1, sizeof *ns + kvt_ns_size(ref));
         kvt_assert(ns);
-        memcpy(ns->bytes, ref->ns, ref->ns_len);
-        if (ref->salt_len)
-            memcpy(ns->bytes + ref->ns_len, ref->salt, ref->salt_len);
-        ns->key = (s_nskey_t){ref->ns_len, ref->salt_len, ns->bytes, ns->bytes + ref->ns_len};
+        ns->key = kvt_ns_copy(ref, ns->bytes);
         ns->hash = s_nskey_hash(&ns->key);
         zhashx_insert(self->ns_table, &ns->key, ns);
     }
@@ -190,7 +184,7 @@ static void s_ns_ref(kvt_l1_t *self, s_ns_t *ns)
 
 typedef struct {
     s_ns_t *ns;
-    uint8_t (*keys)[KVT_KEY_LEN];
+    kvt_key_t *keys;
     uint32_t n, cap;
 } s_batch_t;
 
@@ -199,7 +193,7 @@ typedef struct {
     uint32_t n, cap;
 } s_batches_t;
 
-static void s_batches_add(kvt_l1_t *self, s_batches_t *bs, s_ns_t *ns, const uint8_t *key)
+static void s_batches_add(kvt_l1_t *self, s_batches_t *bs, s_ns_t *ns, const kvt_key_t *key)
 {
     if (!self->listener)
         return;
@@ -224,7 +218,7 @@ static void s_batches_add(kvt_l1_t *self, s_batches_t *bs, s_ns_t *ns, const uin
         b->keys = realloc(b->keys, b->cap * sizeof *b->keys);
         kvt_assert(b->keys);
     }
-    memcpy(b->keys[b->n++], key, KVT_KEY_LEN);
+    b->keys[b->n++] = *key;
 }
 
 /* Tells the listener (no L1 lock may be held) and frees the batches. */
@@ -232,9 +226,7 @@ static void s_batches_emit(kvt_l1_t *self, s_batches_t *bs, kvt_l1_event_t event
 {
     for (uint32_t i = 0; i < bs->n; i++) {
         s_batch_t *b = &bs->b[i];
-        self->listener(self->listener_ctx, event, b->ns->key.ns, b->ns->key.ns_len,
-                       b->ns->key.salt, b->ns->key.salt_len,
-                       (const uint8_t(*)[KVT_KEY_LEN])b->keys, b->n);
+        self->listener(self->listener_ctx, event, &b->ns->key, b->keys, b->n);
         free(b->keys);
         s_ns_put(self, b->ns);
     }
@@ -244,9 +236,9 @@ static void s_batches_emit(kvt_l1_t *self, s_batches_t *bs, kvt_l1_event_t event
 
 /* ---- index ---- */
 
-static uint64_t s_hash(const s_ns_t *ns, const uint8_t *key)
+static uint64_t s_hash(const s_ns_t *ns, const kvt_key_t *key)
 {
-    return XXH3_64bits_withSeed(key, KVT_KEY_LEN, ns->hash);
+    return XXH3_64bits_withSeed(key->b, KVT_KEY_LEN, ns->hash);
 }
 
 static s_shard_t *s_shard(kvt_l1_t *self, uint64_t h)
@@ -254,10 +246,10 @@ static s_shard_t *s_shard(kvt_l1_t *self, uint64_t h)
     return &self->shards[h >> (64 - S_SHARD_BITS)];
 }
 
-static s_obj_t *s_find(s_shard_t *sh, const s_ns_t *ns, const uint8_t *key, uint64_t h)
+static s_obj_t *s_find(s_shard_t *sh, const s_ns_t *ns, const kvt_key_t *key, uint64_t h)
 {
     for (s_obj_t *o = sh->buckets[h & (sh->nbuckets - 1)]; o; o = o->hnext)
-        if (o->hash == h && o->ns == ns && memcmp(o->key, key, KVT_KEY_LEN) == 0)
+        if (o->hash == h && o->ns == ns && kvt_key_eq(&o->key, key))
             return o;
     return NULL;
 }
@@ -479,8 +471,8 @@ static kvt_block_t *s_alloc(kvt_l1_t *self, uint64_t size)
 
 /* ---- API ---- */
 
-int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
-                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, const uint64_t *sizes,
+int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ref, const kvt_key_t *keys,
+                   uint32_t n, const uint64_t *sizes,
                    uint64_t size, kvt_slot_t *slots, uint32_t *nslots, uint64_t *lease,
                    char *err, size_t errlen)
 {
@@ -497,10 +489,10 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
     int rc = 0;
     for (i = 0; i < n; i++) {
         uint64_t sz = sizes ? sizes[i] : size;
-        uint64_t h = s_hash(ns, keys[i]);
+        uint64_t h = s_hash(ns, &keys[i]);
         s_shard_t *sh = s_shard(self, h);
         pthread_mutex_lock(&sh->lock);
-        bool present = s_find(sh, ns, keys[i], h) != NULL;
+        bool present = s_find(sh, ns, &keys[i], h) != NULL;
         pthread_mutex_unlock(&sh->lock);
         if (present) {
             slots[i] = (kvt_slot_t){0, 0};
@@ -533,14 +525,14 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
         }
         s_obj_t *o = calloc(1, sizeof *o);
         kvt_assert(o);
-        memcpy(o->key, keys[i], KVT_KEY_LEN);
+        o->key = keys[i];
         o->state = S_RESERVED;
         o->hash = h;
         o->length = sz;
         o->ns = ns;
         o->block = b;
         pthread_mutex_lock(&sh->lock);
-        if (s_find(sh, ns, keys[i], h)) { /* another writer got there first */
+        if (s_find(sh, ns, &keys[i], h)) { /* another writer got there first */
             pthread_mutex_unlock(&sh->lock);
             kvt_alloc_put(self->alloc, b);
             free(o);
@@ -619,7 +611,7 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
     for (uint32_t i = 0; i < l->nitems; i++)
         if (l->items[i])
             s_batches_add(self, &bs, ((s_obj_t *)l->items[i])->ns,
-                          ((s_obj_t *)l->items[i])->key);
+                          &((s_obj_t *)l->items[i])->key);
     /* in reverse, so the head of the prefix ends up most recent */
     for (uint32_t i = l->nitems; i-- > 0;) {
         s_obj_t *o = l->items[i];
@@ -658,6 +650,38 @@ int kvt_l1_commit_loaded(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint
     return s_commit(self, owner, id, failed, nfailed, true, sums, stored, err, errlen);
 }
 
+int kvt_l1_write(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uint32_t n,
+                 const uint64_t *sizes, uint64_t size, bool loaded, kvt_l1_fill_fn fill,
+                 void *ctx, uint32_t *stored, uint32_t *present, char *err, size_t errlen)
+{
+    *stored = 0;
+    if (present)
+        *present = 0;
+    kvt_slot_t *slots = malloc((n ? n : 1) * sizeof *slots);
+    uint64_t *failed = malloc((n ? n : 1) * sizeof *failed);
+    uint64_t *sums = loaded ? calloc(n ? n : 1, sizeof *sums) : NULL;
+    kvt_assert(slots && failed && (sums || !loaded));
+    uint32_t nslots = 0, nfailed = 0;
+    uint64_t lease = 0;
+    int rc = kvt_l1_reserve(self, KVT_OWNER_DAEMON, ns, keys, n, sizes, size, slots, &nslots,
+                            &lease, err, errlen);
+    for (uint32_t i = 0; present && i < nslots; i++)
+        *present += slots[i].length == 0;
+    if (rc == 0 && lease) {
+        rc = fill(ctx, kvt_arena_base(self->arena), slots, nslots, failed, &nfailed, sums, err,
+                  errlen);
+        if (rc == 0)
+            rc = s_commit(self, KVT_OWNER_DAEMON, lease, failed, nfailed, loaded, sums, stored,
+                          err, errlen);
+        else
+            kvt_l1_release(self, KVT_OWNER_DAEMON, lease); /* discards the reservations */
+    }
+    free(sums);
+    free(failed);
+    free(slots);
+    return rc;
+}
+
 void kvt_l1_set_l2_writes(kvt_l1_t *self, uint32_t n)
 {
     self->l2_writes = n > 255 ? 255 : n;
@@ -672,7 +696,7 @@ static void s_damaged(kvt_l1_t *self, s_obj_t *o, const char *instead)
     pthread_mutex_lock(&sh->lock);
     bool found = o->state == S_READY;
     if (found) {
-        s_batches_add(self, &bs, o->ns, o->key);
+        s_batches_add(self, &bs, o->ns, &o->key);
         bool free_it = s_remove_ready(self, sh, o);
         kvt_assert(!free_it); /* pinned by the caller: its release frees it */
     }
@@ -682,10 +706,10 @@ static void s_damaged(kvt_l1_t *self, s_obj_t *o, const char *instead)
     s_inc(&self->corrupt, 1);
     char key[2 * KVT_KEY_LEN + 1], ns[65];
     for (int i = 0; i < KVT_KEY_LEN; i++)
-        snprintf(key + 2 * i, 3, "%02x", o->key[i]);
-    uint32_t nl = o->ns->key.ns_len < sizeof ns - 1 ? o->ns->key.ns_len : sizeof ns - 1;
+        snprintf(key + 2 * i, 3, "%02x", o->key.b[i]);
+    uint32_t nl = o->ns->key.name_len < sizeof ns - 1 ? o->ns->key.name_len : sizeof ns - 1;
     for (uint32_t i = 0; i < nl; i++) { /* ns is client text: printable in the log */
-        uint8_t c = o->ns->key.ns[i];
+        uint8_t c = o->ns->key.name[i];
         ns[i] = c >= 0x20 && c < 0x7f ? (char)c : '?';
     }
     ns[nl] = '\0';
@@ -743,7 +767,7 @@ void kvt_l1_owner_limit_error(kvt_l1_t *self, uint64_t owner, char *err, size_t 
              (unsigned long long)self->cfg->max_leased_bytes);
 }
 
-void kvt_l1_l2_written(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t key[KVT_KEY_LEN])
+void kvt_l1_l2_written(kvt_l1_t *self, const kvt_ns_t *ref, const kvt_key_t *key)
 {
     s_ns_t *ns = s_ns_get(self, ref, false);
     if (!ns)
@@ -761,16 +785,16 @@ void kvt_l1_l2_written(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t key
 /* Counts the leading READY keys. With `pinned`, also pins them, puts them in pinned[] and
  * touches them in the LRU; with `acct`, each pin is first charged to it (s_charge): the prefix
  * ends before the first that does not fit, and *limited says so. */
-static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const uint8_t (*keys)[KVT_KEY_LEN],
+static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const kvt_key_t *keys,
                                uint32_t n, s_obj_t **pinned, kvt_account_t *acct, uint64_t *charged,
                                bool *limited)
 {
     uint32_t k = 0;
     for (; k < n; k++) {
-        uint64_t h = s_hash(ns, keys[k]);
+        uint64_t h = s_hash(ns, &keys[k]);
         s_shard_t *sh = s_shard(self, h);
         pthread_mutex_lock(&sh->lock);
-        s_obj_t *o = s_find(sh, ns, keys[k], h);
+        s_obj_t *o = s_find(sh, ns, &keys[k], h);
         bool ok = o && o->state == S_READY;
         if (ok && acct && !s_charge(self, acct, s_pages(o->length), NULL)) {
             ok = false;
@@ -803,8 +827,8 @@ static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const uint8_t (*keys)
     return k;
 }
 
-int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
-                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, kvt_slot_t *slots,
+int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ref, const kvt_key_t *keys,
+                   uint32_t n, kvt_slot_t *slots,
                    uint32_t *nslots, uint64_t *lease)
 {
     *nslots = 0;
@@ -830,8 +854,8 @@ int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
     return k == 0 && limited ? KVT_ENOSPC : 0;
 }
 
-int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ref,
-                  const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, bool lock, uint32_t *hits,
+int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ref, const kvt_key_t *keys,
+                  uint32_t n, bool lock, uint32_t *hits,
                   uint64_t *lease)
 {
     *hits = 0;
@@ -862,7 +886,7 @@ int kvt_l1_release(kvt_l1_t *self, uint64_t owner, uint64_t id)
     return 0;
 }
 
-int kvt_l1_remove(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t (*keys)[KVT_KEY_LEN],
+int kvt_l1_remove(kvt_l1_t *self, const kvt_ns_t *ref, const kvt_key_t *keys,
                   uint32_t n, uint32_t *removed)
 {
     *removed = 0;
@@ -871,13 +895,13 @@ int kvt_l1_remove(kvt_l1_t *self, const kvt_nsref_t *ref, const uint8_t (*keys)[
         return 0;
     s_batches_t bs = {0};
     for (uint32_t i = 0; i < n; i++) {
-        uint64_t h = s_hash(ns, keys[i]);
+        uint64_t h = s_hash(ns, &keys[i]);
         s_shard_t *sh = s_shard(self, h);
         pthread_mutex_lock(&sh->lock);
-        s_obj_t *o = s_find(sh, ns, keys[i], h);
+        s_obj_t *o = s_find(sh, ns, &keys[i], h);
         bool gone = o && o->state == S_READY;
         if (gone)
-            s_batches_add(self, &bs, ns, o->key);
+            s_batches_add(self, &bs, ns, &o->key);
         bool free_it = gone && s_remove_ready(self, sh, o);
         pthread_mutex_unlock(&sh->lock);
         if (free_it)
@@ -902,10 +926,10 @@ int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *r
                 next = o->hnext;
                 if (o->state != S_READY)
                     continue;
-                if (ns && (o->ns->key.ns_len != ns_len || memcmp(o->ns->key.ns, ns, ns_len)))
+                if (ns && (o->ns->key.name_len != ns_len || memcmp(o->ns->key.name, ns, ns_len)))
                     continue;
                 (*removed)++;
-                s_batches_add(self, &bs, o->ns, o->key);
+                s_batches_add(self, &bs, o->ns, &o->key);
                 if (s_remove_ready(self, sh, o)) {
                     o->hnext = victims;
                     victims = o;
@@ -958,7 +982,7 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
             s_unlink(sh, o);
             s_lru_remove(self, o);
             o->state = S_DOOMED;
-            s_batches_add(self, &bs, o->ns, o->key);
+            s_batches_add(self, &bs, o->ns, &o->key);
             o->hnext = victims;
             victims = o;
             freed += kvt_block_size(o->block);

@@ -36,17 +36,8 @@ typedef enum { KVT_L1_STORED, KVT_L1_EVICTED, KVT_L1_REMOVED, KVT_L1_LOADED } kv
 /* Told, after the fact and outside every L1 lock, which keys of one namespace became readable,
  * were evicted or were removed; once per request (or eviction round) and namespace. Called from
  * whichever thread did the work. */
-typedef void (*kvt_l1_listener_fn)(void *ctx, kvt_l1_event_t event, const uint8_t *ns,
-                                   uint32_t ns_len, const uint8_t *salt, uint32_t salt_len,
-                                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n);
-
-/* A namespace reference as it comes off the wire (ns non-empty; salt may be empty). */
-typedef struct {
-    const uint8_t *ns;
-    uint32_t ns_len;
-    const uint8_t *salt;
-    uint32_t salt_len;
-} kvt_nsref_t;
+typedef void (*kvt_l1_listener_fn)(void *ctx, kvt_l1_event_t event, const kvt_ns_t *ns,
+                                   const kvt_key_t *keys, uint32_t n);
 
 /* A byte range of the arena. length == 0 means "nil": already stored (RESERVE). */
 typedef struct {
@@ -79,8 +70,8 @@ void *kvt_l1_base(const kvt_l1_t *self);
  * slot. When the arena is full, READY objects are evicted on demand; when even that cannot make
  * room, the keys reserved so far are returned (*nslots < n: the longest prefix that fits). If not
  * even the first key fits: KVT_ENOSPC. *lease is 0 when every slot is nil. */
-int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ns,
-                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, const uint64_t *sizes,
+int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ns, const kvt_key_t *keys,
+                   uint32_t n, const uint64_t *sizes,
                    uint64_t size, kvt_slot_t *slots, uint32_t *nslots, uint64_t *lease,
                    char *err, size_t errlen);
 
@@ -98,26 +89,47 @@ int kvt_l1_commit_loaded(kvt_l1_t *self, uint64_t owner, uint64_t lease, const u
                          uint32_t nfailed, const uint64_t *sums, uint32_t *stored, char *err,
                          size_t errlen);
 
+/* Writes the bytes of the objects kvt_l1_write reserved: slots[i] for i < n, in the arena at
+ * `base`; a nil slot (length 0) is a key that is stored already and gets nothing. Returns 0 to
+ * commit them — except the indices it appends to failed[] (*nfailed; room for n), which are
+ * discarded — or a KVT_E* code with a sentence in err to discard them all. For a load
+ * (kvt_l1_write with `loaded`), sums[i] is item i's XXH3-64 as kvt_l1_commit_loaded takes it;
+ * otherwise sums is NULL. */
+typedef int (*kvt_l1_fill_fn)(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n,
+                              uint64_t *failed, uint32_t *nfailed, uint64_t *sums, char *err,
+                              size_t errlen);
+
+/* The daemon's own store into L1 (inline PUT, STORE_GPU, a prefetch load from L2): RESERVE
+ * keys[0..n) under a daemon write lease (sizes and size as for kvt_l1_reserve: the longest
+ * prefix that fits), let `fill` write the new objects, then COMMIT them (kvt_l1_commit_loaded
+ * when `loaded`) — or, when fill fails, release the lease, which discards them. *stored is what
+ * COMMIT counts; *present (may be NULL) the keys of the reserved prefix that were already
+ * stored. Returns RESERVE's error (KVT_ENOSPC: not even the first key fits), fill's or
+ * COMMIT's; 0 without calling fill when every key is stored already. */
+int kvt_l1_write(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uint32_t n,
+                 const uint64_t *sizes, uint64_t size, bool loaded, kvt_l1_fill_fn fill,
+                 void *ctx, uint32_t *stored, uint32_t *present, char *err, size_t errlen);
+
 /* Write-behind: every committed object must be written by `n` adapters before it may be
  * evicted (0, the default: no L2). Start-up only. */
 void kvt_l1_set_l2_writes(kvt_l1_t *self, uint32_t n);
 
 /* One adapter wrote the object (or gave up on it): one step closer to evictable. A key no
  * longer present is ignored. */
-void kvt_l1_l2_written(kvt_l1_t *self, const kvt_nsref_t *ns, const uint8_t key[KVT_KEY_LEN]);
+void kvt_l1_l2_written(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *key);
 
 /* ACQUIRE: pins the leading READY keys under one read lease; slots[0..*nslots). *lease is 0 when
  * nothing was found. For a client owner with max_leased_bytes set, the prefix ends before the
  * first key that would take the owner past it; KVT_ENOSPC when that leaves nothing although the
  * first key is READY (kvt_l1_owner_limit_error says why). */
-int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ns,
-                   const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, kvt_slot_t *slots,
+int kvt_l1_acquire(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ns, const kvt_key_t *keys,
+                   uint32_t n, kvt_slot_t *slots,
                    uint32_t *nslots, uint64_t *lease);
 
 /* LOOKUP: how many leading keys are READY; with `lock`, pins them like ACQUIRE (the same
  * max_leased_bytes rule: *hits is then what was pinned). */
-int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_nsref_t *ns,
-                  const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, bool lock, uint32_t *hits,
+int kvt_l1_lookup(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ns, const kvt_key_t *keys,
+                  uint32_t n, bool lock, uint32_t *hits,
                   uint64_t *lease);
 
 /* RELEASE: drops a read lease (unpins) or a write lease (discards its reservations). */
@@ -125,8 +137,8 @@ int kvt_l1_release(kvt_l1_t *self, uint64_t owner, uint64_t lease);
 
 /* REMOVE: removes READY objects (a pinned one disappears from the index at once and frees its
  * space when its last pin goes). */
-int kvt_l1_remove(kvt_l1_t *self, const kvt_nsref_t *ns, const uint8_t (*keys)[KVT_KEY_LEN],
-                  uint32_t n, uint32_t *removed);
+int kvt_l1_remove(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uint32_t n,
+                  uint32_t *removed);
 
 /* CLEAR: removes every READY object, or those of namespace `ns` (any salt) when ns != NULL. */
 int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *removed);

@@ -21,6 +21,7 @@
 #include "kvt_alloc.h"
 #include "kvt_error.h"
 #include "kvt_l2.h"
+#include "kvt_l2_name.h"
 #include "kvt_l2_plugin.h"
 #include "kvt_l2_trailer.h"
 #include "kvt_log.h"
@@ -52,10 +53,9 @@ typedef struct s_job {
     uint64_t deadline_ms;
     uint64_t prefetch_job;
     uint32_t n;
-    uint32_t ns_len, salt_len;
-    uint8_t *ns, *salt; /* point into bytes */
-    uint8_t (*keys)[KVT_KEY_LEN];
-    uint64_t *sizes; /* loads */
+    kvt_ns_t ns;     /* views bytes */
+    kvt_key_t *keys; /* in bytes */
+    uint64_t *sizes; /* loads; in bytes */
     uint8_t bytes[];
 } s_job_t;
 
@@ -147,38 +147,26 @@ static void s_sleep_ms(uint64_t ms)
 
 /* ---- jobs ---- */
 
-static s_job_t *s_job_new(s_kind_t kind, const kvt_nsref_t *ns,
-                          const uint8_t (*keys)[KVT_KEY_LEN], const uint64_t *sizes, uint32_t n)
+static s_job_t *s_job_new(s_kind_t kind, const kvt_ns_t *ns, const kvt_key_t *keys,
+                          const uint64_t *sizes, uint32_t n)
 {
-    size_t extra = (size_t)ns->ns_len + ns->salt_len + (size_t)n * KVT_KEY_LEN +
+    size_t extra = kvt_ns_size(ns) + (size_t)n * sizeof *keys +
                    (sizes ? (size_t)n * sizeof(uint64_t) : 0) + sizeof(uint64_t);
     s_job_t *j = calloc(1, sizeof *j + extra);
     kvt_assert(j);
     j->kind = kind;
     j->n = n;
-    j->ns_len = ns->ns_len;
-    j->salt_len = ns->salt_len;
     uint8_t *p = j->bytes;
     if (sizes) { /* first, for alignment */
         j->sizes = (uint64_t *)(void *)p;
         memcpy(j->sizes, sizes, (size_t)n * sizeof(uint64_t));
         p += (size_t)n * sizeof(uint64_t);
     }
-    j->keys = (uint8_t(*)[KVT_KEY_LEN])p;
-    memcpy(p, keys, (size_t)n * KVT_KEY_LEN);
-    p += (size_t)n * KVT_KEY_LEN;
-    j->ns = p;
-    memcpy(p, ns->ns, ns->ns_len);
-    p += ns->ns_len;
-    j->salt = p;
-    if (ns->salt_len)
-        memcpy(p, ns->salt, ns->salt_len);
+    j->keys = (kvt_key_t *)(void *)p; /* kvt_key_t is bytes: any alignment */
+    memcpy(j->keys, keys, (size_t)n * sizeof *keys);
+    p += (size_t)n * sizeof *keys;
+    j->ns = kvt_ns_copy(ns, p);
     return j;
-}
-
-static kvt_nsref_t s_job_ns(const s_job_t *j)
-{
-    return (kvt_nsref_t){j->ns, j->ns_len, j->salt, j->salt_len};
 }
 
 static void s_push(s_fifo_t *q, s_job_t *j)
@@ -207,17 +195,15 @@ static s_job_t *s_pop(s_fifo_t *q)
 /* Every key of a store job that will not be written is still reported, so it can be evicted. */
 static void s_give_up(kvt_l2mgr_t *m, const s_job_t *j)
 {
-    kvt_nsref_t ns = s_job_ns(j);
     for (uint32_t i = 0; i < j->n; i++)
-        kvt_l1_l2_written(m->l1, &ns, j->keys[i]);
+        kvt_l1_l2_written(m->l1, &j->ns, &j->keys[i]);
 }
 
-static void s_event(kvt_l2mgr_t *m, const char *event, const kvt_nsref_t *ns,
-                    const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, const s_adapter_t *a)
+static void s_event(kvt_l2mgr_t *m, const char *event, const kvt_ns_t *ns,
+                    const kvt_key_t *keys, uint32_t n, const s_adapter_t *a)
 {
     if (m->on_event && n)
-        m->on_event(m->event_ctx, event, ns->ns, ns->ns_len, ns->salt, ns->salt_len, keys, n,
-                    a->label);
+        m->on_event(m->event_ctx, event, ns, keys, n, a->label);
 }
 
 static void s_note_ok(s_adapter_t *a)
@@ -250,7 +236,7 @@ static void s_probe(s_adapter_t *a);
 
 /* A corrupt object: counted, logged, removed from this adapter and announced as l2_removed.
  * One log line per object: once removed it is not found again. */
-static void s_corrupt(s_adapter_t *a, const kvt_nsref_t *ns, const uint8_t key[KVT_KEY_LEN],
+static void s_corrupt(s_adapter_t *a, const kvt_ns_t *ns, const kvt_key_t *key,
                       const char *name, const char *why)
 {
     s_inc(&a->corrupt, 1);
@@ -259,7 +245,7 @@ static void s_corrupt(s_adapter_t *a, const kvt_nsref_t *ns, const uint8_t key[K
             rc == 0 || rc == KVT_ENOTFOUND ? "removed" : "and could not be removed");
     if (rc == 0) {
         s_inc(&a->removed, 1);
-        s_event(a->mgr, "l2_removed", ns, (const uint8_t(*)[KVT_KEY_LEN])key, 1, a);
+        s_event(a->mgr, "l2_removed", ns, key, 1, a);
     } else if (rc != KVT_ENOTFOUND) {
         s_note_error(a, rc, "remove", name);
     }
@@ -320,23 +306,22 @@ static int s_read_obj(s_adapter_t *a, const char *name, uint8_t *dst, size_t len
 static void s_do_store(s_adapter_t *a, s_job_t *j)
 {
     kvt_l2mgr_t *m = a->mgr;
-    kvt_nsref_t ns = s_job_ns(j);
+    const kvt_ns_t *ns = &j->ns;
     uint8_t *base = kvt_l1_base(m->l1);
-    uint8_t(*done)[KVT_KEY_LEN] = malloc((size_t)j->n * KVT_KEY_LEN);
+    kvt_key_t *done = malloc((size_t)j->n * sizeof *done);
     kvt_assert(done);
     uint32_t ndone = 0;
     for (uint32_t i = 0; i < j->n; i++) {
         kvt_slot_t slot;
         uint32_t got = 0;
         uint64_t lease = 0;
-        kvt_l1_acquire(m->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])&j->keys[i],
-                       1, &slot, &got, &lease);
+        kvt_l1_acquire(m->l1, KVT_OWNER_DAEMON, ns, &j->keys[i], 1, &slot, &got, &lease);
         if (got == 0) { /* removed since: nothing to write */
-            kvt_l1_l2_written(m->l1, &ns, j->keys[i]);
+            kvt_l1_l2_written(m->l1, ns, &j->keys[i]);
             continue;
         }
         char name[KVT_L2_NAME_LEN];
-        kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
+        kvt_l2_name(ns, &j->keys[i], name);
         const uint8_t *payload = base + slot.offset;
         uint64_t sum = XXH3_64bits(payload, slot.length); /* once: trailer and L1 check */
         if (kvt_l1_check_sum(m->l1, KVT_OWNER_DAEMON, lease, 0, sum) != 0) {
@@ -363,39 +348,38 @@ static void s_do_store(s_adapter_t *a, s_job_t *j)
             s_sleep_ms(50u << (2 * attempt)); /* 50, 200 ms */
         }
         kvt_l1_release(m->l1, KVT_OWNER_DAEMON, lease);
-        kvt_l1_l2_written(m->l1, &ns, j->keys[i]);
+        kvt_l1_l2_written(m->l1, ns, &j->keys[i]);
         if (rc == 0) {
             s_note_ok(a);
             s_inc(&a->stored, 1);
             s_inc(&a->bytes_stored, slot.length);
-            memcpy(done[ndone++], j->keys[i], KVT_KEY_LEN);
+            done[ndone++] = j->keys[i];
         } else {
             s_note_error(a, rc, "store", name);
         }
     }
-    s_event(m, "l2_stored", &ns, (const uint8_t(*)[KVT_KEY_LEN])done, ndone, a);
+    s_event(m, "l2_stored", ns, done, ndone, a);
     free(done);
 }
 
 static void s_do_remove(s_adapter_t *a, s_job_t *j)
 {
-    kvt_nsref_t ns = s_job_ns(j);
-    uint8_t(*done)[KVT_KEY_LEN] = malloc((size_t)j->n * KVT_KEY_LEN);
+    kvt_key_t *done = malloc((size_t)j->n * sizeof *done);
     kvt_assert(done);
     uint32_t ndone = 0;
     for (uint32_t i = 0; i < j->n && !atomic_load(&a->mgr->stop); i++) {
         char name[KVT_L2_NAME_LEN];
-        kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
+        kvt_l2_name(&j->ns, &j->keys[i], name);
         int rc = a->ops->remove(a->state, name);
         if (rc == 0) {
             s_note_ok(a);
             s_inc(&a->removed, 1);
-            memcpy(done[ndone++], j->keys[i], KVT_KEY_LEN);
+            done[ndone++] = j->keys[i];
         } else if (rc != KVT_ENOTFOUND) {
             s_note_error(a, rc, "remove", name);
         }
     }
-    s_event(a->mgr, "l2_removed", &ns, (const uint8_t(*)[KVT_KEY_LEN])done, ndone, a);
+    s_event(a->mgr, "l2_removed", &j->ns, done, ndone, a);
     free(done);
 }
 
@@ -507,8 +491,8 @@ static void s_enqueue(s_adapter_t *a, s_job_t *j)
     }
 }
 
-void kvt_l2mgr_on_stored(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
-                         const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n)
+void kvt_l2mgr_on_stored(kvt_l2mgr_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
+                         uint32_t n)
 {
     if (!self || n == 0)
         return;
@@ -519,8 +503,8 @@ void kvt_l2mgr_on_stored(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
     }
 }
 
-void kvt_l2mgr_remove(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
-                      const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n)
+void kvt_l2mgr_remove(kvt_l2mgr_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
+                      uint32_t n)
 {
     if (!self || n == 0)
         return;
@@ -533,14 +517,13 @@ void kvt_l2mgr_remove(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
 
 /* ---- lookup (caller's thread) ---- */
 
-uint32_t kvt_l2mgr_lookup(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
-                          const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, uint64_t deadline_ms,
-                          uint64_t *sizes)
+uint32_t kvt_l2mgr_lookup(kvt_l2mgr_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
+                          uint32_t n, uint64_t deadline_ms, uint64_t *sizes)
 {
     uint32_t k = 0;
     for (; self && k < n && kvt_now_ms() < deadline_ms; k++) {
         char name[KVT_L2_NAME_LEN];
-        kvt_l2_name(ns->ns, ns->ns_len, ns->salt, ns->salt_len, keys[k], name);
+        kvt_l2_name(ns, &keys[k], name);
         bool found = false;
         for (uint32_t i = 0; i < self->nadapters && !found; i++) {
             s_adapter_t *a = &self->adapters[i];
@@ -552,7 +535,7 @@ uint32_t kvt_l2mgr_lookup(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
                 sizes[k] = len - KVT_L2_TRAILER_LEN; /* what the load will put in L1 */
                 found = true;
             } else if (rc == 0) {
-                s_corrupt(a, ns, keys[k], name, kvt_l2_verdict_str(KVT_L2_V_SHORT));
+                s_corrupt(a, ns, &keys[k], name, kvt_l2_verdict_str(KVT_L2_V_SHORT));
             } else if (rc != KVT_ENOTFOUND) {
                 s_note_error(a, rc, "lookup", name);
             }
@@ -584,8 +567,7 @@ static int s_load_one(kvt_l2mgr_t *m, const s_job_t *j, uint32_t i, const kvt_sl
                       uint64_t *sum)
 {
     char name[KVT_L2_NAME_LEN];
-    kvt_l2_name(j->ns, j->ns_len, j->salt, j->salt_len, j->keys[i], name);
-    kvt_nsref_t ns = s_job_ns(j);
+    kvt_l2_name(&j->ns, &j->keys[i], name);
     uint8_t *dst = (uint8_t *)kvt_l1_base(m->l1) + slot->offset;
     size_t cap = (slot->length + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE; /* the block is page-sized */
     int rc = KVT_ENOTFOUND;
@@ -617,39 +599,43 @@ static int s_load_one(kvt_l2mgr_t *m, const s_job_t *j, uint32_t i, const kvt_sl
                               "l2 %s: object %s is %s: skipped, left for the daemon that wrote it",
                               a->label, name, kvt_l2_verdict_str(v));
         else
-            s_corrupt(a, &ns, j->keys[i], name, kvt_l2_verdict_str(v));
+            s_corrupt(a, &j->ns, &j->keys[i], name, kvt_l2_verdict_str(v));
     }
     return rc;
 }
 
+/* One load job on its way into L1 (kvt_l1_write's context). */
+typedef struct {
+    kvt_l2mgr_t *m;
+    const s_job_t *j;
+} s_load_t;
+
+/* A load's fill: each new object from L2; a key that cannot be loaded (or comes too late) is
+ * failed alone. */
+static int s_load_fill(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n,
+                       uint64_t *failed, uint32_t *nfailed, uint64_t *sums, char *err,
+                       size_t errlen)
+{
+    const s_load_t *ld = ctx;
+    (void)base, (void)err, (void)errlen;
+    for (uint32_t i = 0; i < n; i++) {
+        if (slots[i].length == 0)
+            continue; /* already in L1 (stored meanwhile) */
+        if (atomic_load(&ld->m->stop) || kvt_now_ms() > ld->j->deadline_ms ||
+            s_load_one(ld->m, ld->j, i, &slots[i], &sums[i]) != 0)
+            failed[(*nfailed)++] = i;
+    }
+    return 0;
+}
+
 static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
 {
-    kvt_nsref_t ns = s_job_ns(j);
-    kvt_slot_t *slots = calloc(j->n, sizeof *slots);
-    uint64_t *failed = calloc(j->n, sizeof *failed);
-    uint64_t *sums = calloc(j->n, sizeof *sums);
-    kvt_assert(slots && failed && sums);
-    uint32_t nslots = 0, nfailed = 0, stored = 0, present = 0;
-    uint64_t lease = 0;
+    uint32_t stored = 0, present = 0;
     char err[160];
-    kvt_l1_reserve(m->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])j->keys, j->n,
-                   j->sizes, 0, slots, &nslots, &lease, err, sizeof err);
-    for (uint32_t i = 0; i < nslots; i++) {
-        if (slots[i].length == 0) {
-            present++; /* already in L1 (stored meanwhile) */
-            continue;
-        }
-        if (atomic_load(&m->stop) || kvt_now_ms() > j->deadline_ms ||
-            s_load_one(m, j, i, &slots[i], &sums[i]) != 0)
-            failed[nfailed++] = i;
-    }
-    if (lease)
-        kvt_l1_commit_loaded(m->l1, KVT_OWNER_DAEMON, lease, failed, nfailed, sums, &stored, err,
-                             sizeof err);
+    s_load_t ld = {m, j};
+    kvt_l1_write(m->l1, &j->ns, j->keys, j->n, j->sizes, 0, true, s_load_fill, &ld, &stored,
+                 &present, err, sizeof err);
     kvt_prefetch_update(m->prefetch, j->prefetch_job, stored + present, true, kvt_now_ms());
-    free(slots);
-    free(failed);
-    free(sums);
 }
 
 static void *s_prefetch_run(void *arg)
@@ -688,8 +674,8 @@ static void *s_prefetch_run(void *arg)
     return NULL;
 }
 
-void kvt_l2mgr_prefetch(kvt_l2mgr_t *self, uint64_t job, const kvt_nsref_t *ns,
-                        const uint8_t (*keys)[KVT_KEY_LEN], const uint64_t *sizes, uint32_t n)
+void kvt_l2mgr_prefetch(kvt_l2mgr_t *self, uint64_t job, const kvt_ns_t *ns,
+                        const kvt_key_t *keys, const uint64_t *sizes, uint32_t n)
 {
     s_job_t *j = s_job_new(S_LOAD, ns, keys, sizes, n);
     j->prefetch_job = job;

@@ -27,9 +27,8 @@
 typedef struct kvt_l2mgr kvt_l2mgr_t;
 
 /* Told about l2_stored / l2_removed: keys of one namespace, per batch. */
-typedef void (*kvt_l2_event_fn)(void *ctx, const char *event, const uint8_t *ns, uint32_t ns_len,
-                                const uint8_t *salt, uint32_t salt_len,
-                                const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n,
+typedef void (*kvt_l2_event_fn)(void *ctx, const char *event, const kvt_ns_t *ns,
+                                const kvt_key_t *keys, uint32_t n,
                                 const char *adapter);
 
 /* Opens every adapter of cfg->l2 ("none" or an empty list: no L2) and starts their threads.
@@ -52,23 +51,23 @@ uint32_t kvt_l2mgr_count(const kvt_l2mgr_t *self);
 void kvt_l2mgr_set_events(kvt_l2mgr_t *self, kvt_l2_event_fn fn, void *ctx);
 
 /* The L1 listener's STORED events: queue the keys for write-behind to every adapter. */
-void kvt_l2mgr_on_stored(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
-                         const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n);
+void kvt_l2mgr_on_stored(kvt_l2mgr_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
+                         uint32_t n);
 
 /* How many leading keys are present in some healthy adapter, asking them in order until the
  * first key no adapter has or until `deadline_ms` (monotonic). sizes[i] gets each size. Blocks
  * on backend I/O: call from a worker thread. */
-uint32_t kvt_l2mgr_lookup(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
-                          const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n, uint64_t deadline_ms,
+uint32_t kvt_l2mgr_lookup(kvt_l2mgr_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
+                          uint32_t n, uint64_t deadline_ms,
                           uint64_t *sizes);
 
 /* Queues loads of keys[0..n) (sizes from kvt_l2mgr_lookup) into L1 for prefetch job `job`. */
-void kvt_l2mgr_prefetch(kvt_l2mgr_t *self, uint64_t job, const kvt_nsref_t *ns,
-                        const uint8_t (*keys)[KVT_KEY_LEN], const uint64_t *sizes, uint32_t n);
+void kvt_l2mgr_prefetch(kvt_l2mgr_t *self, uint64_t job, const kvt_ns_t *ns,
+                        const kvt_key_t *keys, const uint64_t *sizes, uint32_t n);
 
 /* Queues removal of keys from every adapter (REMOVE). */
-void kvt_l2mgr_remove(kvt_l2mgr_t *self, const kvt_nsref_t *ns,
-                      const uint8_t (*keys)[KVT_KEY_LEN], uint32_t n);
+void kvt_l2mgr_remove(kvt_l2mgr_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
+                      uint32_t n);
 
 /* True when every adapter answers its health probe; otherwise why names the first that does
  * not ("l2 redis:127.0.0.1:6379: connection refused"). */

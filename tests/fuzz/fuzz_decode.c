@@ -35,7 +35,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         /* touch what a handler would read, so ASan sees any pointer that escapes the body */
         volatile uint8_t sink = 0;
         for (uint32_t i = 0; i < req.nkeys; i++)
-            sink ^= req.keys[i][0] ^ req.keys[i][KVT_KEY_LEN - 1];
+            sink ^= req.keys[i].b[0] ^ req.keys[i].b[KVT_KEY_LEN - 1];
         for (uint32_t i = 0; i < req.nsizes; i++)
             sink ^= (uint8_t)req.sizes[i];
         for (uint32_t i = 0; i < req.nfailed; i++)
@@ -46,7 +46,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             sink ^= (uint8_t)req.offsets[i];
         for (uint32_t i = 0; i < req.nblock_ids; i++)
             sink ^= (uint8_t)req.block_ids[i];
-        const kvt_bytes_t *bs[] = {&req.client, &req.instance, &req.ns,   &req.salt,
+        const kvt_bytes_t ns = {req.ns.name, req.ns.name_len};
+        const kvt_bytes_t salt = {req.ns.salt, req.ns.salt_len};
+        const kvt_bytes_t *bs[] = {&req.client, &req.instance, &ns,   &salt,
                                    &req.tokens, &req.dtype,    &req.event};
         for (size_t b = 0; b < sizeof bs / sizeof bs[0]; b++)
             if (bs[b]->len)

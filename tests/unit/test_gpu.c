@@ -1,4 +1,4 @@
-/* Unit tests of the GPU module (daemon/kvt_gpu.c) that need no GPU: layout validation, block
+/* Unit tests of the GPU module (storage/kvt_gpu.c) that need no GPU: layout validation, block
  * id checks and run coalescing (pure functions), and the module itself on a machine without a
  * CUDA device — every request refused KVT_EUNAVAIL with "no CUDA device: ...", nothing
  * registered, owner_gone and destroy clean. */
@@ -21,31 +21,30 @@
 static uint8_t s_handles[L][KVT_IPC_HANDLE_LEN];
 static uint64_t s_offsets[L];
 
-/* A valid REGISTER_GPU as the decoder would leave it. */
-static kvt_req_t s_layout_req(void)
+/* A valid REGISTER_GPU as the handler passes it on. */
+static kvt_gpu_reg_args_t s_layout_req(void)
 {
     for (int i = 0; i < L; i++) {
         memset(s_handles[i], i + 1, KVT_IPC_HANDLE_LEN);
         s_offsets[i] = (uint64_t)i << 20;
     }
-    kvt_req_t r;
+    kvt_gpu_reg_args_t r;
     memset(&r, 0, sizeof r);
-    r.type = KVT_REQ_REGISTER_GPU;
-    r.present = KVT_GPU_LAYOUT | KVT_F_OFFSETS;
     r.device = 0;
     r.layers = L;
     r.num_blocks = 100;
     r.block_tokens = 16;
     r.token_bytes = 2 * 8 * 128 * 2; /* K+V, 8 heads x 128, bf16 */
-    r.dtype = (kvt_bytes_t){(const uint8_t *)"bfloat16", 8};
-    r.handles = s_handles;
+    r.dtype = (const uint8_t *)"bfloat16";
+    r.dtype_len = 8;
+    r.handles = s_handles[0];
     r.nhandles = L;
     r.offsets = s_offsets;
     r.noffsets = L;
     return r;
 }
 
-static void expect_bad(const kvt_req_t *r, const char *mention)
+static void expect_bad(const kvt_gpu_reg_args_t *r, const char *mention)
 {
     char err[200] = "";
     kvt_gpu_layout_t lay;
@@ -57,7 +56,7 @@ static void expect_bad(const kvt_req_t *r, const char *mention)
 static void test_layout_ok(void **state)
 {
     (void)state;
-    kvt_req_t r = s_layout_req();
+    kvt_gpu_reg_args_t r = s_layout_req();
     char err[200] = "";
     kvt_gpu_layout_t lay;
     assert_int_equal(kvt_gpu_layout_check(&r, &lay, err, sizeof err), 0);
@@ -65,8 +64,7 @@ static void test_layout_ok(void **state)
     assert_int_equal(lay.dtype_size, 2);
     assert_int_equal(lay.block_bytes, 16 * 4096);
     assert_int_equal(lay.layer_bytes, 100ull * 16 * 4096);
-    r.present &= ~KVT_F_OFFSETS; /* offsets are optional */
-    r.offsets = NULL;
+    r.offsets = NULL; /* offsets are optional */
     r.noffsets = 0;
     assert_int_equal(kvt_gpu_layout_check(&r, &lay, err, sizeof err), 0);
     assert_int_equal(kvt_gpu_dtype_size((const uint8_t *)"float32", 7), 4);
@@ -78,7 +76,7 @@ static void test_layout_ok(void **state)
 static void test_layout_refused(void **state)
 {
     (void)state;
-    kvt_req_t r;
+    kvt_gpu_reg_args_t r;
     r = s_layout_req(), r.layers = 0, r.nhandles = 0;
     expect_bad(&r, "'layers' is 0");
     r = s_layout_req(), r.layers = KVT_MAX_GPU_LAYERS + 1;
@@ -103,7 +101,7 @@ static void test_layout_refused(void **state)
     expect_bad(&r, "'token_bytes'");
     r = s_layout_req(), r.token_bytes = 4095;
     expect_bad(&r, "not a multiple of the dtype's 2 bytes");
-    r = s_layout_req(), r.dtype = (kvt_bytes_t){(const uint8_t *)"fp16", 4};
+    r = s_layout_req(), r.dtype = (const uint8_t *)"fp16", r.dtype_len = 4;
     expect_bad(&r, "'dtype' fp16 is not one of");
     r = s_layout_req();
     memset(s_handles[2], 0, KVT_IPC_HANDLE_LEN);
@@ -119,7 +117,7 @@ static void test_layout_refused(void **state)
 static void test_chunk_check(void **state)
 {
     (void)state;
-    kvt_req_t r = s_layout_req();
+    kvt_gpu_reg_args_t r = s_layout_req();
     char err[200] = "";
     kvt_gpu_layout_t lay;
     assert_int_equal(kvt_gpu_layout_check(&r, &lay, err, sizeof err), 0);
@@ -208,7 +206,7 @@ static void test_module_without_gpu(void **state)
     assert_non_null(l1);
     kvt_gpu_t *gpu = kvt_gpu_new(l1);
     assert_non_null(gpu);
-    kvt_req_t r = s_layout_req();
+    kvt_gpu_reg_args_t r = s_layout_req();
     kvt_gpu_layout_t lay;
     char msg[200] = "";
     /* an invalid layout is bad_request before CUDA is asked anything */
@@ -222,11 +220,11 @@ static void test_module_without_gpu(void **state)
         assert_true(strlen(msg) > 20);
     }
     assert_int_equal(kvt_gpu_registrations(gpu), 0);
-    uint8_t keys[2][KVT_KEY_LEN] = {{1}, {2}};
+    kvt_key_t keys[2] = {{{1}}, {{2}}};
     uint64_t ids[2] = {0, 1};
-    kvt_req_t c;
+    kvt_gpu_copy_args_t c;
     memset(&c, 0, sizeof c);
-    c.ns = (kvt_bytes_t){(const uint8_t *)"m", 1};
+    c.ns = (kvt_ns_t){(const uint8_t *)"m", 1, NULL, 0};
     c.keys = keys;
     c.nkeys = 2;
     c.block_ids = ids;

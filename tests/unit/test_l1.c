@@ -28,7 +28,6 @@
 #define MiB (1024ull * 1024ull)
 #define MAXN 256
 
-typedef uint8_t key_t16[KVT_KEY_LEN];
 
 typedef struct {
     kvt_config_t *cfg;
@@ -72,26 +71,27 @@ static int s_teardown(void **state)
     return 0;
 }
 
-static kvt_nsref_t s_ns(const char *ns, const char *salt)
+static kvt_ns_t s_ns(const char *ns, const char *salt)
 {
-    kvt_nsref_t r = {(const uint8_t *)ns, (uint32_t)strlen(ns), (const uint8_t *)salt,
+    kvt_ns_t r = {(const uint8_t *)ns, (uint32_t)strlen(ns), (const uint8_t *)salt,
                      salt ? (uint32_t)strlen(salt) : 0};
     return r;
 }
 
 /* key (tag, id): 16 bytes, distinct for distinct (tag, id) */
-static void s_key(uint8_t *k, uint8_t tag, uint32_t id)
+static void s_key(kvt_key_t *key, uint8_t tag, uint32_t id)
 {
+    uint8_t *k = key->b;
     memset(k, 0xA5, KVT_KEY_LEN);
     k[0] = tag;
     memcpy(k + 1, &id, sizeof id);
     k[15] = (uint8_t)(id * 31u + tag);
 }
 
-static void s_keys(key_t16 *keys, uint8_t tag, uint32_t first, uint32_t n)
+static void s_keys(kvt_key_t *keys, uint8_t tag, uint32_t first, uint32_t n)
 {
     for (uint32_t i = 0; i < n; i++)
-        s_key(keys[i], tag, first + i);
+        s_key(&keys[i], tag, first + i);
 }
 
 static uint64_t s_mix(uint64_t x)
@@ -111,8 +111,9 @@ static uint64_t s_seed_of(const uint8_t *key)
 }
 
 /* The pattern a writer puts in its slot: derived from the key, different at every word. */
-static void s_fill(uint8_t *p, uint64_t len, const uint8_t *key)
+static void s_fill(uint8_t *p, uint64_t len, const kvt_key_t *kp)
 {
+    const uint8_t *key = kp->b;
     uint64_t seed = s_seed_of(key);
     uint64_t i = 0;
     for (; i + 8 <= len; i += 8) {
@@ -123,8 +124,9 @@ static void s_fill(uint8_t *p, uint64_t len, const uint8_t *key)
     memcpy(p + i, &w, len - i);
 }
 
-static bool s_verify(const uint8_t *p, uint64_t len, const uint8_t *key)
+static bool s_verify(const uint8_t *p, uint64_t len, const kvt_key_t *kp)
 {
+    const uint8_t *key = kp->b;
     uint64_t seed = s_seed_of(key);
     uint64_t i = 0;
     for (; i + 8 <= len; i += 8) {
@@ -144,7 +146,7 @@ static void s_check_slot(const fx_t *f, kvt_slot_t s, uint64_t size)
 }
 
 /* RESERVE n keys of `size`, fill the non-nil slots, COMMIT. Returns how many were stored. */
-static uint32_t s_store(fx_t *f, uint64_t owner, const kvt_nsref_t *ns, const key_t16 *keys,
+static uint32_t s_store(fx_t *f, uint64_t owner, const kvt_ns_t *ns, const kvt_key_t *keys,
                         uint32_t n, uint64_t size)
 {
     kvt_slot_t slots[MAXN];
@@ -161,7 +163,7 @@ static uint32_t s_store(fx_t *f, uint64_t owner, const kvt_nsref_t *ns, const ke
         if (!slots[i].length)
             continue;
         s_check_slot(f, slots[i], size);
-        s_fill(f->base + slots[i].offset, slots[i].length, keys[i]);
+        s_fill(f->base + slots[i].offset, slots[i].length, &keys[i]);
         fresh++;
     }
     if (!fresh) {
@@ -176,7 +178,7 @@ static uint32_t s_store(fx_t *f, uint64_t owner, const kvt_nsref_t *ns, const ke
     return stored;
 }
 
-static uint32_t s_hits(fx_t *f, const kvt_nsref_t *ns, const key_t16 *keys, uint32_t n)
+static uint32_t s_hits(fx_t *f, const kvt_ns_t *ns, const kvt_key_t *keys, uint32_t n)
 {
     uint32_t hits = 99999;
     uint64_t lease = 1;
@@ -185,9 +187,9 @@ static uint32_t s_hits(fx_t *f, const kvt_nsref_t *ns, const key_t16 *keys, uint
     return hits;
 }
 
-static bool s_present(fx_t *f, const kvt_nsref_t *ns, const uint8_t *key)
+static bool s_present(fx_t *f, const kvt_ns_t *ns, const kvt_key_t *key)
 {
-    return s_hits(f, ns, (const key_t16 *)key, 1) == 1;
+    return s_hits(f, ns, key, 1) == 1;
 }
 
 static kvt_l1_counts_t s_counts(fx_t *f)
@@ -203,8 +205,8 @@ static kvt_l1_counts_t s_counts(fx_t *f)
 static void test_reserve_commit_acquire_release(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("model-a", "");
-    key_t16 k[4];
+    kvt_ns_t ns = s_ns("model-a", "");
+    kvt_key_t k[4];
     s_keys(k, 1, 0, 4);
     kvt_l1_counts_t c = s_counts(f);
     assert_int_equal(c.capacity, 16 * MiB);
@@ -219,7 +221,7 @@ static void test_reserve_commit_acquire_release(void **state)
     uint32_t nslots = 0;
     uint64_t wlease = 0;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, (const key_t16 *)k, 4, NULL, 10000, slots,
+    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, k, 4, NULL, 10000, slots,
                                     &nslots, &wlease, err, sizeof err),
                      0);
     assert_int_equal(nslots, 4);
@@ -229,7 +231,7 @@ static void test_reserve_commit_acquire_release(void **state)
         for (int j = 0; j < i; j++) /* disjoint */
             assert_true(slots[i].offset >= slots[j].offset + 12288 ||
                         slots[j].offset >= slots[i].offset + 12288);
-        s_fill(f->base + slots[i].offset, slots[i].length, k[i]);
+        s_fill(f->base + slots[i].offset, slots[i].length, &k[i]);
     }
     c = s_counts(f);
     assert_int_equal(c.reserved, 4);
@@ -238,21 +240,21 @@ static void test_reserve_commit_acquire_release(void **state)
     assert_int_equal(c.leases_active, 1);
 
     /* invisible until COMMIT */
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)k, 4), 0);
+    assert_int_equal(s_hits(f, &ns, k, 4), 0);
     kvt_slot_t rs[4];
     uint32_t rn = 99;
     uint64_t rlease = 99;
-    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, (const key_t16 *)k, 4, rs, &rn, &rlease), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, k, 4, rs, &rn, &rlease), 0);
     assert_int_equal(rn, 0);
     assert_int_equal(rlease, 0);
     uint32_t hits = 99;
-    assert_int_equal(kvt_l1_lookup(f->l1, 8, &ns, (const key_t16 *)k, 4, true, &hits, &rlease), 0);
+    assert_int_equal(kvt_l1_lookup(f->l1, 8, &ns, k, 4, true, &hits, &rlease), 0);
     assert_int_equal(hits, 0);
     assert_int_equal(rlease, 0);
     /* being stored counts as present for RESERVE: nil slots, no lease */
     kvt_slot_t again[4];
     uint64_t lease2 = 99;
-    assert_int_equal(kvt_l1_reserve(f->l1, 8, &ns, (const key_t16 *)k, 4, NULL, 10000, again,
+    assert_int_equal(kvt_l1_reserve(f->l1, 8, &ns, k, 4, NULL, 10000, again,
                                     &nslots, &lease2, err, sizeof err),
                      0);
     assert_int_equal(nslots, 4);
@@ -279,14 +281,14 @@ static void test_reserve_commit_acquire_release(void **state)
     assert_int_equal(c.leases_active, 0);
 
     /* visible: LOOKUP, ACQUIRE gives the same slots and the bytes written */
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)k, 4), 4);
-    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, (const key_t16 *)k, 4, rs, &rn, &rlease), 0);
+    assert_int_equal(s_hits(f, &ns, k, 4), 4);
+    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, k, 4, rs, &rn, &rlease), 0);
     assert_int_equal(rn, 4);
     assert_true(rlease != 0);
     for (int i = 0; i < 4; i++) {
         assert_int_equal(rs[i].offset, slots[i].offset);
         assert_int_equal(rs[i].length, 10000);
-        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, k[i]));
+        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, &k[i]));
     }
     assert_int_equal(s_counts(f).leases_active, 1);
     /* a read lease is not committed; it stays */
@@ -298,11 +300,11 @@ static void test_reserve_commit_acquire_release(void **state)
     assert_int_equal(s_counts(f).leases_active, 0);
 
     /* RESERVE of stored keys: nil, no lease; a mixed batch gets slots for the new ones only */
-    key_t16 mixed[3];
-    memcpy(mixed[0], k[0], 16);
-    s_key(mixed[1], 1, 100);
-    memcpy(mixed[2], k[3], 16);
-    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, (const key_t16 *)mixed, 3, NULL, 5000, again,
+    kvt_key_t mixed[3];
+    mixed[0] = k[0];
+    s_key(&mixed[1], 1, 100);
+    mixed[2] = k[3];
+    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, mixed, 3, NULL, 5000, again,
                                     &nslots, &lease2, err, sizeof err),
                      0);
     assert_int_equal(nslots, 3);
@@ -310,42 +312,42 @@ static void test_reserve_commit_acquire_release(void **state)
     s_check_slot(f, again[1], 5000);
     assert_int_equal(again[2].length, 0);
     assert_true(lease2 != 0);
-    s_fill(f->base + again[1].offset, again[1].length, mixed[1]);
+    s_fill(f->base + again[1].offset, again[1].length, &mixed[1]);
     assert_int_equal(kvt_l1_commit(f->l1, 7, lease2, NULL, 0, &stored, err, sizeof err), 0);
     assert_int_equal(stored, 1);
     assert_int_equal(s_counts(f).objects, 5);
 
     /* leading keys only: a gap stops LOOKUP and ACQUIRE */
-    key_t16 gap[4];
-    memcpy(gap[0], k[0], 16);
-    memcpy(gap[1], k[1], 16);
-    s_key(gap[2], 1, 999); /* absent */
-    memcpy(gap[3], k[3], 16);
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)gap, 4), 2);
-    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, (const key_t16 *)gap, 4, rs, &rn, &rlease), 0);
+    kvt_key_t gap[4];
+    gap[0] = k[0];
+    gap[1] = k[1];
+    s_key(&gap[2], 1, 999); /* absent */
+    gap[3] = k[3];
+    assert_int_equal(s_hits(f, &ns, gap, 4), 2);
+    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, gap, 4, rs, &rn, &rlease), 0);
     assert_int_equal(rn, 2);
     assert_int_equal(kvt_l1_release(f->l1, 8, rlease), 0);
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)&gap[2], 2), 0);
+    assert_int_equal(s_hits(f, &ns, &gap[2], 2), 0);
 }
 
 static void test_sizes_array(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 k[4];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t k[4];
     s_keys(k, 2, 0, 4);
     uint64_t sizes[4] = {1, 4096, 4097, 300000};
     kvt_slot_t slots[4];
     uint32_t nslots = 0, stored = 0;
     uint64_t lease = 0;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, (const key_t16 *)k, 4, sizes, 0, slots, &nslots,
+    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, k, 4, sizes, 0, slots, &nslots,
                                     &lease, err, sizeof err),
                      0);
     assert_int_equal(nslots, 4);
     for (int i = 0; i < 4; i++) {
         s_check_slot(f, slots[i], sizes[i]);
-        s_fill(f->base + slots[i].offset, slots[i].length, k[i]);
+        s_fill(f->base + slots[i].offset, slots[i].length, &k[i]);
     }
     assert_int_equal(s_counts(f).used, 4096 + 4096 + 8192 + 74 * 4096);
     assert_int_equal(kvt_l1_commit(f->l1, 1, lease, NULL, 0, &stored, err, sizeof err), 0);
@@ -353,11 +355,11 @@ static void test_sizes_array(void **state)
     kvt_slot_t rs[4];
     uint32_t rn;
     uint64_t rl;
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, (const key_t16 *)k, 4, rs, &rn, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, k, 4, rs, &rn, &rl), 0);
     assert_int_equal(rn, 4);
     for (int i = 0; i < 4; i++) {
         assert_int_equal(rs[i].length, sizes[i]);
-        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, k[i]));
+        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, &k[i]));
     }
     assert_int_equal(kvt_l1_release(f->l1, 2, rl), 0);
 }
@@ -365,18 +367,18 @@ static void test_sizes_array(void **state)
 static void test_commit_failed_indices(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 k[4];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t k[4];
     s_keys(k, 3, 0, 4);
     kvt_slot_t slots[4];
     uint32_t nslots = 0, stored = 99;
     uint64_t lease = 0;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, (const key_t16 *)k, 4, NULL, 8192, slots,
+    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, k, 4, NULL, 8192, slots,
                                     &nslots, &lease, err, sizeof err),
                      0);
     for (int i = 0; i < 4; i++)
-        s_fill(f->base + slots[i].offset, slots[i].length, k[i]);
+        s_fill(f->base + slots[i].offset, slots[i].length, &k[i]);
     /* an index out of range: bad request, and the lease is not lost */
     uint64_t bad[1] = {4};
     err[0] = '\0';
@@ -386,38 +388,38 @@ static void test_commit_failed_indices(void **state)
     uint64_t failed[2] = {1, 3};
     assert_int_equal(kvt_l1_commit(f->l1, 1, lease, failed, 2, &stored, err, sizeof err), 0);
     assert_int_equal(stored, 2);
-    assert_true(s_present(f, &ns, k[0]));
-    assert_false(s_present(f, &ns, k[1]));
-    assert_true(s_present(f, &ns, k[2]));
-    assert_false(s_present(f, &ns, k[3]));
+    assert_true(s_present(f, &ns, &k[0]));
+    assert_false(s_present(f, &ns, &k[1]));
+    assert_true(s_present(f, &ns, &k[2]));
+    assert_false(s_present(f, &ns, &k[3]));
     kvt_l1_counts_t c = s_counts(f);
     assert_int_equal(c.objects, 2);
     assert_int_equal(c.reserved, 0);
     assert_int_equal(c.used, 2 * 8192); /* the failed ones' space is back */
     /* a discarded key can be stored again */
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)&k[1], 1, 8192), 1);
+    assert_int_equal(s_store(f, 1, &ns, &k[1], 1, 8192), 1);
 
     /* RELEASE of a write lease discards everything */
-    key_t16 d[2];
+    kvt_key_t d[2];
     s_keys(d, 3, 10, 2);
-    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, (const key_t16 *)d, 2, NULL, 8192, slots,
+    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, d, 2, NULL, 8192, slots,
                                     &nslots, &lease, err, sizeof err),
                      0);
     assert_int_equal(kvt_l1_release(f->l1, 1, lease), 0);
     assert_int_equal(s_counts(f).reserved, 0);
     assert_int_equal(s_counts(f).used, 3 * 8192);
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)d, 2), 0);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)d, 2, 8192), 2);
+    assert_int_equal(s_hits(f, &ns, d, 2), 0);
+    assert_int_equal(s_store(f, 1, &ns, d, 2, 8192), 2);
     /* all failed: stored 0 */
-    key_t16 e[2];
+    kvt_key_t e[2];
     s_keys(e, 3, 20, 2);
-    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, (const key_t16 *)e, 2, NULL, 8192, slots,
+    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, e, 2, NULL, 8192, slots,
                                     &nslots, &lease, err, sizeof err),
                      0);
     uint64_t both[2] = {0, 1};
     assert_int_equal(kvt_l1_commit(f->l1, 1, lease, both, 2, &stored, err, sizeof err), 0);
     assert_int_equal(stored, 0);
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)e, 2), 0);
+    assert_int_equal(s_hits(f, &ns, e, 2), 0);
     assert_int_equal(s_counts(f).used, 5 * 8192);
 }
 
@@ -426,35 +428,35 @@ static void test_commit_failed_indices(void **state)
 static void test_partial_batch_and_enospc(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
+    kvt_ns_t ns = s_ns("m", "");
     uint32_t total = (uint32_t)(f->cap / MiB); /* 16 */
     uint32_t pinned = total - 4;
-    key_t16 p[MAXN];
+    kvt_key_t p[MAXN];
     s_keys(p, 4, 0, pinned);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)p, pinned, MiB), pinned);
+    assert_int_equal(s_store(f, 1, &ns, p, pinned, MiB), pinned);
     /* pin every READY object: nothing can be evicted */
     kvt_slot_t rs[MAXN];
     uint32_t rn = 0;
     uint64_t rlease = 0;
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, (const key_t16 *)p, pinned, rs, &rn, &rlease),
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, p, pinned, rs, &rn, &rlease),
                      0);
     assert_int_equal(rn, pinned);
 
     /* 8 keys, room for 4: the first 4 */
-    key_t16 q[8];
+    kvt_key_t q[8];
     s_keys(q, 5, 0, 8);
     kvt_slot_t slots[8];
     uint32_t nslots = 0, stored = 0;
     uint64_t lease = 0;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, (const key_t16 *)q, 8, NULL, MiB, slots, &nslots,
+    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, q, 8, NULL, MiB, slots, &nslots,
                                     &lease, err, sizeof err),
                      0);
     assert_int_equal(nslots, 4);
     assert_true(lease != 0);
     for (uint32_t i = 0; i < nslots; i++) {
         s_check_slot(f, slots[i], MiB);
-        s_fill(f->base + slots[i].offset, slots[i].length, q[i]);
+        s_fill(f->base + slots[i].offset, slots[i].length, &q[i]);
     }
     kvt_l1_counts_t c = s_counts(f);
     assert_int_equal(c.used, f->cap);
@@ -462,11 +464,11 @@ static void test_partial_batch_and_enospc(void **state)
     assert_int_equal(c.evictions, 0);
 
     /* not even the first fits: ENOSPC, nothing held */
-    key_t16 z[2];
+    kvt_key_t z[2];
     s_keys(z, 6, 0, 2);
     uint64_t zl = 0;
     err[0] = '\0';
-    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, (const key_t16 *)z, 2, NULL, 4096, slots + 4,
+    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, z, 2, NULL, 4096, slots + 4,
                                     &nslots, &zl, err, sizeof err),
                      KVT_ENOSPC);
     assert_true(strlen(err) > 0);
@@ -475,16 +477,16 @@ static void test_partial_batch_and_enospc(void **state)
     assert_int_equal(c2.leases_active, 2);
     assert_int_equal(c2.used, f->cap);
     /* bigger than the whole arena: ENOSPC as well */
-    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, (const key_t16 *)z, 1, NULL, f->cap + 1,
+    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, z, 1, NULL, f->cap + 1,
                                     slots + 4, &nslots, &zl, err, sizeof err),
                      KVT_ENOSPC);
 
     assert_int_equal(kvt_l1_commit(f->l1, 3, lease, NULL, 0, &stored, err, sizeof err), 0);
     assert_int_equal(stored, 4);
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)q, 8), 4); /* q4..q7 never reserved */
+    assert_int_equal(s_hits(f, &ns, q, 8), 4); /* q4..q7 never reserved */
     /* the pins held through all of it: the pinned data is intact */
     for (uint32_t i = 0; i < pinned; i++)
-        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, p[i]));
+        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, &p[i]));
     assert_int_equal(s_counts(f).evictions, 0);
     assert_int_equal(kvt_l1_release(f->l1, 2, rlease), 0);
 }
@@ -492,25 +494,25 @@ static void test_partial_batch_and_enospc(void **state)
 static void test_partial_batch_is_a_prefix(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
+    kvt_ns_t ns = s_ns("m", "");
     /* hold 12 MiB under a write lease (RESERVED objects are never evicted) */
-    key_t16 h[12];
+    kvt_key_t h[12];
     s_keys(h, 7, 0, 12);
     kvt_slot_t hs[12];
     uint32_t n = 0, stored = 0;
     uint64_t hl = 0;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, (const key_t16 *)h, 12, NULL, MiB, hs, &n, &hl,
+    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, h, 12, NULL, MiB, hs, &n, &hl,
                                     err, sizeof err),
                      0);
     assert_int_equal(n, 12);
     /* 4 MiB left: 1 + 1 fit, 3 does not, and the 4 KiB after it is not taken either */
-    key_t16 k[4];
+    kvt_key_t k[4];
     s_keys(k, 8, 0, 4);
     uint64_t sizes[4] = {MiB, MiB, 3 * MiB, 4096};
     kvt_slot_t slots[4];
     uint64_t lease = 0;
-    assert_int_equal(kvt_l1_reserve(f->l1, 2, &ns, (const key_t16 *)k, 4, sizes, 0, slots, &n,
+    assert_int_equal(kvt_l1_reserve(f->l1, 2, &ns, k, 4, sizes, 0, slots, &n,
                                     &lease, err, sizeof err),
                      0);
     assert_int_equal(n, 2);
@@ -519,8 +521,8 @@ static void test_partial_batch_is_a_prefix(void **state)
     assert_int_equal(kvt_l1_commit(f->l1, 2, lease, NULL, 0, &stored, err, sizeof err), 0);
     assert_int_equal(stored, 2);
     /* k3 was not reserved: it can be now (evicting nothing: there is room) */
-    assert_false(s_present(f, &ns, k[3]));
-    assert_int_equal(s_store(f, 2, &ns, (const key_t16 *)&k[3], 1, 4096), 1);
+    assert_false(s_present(f, &ns, &k[3]));
+    assert_int_equal(s_store(f, 2, &ns, &k[3], 1, 4096), 1);
     assert_int_equal(s_counts(f).evictions, 0);
     assert_int_equal(kvt_l1_release(f->l1, 1, hl), 0);
     assert_int_equal(s_counts(f).used, 2 * MiB + 4096);
@@ -529,51 +531,51 @@ static void test_partial_batch_is_a_prefix(void **state)
 static void test_on_demand_eviction(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
+    kvt_ns_t ns = s_ns("m", "");
     uint32_t total = (uint32_t)(f->cap / MiB);
-    key_t16 o[MAXN];
+    kvt_key_t o[MAXN];
     s_keys(o, 9, 0, total);
     for (uint32_t i = 0; i < total; i++) /* one batch each: o0 is the oldest */
-        assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)&o[i], 1, MiB), 1);
+        assert_int_equal(s_store(f, 1, &ns, &o[i], 1, MiB), 1);
     kvt_l1_counts_t c = s_counts(f);
     assert_int_equal(c.used, f->cap);
     assert_int_equal(c.objects, total);
     assert_int_equal(c.evictions, 0);
 
     /* full: RESERVE evicts from the LRU tail to make room */
-    key_t16 nk[4];
+    kvt_key_t nk[4];
     s_keys(nk, 10, 0, 4);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)nk, 4, MiB), 4);
+    assert_int_equal(s_store(f, 1, &ns, nk, 4, MiB), 4);
     c = s_counts(f);
     assert_true(c.evictions >= 4);
     assert_true(c.used <= f->cap);
     for (uint32_t i = 0; i < 4; i++)
-        assert_false(s_present(f, &ns, o[i]));
+        assert_false(s_present(f, &ns, &o[i]));
     /* evicted oldest first: whatever is left of o is a suffix o[j..total) */
     uint32_t first_left = total;
     for (uint32_t i = total; i-- > 0;)
-        if (s_present(f, &ns, o[i]))
+        if (s_present(f, &ns, &o[i]))
             first_left = i;
         else
             break;
     assert_true(first_left < total); /* the newest survived */
     for (uint32_t i = 0; i < first_left; i++)
-        assert_false(s_present(f, &ns, o[i]));
+        assert_false(s_present(f, &ns, &o[i]));
     assert_int_equal(c.objects, 4 + (total - first_left));
     assert_int_equal(c.evictions, first_left);
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)nk, 4), 4);
+    assert_int_equal(s_hits(f, &ns, nk, 4), 4);
     /* the survivors and the new ones hold their own bytes */
     kvt_slot_t rs[4];
     uint32_t rn;
     uint64_t rl;
-    assert_int_equal(kvt_l1_acquire(f->l1, 1, &ns, (const key_t16 *)nk, 4, rs, &rn, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 1, &ns, nk, 4, rs, &rn, &rl), 0);
     for (int i = 0; i < 4; i++)
-        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, nk[i]));
+        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, &nk[i]));
     assert_int_equal(kvt_l1_release(f->l1, 1, rl), 0);
-    assert_int_equal(kvt_l1_acquire(f->l1, 1, &ns, (const key_t16 *)&o[total - 1], 1, rs, &rn, &rl),
+    assert_int_equal(kvt_l1_acquire(f->l1, 1, &ns, &o[total - 1], 1, rs, &rn, &rl),
                      0);
     assert_int_equal(rn, 1);
-    assert_true(s_verify(f->base + rs[0].offset, rs[0].length, o[total - 1]));
+    assert_true(s_verify(f->base + rs[0].offset, rs[0].length, &o[total - 1]));
     assert_int_equal(kvt_l1_release(f->l1, 1, rl), 0);
 }
 
@@ -582,12 +584,12 @@ static void test_on_demand_eviction(void **state)
 static void test_on_demand_eviction_fragmented(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
+    kvt_ns_t ns = s_ns("m", "");
     uint32_t total = (uint32_t)(f->cap / (64 * KiB)); /* 256 */
-    key_t16 *o = calloc(total, sizeof *o);
+    kvt_key_t *o = calloc(total, sizeof *o);
     s_keys(o, 32, 0, total);
     for (uint32_t i = 0; i < total; i++)
-        assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)&o[i], 1, 64 * KiB), 1);
+        assert_int_equal(s_store(f, 1, &ns, &o[i], 1, 64 * KiB), 1);
     assert_int_equal(s_counts(f).used, f->cap);
     /* pin every object whose slot starts at an even multiple of 64 KiB */
     uint64_t *pins = calloc(total, sizeof *pins);
@@ -597,31 +599,31 @@ static void test_on_demand_eviction_fragmented(void **state)
         kvt_slot_t s;
         uint32_t n;
         uint64_t l;
-        assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, (const key_t16 *)&o[i], 1, &s, &n, &l), 0);
+        assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, &o[i], 1, &s, &n, &l), 0);
         assert_int_equal(n, 1);
         if ((s.offset / (64 * KiB)) % 2 == 0) {
             ps[npins] = s;
-            memcpy(o[npins], o[i], 16); /* o[0..npins) = the pinned keys (npins <= i) */
+            o[npins] = o[i]; /* o[0..npins) = the pinned keys (npins <= i) */
             pins[npins++] = l;
         } else {
             assert_int_equal(kvt_l1_release(f->l1, 2, l), 0);
         }
     }
     assert_int_equal(npins, total / 2);
-    key_t16 big[1];
+    kvt_key_t big[1];
     s_keys(big, 33, 0, 1);
     kvt_slot_t slot;
     uint32_t n;
     uint64_t lease = 0;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, (const key_t16 *)big, 1, NULL, 128 * KiB, &slot,
+    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, big, 1, NULL, 128 * KiB, &slot,
                                     &n, &lease, err, sizeof err),
                      KVT_ENOSPC);
-    assert_int_equal(s_store(f, 3, &ns, (const key_t16 *)big, 1, 64 * KiB), 1);
+    assert_int_equal(s_store(f, 3, &ns, big, 1, 64 * KiB), 1);
     assert_true(s_counts(f).evictions >= 1);
     for (uint32_t i = 0; i < npins; i++) {
-        assert_true(s_present(f, &ns, o[i]));
-        assert_true(s_verify(f->base + ps[i].offset, ps[i].length, o[i]));
+        assert_true(s_present(f, &ns, &o[i]));
+        assert_true(s_verify(f->base + ps[i].offset, ps[i].length, &o[i]));
         assert_int_equal(kvt_l1_release(f->l1, 2, pins[i]), 0);
     }
     free(o);
@@ -634,12 +636,12 @@ static void test_on_demand_eviction_fragmented(void **state)
 static void test_exact_fit_no_needless_eviction(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
+    kvt_ns_t ns = s_ns("m", "");
     uint64_t pages = f->cap / 4096, hole = 101;
-    key_t16 k[2];
+    kvt_key_t k[2];
     s_keys(k, 34, 0, 2);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)k, 1, (pages - hole) * 4096), 1);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)&k[1], 1, hole * 4096), 1);
+    assert_int_equal(s_store(f, 1, &ns, k, 1, (pages - hole) * 4096), 1);
+    assert_int_equal(s_store(f, 1, &ns, &k[1], 1, hole * 4096), 1);
     kvt_l1_counts_t c = s_counts(f);
     if (c.evictions != 0)
         fail_msg("storing %llu pages into a free hole of %llu pages evicted %llu object(s) "
@@ -654,19 +656,19 @@ static void test_exact_fit_no_needless_eviction(void **state)
 static void test_exact_fit_pinned_no_enospc(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
+    kvt_ns_t ns = s_ns("m", "");
     uint64_t pages = f->cap / 4096, hole = 101;
-    key_t16 k[2];
+    kvt_key_t k[2];
     s_keys(k, 35, 0, 2);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)k, 1, (pages - hole) * 4096), 1);
+    assert_int_equal(s_store(f, 1, &ns, k, 1, (pages - hole) * 4096), 1);
     kvt_slot_t s, slot;
     uint32_t n;
     uint64_t rl, wl = 0;
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, (const key_t16 *)k, 1, &s, &n, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, k, 1, &s, &n, &rl), 0);
     assert_int_equal(n, 1);
     assert_int_equal(s_counts(f).used, (pages - hole) * 4096);
     char err[KVT_ERR_LEN] = "";
-    int rc = kvt_l1_reserve(f->l1, 1, &ns, (const key_t16 *)&k[1], 1, NULL, hole * 4096, &slot, &n,
+    int rc = kvt_l1_reserve(f->l1, 1, &ns, &k[1], 1, NULL, hole * 4096, &slot, &n,
                             &wl, err, sizeof err);
     if (rc)
         fail_msg("reserve of %llu pages with exactly %llu pages free: %s (%s)",
@@ -678,7 +680,7 @@ static void test_exact_fit_pinned_no_enospc(void **state)
 /* ---- LRU ------------------------------------------------------------------------------- */
 
 /* Evicts one 64 KiB object and checks it was `expect`. */
-static void s_evict_one(fx_t *f, const kvt_nsref_t *ns, const uint8_t *expect, const char *name)
+static void s_evict_one(fx_t *f, const kvt_ns_t *ns, const kvt_key_t *expect, const char *name)
 {
     kvt_l1_counts_t before = s_counts(f);
     uint64_t freed = kvt_l1_evict(f->l1, 64 * KiB);
@@ -694,15 +696,15 @@ static void s_evict_one(fx_t *f, const kvt_nsref_t *ns, const uint8_t *expect, c
 static void test_lru_prefix_aware_store(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 k[8];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t k[8];
     s_keys(k, 11, 0, 8);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)k, 8, 64 * KiB), 8);
+    assert_int_equal(s_store(f, 1, &ns, k, 8, 64 * KiB), 8);
     /* the tail of the prefix goes first: k7, k6, ..., k0 */
     for (int i = 7; i >= 0; i--) {
         char name[16];
         snprintf(name, sizeof name, "k%d", i);
-        s_evict_one(f, &ns, k[i], name);
+        s_evict_one(f, &ns, &k[i], name);
     }
     assert_int_equal(s_counts(f).objects, 0);
     assert_int_equal(s_counts(f).used, 0);
@@ -712,52 +714,52 @@ static void test_lru_prefix_aware_store(void **state)
 static void test_lru_acquire_touches(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 a[8], b[8];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t a[8], b[8];
     s_keys(a, 12, 0, 8);
     s_keys(b, 13, 0, 8);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)a, 8, 64 * KiB), 8);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)b, 8, 64 * KiB), 8);
+    assert_int_equal(s_store(f, 1, &ns, a, 8, 64 * KiB), 8);
+    assert_int_equal(s_store(f, 1, &ns, b, 8, 64 * KiB), 8);
     /* a is older; ACQUIRE of a's prefix makes it the most recent, a7 older than a0 */
     kvt_slot_t rs[8];
     uint32_t rn;
     uint64_t rl;
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, (const key_t16 *)a, 8, rs, &rn, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, a, 8, rs, &rn, &rl), 0);
     assert_int_equal(rn, 8);
     assert_int_equal(kvt_l1_release(f->l1, 2, rl), 0);
     char name[16];
     for (int i = 7; i >= 0; i--) {
         snprintf(name, sizeof name, "b%d", i);
-        s_evict_one(f, &ns, b[i], name);
+        s_evict_one(f, &ns, &b[i], name);
     }
     for (int i = 7; i >= 0; i--) {
         snprintf(name, sizeof name, "a%d", i);
-        s_evict_one(f, &ns, a[i], name);
+        s_evict_one(f, &ns, &a[i], name);
     }
 }
 
 static void test_lru_partial_acquire_touches(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 a[4], b[4];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t a[4], b[4];
     s_keys(a, 14, 0, 4);
     s_keys(b, 15, 0, 4);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)a, 4, 64 * KiB), 4);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)b, 4, 64 * KiB), 4);
+    assert_int_equal(s_store(f, 1, &ns, a, 4, 64 * KiB), 4);
+    assert_int_equal(s_store(f, 1, &ns, b, 4, 64 * KiB), 4);
     /* ACQUIRE a0 a1 (+ an absent key): only the two leading keys move up */
-    key_t16 q[3];
-    memcpy(q[0], a[0], 16);
-    memcpy(q[1], a[1], 16);
-    s_key(q[2], 14, 777);
+    kvt_key_t q[3];
+    q[0] = a[0];
+    q[1] = a[1];
+    s_key(&q[2], 14, 777);
     kvt_slot_t rs[3];
     uint32_t rn;
     uint64_t rl;
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, (const key_t16 *)q, 3, rs, &rn, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, q, 3, rs, &rn, &rl), 0);
     assert_int_equal(rn, 2);
     assert_int_equal(kvt_l1_release(f->l1, 2, rl), 0);
     /* order now (oldest first): a3 a2 b3 b2 b1 b0 a1 a0 */
-    const uint8_t *order[8] = {a[3], a[2], b[3], b[2], b[1], b[0], a[1], a[0]};
+    const kvt_key_t *order[8] = {&a[3], &a[2], &b[3], &b[2], &b[1], &b[0], &a[1], &a[0]};
     const char *names[8] = {"a3", "a2", "b3", "b2", "b1", "b0", "a1", "a0"};
     for (int i = 0; i < 8; i++)
         s_evict_one(f, &ns, order[i], names[i]);
@@ -768,15 +770,15 @@ static void test_lru_partial_acquire_touches(void **state)
 static void test_pinned_never_evicted(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 p[8], u[4];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t p[8], u[4];
     s_keys(p, 16, 0, 8);
     s_keys(u, 17, 0, 4);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)p, 8, 64 * KiB), 8);
+    assert_int_equal(s_store(f, 1, &ns, p, 8, 64 * KiB), 8);
     kvt_slot_t rs[8];
     uint32_t rn;
     uint64_t rl;
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, (const key_t16 *)p, 8, rs, &rn, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, p, 8, rs, &rn, &rl), 0);
     assert_int_equal(rn, 8);
     /* everything pinned: evict frees nothing, less than asked */
     assert_int_equal(kvt_l1_evict(f->l1, f->cap), 0);
@@ -784,21 +786,21 @@ static void test_pinned_never_evicted(void **state)
     assert_int_equal(s_counts(f).objects, 8);
     assert_int_equal(s_counts(f).evictions, 0);
     /* unpinned ones (newer than the pinned ones) go, the pinned ones stay */
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)u, 4, 64 * KiB), 4);
+    assert_int_equal(s_store(f, 1, &ns, u, 4, 64 * KiB), 4);
     assert_int_equal(kvt_l1_evict(f->l1, f->cap), 4 * 64 * KiB);
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)u, 4), 0);
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)p, 8), 8);
+    assert_int_equal(s_hits(f, &ns, u, 4), 0);
+    assert_int_equal(s_hits(f, &ns, p, 8), 8);
     for (int i = 0; i < 8; i++)
-        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, p[i]));
+        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, &p[i]));
     /* two pins on the same objects: both must go before eviction can take them */
     uint32_t hits = 0;
     uint64_t ll = 0;
-    assert_int_equal(kvt_l1_lookup(f->l1, 3, &ns, (const key_t16 *)p, 8, true, &hits, &ll), 0);
+    assert_int_equal(kvt_l1_lookup(f->l1, 3, &ns, p, 8, true, &hits, &ll), 0);
     assert_int_equal(hits, 8);
     assert_true(ll != 0 && ll != rl);
     assert_int_equal(kvt_l1_release(f->l1, 2, rl), 0);
     assert_int_equal(kvt_l1_evict(f->l1, f->cap), 0); /* still pinned by the LOOKUP lock */
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)p, 8), 8);
+    assert_int_equal(s_hits(f, &ns, p, 8), 8);
     assert_int_equal(kvt_l1_release(f->l1, 3, ll), 0);
     assert_int_equal(kvt_l1_evict(f->l1, f->cap), 8 * 64 * KiB);
     assert_int_equal(s_counts(f).used, 0);
@@ -808,18 +810,18 @@ static void test_pinned_never_evicted(void **state)
 static void test_reserved_never_evicted(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 k[2];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t k[2];
     s_keys(k, 18, 0, 2);
     kvt_slot_t slots[2];
     uint32_t n, stored;
     uint64_t lease;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, (const key_t16 *)k, 2, NULL, MiB, slots, &n,
+    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, k, 2, NULL, MiB, slots, &n,
                                     &lease, err, sizeof err),
                      0);
     for (int i = 0; i < 2; i++)
-        s_fill(f->base + slots[i].offset, slots[i].length, k[i]);
+        s_fill(f->base + slots[i].offset, slots[i].length, &k[i]);
     assert_int_equal(kvt_l1_evict(f->l1, f->cap), 0);
     assert_int_equal(kvt_l1_commit(f->l1, 1, lease, NULL, 0, &stored, err, sizeof err), 0);
     assert_int_equal(stored, 2);
@@ -829,60 +831,60 @@ static void test_reserved_never_evicted(void **state)
 static void test_remove_pinned(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 k[4];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t k[4];
     s_keys(k, 19, 0, 4);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)k, 4, MiB), 4);
+    assert_int_equal(s_store(f, 1, &ns, k, 4, MiB), 4);
     kvt_slot_t rs[2];
     uint32_t rn, removed = 99;
     uint64_t rl;
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, (const key_t16 *)k, 2, rs, &rn, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, k, 2, rs, &rn, &rl), 0);
     assert_int_equal(rn, 2);
-    assert_int_equal(kvt_l1_remove(f->l1, &ns, (const key_t16 *)k, 4, &removed), 0);
+    assert_int_equal(kvt_l1_remove(f->l1, &ns, k, 4, &removed), 0);
     assert_int_equal(removed, 4);
     /* gone from the index at once, the pinned ones keep their space until RELEASE */
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)k, 1), 0);
-    assert_false(s_present(f, &ns, k[1]));
-    assert_false(s_present(f, &ns, k[3]));
+    assert_int_equal(s_hits(f, &ns, k, 1), 0);
+    assert_false(s_present(f, &ns, &k[1]));
+    assert_false(s_present(f, &ns, &k[3]));
     assert_int_equal(s_counts(f).used, 2 * MiB);
     /* fill every free byte with new objects: none may land on the pinned slots */
-    key_t16 n[MAXN];
+    kvt_key_t n[MAXN];
     uint32_t nn = (uint32_t)(f->cap / MiB) - 2;
     s_keys(n, 20, 0, nn);
-    assert_int_equal(s_store(f, 3, &ns, (const key_t16 *)n, nn, MiB), nn);
+    assert_int_equal(s_store(f, 3, &ns, n, nn, MiB), nn);
     assert_int_equal(s_counts(f).used, f->cap);
     for (int i = 0; i < 2; i++)
-        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, k[i]));
+        assert_true(s_verify(f->base + rs[i].offset, rs[i].length, &k[i]));
     /* a new object of a removed key may be stored while the old one is still pinned */
     assert_int_equal(kvt_l1_evict(f->l1, MiB), MiB);
-    assert_int_equal(s_store(f, 3, &ns, (const key_t16 *)&k[0], 1, MiB), 1);
-    assert_true(s_verify(f->base + rs[0].offset, rs[0].length, k[0]));
+    assert_int_equal(s_store(f, 3, &ns, &k[0], 1, MiB), 1);
+    assert_true(s_verify(f->base + rs[0].offset, rs[0].length, &k[0]));
     /* the last pin goes: the space comes back */
     uint64_t used = s_counts(f).used;
     assert_int_equal(kvt_l1_release(f->l1, 2, rl), 0);
     assert_int_equal(s_counts(f).used, used - 2 * MiB);
-    assert_true(s_present(f, &ns, k[0])); /* the new object, not the old one */
+    assert_true(s_present(f, &ns, &k[0])); /* the new object, not the old one */
 
     /* REMOVE leaves absent and RESERVED keys alone */
-    key_t16 r[1];
+    kvt_key_t r[1];
     s_keys(r, 21, 0, 1);
     kvt_slot_t slot;
     uint32_t ns1, stored;
     uint64_t wl;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, (const key_t16 *)r, 1, NULL, 4096, &slot, &ns1,
+    assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, r, 1, NULL, 4096, &slot, &ns1,
                                     &wl, err, sizeof err),
                      0);
-    s_fill(f->base + slot.offset, slot.length, r[0]);
-    key_t16 absent[1];
+    s_fill(f->base + slot.offset, slot.length, &r[0]);
+    kvt_key_t absent[1];
     s_keys(absent, 21, 5, 1);
-    assert_int_equal(kvt_l1_remove(f->l1, &ns, (const key_t16 *)absent, 1, &removed), 0);
+    assert_int_equal(kvt_l1_remove(f->l1, &ns, absent, 1, &removed), 0);
     assert_int_equal(removed, 0);
-    assert_int_equal(kvt_l1_remove(f->l1, &ns, (const key_t16 *)r, 1, &removed), 0);
+    assert_int_equal(kvt_l1_remove(f->l1, &ns, r, 1, &removed), 0);
     assert_int_equal(removed, 0);
     assert_int_equal(kvt_l1_commit(f->l1, 1, wl, NULL, 0, &stored, err, sizeof err), 0);
     assert_int_equal(stored, 1);
-    assert_true(s_present(f, &ns, r[0]));
+    assert_true(s_present(f, &ns, &r[0]));
 }
 
 /* ---- namespaces, CLEAR ------------------------------------------------------------------ */
@@ -890,76 +892,76 @@ static void test_remove_pinned(void **state)
 static void test_ns_salt_isolation(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t a = s_ns("a", ""), as = s_ns("a", "x"), b = s_ns("b", "");
-    kvt_nsref_t ab = s_ns("ab", ""), a_b = s_ns("a", "b");
+    kvt_ns_t a = s_ns("a", ""), as = s_ns("a", "x"), b = s_ns("b", "");
+    kvt_ns_t ab = s_ns("ab", ""), a_b = s_ns("a", "b");
     static const uint8_t zero = 0;
-    kvt_nsref_t a0 = {(const uint8_t *)"a", 1, &zero, 1}; /* salt "\0" is not "" */
-    key_t16 k[1];
+    kvt_ns_t a0 = {(const uint8_t *)"a", 1, &zero, 1}; /* salt "\0" is not "" */
+    kvt_key_t k[1];
     s_keys(k, 22, 0, 1);
-    assert_int_equal(s_store(f, 1, &a, (const key_t16 *)k, 1, 4096), 1);
-    assert_false(s_present(f, &as, k[0]));
-    assert_false(s_present(f, &b, k[0]));
-    assert_false(s_present(f, &a0, k[0]));
+    assert_int_equal(s_store(f, 1, &a, k, 1, 4096), 1);
+    assert_false(s_present(f, &as, &k[0]));
+    assert_false(s_present(f, &b, &k[0]));
+    assert_false(s_present(f, &a0, &k[0]));
     /* the same key elsewhere is another object */
-    assert_int_equal(s_store(f, 1, &as, (const key_t16 *)k, 1, 8192), 1);
-    assert_int_equal(s_store(f, 1, &b, (const key_t16 *)k, 1, 4096), 1);
-    assert_int_equal(s_store(f, 1, &a0, (const key_t16 *)k, 1, 4096), 1);
+    assert_int_equal(s_store(f, 1, &as, k, 1, 8192), 1);
+    assert_int_equal(s_store(f, 1, &b, k, 1, 4096), 1);
+    assert_int_equal(s_store(f, 1, &a0, k, 1, 4096), 1);
     /* "ab"+"" and "a"+"b" must not collide */
-    assert_int_equal(s_store(f, 1, &ab, (const key_t16 *)k, 1, 4096), 1);
-    assert_false(s_present(f, &a_b, k[0]));
-    assert_int_equal(s_store(f, 1, &a_b, (const key_t16 *)k, 1, 4096), 1);
+    assert_int_equal(s_store(f, 1, &ab, k, 1, 4096), 1);
+    assert_false(s_present(f, &a_b, &k[0]));
+    assert_int_equal(s_store(f, 1, &a_b, k, 1, 4096), 1);
     assert_int_equal(s_counts(f).objects, 6);
     kvt_slot_t s1, s2;
     uint32_t n;
     uint64_t l1, l2;
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &a, (const key_t16 *)k, 1, &s1, &n, &l1), 0);
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &as, (const key_t16 *)k, 1, &s2, &n, &l2), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &a, k, 1, &s1, &n, &l1), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &as, k, 1, &s2, &n, &l2), 0);
     assert_true(s1.offset != s2.offset);
     assert_int_equal(s1.length, 4096);
     assert_int_equal(s2.length, 8192);
     kvt_l1_release(f->l1, 2, l1);
     kvt_l1_release(f->l1, 2, l2);
     uint32_t removed;
-    assert_int_equal(kvt_l1_remove(f->l1, &as, (const key_t16 *)k, 1, &removed), 0);
+    assert_int_equal(kvt_l1_remove(f->l1, &as, k, 1, &removed), 0);
     assert_int_equal(removed, 1);
-    assert_true(s_present(f, &a, k[0]));
-    assert_true(s_present(f, &a_b, k[0]));
+    assert_true(s_present(f, &a, &k[0]));
+    assert_true(s_present(f, &a_b, &k[0]));
     assert_int_equal(s_counts(f).objects, 5);
 }
 
 static void test_clear(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t a = s_ns("a", ""), as = s_ns("a", "s1"), b = s_ns("b", ""), ab = s_ns("ab", "");
-    key_t16 k[3];
+    kvt_ns_t a = s_ns("a", ""), as = s_ns("a", "s1"), b = s_ns("b", ""), ab = s_ns("ab", "");
+    kvt_key_t k[3];
     s_keys(k, 23, 0, 3);
-    assert_int_equal(s_store(f, 1, &a, (const key_t16 *)k, 3, 4096), 3);
-    assert_int_equal(s_store(f, 1, &as, (const key_t16 *)k, 3, 4096), 3);
-    assert_int_equal(s_store(f, 1, &b, (const key_t16 *)k, 3, 4096), 3);
-    assert_int_equal(s_store(f, 1, &ab, (const key_t16 *)k, 3, 4096), 3);
+    assert_int_equal(s_store(f, 1, &a, k, 3, 4096), 3);
+    assert_int_equal(s_store(f, 1, &as, k, 3, 4096), 3);
+    assert_int_equal(s_store(f, 1, &b, k, 3, 4096), 3);
+    assert_int_equal(s_store(f, 1, &ab, k, 3, 4096), 3);
     /* a reservation in "a" survives CLEAR */
-    key_t16 r[1];
+    kvt_key_t r[1];
     s_keys(r, 24, 0, 1);
     kvt_slot_t slot;
     uint32_t n, stored;
     uint64_t wl, removed = 99;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_reserve(f->l1, 1, &a, (const key_t16 *)r, 1, NULL, 4096, &slot, &n, &wl,
+    assert_int_equal(kvt_l1_reserve(f->l1, 1, &a, r, 1, NULL, 4096, &slot, &n, &wl,
                                     err, sizeof err),
                      0);
-    s_fill(f->base + slot.offset, slot.length, r[0]);
+    s_fill(f->base + slot.offset, slot.length, &r[0]);
 
     assert_int_equal(kvt_l1_clear(f->l1, (const uint8_t *)"a", 1, &removed), 0);
     assert_int_equal(removed, 6); /* both salts of "a", not "ab" */
-    assert_int_equal(s_hits(f, &a, (const key_t16 *)k, 3), 0);
-    assert_int_equal(s_hits(f, &as, (const key_t16 *)k, 3), 0);
-    assert_int_equal(s_hits(f, &b, (const key_t16 *)k, 3), 3);
-    assert_int_equal(s_hits(f, &ab, (const key_t16 *)k, 3), 3);
+    assert_int_equal(s_hits(f, &a, k, 3), 0);
+    assert_int_equal(s_hits(f, &as, k, 3), 0);
+    assert_int_equal(s_hits(f, &b, k, 3), 3);
+    assert_int_equal(s_hits(f, &ab, k, 3), 3);
     assert_int_equal(kvt_l1_clear(f->l1, (const uint8_t *)"zzz", 3, &removed), 0);
     assert_int_equal(removed, 0);
     assert_int_equal(kvt_l1_commit(f->l1, 1, wl, NULL, 0, &stored, err, sizeof err), 0);
     assert_int_equal(stored, 1);
-    assert_true(s_present(f, &a, r[0]));
+    assert_true(s_present(f, &a, &r[0]));
     assert_int_equal(s_counts(f).objects, 7);
 
     assert_int_equal(kvt_l1_clear(f->l1, NULL, 0, &removed), 0);
@@ -970,7 +972,7 @@ static void test_clear(void **state)
     assert_int_equal(kvt_l1_clear(f->l1, NULL, 0, &removed), 0);
     assert_int_equal(removed, 0);
     /* cleared keys can be stored again */
-    assert_int_equal(s_store(f, 1, &a, (const key_t16 *)k, 3, 4096), 3);
+    assert_int_equal(s_store(f, 1, &a, k, 3, 4096), 3);
 }
 
 /* ---- owners ----------------------------------------------------------------------------- */
@@ -978,23 +980,23 @@ static void test_clear(void **state)
 static void test_release_owner_expired(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 s[4], w[3];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t s[4], w[3];
     s_keys(s, 25, 0, 4);
     s_keys(w, 26, 0, 3);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)s, 4, MiB), 4);
+    assert_int_equal(s_store(f, 1, &ns, s, 4, MiB), 4);
     /* owner 7: a read lease on s0..s3 and a write lease on w0..w2 */
     kvt_slot_t rs[4], ws[3];
     uint32_t n, stored;
     uint64_t rl, wl, rl2;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_acquire(f->l1, 7, &ns, (const key_t16 *)s, 4, rs, &n, &rl), 0);
-    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, (const key_t16 *)w, 3, NULL, MiB, ws, &n, &wl,
+    assert_int_equal(kvt_l1_acquire(f->l1, 7, &ns, s, 4, rs, &n, &rl), 0);
+    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, w, 3, NULL, MiB, ws, &n, &wl,
                                     err, sizeof err),
                      0);
     assert_int_equal(n, 3);
     /* owner 8 holds a pin too, which survives owner 7's expiry */
-    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, (const key_t16 *)s, 1, rs, &n, &rl2), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, s, 1, rs, &n, &rl2), 0);
     kvt_l1_counts_t c = s_counts(f);
     assert_int_equal(c.leases_active, 3);
     assert_int_equal(c.reserved, 3);
@@ -1006,7 +1008,7 @@ static void test_release_owner_expired(void **state)
     assert_int_equal(c.leases_expired, 2);
     assert_int_equal(c.reserved, 0);
     assert_int_equal(c.used, 4 * MiB); /* the reservations are discarded */
-    assert_int_equal(s_hits(f, &ns, (const key_t16 *)w, 3), 0);
+    assert_int_equal(s_hits(f, &ns, w, 3), 0);
     /* a late COMMIT / RELEASE: lease_expired */
     err[0] = '\0';
     assert_int_equal(kvt_l1_commit(f->l1, 7, wl, NULL, 0, &stored, err, sizeof err), KVT_ELEXPIRED);
@@ -1016,9 +1018,9 @@ static void test_release_owner_expired(void **state)
     assert_int_equal(kvt_l1_release_owner(f->l1, 7, true), 0);
     /* the read pins are gone: s1..s3 are evictable, s0 is still pinned by owner 8 */
     assert_int_equal(kvt_l1_evict(f->l1, f->cap), 3 * MiB);
-    assert_true(s_present(f, &ns, s[0]));
+    assert_true(s_present(f, &ns, &s[0]));
     /* the discarded keys can be reserved again by someone else */
-    assert_int_equal(s_store(f, 9, &ns, (const key_t16 *)w, 3, MiB), 3);
+    assert_int_equal(s_store(f, 9, &ns, w, 3, MiB), 3);
     assert_int_equal(kvt_l1_release(f->l1, 8, rl2), 0);
     assert_int_equal(s_counts(f).leases_active, 0);
     assert_int_equal(s_counts(f).leases_expired, 2);
@@ -1027,18 +1029,18 @@ static void test_release_owner_expired(void **state)
 static void test_release_owner_bye(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "");
-    key_t16 s[2], w[2];
+    kvt_ns_t ns = s_ns("m", "");
+    kvt_key_t s[2], w[2];
     s_keys(s, 27, 0, 2);
     s_keys(w, 28, 0, 2);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)s, 2, MiB), 2);
+    assert_int_equal(s_store(f, 1, &ns, s, 2, MiB), 2);
     kvt_slot_t slots[2];
     uint32_t n, stored, hits;
     uint64_t rl, wl, ll;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_acquire(f->l1, 7, &ns, (const key_t16 *)s, 2, slots, &n, &rl), 0);
-    assert_int_equal(kvt_l1_lookup(f->l1, 7, &ns, (const key_t16 *)s, 2, true, &hits, &ll), 0);
-    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, (const key_t16 *)w, 2, NULL, MiB, slots, &n, &wl,
+    assert_int_equal(kvt_l1_acquire(f->l1, 7, &ns, s, 2, slots, &n, &rl), 0);
+    assert_int_equal(kvt_l1_lookup(f->l1, 7, &ns, s, 2, true, &hits, &ll), 0);
+    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, w, 2, NULL, MiB, slots, &n, &wl,
                                     err, sizeof err),
                      0);
     assert_int_equal(kvt_l1_release_owner(f->l1, 7, false), 3);
@@ -1057,17 +1059,17 @@ static void test_release_owner_bye(void **state)
 static void test_destroy_with_everything_held(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("m", "salt");
-    key_t16 k[4];
+    kvt_ns_t ns = s_ns("m", "salt");
+    kvt_key_t k[4];
     s_keys(k, 29, 0, 4);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)k, 2, MiB), 2);
+    assert_int_equal(s_store(f, 1, &ns, k, 2, MiB), 2);
     kvt_slot_t slots[4];
     uint32_t n, removed;
     uint64_t l;
     char err[KVT_ERR_LEN];
-    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, (const key_t16 *)k, 2, slots, &n, &l), 0);
-    assert_int_equal(kvt_l1_remove(f->l1, &ns, (const key_t16 *)k, 1, &removed), 0);
-    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, (const key_t16 *)&k[2], 2, NULL, MiB, slots, &n,
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &ns, k, 2, slots, &n, &l), 0);
+    assert_int_equal(kvt_l1_remove(f->l1, &ns, k, 1, &removed), 0);
+    assert_int_equal(kvt_l1_reserve(f->l1, 3, &ns, &k[2], 2, NULL, MiB, slots, &n,
                                     &l, err, sizeof err),
                      0);
     /* teardown destroys it */
@@ -1089,16 +1091,16 @@ static void test_index_100k(void **state)
     f.l1 = s_l1_new("512M", &f.cfg);
     f.base = kvt_l1_base(f.l1);
     f.cap = kvt_l1_capacity(f.l1);
-    kvt_nsref_t ns = s_ns("big", "");
+    kvt_ns_t ns = s_ns("big", "");
     uint64_t *offs = malloc(N * sizeof *offs);
-    key_t16 keys[B];
+    kvt_key_t keys[B];
     kvt_slot_t slots[B];
     char err[KVT_ERR_LEN];
     for (uint32_t i = 0; i < N; i += B) {
         uint32_t n = N - i < B ? N - i : B, ns_ = 0, stored = 0;
         uint64_t lease = 0;
         s_keys(keys, 30, i, n);
-        assert_int_equal(kvt_l1_reserve(f.l1, 1, &ns, (const key_t16 *)keys, n, NULL, 4096, slots,
+        assert_int_equal(kvt_l1_reserve(f.l1, 1, &ns, keys, n, NULL, 4096, slots,
                                         &ns_, &lease, err, sizeof err),
                          0);
         assert_int_equal(ns_, n);
@@ -1120,29 +1122,29 @@ static void test_index_100k(void **state)
 
     /* every key found, one by one and as 64-key prefixes (crossing batch boundaries) */
     for (uint32_t i = 0; i < N; i++) {
-        s_key(keys[0], 30, i);
-        assert_true(s_present(&f, &ns, keys[0]));
+        s_key(&keys[0], 30, i);
+        assert_true(s_present(&f, &ns, &keys[0]));
     }
     for (uint32_t i = 17; i + B <= N; i += 997) {
         s_keys(keys, 30, i, B);
-        assert_int_equal(s_hits(&f, &ns, (const key_t16 *)keys, B), B);
+        assert_int_equal(s_hits(&f, &ns, keys, B), B);
     }
     /* absent keys miss: other ids, other tag, other namespace */
-    kvt_nsref_t other = s_ns("big", "salt");
+    kvt_ns_t other = s_ns("big", "salt");
     for (uint32_t i = 0; i < N; i++) {
-        s_key(keys[0], 30, N + i);
-        assert_false(s_present(&f, &ns, keys[0]));
-        s_key(keys[0], 31, i);
-        assert_false(s_present(&f, &ns, keys[0]));
+        s_key(&keys[0], 30, N + i);
+        assert_false(s_present(&f, &ns, &keys[0]));
+        s_key(&keys[0], 31, i);
+        assert_false(s_present(&f, &ns, &keys[0]));
         if (i % 10 == 0) {
-            s_key(keys[0], 30, i);
-            assert_false(s_present(&f, &other, keys[0]));
+            s_key(&keys[0], 30, i);
+            assert_false(s_present(&f, &other, &keys[0]));
         }
     }
     /* a prefix of present keys stopped by an absent one */
     s_keys(keys, 30, 500, B);
-    s_key(keys[40], 30, N + 40);
-    assert_int_equal(s_hits(&f, &ns, (const key_t16 *)keys, B), 40);
+    s_key(&keys[40], 30, N + 40);
+    assert_int_equal(s_hits(&f, &ns, keys, B), 40);
 
     uint64_t removed = 0;
     assert_int_equal(kvt_l1_clear(f.l1, NULL, 0, &removed), 0);
@@ -1181,15 +1183,15 @@ static void s_fx_done(fx_t *fx)
 static void test_owner_bytes(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("acct", "");
-    key_t16 k[8];
+    kvt_ns_t ns = s_ns("acct", "");
+    kvt_key_t k[8];
     s_keys(k, 0x61, 0, 8);
     kvt_slot_t slots[8];
     uint64_t sizes[3] = {1, 4096, 10000}, lease = 0, rl = 0, dl = 0;
     uint32_t n = 0, stored = 0;
     char err[KVT_ERR_LEN] = "";
     assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 0);
-    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, (const key_t16 *)k, 3, sizes, 0, slots, &n,
+    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, k, 3, sizes, 0, slots, &n,
                                     &lease, err, sizeof err),
                      0);
     assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 4096 + 4096 + 12288);
@@ -1197,18 +1199,18 @@ static void test_owner_bytes(void **state)
     assert_int_equal(kvt_l1_commit(f->l1, 7, lease, NULL, 0, &stored, err, sizeof err), 0);
     assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 0);
     /* read pins: two owners on the same objects, each counted */
-    assert_int_equal(kvt_l1_acquire(f->l1, 7, &ns, (const key_t16 *)k, 3, slots, &n, &rl), 0);
-    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, (const key_t16 *)k, 2, slots, &n, &dl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 7, &ns, k, 3, slots, &n, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(f->l1, 8, &ns, k, 2, slots, &n, &dl), 0);
     assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 20480);
     assert_int_equal(kvt_l1_owner_bytes(f->l1, 8), 8192);
     assert_int_equal(kvt_l1_release(f->l1, 8, dl), 0);
     assert_int_equal(kvt_l1_owner_bytes(f->l1, 8), 0);
     uint32_t hits = 0;
-    assert_int_equal(kvt_l1_lookup(f->l1, 7, &ns, (const key_t16 *)k, 1, true, &hits, &dl), 0);
+    assert_int_equal(kvt_l1_lookup(f->l1, 7, &ns, k, 1, true, &hits, &dl), 0);
     assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 20480 + 4096);
     /* a write lease with a failed index and a nil slot */
     uint64_t wl = 0;
-    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, (const key_t16 *)&k[2], 3, NULL, 5000, slots, &n,
+    assert_int_equal(kvt_l1_reserve(f->l1, 7, &ns, &k[2], 3, NULL, 5000, slots, &n,
                                     &wl, err, sizeof err),
                      0);
     assert_int_equal(slots[0].length, 0); /* k[2] is stored: nothing charged for it */
@@ -1217,7 +1219,7 @@ static void test_owner_bytes(void **state)
     assert_int_equal(kvt_l1_release_owner(f->l1, 7, true), 3);
     assert_int_equal(kvt_l1_owner_bytes(f->l1, 7), 0);
     /* the daemon's leases are never counted, and unlimited */
-    assert_int_equal(kvt_l1_reserve(f->l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)&k[5], 2, NULL,
+    assert_int_equal(kvt_l1_reserve(f->l1, KVT_OWNER_DAEMON, &ns, &k[5], 2, NULL,
                                     5000, slots, &n, &lease, err, sizeof err),
                      0);
     assert_int_equal(kvt_l1_owner_bytes(f->l1, KVT_OWNER_DAEMON), 0);
@@ -1231,22 +1233,22 @@ static void test_max_leased_bytes(void **state)
     (void)state;
     fx_t fx = {0};
     s_fx_with(&fx, "max_leased_bytes", "40k");
-    kvt_nsref_t ns = s_ns("limit", "");
-    key_t16 k[16];
+    kvt_ns_t ns = s_ns("limit", "");
+    kvt_key_t k[16];
     s_keys(k, 0x62, 0, 16);
     kvt_slot_t slots[16];
     uint32_t n = 0, stored = 0;
     uint64_t lease = 0, l2 = 0;
     char err[KVT_ERR_LEN] = "";
     /* 12 KiB each: three fit in 40 KiB, the fourth does not */
-    assert_int_equal(kvt_l1_reserve(fx.l1, 3, &ns, (const key_t16 *)k, 5, NULL, 12288, slots, &n,
+    assert_int_equal(kvt_l1_reserve(fx.l1, 3, &ns, k, 5, NULL, 12288, slots, &n,
                                     &lease, err, sizeof err),
                      0);
     assert_int_equal(n, 3);
     assert_int_equal(kvt_l1_owner_bytes(fx.l1, 3), 36864);
     assert_int_equal(s_counts(&fx).reserved, 3);
     err[0] = '\0';
-    assert_int_equal(kvt_l1_reserve(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, NULL, 8192, slots, &n,
+    assert_int_equal(kvt_l1_reserve(fx.l1, 3, &ns, &k[3], 1, NULL, 8192, slots, &n,
                                     &l2, err, sizeof err),
                      KVT_ENOSPC);
     assert_int_equal(l2, 0);
@@ -1254,14 +1256,14 @@ static void test_max_leased_bytes(void **state)
     assert_non_null(strstr(err, "36864"));
     assert_int_equal(kvt_l1_owner_bytes(fx.l1, 3), 36864);
     /* a key that fits in what is left (4 KiB) still goes */
-    assert_int_equal(kvt_l1_reserve(fx.l1, 3, &ns, (const key_t16 *)&k[3], 2, NULL, 4096, slots, &n,
+    assert_int_equal(kvt_l1_reserve(fx.l1, 3, &ns, &k[3], 2, NULL, 4096, slots, &n,
                                     &l2, err, sizeof err),
                      0);
     assert_int_equal(n, 1);
     assert_int_equal(kvt_l1_owner_bytes(fx.l1, 3), 40960);
     /* another owner is not limited by this one */
     uint64_t other = 0;
-    assert_int_equal(kvt_l1_reserve(fx.l1, 4, &ns, (const key_t16 *)&k[8], 3, NULL, 12288, slots,
+    assert_int_equal(kvt_l1_reserve(fx.l1, 4, &ns, &k[8], 3, NULL, 12288, slots,
                                     &n, &other, err, sizeof err),
                      0);
     assert_int_equal(n, 3);
@@ -1270,18 +1272,18 @@ static void test_max_leased_bytes(void **state)
     assert_int_equal(kvt_l1_owner_bytes(fx.l1, 3), 36864);
     /* ACQUIRE under the same limit: k[3] (4 KiB) fits, nothing more */
     uint64_t rl = 0;
-    assert_int_equal(kvt_l1_acquire(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, slots, &n, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(fx.l1, 3, &ns, &k[3], 1, slots, &n, &rl), 0);
     assert_int_equal(n, 1);
-    assert_int_equal(kvt_l1_acquire(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, slots, &n, &l2),
+    assert_int_equal(kvt_l1_acquire(fx.l1, 3, &ns, &k[3], 1, slots, &n, &l2),
                      KVT_ENOSPC);
     assert_int_equal(n, 0);
     assert_int_equal(l2, 0);
     kvt_l1_owner_limit_error(fx.l1, 3, err, sizeof err);
     assert_non_null(strstr(err, "40960 bytes under leases"));
     uint32_t hits = 0;
-    assert_int_equal(kvt_l1_lookup(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, true, &hits, &l2),
+    assert_int_equal(kvt_l1_lookup(fx.l1, 3, &ns, &k[3], 1, true, &hits, &l2),
                      KVT_ENOSPC);
-    assert_int_equal(kvt_l1_lookup(fx.l1, 3, &ns, (const key_t16 *)&k[3], 1, false, &hits, &l2), 0);
+    assert_int_equal(kvt_l1_lookup(fx.l1, 3, &ns, &k[3], 1, false, &hits, &l2), 0);
     assert_int_equal(hits, 1); /* a plain LOOKUP pins nothing: not limited */
     /* BYE: everything back */
     assert_int_equal(kvt_l1_release_owner(fx.l1, 3, false), 2);
@@ -1298,25 +1300,25 @@ static void test_l1_checksum(void **state)
     (void)state;
     fx_t fx = {0};
     s_fx_with(&fx, "l1_checksum", "true");
-    kvt_nsref_t ns = s_ns("sum", "");
-    key_t16 k[4];
+    kvt_ns_t ns = s_ns("sum", "");
+    kvt_key_t k[4];
     s_keys(k, 0x63, 0, 4);
-    assert_int_equal(s_store(&fx, 1, &ns, (const key_t16 *)k, 3, 10000), 3);
+    assert_int_equal(s_store(&fx, 1, &ns, k, 3, 10000), 3);
     kvt_slot_t slots[4];
     uint32_t n = 0;
     uint64_t rl = 0;
     assert_int_equal(
-        kvt_l1_acquire(fx.l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)k, 3, slots, &n, &rl), 0);
+        kvt_l1_acquire(fx.l1, KVT_OWNER_DAEMON, &ns, k, 3, slots, &n, &rl), 0);
     assert_int_equal(kvt_l1_verify(fx.l1, KVT_OWNER_DAEMON, rl, 3), 3);
     fx.base[slots[1].offset + 9999] ^= 0x80; /* a late writer */
     assert_int_equal(kvt_l1_verify(fx.l1, KVT_OWNER_DAEMON, rl, 3), 1);
-    assert_int_equal(s_hits(&fx, &ns, (const key_t16 *)k, 3), 1);
+    assert_int_equal(s_hits(&fx, &ns, k, 3), 1);
     assert_int_equal(kvt_l1_verify(fx.l1, KVT_OWNER_DAEMON, rl, 1), 1);
     assert_int_equal(kvt_l1_release(fx.l1, KVT_OWNER_DAEMON, rl), 0);
     assert_int_equal(s_counts(&fx).objects, 2);
     /* write-behind: the caller's checksum against the kept one */
     assert_int_equal(
-        kvt_l1_acquire(fx.l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)&k[2], 1, slots, &n, &rl), 0);
+        kvt_l1_acquire(fx.l1, KVT_OWNER_DAEMON, &ns, &k[2], 1, slots, &n, &rl), 0);
     uint64_t sum = XXH3_64bits(fx.base + slots[0].offset, slots[0].length);
     assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 0, sum), 0);
     assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 0, sum + 1), KVT_EIO);
@@ -1324,20 +1326,20 @@ static void test_l1_checksum(void **state)
     assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 0, sum + 1), KVT_EIO);
     assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 5, sum), KVT_EUNKLEASE);
     assert_int_equal(kvt_l1_release(fx.l1, KVT_OWNER_DAEMON, rl), 0);
-    assert_false(s_present(&fx, &ns, k[2]));
+    assert_false(s_present(&fx, &ns, &k[2]));
     assert_int_equal(kvt_l1_verify(fx.l1, KVT_OWNER_DAEMON, 999999, 2), 0); /* no such lease */
     /* a prefetch brings its verified checksum: taken as is (here a wrong one, to see it kept) */
     uint64_t wl = 0, sums[1] = {12345};
     uint32_t stored = 0;
     char err[KVT_ERR_LEN] = "";
-    assert_int_equal(kvt_l1_reserve(fx.l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)&k[3], 1, NULL,
+    assert_int_equal(kvt_l1_reserve(fx.l1, KVT_OWNER_DAEMON, &ns, &k[3], 1, NULL,
                                     4096, slots, &n, &wl, err, sizeof err),
                      0);
     assert_int_equal(
         kvt_l1_commit_loaded(fx.l1, KVT_OWNER_DAEMON, wl, NULL, 0, sums, &stored, err, sizeof err),
         0);
     assert_int_equal(
-        kvt_l1_acquire(fx.l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)&k[3], 1, slots, &n, &rl), 0);
+        kvt_l1_acquire(fx.l1, KVT_OWNER_DAEMON, &ns, &k[3], 1, slots, &n, &rl), 0);
     assert_int_equal(kvt_l1_check_sum(fx.l1, KVT_OWNER_DAEMON, rl, 0, 12345), 0);
     assert_int_equal(kvt_l1_release(fx.l1, KVT_OWNER_DAEMON, rl), 0);
     json_t *st = kvt_l1_status_json(fx.l1);
@@ -1350,15 +1352,15 @@ static void test_l1_checksum(void **state)
 static void test_l1_checksum_off(void **state)
 {
     fx_t *f = *state;
-    kvt_nsref_t ns = s_ns("nosum", "");
-    key_t16 k[1];
+    kvt_ns_t ns = s_ns("nosum", "");
+    kvt_key_t k[1];
     s_keys(k, 0x64, 0, 1);
-    assert_int_equal(s_store(f, 1, &ns, (const key_t16 *)k, 1, 4096), 1);
+    assert_int_equal(s_store(f, 1, &ns, k, 1, 4096), 1);
     kvt_slot_t slot;
     uint32_t n = 0;
     uint64_t rl = 0;
     assert_int_equal(
-        kvt_l1_acquire(f->l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)k, 1, &slot, &n, &rl), 0);
+        kvt_l1_acquire(f->l1, KVT_OWNER_DAEMON, &ns, k, 1, &slot, &n, &rl), 0);
     f->base[slot.offset] ^= 1;
     assert_int_equal(kvt_l1_verify(f->l1, KVT_OWNER_DAEMON, rl, 1), 1);
     assert_int_equal(kvt_l1_check_sum(f->l1, KVT_OWNER_DAEMON, rl, 0, 0), 0);
@@ -1382,37 +1384,37 @@ static void test_fail_alloc_injection(void **state)
     assert_non_null(fx.l1);
     fx.base = kvt_l1_base(fx.l1);
     fx.cap = kvt_l1_capacity(fx.l1);
-    kvt_nsref_t ns = s_ns("inj", "");
-    key_t16 k[6];
+    kvt_ns_t ns = s_ns("inj", "");
+    kvt_key_t k[6];
     s_keys(k, 0x51, 0, 6);
     /* allocations 1 and 2 succeed, 3 fails: a batch of three gets the prefix of two */
     kvt_slot_t slots[6];
     uint32_t n = 0, stored = 0;
     uint64_t lease = 0;
-    assert_int_equal(kvt_l1_reserve(fx.l1, 1, &ns, (const key_t16 *)k, 3, NULL, 8192, slots, &n,
+    assert_int_equal(kvt_l1_reserve(fx.l1, 1, &ns, k, 3, NULL, 8192, slots, &n,
                                     &lease, err, sizeof err),
                      0);
     assert_int_equal(n, 2);
     for (uint32_t i = 0; i < n; i++)
-        s_fill(fx.base + slots[i].offset, slots[i].length, k[i]);
+        s_fill(fx.base + slots[i].offset, slots[i].length, &k[i]);
     assert_int_equal(kvt_l1_commit(fx.l1, 1, lease, NULL, 0, &stored, err, sizeof err), 0);
     assert_int_equal(stored, 2);
     /* 4, 5 succeed (k[2], k[3]); 6 fails on the first key of its batch: ENOSPC, nothing held */
-    assert_int_equal(s_store(&fx, 1, &ns, (const key_t16 *)&k[2], 2, 8192), 2);
-    assert_int_equal(kvt_l1_reserve(fx.l1, 1, &ns, (const key_t16 *)&k[4], 1, NULL, 8192, slots,
+    assert_int_equal(s_store(&fx, 1, &ns, &k[2], 2, 8192), 2);
+    assert_int_equal(kvt_l1_reserve(fx.l1, 1, &ns, &k[4], 1, NULL, 8192, slots,
                                     &n, &lease, err, sizeof err),
                      KVT_ENOSPC);
     assert_int_equal(n, 0);
     assert_int_equal(lease, 0);
     assert_int_equal(s_counts(&fx).reserved, 0);
     /* 7 succeeds again */
-    assert_int_equal(s_store(&fx, 1, &ns, (const key_t16 *)&k[4], 1, 8192), 1);
-    assert_int_equal(s_hits(&fx, &ns, (const key_t16 *)k, 6), 5);
+    assert_int_equal(s_store(&fx, 1, &ns, &k[4], 1, 8192), 1);
+    assert_int_equal(s_hits(&fx, &ns, k, 6), 5);
     uint64_t rl = 0;
-    assert_int_equal(kvt_l1_acquire(fx.l1, 2, &ns, (const key_t16 *)k, 5, slots, &n, &rl), 0);
+    assert_int_equal(kvt_l1_acquire(fx.l1, 2, &ns, k, 5, slots, &n, &rl), 0);
     assert_int_equal(n, 5);
     for (uint32_t i = 0; i < n; i++)
-        assert_true(s_verify(fx.base + slots[i].offset, slots[i].length, k[i]));
+        assert_true(s_verify(fx.base + slots[i].offset, slots[i].length, &k[i]));
     assert_int_equal(kvt_l1_release(fx.l1, 2, rl), 0);
     kvt_l1_destroy(&fx.l1);
     kvt_config_destroy(&cfg);

@@ -47,7 +47,6 @@
 #define MAX_OPS 400000 /* per worker: a bound when the machine is fast */
 #define MAX_HELD 16    /* victim leases a worker keeps before resolving the oldest */
 
-typedef uint8_t key_t16[KVT_KEY_LEN];
 
 static kvt_l1_t *s_l1;
 static uint8_t *s_base;
@@ -57,8 +56,8 @@ static _Atomic uint64_t s_errors;
 static _Atomic uint64_t s_mismatches;
 static _Atomic uint64_t s_verified_bytes;
 static _Atomic uint64_t s_ops[8];
-static key_t16 s_keys[NKEYS];
-static const kvt_nsref_t s_ns = {(const uint8_t *)"conc", 4, (const uint8_t *)"s", 1};
+static kvt_key_t s_keys[NKEYS];
+static const kvt_ns_t s_ns = {(const uint8_t *)"conc", 4, (const uint8_t *)"s", 1};
 
 enum { OP_STORE, OP_READ, OP_LOOKUP, OP_LOCK, OP_REMOVE, OP_VICTIM_W, OP_VICTIM_R, OP_N };
 
@@ -92,10 +91,10 @@ static uint64_t s_size_of(uint32_t i)
     return 4096u * (1 + s_mix(i) % 16) - (s_mix(i + 7) % 4096) / 2;
 }
 
-static uint32_t s_id_of(const uint8_t *key)
+static uint32_t s_id_of(const kvt_key_t *key)
 {
     uint32_t id;
-    memcpy(&id, key + 4, sizeof id);
+    memcpy(&id, key->b + 4, sizeof id);
     return id;
 }
 
@@ -128,11 +127,11 @@ static bool s_check(const uint8_t *p, uint64_t len, uint32_t id)
             fprintf(stderr, "test_l1_concurrent: " __VA_ARGS__);                                   \
     } while (0)
 
-static void s_verify_slots(const kvt_slot_t *slots, uint32_t n, const key_t16 *keys,
+static void s_verify_slots(const kvt_slot_t *slots, uint32_t n, const kvt_key_t *keys,
                            const char *when)
 {
     for (uint32_t i = 0; i < n; i++) {
-        uint32_t id = s_id_of(keys[i]);
+        uint32_t id = s_id_of(&keys[i]);
         if (slots[i].length != s_size_of(id) || slots[i].offset % 4096 ||
             slots[i].offset + slots[i].length > s_cap) {
             ERR("key %u: bad slot {%llu, %llu} (%s)\n", id, (unsigned long long)slots[i].offset,
@@ -167,12 +166,12 @@ typedef struct {
     _Atomic uint64_t ops;
 } worker_t;
 
-static uint32_t s_pick(worker_t *t, key_t16 *keys)
+static uint32_t s_pick(worker_t *t, kvt_key_t *keys)
 {
     uint32_t n = 1 + (uint32_t)(s_rand(&t->seed) % MAXBATCH);
     uint32_t first = (uint32_t)(s_rand(&t->seed) % NKEYS);
     for (uint32_t i = 0; i < n; i++)
-        memcpy(keys[i], s_keys[(first + i) % NKEYS], KVT_KEY_LEN);
+        keys[i] = s_keys[(first + i) % NKEYS];
     return n;
 }
 
@@ -206,15 +205,15 @@ static void s_hold(worker_t *t, uint64_t id, uint64_t owner, bool write, uint32_
     t->held[t->nheld++] = (held_t){id, owner, write, nslots};
 }
 
-static void s_op_store(worker_t *t, key_t16 *keys, uint32_t n)
+static void s_op_store(worker_t *t, kvt_key_t *keys, uint32_t n)
 {
     uint64_t owner = s_owner(t->w, -1), sizes[MAXBATCH], lease = 0;
     kvt_slot_t slots[MAXBATCH];
     uint32_t nslots = 0, stored = 0;
     char err[KVT_ERR_LEN];
     for (uint32_t i = 0; i < n; i++)
-        sizes[i] = s_size_of(s_id_of(keys[i]));
-    int rc = kvt_l1_reserve(s_l1, owner, &s_ns, (const key_t16 *)keys, n, sizes, 0, slots, &nslots,
+        sizes[i] = s_size_of(s_id_of(&keys[i]));
+    int rc = kvt_l1_reserve(s_l1, owner, &s_ns, keys, n, sizes, 0, slots, &nslots,
                             &lease, err, sizeof err);
     if (rc == KVT_ENOSPC)
         return;
@@ -228,7 +227,7 @@ static void s_op_store(worker_t *t, key_t16 *keys, uint32_t n)
         if (!slots[i].length)
             continue;
         fresh++;
-        uint32_t id = s_id_of(keys[i]);
+        uint32_t id = s_id_of(&keys[i]);
         if (slots[i].length != sizes[i] || slots[i].offset % 4096 ||
             slots[i].offset + slots[i].length > s_cap) {
             ERR("reserve: key %u bad slot {%llu, %llu}\n", id, (unsigned long long)slots[i].offset,
@@ -260,12 +259,12 @@ static void s_op_store(worker_t *t, key_t16 *keys, uint32_t n)
         ERR("commit/release of own write lease: %s (%s)\n", kvt_err_name(rc), err);
 }
 
-static void s_op_read(worker_t *t, key_t16 *keys, uint32_t n)
+static void s_op_read(worker_t *t, kvt_key_t *keys, uint32_t n)
 {
     uint64_t owner = s_owner(t->w, -1), lease = 0;
     kvt_slot_t slots[MAXBATCH];
     uint32_t nslots = 0;
-    int rc = kvt_l1_acquire(s_l1, owner, &s_ns, (const key_t16 *)keys, n, slots, &nslots, &lease);
+    int rc = kvt_l1_acquire(s_l1, owner, &s_ns, keys, n, slots, &nslots, &lease);
     if (rc || nslots > n || (nslots == 0) != (lease == 0)) {
         ERR("acquire: %s nslots %u lease %llu\n", kvt_err_name(rc), nslots,
             (unsigned long long)lease);
@@ -273,22 +272,22 @@ static void s_op_read(worker_t *t, key_t16 *keys, uint32_t n)
     }
     if (!nslots)
         return;
-    s_verify_slots(slots, nslots, (const key_t16 *)keys, "after ACQUIRE");
+    s_verify_slots(slots, nslots, keys, "after ACQUIRE");
     uint32_t good = kvt_l1_verify(s_l1, owner, lease, nslots);
     if (good != nslots)
         ERR("l1_checksum: %u of %u objects match their COMMIT checksum\n", good, nslots);
     sched_yield(); /* let writers, the evictor and REMOVE run while we hold the pin */
-    s_verify_slots(slots, nslots, (const key_t16 *)keys, "before RELEASE");
+    s_verify_slots(slots, nslots, keys, "before RELEASE");
     rc = kvt_l1_release(s_l1, owner, lease);
     if (rc)
         ERR("release of own read lease: %s\n", kvt_err_name(rc));
 }
 
-static void s_op_lookup(worker_t *t, key_t16 *keys, uint32_t n, bool lock)
+static void s_op_lookup(worker_t *t, kvt_key_t *keys, uint32_t n, bool lock)
 {
     uint64_t owner = s_owner(t->w, -1), lease = 0;
     uint32_t hits = 0;
-    int rc = kvt_l1_lookup(s_l1, owner, &s_ns, (const key_t16 *)keys, n, lock, &hits, &lease);
+    int rc = kvt_l1_lookup(s_l1, owner, &s_ns, keys, n, lock, &hits, &lease);
     if (rc || hits > n || (!lock && lease) || (lock && (hits == 0) != (lease == 0))) {
         ERR("lookup: %s hits %u lease %llu\n", kvt_err_name(rc), hits, (unsigned long long)lease);
         return;
@@ -298,13 +297,13 @@ static void s_op_lookup(worker_t *t, key_t16 *keys, uint32_t n, bool lock)
         kvt_slot_t slots[MAXBATCH];
         uint32_t nslots = 0;
         uint64_t l2 = 0;
-        rc = kvt_l1_acquire(s_l1, owner, &s_ns, (const key_t16 *)keys, hits, slots, &nslots, &l2);
+        rc = kvt_l1_acquire(s_l1, owner, &s_ns, keys, hits, slots, &nslots, &l2);
         /* the pinned keys cannot be evicted, but REMOVE may take them: nslots <= hits */
         if (rc || nslots > hits)
             ERR("acquire under a LOOKUP lock: %s nslots %u of %u\n", kvt_err_name(rc), nslots,
                 hits);
         if (!rc && nslots) {
-            s_verify_slots(slots, nslots, (const key_t16 *)keys, "under a LOOKUP lock");
+            s_verify_slots(slots, nslots, keys, "under a LOOKUP lock");
             if (kvt_l1_release(s_l1, owner, l2))
                 ERR("release after lookup-lock acquire failed\n");
         }
@@ -313,16 +312,16 @@ static void s_op_lookup(worker_t *t, key_t16 *keys, uint32_t n, bool lock)
     }
 }
 
-static void s_op_remove(worker_t *t, key_t16 *keys, uint32_t n)
+static void s_op_remove(worker_t *t, kvt_key_t *keys, uint32_t n)
 {
     (void)t;
     uint32_t removed = 99;
-    int rc = kvt_l1_remove(s_l1, &s_ns, (const key_t16 *)keys, n, &removed);
+    int rc = kvt_l1_remove(s_l1, &s_ns, keys, n, &removed);
     if (rc || removed > n)
         ERR("remove: %s removed %u of %u\n", kvt_err_name(rc), removed, n);
 }
 
-static void s_op_victim(worker_t *t, key_t16 *keys, uint32_t n, bool write)
+static void s_op_victim(worker_t *t, kvt_key_t *keys, uint32_t n, bool write)
 {
     uint64_t owner = s_owner(t->w, (int)(s_rand(&t->seed) % NVICTIMS)), lease = 0;
     kvt_slot_t slots[MAXBATCH];
@@ -332,13 +331,13 @@ static void s_op_victim(worker_t *t, key_t16 *keys, uint32_t n, bool write)
     if (write) {
         uint64_t sizes[MAXBATCH];
         for (uint32_t i = 0; i < n; i++)
-            sizes[i] = s_size_of(s_id_of(keys[i]));
-        rc = kvt_l1_reserve(s_l1, owner, &s_ns, (const key_t16 *)keys, n, sizes, 0, slots, &nslots,
+            sizes[i] = s_size_of(s_id_of(&keys[i]));
+        rc = kvt_l1_reserve(s_l1, owner, &s_ns, keys, n, sizes, 0, slots, &nslots,
                             &lease, err, sizeof err);
         if (rc && rc != KVT_ENOSPC)
             ERR("victim reserve: %s\n", kvt_err_name(rc));
     } else {
-        rc = kvt_l1_acquire(s_l1, owner, &s_ns, (const key_t16 *)keys, n, slots, &nslots, &lease);
+        rc = kvt_l1_acquire(s_l1, owner, &s_ns, keys, n, slots, &nslots, &lease);
         if (rc)
             ERR("victim acquire: %s\n", kvt_err_name(rc));
     }
@@ -349,7 +348,7 @@ static void s_op_victim(worker_t *t, key_t16 *keys, uint32_t n, bool write)
 static void *s_worker(void *arg)
 {
     worker_t *t = arg;
-    key_t16 keys[MAXBATCH];
+    kvt_key_t keys[MAXBATCH];
     while (!atomic_load(&s_stop) && t->ops < MAX_OPS) {
         uint32_t n = s_pick(t, keys);
         uint64_t r = s_rand(&t->seed) % 100;
@@ -451,10 +450,10 @@ static void test_concurrent(void **state)
     s_base = kvt_l1_base(s_l1);
     s_cap = kvt_l1_capacity(s_l1);
     for (uint32_t i = 0; i < NKEYS; i++) {
-        memset(s_keys[i], 0x3C, KVT_KEY_LEN);
-        memcpy(s_keys[i] + 4, &i, sizeof i);
+        memset(s_keys[i].b, 0x3C, KVT_KEY_LEN);
+        memcpy(s_keys[i].b + 4, &i, sizeof i);
         uint64_t h = s_mix(i);
-        memcpy(s_keys[i] + 8, &h, 8);
+        memcpy(s_keys[i].b + 8, &h, 8);
     }
 
     static worker_t workers[NWORKERS];
@@ -517,9 +516,9 @@ static void test_concurrent(void **state)
         uint32_t n = 0;
         uint64_t lease = 0;
         assert_int_equal(
-            kvt_l1_acquire(s_l1, 1, &s_ns, (const key_t16 *)&s_keys[i], 1, &slot, &n, &lease), 0);
+            kvt_l1_acquire(s_l1, 1, &s_ns, &s_keys[i], 1, &slot, &n, &lease), 0);
         if (n) {
-            s_verify_slots(&slot, 1, (const key_t16 *)&s_keys[i], "at the end");
+            s_verify_slots(&slot, 1, &s_keys[i], "at the end");
             assert_int_equal(kvt_l1_release(s_l1, 1, lease), 0);
             checked++;
         }
@@ -561,22 +560,22 @@ static void s_limit_sample(void)
 static void *s_limit_worker(void *arg)
 {
     uint64_t seed = (uint64_t)(uintptr_t)arg;
-    key_t16 keys[4];
+    kvt_key_t keys[4];
     kvt_slot_t slots[4];
     char err[KVT_ERR_LEN];
     while (!atomic_load(&s_stop)) {
         uint32_t n = 1 + (uint32_t)(s_rand(&seed) % 4), first = (uint32_t)(s_rand(&seed) % 64);
         for (uint32_t i = 0; i < n; i++)
-            memcpy(keys[i], s_keys[first + i], KVT_KEY_LEN);
+            keys[i] = s_keys[first + i];
         uint32_t got = 0, stored = 0;
         uint64_t lease = 0;
         int rc;
         if (s_rand(&seed) % 2) {
             uint64_t size = 16384 * (1 + s_rand(&seed) % 3);
-            rc = kvt_l1_reserve(s_l1, SHARED_OWNER, &s_ns, (const key_t16 *)keys, n, NULL, size,
+            rc = kvt_l1_reserve(s_l1, SHARED_OWNER, &s_ns, keys, n, NULL, size,
                                 slots, &got, &lease, err, sizeof err);
         } else {
-            rc = kvt_l1_acquire(s_l1, SHARED_OWNER, &s_ns, (const key_t16 *)keys, n, slots, &got,
+            rc = kvt_l1_acquire(s_l1, SHARED_OWNER, &s_ns, keys, n, slots, &got,
                                 &lease);
         }
         s_limit_sample();

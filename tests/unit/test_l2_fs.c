@@ -15,6 +15,7 @@
  * calls unless a s_fault_* flag is set. */
 #include "kvt_error.h"
 #include "kvt_l2.h"
+#include "kvt_l2_name.h"
 #include "kvt_log.h"
 
 #include <dirent.h>
@@ -185,10 +186,11 @@ static void *s_open(ctx_t *c, const char *opts)
 /* The name of key number i in a test namespace. */
 static void s_name(unsigned i, char out[KVT_L2_NAME_LEN])
 {
-    uint8_t key[16] = {0};
-    memcpy(key, &i, sizeof i);
-    key[15] = 0x5a;
-    kvt_l2_name((const uint8_t *)"test-model", 10, (const uint8_t *)"t", 1, key, out);
+    kvt_key_t key = {{0}};
+    memcpy(key.b, &i, sizeof i);
+    key.b[15] = 0x5a;
+    kvt_ns_t ns = {(const uint8_t *)"test-model", 10, (const uint8_t *)"t", 1};
+    kvt_l2_name(&ns, &key, out);
 }
 
 /* Deterministic bytes from a seed (xorshift64*). */
@@ -312,30 +314,30 @@ static void s_write_file(const char *path, const char *text)
 static void test_name_vectors(void **state)
 {
     (void)state;
-    uint8_t key[16], zero[16] = {0}, ff[16];
+    kvt_key_t key, zero = {{0}}, ff;
     for (int i = 0; i < 16; i++)
-        key[i] = (uint8_t)i;
-    memset(ff, 0xff, sizeof ff);
+        key.b[i] = (uint8_t)i;
+    memset(ff.b, 0xff, sizeof ff.b);
     char out[KVT_L2_NAME_LEN];
     const uint8_t *ns = (const uint8_t *)"llama-3-8b/kv";
-    kvt_l2_name(ns, 13, (const uint8_t *)"tenant-a", 8, key, out);
+    kvt_l2_name(&(kvt_ns_t){ns, 13, (const uint8_t *)"tenant-a", 8}, &key, out);
     assert_string_equal(out, "00cc070c13bdc9dbc1da88310a2d1e65-000102030405060708090a0b0c0d0e0f");
-    kvt_l2_name(ns, 13, NULL, 0, key, out);
+    kvt_l2_name(&(kvt_ns_t){ns, 13, NULL, 0}, &key, out);
     assert_string_equal(out, "d8277ff729d4eed7252f258a9e8bc714-000102030405060708090a0b0c0d0e0f");
-    kvt_l2_name(NULL, 0, NULL, 0, zero, out);
+    kvt_l2_name(&(kvt_ns_t){NULL, 0, NULL, 0}, &zero, out);
     assert_string_equal(out, "2a33816ed7e0c373dbe563c737220b65-00000000000000000000000000000000");
     /* longer than the stack buffer: the streamed path */
     uint8_t big_ns[300], big_salt[200];
     memset(big_ns, 'x', sizeof big_ns);
     memset(big_salt, 's', sizeof big_salt);
-    kvt_l2_name(big_ns, 300, big_salt, 200, ff, out);
+    kvt_l2_name(&(kvt_ns_t){big_ns, 300, big_salt, 200}, &ff, out);
     assert_string_equal(out, "9c09de5e6528aa04cf1151104760571b-ffffffffffffffffffffffffffffffff");
     assert_int_equal(strlen(out), KVT_L2_NAME_LEN - 1);
 
     /* the ns length is hashed: ("ab", "c") and ("a", "bc") are different namespaces */
     char a[KVT_L2_NAME_LEN], b[KVT_L2_NAME_LEN];
-    kvt_l2_name((const uint8_t *)"ab", 2, (const uint8_t *)"c", 1, key, a);
-    kvt_l2_name((const uint8_t *)"a", 1, (const uint8_t *)"bc", 2, key, b);
+    kvt_l2_name(&(kvt_ns_t){(const uint8_t *)"ab", 2, (const uint8_t *)"c", 1}, &key, a);
+    kvt_l2_name(&(kvt_ns_t){(const uint8_t *)"a", 1, (const uint8_t *)"bc", 2}, &key, b);
     assert_string_not_equal(a, b);
 }
 

@@ -35,25 +35,23 @@
 #define OBJ 10000u
 #define NS "test-l2mgr/ns"
 
-typedef uint8_t key_t16[KVT_KEY_LEN];
-
 typedef struct {
     kvt_config_t *cfg;
     kvt_sup_t *sup;
     kvt_l1_t *l1;
     kvt_prefetch_t *pf;
     kvt_l2mgr_t *mgr;
-    key_t16 keys[N];
+    kvt_key_t keys[N];
     atomic_uint stored, removed;
 } rig_t;
 
-static void s_on_event(void *ctx, const char *event, const uint8_t *ns, uint32_t ns_len,
-                       const uint8_t *salt, uint32_t salt_len, const uint8_t (*keys)[KVT_KEY_LEN],
+static void s_on_event(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_key_t *keys,
                        uint32_t n, const char *adapter)
 {
     rig_t *g = ctx;
-    (void)ns, (void)salt, (void)salt_len, (void)keys, (void)adapter;
-    assert_int_equal(ns_len, strlen(NS));
+    (void)keys, (void)adapter;
+    assert_int_equal(ns->name_len, strlen(NS));
+    assert_int_equal(ns->salt_len, 0);
     if (strcmp(event, "l2_stored") == 0)
         atomic_fetch_add(&g->stored, n);
     else if (strcmp(event, "l2_removed") == 0)
@@ -61,9 +59,9 @@ static void s_on_event(void *ctx, const char *event, const uint8_t *ns, uint32_t
 }
 
 /* The one place that builds the namespace argument of the storage calls. */
-static kvt_nsref_t s_ns(void)
+static kvt_ns_t s_ns(void)
 {
-    return (kvt_nsref_t){(const uint8_t *)NS, (uint32_t)strlen(NS), NULL, 0};
+    return (kvt_ns_t){.name = (const uint8_t *)NS, .name_len = (uint32_t)strlen(NS)};
 }
 
 static void s_fill(uint8_t *p, size_t n, unsigned seed)
@@ -93,8 +91,8 @@ static void s_open(rig_t *g, const char *spec)
     assert_int_equal(kvt_l2mgr_count(g->mgr), 1);
     kvt_l2mgr_set_events(g->mgr, s_on_event, g);
     for (unsigned i = 0; i < N; i++) {
-        memset(g->keys[i], 0x3c, KVT_KEY_LEN);
-        memcpy(g->keys[i], &i, sizeof i);
+        memset(g->keys[i].b, 0x3c, KVT_KEY_LEN);
+        memcpy(g->keys[i].b, &i, sizeof i);
     }
 }
 
@@ -111,12 +109,12 @@ static void s_close(rig_t *g)
 /* RESERVE + fill + COMMIT of the N objects as the daemon, then queued for write-behind. */
 static void s_commit_and_queue(rig_t *g)
 {
-    kvt_nsref_t ns = s_ns();
+    kvt_ns_t ns = s_ns();
     kvt_slot_t slots[N];
     uint32_t n = 0, stored = 0;
     uint64_t lease = 0;
     char err[KVT_ERR_LEN] = "";
-    assert_int_equal(kvt_l1_reserve(g->l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)g->keys, N,
+    assert_int_equal(kvt_l1_reserve(g->l1, KVT_OWNER_DAEMON, &ns, g->keys, N,
                                     NULL, OBJ, slots, &n, &lease, err, sizeof err),
                      0);
     assert_int_equal(n, N);
@@ -126,7 +124,7 @@ static void s_commit_and_queue(rig_t *g)
     assert_int_equal(
         kvt_l1_commit(g->l1, KVT_OWNER_DAEMON, lease, NULL, 0, &stored, err, sizeof err), 0);
     assert_int_equal(stored, N);
-    kvt_l2mgr_on_stored(g->mgr, &ns, (const key_t16 *)g->keys, N);
+    kvt_l2mgr_on_stored(g->mgr, &ns, g->keys, N);
 }
 
 static void s_sleep_ms(unsigned ms)
@@ -144,14 +142,14 @@ static void s_wait_stored(rig_t *g, unsigned want)
 
 static uint32_t s_in_l1(rig_t *g, bool check_bytes)
 {
-    kvt_nsref_t ns = s_ns();
+    kvt_ns_t ns = s_ns();
     uint32_t found = 0;
     uint8_t want[OBJ];
     for (unsigned i = 0; i < N; i++) {
         kvt_slot_t slot;
         uint32_t got = 0;
         uint64_t lease = 0;
-        kvt_l1_acquire(g->l1, KVT_OWNER_DAEMON, &ns, (const key_t16 *)&g->keys[i], 1, &slot, &got,
+        kvt_l1_acquire(g->l1, KVT_OWNER_DAEMON, &ns, &g->keys[i], 1, &slot, &got,
                        &lease);
         if (got != 1)
             continue;
@@ -168,12 +166,12 @@ static uint32_t s_in_l1(rig_t *g, bool check_bytes)
 /* Clears L1, looks the keys up in L2 and prefetches what it found; the job's loaded count. */
 static uint32_t s_clear_and_prefetch(rig_t *g, uint32_t *hits_out)
 {
-    kvt_nsref_t ns = s_ns();
+    kvt_ns_t ns = s_ns();
     uint64_t removed = 0, sizes[N];
     assert_int_equal(kvt_l1_clear(g->l1, (const uint8_t *)NS, (uint32_t)strlen(NS), &removed), 0);
     assert_int_equal(removed, N);
     assert_int_equal(s_in_l1(g, false), 0);
-    uint32_t hits = kvt_l2mgr_lookup(g->mgr, &ns, (const key_t16 *)g->keys, N,
+    uint32_t hits = kvt_l2mgr_lookup(g->mgr, &ns, g->keys, N,
                                      kvt_now_ms() + 10000, sizes);
     *hits_out = hits;
     if (hits == 0)
@@ -182,7 +180,7 @@ static uint32_t s_clear_and_prefetch(rig_t *g, uint32_t *hits_out)
         assert_true(sizes[i] >= OBJ); /* the payload, and the adapter's object holds more */
     uint64_t job = kvt_prefetch_start(g->pf, hits, false, kvt_now_ms());
     assert_true(job != 0);
-    kvt_l2mgr_prefetch(g->mgr, job, &ns, (const key_t16 *)g->keys, sizes, hits);
+    kvt_l2mgr_prefetch(g->mgr, job, &ns, g->keys, sizes, hits);
     bool done = false;
     uint32_t loaded = 0, h = 0;
     for (int i = 0; i < 1000 && !done; i++) {
@@ -230,13 +228,13 @@ static void test_write_behind_then_prefetch(void **state)
     assert_true(s_metric(&g, "l2_corrupt_total") == 0);
 
     /* REMOVE reaches L2 too: afterwards the lookup finds nothing */
-    kvt_nsref_t ns = s_ns();
-    kvt_l2mgr_remove(g.mgr, &ns, (const key_t16 *)g.keys, N);
+    kvt_ns_t ns = s_ns();
+    kvt_l2mgr_remove(g.mgr, &ns, g.keys, N);
     uint64_t sizes[N];
     uint32_t left = N;
     for (int i = 0; i < 1000 && left; i++) {
         s_sleep_ms(10);
-        left = kvt_l2mgr_lookup(g.mgr, &ns, (const key_t16 *)g.keys, N, kvt_now_ms() + 1000,
+        left = kvt_l2mgr_lookup(g.mgr, &ns, g.keys, N, kvt_now_ms() + 1000,
                                 sizes);
     }
     assert_int_equal(left, 0);
@@ -276,9 +274,9 @@ static void test_failing_adapter(void **state)
     assert_true(strlen(why) > 0);
     s_commit_and_queue(&g);
     uint64_t sizes[N];
-    kvt_nsref_t ns = s_ns();
+    kvt_ns_t ns = s_ns();
     assert_int_equal(
-        kvt_l2mgr_lookup(g.mgr, &ns, (const key_t16 *)g.keys, N, kvt_now_ms() + 1000, sizes), 0);
+        kvt_l2mgr_lookup(g.mgr, &ns, g.keys, N, kvt_now_ms() + 1000, sizes), 0);
     s_close(&g); /* gives the retries up: does not hang */
     assert_int_equal(atomic_load(&g.stored), 0);
 }

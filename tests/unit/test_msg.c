@@ -301,9 +301,9 @@ static void test_keys(void **state)
     b_keys(&b, 64, 16);
     assert_int_equal(b_decode(&b, KVT_REQ_LOOKUP, &req), 0);
     assert_int_equal(req.nkeys, 64);
-    assert_int_equal(req.keys[63][0], 63);
-    assert_int_equal(req.keys[63][15], 63);
-    assert_int_equal(req.salt.len, 8);
+    assert_int_equal(req.keys[63].b[0], 63);
+    assert_int_equal(req.keys[63].b[15], 63);
+    assert_int_equal(req.ns.salt_len, 8);
     kvt_req_release(&req);
     msgpack_sbuffer_destroy(&b.sb);
 

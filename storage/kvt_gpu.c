@@ -62,7 +62,14 @@ static int s_bad(char *err, size_t errlen, const char *fmt, unsigned long long a
     return KVT_EBADREQ;
 }
 
-int kvt_gpu_layout_check(const kvt_req_t *r, kvt_gpu_layout_t *out, char *err, size_t errlen)
+/* Handle of layer i. */
+static const uint8_t *s_handle(const kvt_gpu_reg_args_t *r, uint32_t i)
+{
+    return r->handles + (size_t)i * KVT_IPC_HANDLE_LEN;
+}
+
+int kvt_gpu_layout_check(const kvt_gpu_reg_args_t *r, kvt_gpu_layout_t *out, char *err,
+                         size_t errlen)
 {
     memset(out, 0, sizeof *out);
     if (r->layers < 1 || r->layers > KVT_MAX_GPU_LAYERS)
@@ -71,7 +78,7 @@ int kvt_gpu_layout_check(const kvt_req_t *r, kvt_gpu_layout_t *out, char *err, s
     if (r->nhandles != r->layers)
         return s_bad(err, errlen, "'handles' has %llu entries for %llu layers", r->nhandles,
                      r->layers);
-    if ((r->present & KVT_F_OFFSETS) && r->noffsets != r->layers)
+    if (r->offsets && r->noffsets != r->layers)
         return s_bad(err, errlen, "'offsets' has %llu entries for %llu layers", r->noffsets,
                      r->layers);
     if (r->device >= KVT_GPU_MAX_DEVICES)
@@ -86,13 +93,13 @@ int kvt_gpu_layout_check(const kvt_req_t *r, kvt_gpu_layout_t *out, char *err, s
     if (r->token_bytes < 1 || r->token_bytes > KVT_GPU_MAX_TOKEN_BYTES)
         return s_bad(err, errlen, "'token_bytes' is %llu: must be 1 to %llu", r->token_bytes,
                      KVT_GPU_MAX_TOKEN_BYTES);
-    uint32_t dsize = kvt_gpu_dtype_size(r->dtype.ptr, r->dtype.len);
+    uint32_t dsize = kvt_gpu_dtype_size(r->dtype, r->dtype_len);
     if (dsize == 0) {
         snprintf(err, errlen,
                  "'dtype' %.*s is not one of float16, bfloat16, float32, float8_e4m3fn, "
                  "float8_e5m2, int8, uint8",
-                 (int)(r->dtype.len > KVT_MAX_DTYPE ? KVT_MAX_DTYPE : r->dtype.len),
-                 (const char *)r->dtype.ptr);
+                 (int)(r->dtype_len > KVT_MAX_DTYPE ? KVT_MAX_DTYPE : r->dtype_len),
+                 (const char *)r->dtype);
         return KVT_EBADREQ;
     }
     if (r->token_bytes % dsize)
@@ -106,7 +113,7 @@ int kvt_gpu_layout_check(const kvt_req_t *r, kvt_gpu_layout_t *out, char *err, s
                      r->num_blocks, block_bytes);
     static const uint8_t zero[KVT_IPC_HANDLE_LEN];
     for (uint32_t i = 0; i < r->nhandles; i++) {
-        if (memcmp(r->handles[i], zero, sizeof zero) == 0) {
+        if (memcmp(s_handle(r, i), zero, sizeof zero) == 0) {
             snprintf(err, errlen, "handle %u is all zeros (not a cudaIpcMemHandle_t)", i);
             return KVT_EBADREQ;
         }
@@ -367,7 +374,7 @@ static void s_close_reg_cuda(kvt_gpu_t *self, s_reg_t *reg)
 
 /* Opens the distinct handles (tensors sharing one allocation share its handle) and points
  * each layer at its buffer. Device set. */
-static int s_open_reg(kvt_gpu_t *self, s_reg_t *reg, const kvt_req_t *r, char *err,
+static int s_open_reg(kvt_gpu_t *self, s_reg_t *reg, const kvt_gpu_reg_args_t *r, char *err,
                       size_t errlen)
 {
     uint32_t L = reg->lay.layers;
@@ -377,13 +384,13 @@ static int s_open_reg(kvt_gpu_t *self, s_reg_t *reg, const kvt_req_t *r, char *e
     for (uint32_t i = 0; i < L && rc == 0; i++) {
         uint32_t j = 0;
         for (; j < i; j++)
-            if (memcmp(r->handles[j], r->handles[i], KVT_IPC_HANDLE_LEN) == 0)
+            if (memcmp(s_handle(r, j), s_handle(r, i), KVT_IPC_HANDLE_LEN) == 0)
                 break;
         if (j < i) {
             first[i] = first[j];
         } else {
             cudaIpcMemHandle_t h;
-            memcpy(&h, r->handles[i], sizeof h);
+            memcpy(&h, s_handle(r, i), sizeof h);
             void *p = NULL;
             cudaError_t e = self->api.cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
             if (e != cudaSuccess) {
@@ -490,8 +497,8 @@ static void s_add(s_copies_t *c, void *dst, const void *src, size_t size)
 /* Copies between the chunks' blocks and their L1 objects at arena offsets off[0..n). An L1
  * object is layer-major: layer 0's blocks in chunk order, then layer 1's, ... */
 static int s_copy(kvt_gpu_t *self, const s_reg_t *reg, bool to_gpu, const uint64_t *ids,
-                  uint32_t per, const uint64_t *off, uint32_t n, const kvt_bytes_t *event,
-                  char *err, size_t errlen)
+                  uint32_t per, const uint64_t *off, uint32_t n, const uint8_t *event, char *err,
+                  size_t errlen)
 {
     const kvt_gpu_layout_t *lay = &reg->lay;
     const s_api_t *a = &self->api;
@@ -519,9 +526,9 @@ static int s_copy(kvt_gpu_t *self, const s_reg_t *reg, bool to_gpu, const uint64
     c->n = 0;
     c->e = cudaSuccess;
     cudaEvent_t ev = NULL;
-    if (event->len == KVT_IPC_HANDLE_LEN) {
+    if (event) {
         cudaIpcEventHandle_t h;
-        memcpy(&h, event->ptr, sizeof h);
+        memcpy(&h, event, sizeof h);
         c->e = a->cudaIpcOpenEventHandle(&ev, h);
         if (c->e == cudaSuccess)
             c->e = a->cudaStreamWaitEvent(st, ev, 0);
@@ -589,7 +596,7 @@ static void s_close_reg_cuda(kvt_gpu_t *self, s_reg_t *reg)
     reg->nbases = 0;
 }
 
-static int s_open_reg(kvt_gpu_t *self, s_reg_t *reg, const kvt_req_t *r, char *err,
+static int s_open_reg(kvt_gpu_t *self, s_reg_t *reg, const kvt_gpu_reg_args_t *r, char *err,
                       size_t errlen)
 {
     (void)reg, (void)r;
@@ -598,8 +605,8 @@ static int s_open_reg(kvt_gpu_t *self, s_reg_t *reg, const kvt_req_t *r, char *e
 }
 
 static int s_copy(kvt_gpu_t *self, const s_reg_t *reg, bool to_gpu, const uint64_t *ids,
-                  uint32_t per, const uint64_t *off, uint32_t n, const kvt_bytes_t *event,
-                  char *err, size_t errlen)
+                  uint32_t per, const uint64_t *off, uint32_t n, const uint8_t *event, char *err,
+                  size_t errlen)
 {
     (void)reg, (void)to_gpu, (void)ids, (void)per, (void)off, (void)n, (void)event;
     snprintf(err, errlen, "%s", self->cuda_err);
@@ -730,8 +737,8 @@ void kvt_gpu_destroy(kvt_gpu_t **self_p)
     *self_p = NULL;
 }
 
-int kvt_gpu_register(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, kvt_gpu_layout_t *lay,
-                     char *err, size_t errlen)
+int kvt_gpu_register(kvt_gpu_t *self, uint64_t owner, const kvt_gpu_reg_args_t *r,
+                     kvt_gpu_layout_t *lay, char *err, size_t errlen)
 {
     int rc = kvt_gpu_layout_check(r, lay, err, errlen);
     if (rc)
@@ -886,9 +893,11 @@ json_t *kvt_gpu_status_json(kvt_gpu_t *self)
                      (int)atomic_load(&self->arena_pinned), "registrations", regs);
 }
 
-/* Common start of STORE/RETRIEVE: CUDA, the registration, the block ids. */
-static int s_copy_begin(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, s_reg_t **reg,
-                        uint32_t *per, uint64_t *chunk_bytes, char *err, size_t errlen)
+/* Common start of STORE/RETRIEVE: CUDA, the registration, the block ids. *reg is NULL (and
+ * holds no reference) unless there is something to copy. */
+static int s_copy_begin(kvt_gpu_t *self, uint64_t owner, const kvt_gpu_copy_args_t *r,
+                        s_reg_t **reg, uint32_t *per, uint64_t *chunk_bytes, char *err,
+                        size_t errlen)
 {
     int rc = s_cuda(self, err, errlen);
     if (rc)
@@ -902,80 +911,84 @@ static int s_copy_begin(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, s_r
     }
     rc = kvt_gpu_chunk_check(&(*reg)->lay, r->block_ids, r->nblock_ids, r->nkeys, per,
                              chunk_bytes, err, errlen);
-    if (rc) {
+    if (rc || r->nkeys == 0) { /* nothing to copy */
         s_reg_put(self, *reg);
         *reg = NULL;
     }
     return rc;
 }
 
-int kvt_gpu_store(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32_t *stored,
-                  char *err, size_t errlen)
+/* One STORE_GPU on its way into L1 (kvt_l1_write's context). */
+typedef struct {
+    kvt_gpu_t *gpu;
+    const s_reg_t *reg;
+    const kvt_gpu_copy_args_t *r;
+    uint32_t per;
+    uint64_t chunk_bytes;
+} s_store_t;
+
+/* STORE_GPU's fill: one gather copy into the new objects; a failed copy discards them all. */
+static int s_store_fill(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n,
+                        uint64_t *failed, uint32_t *nfailed, uint64_t *sums, char *err,
+                        size_t errlen)
+{
+    const s_store_t *st = ctx;
+    uint32_t per = st->per;
+    (void)base, (void)failed, (void)nfailed, (void)sums;
+    uint64_t *off = malloc(n * sizeof *off);
+    uint64_t *ids = malloc((size_t)n * per * sizeof *ids);
+    kvt_assert(off && ids);
+    uint32_t m = 0;
+    /* only the new objects (a nil slot: that key is stored already) */
+    for (uint32_t i = 0; i < n; i++)
+        if (slots[i].length) {
+            kvt_assert(slots[i].length == st->chunk_bytes);
+            off[m] = slots[i].offset;
+            memcpy(ids + (size_t)m * per, st->r->block_ids + (size_t)i * per, per * sizeof *ids);
+            m++;
+        }
+    int rc = s_copy(st->gpu, st->reg, false, ids, per, off, m, st->r->event, err, errlen);
+    atomic_fetch_add_explicit(rc ? &st->gpu->copy_errors : &st->gpu->bytes_to_l1,
+                              rc ? 1 : (uint64_t)m * st->chunk_bytes, memory_order_relaxed);
+    free(ids);
+    free(off);
+    return rc;
+}
+
+int kvt_gpu_store(kvt_gpu_t *self, uint64_t owner, const kvt_gpu_copy_args_t *r,
+                  uint32_t *stored, char *err, size_t errlen)
 {
     *stored = 0;
     s_reg_t *reg = NULL;
     uint32_t per = 0;
     uint64_t chunk_bytes = 0;
     int rc = s_copy_begin(self, owner, r, &reg, &per, &chunk_bytes, err, errlen);
-    if (rc || r->nkeys == 0) {
-        if (reg)
-            s_reg_put(self, reg);
+    if (!reg)
         return rc;
-    }
-    kvt_nsref_t ns = {r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
-    kvt_slot_t *slots = malloc(r->nkeys * sizeof *slots);
-    uint64_t *off = malloc(r->nkeys * sizeof *off);
-    uint64_t *ids = malloc((size_t)r->nkeys * per * sizeof *ids);
-    kvt_assert(slots && off && ids);
-    uint32_t n = 0, m = 0;
-    uint64_t lease = 0;
-    rc = kvt_l1_reserve(self->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                        r->nkeys, NULL, chunk_bytes, slots, &n, &lease, err, errlen);
-    if (rc == 0 && lease) {
-        /* only the new objects (a nil slot: that key is stored already) */
-        for (uint32_t i = 0; i < n; i++)
-            if (slots[i].length) {
-                kvt_assert(slots[i].length == chunk_bytes);
-                off[m] = slots[i].offset;
-                memcpy(ids + (size_t)m * per, r->block_ids + (size_t)i * per, per * sizeof *ids);
-                m++;
-            }
-        rc = s_copy(self, reg, false, ids, per, off, m, &r->event, err, errlen);
-        atomic_fetch_add_explicit(rc ? &self->copy_errors : &self->bytes_to_l1,
-                                  rc ? 1 : (uint64_t)m * chunk_bytes, memory_order_relaxed);
-        if (rc == 0)
-            rc = kvt_l1_commit(self->l1, KVT_OWNER_DAEMON, lease, NULL, 0, stored, err, errlen);
-        else
-            kvt_l1_release(self->l1, KVT_OWNER_DAEMON, lease); /* discards the reservations */
-    }
-    free(ids);
-    free(off);
-    free(slots);
+    s_store_t st = {self, reg, r, per, chunk_bytes};
+    rc = kvt_l1_write(self->l1, &r->ns, r->keys, r->nkeys, NULL, chunk_bytes, false, s_store_fill,
+                      &st, stored, NULL, err, errlen);
     s_reg_put(self, reg);
     return rc;
 }
 
-int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32_t *found,
-                     char *err, size_t errlen)
+int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_gpu_copy_args_t *r,
+                     uint32_t *found, char *err, size_t errlen)
 {
     *found = 0;
     s_reg_t *reg = NULL;
     uint32_t per = 0;
     uint64_t chunk_bytes = 0;
     int rc = s_copy_begin(self, owner, r, &reg, &per, &chunk_bytes, err, errlen);
-    if (rc || r->nkeys == 0) {
-        if (reg)
-            s_reg_put(self, reg);
+    if (!reg)
         return rc;
-    }
-    kvt_nsref_t ns = {r->ns.ptr, r->ns.len, r->salt.ptr, r->salt.len};
     kvt_slot_t *slots = malloc(r->nkeys * sizeof *slots);
     uint64_t *off = malloc(r->nkeys * sizeof *off);
     kvt_assert(slots && off);
     uint32_t n = 0, m = 0;
     uint64_t lease = 0;
-    rc = kvt_l1_acquire(self->l1, KVT_OWNER_DAEMON, &ns, (const uint8_t(*)[KVT_KEY_LEN])r->keys,
-                        r->nkeys, slots, &n, &lease);
+    rc = kvt_l1_acquire(self->l1, KVT_OWNER_DAEMON, &r->ns, r->keys, r->nkeys, slots, &n,
+                        &lease);
     n = kvt_l1_verify(self->l1, KVT_OWNER_DAEMON, lease, n); /* l1_checksum: no damaged bytes */
     /* an object of another size was not written with this layout: the prefix ends there */
     while (rc == 0 && m < n && slots[m].length == chunk_bytes) {
@@ -983,7 +996,7 @@ int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32
         m++;
     }
     if (rc == 0 && m) {
-        rc = s_copy(self, reg, true, r->block_ids, per, off, m, &r->event, err, errlen);
+        rc = s_copy(self, reg, true, r->block_ids, per, off, m, r->event, err, errlen);
         atomic_fetch_add_explicit(rc ? &self->copy_errors : &self->bytes_to_gpu,
                                   rc ? 1 : (uint64_t)m * chunk_bytes, memory_order_relaxed);
     }

@@ -10,13 +10,14 @@
  * kvt_gpu_owner_gone runs on the server thread and never calls CUDA (it only unlinks and hands
  * the registrations to the closer). new/destroy: main thread, destroy after the workers stopped.
  * Built without the CUDA toolkit (no KVT_HAVE_CUDA), every request still validates and then
- * answers KVT_EUNAVAIL. */
+ * answers KVT_EUNAVAIL. A data-path module: it takes plain arguments (the daemon's handlers
+ * decode the wire), so it needs no protocol header. */
 #ifndef KVT_GPU_H
 #define KVT_GPU_H
 
+#include "kvt_key.h"
 #include "kvt_l1.h"
 #include "kvt_metrics.h"
-#include "kvt_msg.h"
 
 #include <jansson.h>
 #include <stddef.h>
@@ -44,10 +45,38 @@ typedef struct {
     uint64_t layer_bytes; /* num_blocks x block_bytes */
 } kvt_gpu_layout_t;
 
-/* Pure: checks the layout of a decoded REGISTER_GPU (layers = handles >= 1, block and token
- * sizes in range, dtype known and dividing token_bytes, no handle all zeros, offsets and sizes
- * without overflow) and fills *out. 0 or KVT_EBADREQ with a sentence in err. */
-int kvt_gpu_layout_check(const kvt_req_t *r, kvt_gpu_layout_t *out, char *err, size_t errlen);
+/* What REGISTER_GPU asks for, as decoded (borrowed for the call): `layers` device buffers,
+ * handles[l] (KVT_IPC_HANDLE_LEN bytes each, nhandles of them, contiguous) the CUDA IPC handle
+ * of layer l's allocation and offsets[l] its buffer's byte offset in it (offsets NULL: 0). */
+typedef struct {
+    uint64_t device, layers, num_blocks, block_tokens, token_bytes;
+    const uint8_t *dtype;
+    uint32_t dtype_len;
+    const uint8_t *handles;
+    uint32_t nhandles;
+    const uint64_t *offsets;
+    uint32_t noffsets;
+} kvt_gpu_reg_args_t;
+
+/* What STORE_GPU / RETRIEVE_GPU ask for (borrowed for the call): chunk i (key i of ns) is made
+ * of the blocks block_ids[i * per, (i + 1) * per) of the registration on `device`, per =
+ * nblock_ids / nkeys. event: NULL, or the KVT_IPC_HANDLE_LEN bytes of a cudaIpcEventHandle_t
+ * that the copies wait for. */
+typedef struct {
+    uint64_t device;
+    kvt_ns_t ns;
+    const kvt_key_t *keys;
+    uint32_t nkeys;
+    const uint64_t *block_ids;
+    uint32_t nblock_ids;
+    const uint8_t *event;
+} kvt_gpu_copy_args_t;
+
+/* Pure: checks the layout of a REGISTER_GPU (layers = handles >= 1, block and token sizes in
+ * range, dtype known and dividing token_bytes, no handle all zeros, offsets and sizes without
+ * overflow) and fills *out. 0 or KVT_EBADREQ with a sentence in err. */
+int kvt_gpu_layout_check(const kvt_gpu_reg_args_t *r, kvt_gpu_layout_t *out, char *err,
+                         size_t errlen);
 
 /* Pure: bytes per element of a dtype name ("bfloat16" -> 2), 0 when unknown. */
 uint32_t kvt_gpu_dtype_size(const uint8_t *name, uint32_t len);
@@ -74,8 +103,8 @@ void kvt_gpu_destroy(kvt_gpu_t **self_p);
 /* REGISTER_GPU for `owner` (worker): validates, loads CUDA on first use (KVT_EUNAVAIL "no CUDA
  * device: ..." without one), pins the arena once, opens the handles. A second registration of
  * the same instance on the same device: KVT_EBADREQ. Fills *lay on success. */
-int kvt_gpu_register(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, kvt_gpu_layout_t *lay,
-                     char *err, size_t errlen);
+int kvt_gpu_register(kvt_gpu_t *self, uint64_t owner, const kvt_gpu_reg_args_t *r,
+                     kvt_gpu_layout_t *lay, char *err, size_t errlen);
 
 /* UNREGISTER_GPU (worker): drops the registration; the handles close once no copy uses them.
  * KVT_ENOTFOUND when there is none. */
@@ -85,14 +114,14 @@ int kvt_gpu_unregister(kvt_gpu_t *self, uint64_t owner, uint64_t device, char *e
 /* STORE_GPU (worker): reserves one L1 object per key (the longest prefix that fits; keys
  * already stored are skipped), gathers each chunk's blocks into it (layer-major, see
  * docs/protocol.md), waits for the copies and commits. *stored as COMMIT counts it. */
-int kvt_gpu_store(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32_t *stored,
-                  char *err, size_t errlen);
+int kvt_gpu_store(kvt_gpu_t *self, uint64_t owner, const kvt_gpu_copy_args_t *r,
+                  uint32_t *stored, char *err, size_t errlen);
 
 /* RETRIEVE_GPU (worker): pins the leading keys found in L1 with this layout's object size,
  * scatters them into the chunks' blocks, waits for the copies and unpins. *found: chunks
  * written. */
-int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_req_t *r, uint32_t *found,
-                     char *err, size_t errlen);
+int kvt_gpu_retrieve(kvt_gpu_t *self, uint64_t owner, const kvt_gpu_copy_args_t *r,
+                     uint32_t *found, char *err, size_t errlen);
 
 /* The instance `owner` said BYE or went silent (server thread): its registrations are
  * unlinked at once and closed off this thread once no copy uses them. Returns how many. */
