@@ -467,7 +467,8 @@ FUZZ_RUN_ARGS  = -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -timeout=10 -rss
                  -print_final_stats=1
 FUZZ_DECODE_SRC := tests/fuzz/fuzz_decode.c protocol/kvt_msg.c protocol/kvt_proto.c \
                    common/kvt_error.c common/kvt_log.c
-FUZZ_CONFIG_SRC := tests/fuzz/fuzz_config.c config/kvt_config.c common/kvt_error.c common/kvt_log.c
+FUZZ_CONFIG_SRC := tests/fuzz/fuzz_config.c config/kvt_config.c common/kvt_error.c common/kvt_log.c \
+                   common/kvt_size.c
 FUZZ_BINS     := $(FUZZ_DIR)/fuzz_decode $(FUZZ_DIR)/fuzz_config
 
 .PHONY: fuzz fuzz-smoke fuzz-build fuzz-deps
