@@ -247,7 +247,7 @@ $(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS) -lcmocka
 
-TSAN_UNIT := test_l1_concurrent test_lease test_l2_mock test_l2_fs
+TSAN_UNIT := test_l1_concurrent test_lease test_l2_mock test_l2_fs test_queue
 TSAN_BIN  := $(addprefix $(BUILD)/tsan/tests/,$(TSAN_UNIT))
 
 $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
