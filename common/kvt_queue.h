@@ -62,7 +62,8 @@ int kvt_queue_pop(kvt_queue_t *self, void **item, int64_t timeout_ms);
 int kvt_queue_pop_batch(kvt_queue_t *self, void **items, size_t max, size_t *n,
                         int64_t timeout_ms);
 
-/* A popped item is finished (for kvt_queue_wait_idle); `n` items at once. */
+/* `n` popped items are finished (kvt_queue_wait_idle and the `active` count rely on every
+ * consumer reporting them). */
 void kvt_queue_task_done(kvt_queue_t *self, size_t n);
 
 /* Waits at most timeout_ms until nothing is queued and every popped item was reported with

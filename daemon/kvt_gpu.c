@@ -640,6 +640,7 @@ static bool s_closer(kvt_thread_t *t, void *arg)
         kvt_log(KVT_LOG_INFO, "gpu: closing the handles of instance %llu on device %u",
                 (unsigned long long)reg->owner, reg->lay.device);
         s_reg_free(self, reg);
+        kvt_queue_task_done(self->dead, 1);
     }
     return true; /* closed, and everything queued before is closed too */
 }

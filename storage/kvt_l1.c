@@ -991,7 +991,8 @@ static bool s_evictor(kvt_thread_t *t, void *arg)
                     (unsigned long long)self->high_bytes);
         }
         void *token;
-        kvt_queue_pop(self->ev_wake, &token, S_EVICT_TICK_MS);
+        if (kvt_queue_pop(self->ev_wake, &token, S_EVICT_TICK_MS) == 0)
+            kvt_queue_task_done(self->ev_wake, 1);
     }
     return true;
 }

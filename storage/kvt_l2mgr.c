@@ -608,6 +608,7 @@ static bool s_prefetch_run(kvt_thread_t *t, void *arg)
             else
                 kvt_prefetch_update(m->prefetch, j->prefetch_job, 0, true, kvt_now_ms());
             free(j);
+            kvt_queue_task_done(m->loads, 1);
         }
         if (!go_on)
             return false;
