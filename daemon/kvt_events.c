@@ -1,42 +1,37 @@
-/* DESIGN: producers (server, workers, evictor, HTTP) encode under no lock and append the bytes
- * to a bounded FIFO under `lock`; the publisher thread takes the whole FIFO at once and sends
- * it. The socket is created by the main thread at start-up (so a bad endpoint fails the start)
- * and from then on used only by the publisher thread. */
+/* DESIGN: producers (server, workers, evictor, HTTP) encode under no lock and push the bytes
+ * into a bounded kvt_queue; the publisher thread takes everything queued at once and sends it,
+ * beating between batches and at least every 200 ms while idle. On destroy the queue is closed:
+ * the thread sends what was queued before, then returns. The socket is created by the main
+ * thread at start-up (so a bad endpoint fails the start) and from then on used only by the
+ * publisher thread. */
 #include "kvt_events.h"
 
 #include "kvt_error.h"
 #include "kvt_instance.h"
 #include "kvt_log.h"
 #include "kvt_msg.h"
+#include "kvt_queue.h"
+#include "kvt_thread.h"
 
 #include <czmq.h>
 #include <errno.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define S_MAX_QUEUED 4096
 #define S_SNDHWM 10000
-#define S_TICK_MS 200
 
-typedef struct s_ev {
-    struct s_ev *next;
+typedef struct {
     size_t len;
     char data[];
 } s_ev_t;
 
 struct kvt_events {
     zsock_t *pub;
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
-    s_ev_t *head, *tail;
-    size_t queued;
-    bool stop;
-    pthread_t tid;
-    bool started;
-    kvt_sup_thread_t *beat;
+    kvt_queue_t *queue;
+    kvt_thread_t *thread;
+    void *batch[S_MAX_QUEUED]; /* the publisher thread's */
     _Atomic uint64_t published, dropped;
 };
 
@@ -74,39 +69,27 @@ void kvt_events_publish(kvt_events_t *self, const char *event, const kvt_ns_t *n
     kvt_pack_str(&pk, tier);
     s_ev_t *ev = malloc(sizeof *ev + sb.size);
     kvt_assert(ev);
-    ev->next = NULL;
     ev->len = sb.size;
     memcpy(ev->data, sb.data, sb.size);
     msgpack_sbuffer_destroy(&sb);
-    pthread_mutex_lock(&self->lock);
-    if (self->queued >= S_MAX_QUEUED) {
-        pthread_mutex_unlock(&self->lock);
+    int rc = kvt_queue_push(self->queue, ev, 1);
+    if (rc != 0)
         free(ev);
+    if (rc == KVT_EBUSY) /* KVT_EUNAVAIL: stopping; not counted, as nothing is sent any more */
         s_drop(self, "publisher queue full");
-        return;
-    }
-    if (self->tail)
-        self->tail->next = ev;
-    else
-        self->head = ev;
-    self->tail = ev;
-    self->queued++;
-    pthread_cond_signal(&self->cond);
-    pthread_mutex_unlock(&self->lock);
 }
 
-static void s_send_all(kvt_events_t *self, s_ev_t *ev)
+static void s_send_all(kvt_events_t *self, void **batch, size_t n)
 {
     void *sock = zsock_resolve(self->pub);
-    while (ev) {
-        s_ev_t *next = ev->next;
+    for (size_t i = 0; i < n; i++) {
+        s_ev_t *ev = batch[i];
         if (zmq_send(sock, ev->data, ev->len, ZMQ_DONTWAIT) < 0)
             s_drop(self, errno == EAGAIN ? "a subscriber is not reading (high-water mark)"
                                          : zmq_strerror(errno));
         else
             atomic_fetch_add_explicit(&self->published, 1, memory_order_relaxed);
         free(ev);
-        ev = next;
     }
     /* subscription messages queue up on an XPUB: read and discard them */
     char buf[256];
@@ -114,45 +97,27 @@ static void s_send_all(kvt_events_t *self, s_ev_t *ev)
         ;
 }
 
-static void *s_run(void *arg)
+static bool s_run(kvt_thread_t *t, void *arg)
 {
     kvt_events_t *self = arg;
-    pthread_mutex_lock(&self->lock);
     for (;;) {
-        if (!self->head && !self->stop) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += S_TICK_MS * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
-            pthread_cond_timedwait(&self->cond, &self->lock, &ts);
-        }
-        s_ev_t *batch = self->head;
-        self->head = self->tail = NULL;
-        self->queued = 0;
-        bool stop = self->stop;
-        pthread_mutex_unlock(&self->lock);
-        s_send_all(self, batch);
-        if (stop)
-            break;
-        if (!kvt_sup_beat(self->beat)) {
-            kvt_sup_thread_exit(self->beat, false);
-            return NULL;
-        }
-        pthread_mutex_lock(&self->lock);
+        size_t n = 0;
+        int rc = kvt_queue_pop_batch(self->queue, self->batch, S_MAX_QUEUED, &n,
+                                     kvt_thread_idle_ms(t));
+        s_send_all(self, self->batch, n); /* n = 0: still reads the subscriptions */
+        kvt_queue_task_done(self->queue, n);
+        if (rc == KVT_EUNAVAIL) /* closed, and what was queued before is sent */
+            return true;
+        if (!kvt_thread_beat(t))
+            return false;
     }
-    kvt_sup_thread_exit(self->beat, true);
-    return NULL;
 }
 
 kvt_events_t *kvt_events_new(const char *endpoint, kvt_sup_t *sup, char *err, size_t errlen)
 {
     kvt_events_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
-    pthread_mutex_init(&self->lock, NULL);
-    pthread_cond_init(&self->cond, NULL);
+    self->queue = kvt_queue_new(S_MAX_QUEUED, 0, err, errlen);
     self->pub = zsock_new(ZMQ_XPUB);
     if (!self->pub) {
         snprintf(err, errlen, "events: cannot create the socket: %s", zmq_strerror(errno));
@@ -168,12 +133,11 @@ kvt_events_t *kvt_events_new(const char *endpoint, kvt_sup_t *sup, char *err, si
         snprintf(err, errlen, "events: cannot bind %s: %s", endpoint, zmq_strerror(errno));
         goto fail;
     }
-    self->beat = kvt_sup_register(sup, "events", 2000);
-    if (pthread_create(&self->tid, NULL, s_run, self) != 0) {
+    self->thread = kvt_thread_start(sup, "events", 2000, s_run, self);
+    if (!self->thread) {
         snprintf(err, errlen, "events: cannot start thread");
         goto fail;
     }
-    self->started = true;
     kvt_log(KVT_LOG_INFO, "events on %s", endpoint);
     return self;
 fail:
@@ -186,20 +150,12 @@ void kvt_events_destroy(kvt_events_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvt_events_t *self = *self_p;
-    if (self->started) {
-        pthread_mutex_lock(&self->lock);
-        self->stop = true;
-        pthread_cond_signal(&self->cond);
-        pthread_mutex_unlock(&self->lock);
-        pthread_join(self->tid, NULL);
-    }
-    for (s_ev_t *ev = self->head, *next; ev; ev = next) {
-        next = ev->next;
+    kvt_queue_close(self->queue);
+    kvt_thread_join(&self->thread);
+    for (void *ev; kvt_queue_pop(self->queue, &ev, 0) == 0;) /* a thread that died left them */
         free(ev);
-    }
+    kvt_queue_destroy(&self->queue);
     zsock_destroy(&self->pub);
-    pthread_cond_destroy(&self->cond);
-    pthread_mutex_destroy(&self->lock);
     free(self);
     *self_p = NULL;
 }

@@ -8,8 +8,10 @@
  * Registrations: a list of s_reg_t under `lock` (a leaf, held only for list work, never across
  * a CUDA call). Each carries a refcount: one for being linked, one per copy in flight. When the
  * last reference goes on a worker the handles are closed there; when it goes on the server
- * thread (owner_gone), the registration is queued to the closer thread, because
- * cudaIpcCloseMemHandle may block. `init_lock` serialises loading CUDA and pinning the arena
+ * thread (owner_gone), the registration is queued (a kvt_queue, bounded by the registrations
+ * themselves) to the closer thread, because cudaIpcCloseMemHandle may block. The closer is not
+ * supervised: a close that hangs in the driver must not turn /readyz red; it waits without a
+ * timeout and, on destroy, closes what was queued before it returns. `init_lock` serialises loading CUDA and pinning the arena
  * (slow, once); it is never taken by the server thread.
  *
  * Copies: one request = one stream from a per-device free list (created on demand, so there
@@ -22,6 +24,8 @@
 
 #include "kvt_error.h"
 #include "kvt_log.h"
+#include "kvt_queue.h"
+#include "kvt_thread.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -234,13 +238,11 @@ struct kvt_gpu {
     s_api_t api;
 #endif
     _Atomic bool batch_ok; /* cudaMemcpyBatchAsync usable (cleared after it refuses once) */
-    pthread_mutex_t lock; /* leaf: regs, dead, streams, stop */
-    pthread_cond_t cond;
+    pthread_mutex_t lock; /* leaf: regs, streams */
     s_reg_t *regs;
-    s_reg_t *dead; /* unlinked, unreferenced: for the closer */
     s_stream_t *streams[KVT_GPU_MAX_DEVICES];
-    bool closer_started, stop;
-    pthread_t closer;
+    kvt_queue_t *dead;     /* unlinked, unreferenced: for the closer */
+    kvt_thread_t *closer;  /* started (under init_lock) with the first registration */
     _Atomic uint64_t bytes_to_l1, bytes_to_gpu, copy_errors; /* metrics */
 };
 
@@ -252,7 +254,7 @@ kvt_gpu_t *kvt_gpu_new(kvt_l1_t *l1)
     self->cuda_rc = 1;
     pthread_mutex_init(&self->init_lock, NULL);
     pthread_mutex_init(&self->lock, NULL);
-    pthread_cond_init(&self->cond, NULL);
+    self->dead = kvt_queue_new(KVT_QUEUE_BOUNDED_BY_CALLER, 0, NULL, 0); /* cannot fail */
     return self;
 }
 
@@ -636,25 +638,18 @@ static void s_reg_free(kvt_gpu_t *self, s_reg_t *reg)
     free(reg);
 }
 
-static void *s_closer_main(void *arg)
+static bool s_closer(kvt_thread_t *t, void *arg)
 {
+    (void)t;
     kvt_gpu_t *self = arg;
-    pthread_mutex_lock(&self->lock);
-    for (;;) {
-        while (!self->dead && !self->stop)
-            pthread_cond_wait(&self->cond, &self->lock);
-        if (!self->dead)
-            break;
-        s_reg_t *reg = self->dead;
-        self->dead = reg->next;
-        pthread_mutex_unlock(&self->lock);
+    s_reg_t *reg;
+    while (kvt_queue_pop(self->dead, (void **)&reg, -1) == 0) {
         kvt_log(KVT_LOG_INFO, "gpu: closing the handles of instance %llu on device %u",
                 (unsigned long long)reg->owner, reg->lay.device);
         s_reg_free(self, reg);
-        pthread_mutex_lock(&self->lock);
+        kvt_queue_task_done(self->dead, 1);
     }
-    pthread_mutex_unlock(&self->lock);
-    return NULL;
+    return true; /* closed, and everything queued before is closed too */
 }
 
 /* Unlinks reg; lock held. */
@@ -699,17 +694,10 @@ void kvt_gpu_destroy(kvt_gpu_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvt_gpu_t *self = *self_p;
-    pthread_mutex_lock(&self->lock);
-    self->stop = true;
-    pthread_cond_broadcast(&self->cond);
-    pthread_mutex_unlock(&self->lock);
-    if (self->closer_started)
-        pthread_join(self->closer, NULL); /* it closes what is in `dead` before it exits */
-    while (self->dead) {
-        s_reg_t *reg = self->dead;
-        self->dead = reg->next;
+    kvt_queue_close(self->dead);
+    kvt_thread_join(&self->closer); /* it closes what is queued before it returns */
+    for (void *reg; kvt_queue_pop(self->dead, &reg, 0) == 0;) /* no closer was started */
         s_reg_free(self, reg);
-    }
     /* the workers have stopped: no references are held but the lists' */
     while (self->regs) {
         s_reg_t *reg = self->regs;
@@ -730,7 +718,7 @@ void kvt_gpu_destroy(kvt_gpu_t **self_p)
         self->api.cudaHostUnregister(kvt_l1_base(self->l1));
 #endif
     /* libcudart stays loaded: unloading the CUDA runtime at exit is not supported */
-    pthread_cond_destroy(&self->cond);
+    kvt_queue_destroy(&self->dead);
     pthread_mutex_destroy(&self->lock);
     pthread_mutex_destroy(&self->init_lock);
     free(self);
@@ -788,10 +776,9 @@ int kvt_gpu_register(kvt_gpu_t *self, uint64_t owner, const kvt_gpu_reg_args_t *
 #endif
     if (rc == 0)
         rc = s_pin_arena(self, err, errlen);
-    if (rc == 0 && !self->closer_started) {
-        if (pthread_create(&self->closer, NULL, s_closer_main, self) == 0)
-            self->closer_started = true;
-        else {
+    if (rc == 0 && !self->closer) {
+        self->closer = kvt_thread_start(NULL, "gpu-closer", 0, s_closer, self);
+        if (!self->closer) {
             snprintf(err, errlen, "cannot start the GPU handle closer thread");
             rc = KVT_EINTERNAL;
         }
@@ -838,6 +825,7 @@ int kvt_gpu_unregister(kvt_gpu_t *self, uint64_t owner, uint64_t device, char *e
 uint32_t kvt_gpu_owner_gone(kvt_gpu_t *self, uint64_t owner)
 {
     uint32_t n = 0;
+    s_reg_t *dead = NULL;
     pthread_mutex_lock(&self->lock);
     s_reg_t **pp = &self->regs;
     while (*pp) {
@@ -851,13 +839,17 @@ uint32_t kvt_gpu_owner_gone(kvt_gpu_t *self, uint64_t owner)
         reg->linked = false;
         n++;
         if (--reg->refs == 0) {
-            reg->next = self->dead;
-            self->dead = reg;
+            reg->next = dead;
+            dead = reg;
         }
     }
-    if (self->dead)
-        pthread_cond_signal(&self->cond);
     pthread_mutex_unlock(&self->lock);
+    while (dead) { /* no CUDA here: the closer closes them */
+        s_reg_t *reg = dead;
+        dead = reg->next;
+        reg->next = NULL;
+        kvt_assert(kvt_queue_push(self->dead, reg, 1) == 0); /* closed only by destroy */
+    }
     return n;
 }
 

@@ -33,6 +33,8 @@
 #include "kvt_error.h"
 #include "kvt_lease.h"
 #include "kvt_log.h"
+#include "kvt_queue.h"
+#include "kvt_thread.h"
 
 #include <czmq.h>
 #include <pthread.h>
@@ -94,13 +96,11 @@ struct kvt_l1 {
     zhashx_t *ns_table;
     uint64_t capacity, high_bytes, low_bytes;
     _Atomic uint64_t objects, reserved, evictions, evicted_bytes, corrupt;
-    /* eviction controller */
-    pthread_t tid;
+    /* eviction controller: woken through a queue of one token (a full queue is a wake-up
+     * already pending, so wake-ups coalesce and none is lost); closed to stop it */
+    kvt_thread_t *evictor;
+    kvt_queue_t *ev_wake;
     bool started;
-    _Atomic bool stop;
-    pthread_mutex_t ev_lock;
-    pthread_cond_t ev_cond;
-    kvt_sup_thread_t *beat;
     kvt_l1_listener_fn listener;
     void *listener_ctx;
     uint32_t l2_writes;
@@ -438,11 +438,8 @@ static void s_account_done(kvt_l1_t *self, kvt_account_t *acct, uint64_t charged
 
 static void s_wake_evictor(kvt_l1_t *self)
 {
-    if (self->started && kvt_alloc_used(self->alloc) > self->high_bytes) {
-        pthread_mutex_lock(&self->ev_lock);
-        pthread_cond_signal(&self->ev_cond);
-        pthread_mutex_unlock(&self->ev_lock);
-    }
+    if (self->started && kvt_alloc_used(self->alloc) > self->high_bytes)
+        kvt_queue_push(self->ev_wake, self, 1); /* full or closed: nothing to do */
 }
 
 static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped);
@@ -1004,14 +1001,12 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
 
 /* ---- eviction controller ---- */
 
-static void *s_evictor(void *arg)
+static bool s_evictor(kvt_thread_t *t, void *arg)
 {
     kvt_l1_t *self = arg;
-    while (!atomic_load(&self->stop)) {
-        if (!kvt_sup_beat(self->beat)) {
-            kvt_sup_thread_exit(self->beat, false);
-            return NULL;
-        }
+    while (!kvt_queue_closed(self->ev_wake)) {
+        if (!kvt_thread_beat(t))
+            return false;
         uint64_t used = kvt_alloc_used(self->alloc);
         if (used > self->high_bytes) {
             uint64_t freed = kvt_l1_evict(self, used - self->low_bytes);
@@ -1019,26 +1014,17 @@ static void *s_evictor(void *arg)
                     (unsigned long long)freed, (unsigned long long)used,
                     (unsigned long long)self->high_bytes);
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += S_EVICT_TICK_MS * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        pthread_mutex_lock(&self->ev_lock);
-        if (!atomic_load(&self->stop))
-            pthread_cond_timedwait(&self->ev_cond, &self->ev_lock, &ts);
-        pthread_mutex_unlock(&self->ev_lock);
+        void *token;
+        if (kvt_queue_pop(self->ev_wake, &token, S_EVICT_TICK_MS) == 0)
+            kvt_queue_task_done(self->ev_wake, 1);
     }
-    kvt_sup_thread_exit(self->beat, true);
-    return NULL;
+    return true;
 }
 
 int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup)
 {
-    self->beat = kvt_sup_register(sup, "evictor", 2000);
-    if (pthread_create(&self->tid, NULL, s_evictor, self) != 0)
+    self->evictor = kvt_thread_start(sup, "evictor", 2000, s_evictor, self);
+    if (!self->evictor)
         return KVT_EINTERNAL;
     self->started = true;
     return 0;
@@ -1050,11 +1036,8 @@ void kvt_l1_stop(kvt_l1_t *self)
 {
     if (!self->started)
         return;
-    pthread_mutex_lock(&self->ev_lock);
-    atomic_store(&self->stop, true);
-    pthread_cond_signal(&self->ev_cond);
-    pthread_mutex_unlock(&self->ev_lock);
-    pthread_join(self->tid, NULL);
+    kvt_queue_close(self->ev_wake);
+    kvt_thread_join(&self->evictor);
     self->started = false;
 }
 
@@ -1081,8 +1064,7 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
     }
     pthread_mutex_init(&self->lru_lock, NULL);
     pthread_mutex_init(&self->ns_lock, NULL);
-    pthread_mutex_init(&self->ev_lock, NULL);
-    pthread_cond_init(&self->ev_cond, NULL);
+    self->ev_wake = kvt_queue_new(1, 0, err, errlen); /* no eventfd: cannot fail */
     self->ns_table = zhashx_new();
     kvt_assert(self->ns_table);
     zhashx_set_key_hasher(self->ns_table, s_nskey_hash);
@@ -1114,8 +1096,7 @@ void kvt_l1_destroy(kvt_l1_t **self_p)
     kvt_arena_destroy(&self->arena);
     pthread_mutex_destroy(&self->lru_lock);
     pthread_mutex_destroy(&self->ns_lock);
-    pthread_mutex_destroy(&self->ev_lock);
-    pthread_cond_destroy(&self->ev_cond);
+    kvt_queue_destroy(&self->ev_wake); /* a token left in it is not memory */
     free(self);
     *self_p = NULL;
 }

@@ -1,7 +1,9 @@
-/* DESIGN: one s_adapter_t per configured spec, each with a FIFO of write-behind jobs (store or
- * remove, one namespace and a batch of keys each) under its own mutex and condition variable,
- * served by S_ADAPTER_THREADS supervised threads that also probe the backend's health every
- * second. Prefetch loads go to one manager-wide FIFO served by S_PREFETCH_THREADS threads.
+/* DESIGN: one s_adapter_t per configured spec, each with a kvt_queue of write-behind jobs (store
+ * or remove, one namespace and a batch of keys each, weighed by their keys), served by
+ * S_ADAPTER_THREADS supervised threads that also probe the backend's health every second.
+ * Prefetch loads go to one manager-wide kvt_queue served by S_PREFETCH_THREADS threads. Stop
+ * closes every queue: adapter threads still run the jobs queued before it, prefetch threads
+ * abandon theirs (each job is still reported done).
  * Lookups are synchronous on the caller's thread. Adapter operations are thread-safe by the
  * contract of kvt_l2.h, so the three kinds of callers may use one adapter at once.
  *
@@ -25,6 +27,8 @@
 #include "kvt_l2_plugin.h"
 #include "kvt_l2_trailer.h"
 #include "kvt_log.h"
+#include "kvt_queue.h"
+#include "kvt_thread.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -48,7 +52,6 @@
 typedef enum { S_STORE, S_REMOVE, S_LOAD } s_kind_t;
 
 typedef struct s_job {
-    struct s_job *next;
     s_kind_t kind;
     uint64_t deadline_ms;
     uint64_t prefetch_job;
@@ -59,11 +62,6 @@ typedef struct s_job {
     uint8_t bytes[];
 } s_job_t;
 
-typedef struct {
-    s_job_t *head, *tail;
-    size_t keys; /* keys in all queued jobs */
-} s_fifo_t;
-
 typedef struct s_adapter {
     struct kvt_l2mgr *mgr;
     int index;
@@ -72,11 +70,8 @@ typedef struct s_adapter {
     void *state;
     void *plugin; /* dlopen handle of a plugin adapter */
     pthread_mutex_t lock;
-    pthread_cond_t cond;
-    s_fifo_t queue;
-    int busy; /* jobs being run right now (under lock): a stop waits for them */
-    pthread_t tids[S_ADAPTER_THREADS];
-    kvt_sup_thread_t *beats[S_ADAPTER_THREADS];
+    kvt_queue_t *queue; /* weight: keys; a job is task_done once run (the drain waits) */
+    kvt_thread_t *threads[S_ADAPTER_THREADS];
     int nthreads;
     uint64_t next_probe_ms; /* under lock */
     _Atomic bool healthy;
@@ -104,19 +99,11 @@ struct kvt_l2mgr {
     _Atomic bool stop;
     kvt_l2_event_fn on_event;
     void *event_ctx;
-    /* prefetch loads */
-    pthread_mutex_t plock;
-    pthread_cond_t pcond;
-    s_fifo_t loads;
-    pthread_t ptids[S_PREFETCH_THREADS];
-    kvt_sup_thread_t *pbeats[S_PREFETCH_THREADS];
+    /* prefetch loads: at most max_prefetch_jobs, as LOOKUP starts no job past that */
+    kvt_queue_t *loads;
+    kvt_thread_t *pthreads[S_PREFETCH_THREADS];
     int npthreads;
 };
-
-typedef struct {
-    s_adapter_t *a;
-    int slot;
-} s_thread_arg_t;
 
 static uint64_t s_inc(_Atomic uint64_t *v, uint64_t n)
 {
@@ -126,17 +113,6 @@ static uint64_t s_inc(_Atomic uint64_t *v, uint64_t n)
 static uint64_t s_get(_Atomic uint64_t *v)
 {
     return atomic_load_explicit(v, memory_order_relaxed);
-}
-
-static void s_deadline_ts(struct timespec *ts, uint64_t ms)
-{
-    clock_gettime(CLOCK_REALTIME, ts);
-    ts->tv_sec += (time_t)(ms / 1000);
-    ts->tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
 }
 
 static void s_sleep_ms(uint64_t ms)
@@ -166,29 +142,6 @@ static s_job_t *s_job_new(s_kind_t kind, const kvt_ns_t *ns, const kvt_key_t *ke
     memcpy(j->keys, keys, (size_t)n * sizeof *keys);
     p += (size_t)n * sizeof *keys;
     j->ns = kvt_ns_copy(ns, p);
-    return j;
-}
-
-static void s_push(s_fifo_t *q, s_job_t *j)
-{
-    j->next = NULL;
-    if (q->tail)
-        q->tail->next = j;
-    else
-        q->head = j;
-    q->tail = j;
-    q->keys += j->n;
-}
-
-static s_job_t *s_pop(s_fifo_t *q)
-{
-    s_job_t *j = q->head;
-    if (j) {
-        q->head = j->next;
-        if (!q->head)
-            q->tail = NULL;
-        q->keys -= j->n;
-    }
     return j;
 }
 
@@ -410,37 +363,32 @@ static void s_probe(s_adapter_t *a)
         kvt_log(KVT_LOG_WARN, "l2 %s: healthy again", a->label);
 }
 
-static void *s_adapter_run(void *arg)
+/* The health probe is due (every S_TICK_MS, whichever of the adapter's threads sees it). */
+static bool s_probe_due(s_adapter_t *a)
 {
-    s_thread_arg_t *ta = arg;
-    s_adapter_t *a = ta->a;
-    kvt_sup_thread_t *beat = a->beats[ta->slot];
-    free(ta);
-    kvt_l2mgr_t *m = a->mgr;
+    uint64_t now = kvt_now_ms();
     pthread_mutex_lock(&a->lock);
+    bool due = now >= a->next_probe_ms;
+    if (due)
+        a->next_probe_ms = now + S_TICK_MS;
+    pthread_mutex_unlock(&a->lock);
+    return due;
+}
+
+static bool s_adapter_run(kvt_thread_t *t, void *arg)
+{
+    s_adapter_t *a = arg;
+    kvt_l2mgr_t *m = a->mgr;
     for (;;) {
-        s_job_t *j = s_pop(&a->queue);
-        a->busy += j != NULL;
-        bool probe = false;
-        if (!j) {
-            if (atomic_load(&m->stop))
-                break;
-            struct timespec ts;
-            s_deadline_ts(&ts, 200);
-            pthread_cond_timedwait(&a->cond, &a->lock, &ts);
-        }
-        uint64_t now = kvt_now_ms();
-        if (now >= a->next_probe_ms) {
-            a->next_probe_ms = now + S_TICK_MS;
-            probe = true;
-        }
-        pthread_mutex_unlock(&a->lock);
-        if (!kvt_sup_beat(beat)) {
+        s_job_t *j = NULL;
+        if (kvt_queue_pop(a->queue, (void **)&j, kvt_thread_idle_ms(t)) == KVT_EUNAVAIL)
+            return true; /* closed, and what was queued before is done */
+        bool probe = s_probe_due(a);
+        if (!kvt_thread_beat(t)) {
             if (j)
                 s_give_up(m, j);
-            free(j);
-            kvt_sup_thread_exit(beat, false);
-            return NULL;
+            free(j); /* not task_done: the stop's drain waits for it until its deadline */
+            return false;
         }
         if (probe)
             s_probe(a);
@@ -455,39 +403,33 @@ static void *s_adapter_run(void *arg)
                 s_do_remove(a, j);
             }
             free(j);
+            kvt_queue_task_done(a->queue, 1);
         }
-        pthread_mutex_lock(&a->lock);
-        a->busy -= j != NULL;
     }
-    pthread_mutex_unlock(&a->lock);
-    kvt_sup_thread_exit(beat, true);
-    return NULL;
+}
+
+/* A job the full queue pushed out: the oldest writes go, never the caller's time. */
+static void s_displaced(void *ctx, void *item)
+{
+    s_adapter_t *a = ctx;
+    s_job_t *j = item;
+    if (j->kind == S_STORE) {
+        s_inc(&a->dropped, j->n);
+        s_give_up(a->mgr, j);
+        kvt_errrep_report(&a->rep, KVT_LOG_WARN,
+                          "l2 %s: write-behind queue full: dropped %u oldest writes", a->label,
+                          j->n);
+    }
+    free(j);
 }
 
 static void s_enqueue(s_adapter_t *a, s_job_t *j)
 {
-    s_job_t *dropped = NULL;
-    pthread_mutex_lock(&a->lock);
-    /* full: the oldest writes go, never the caller's time */
-    while (a->queue.head && a->queue.keys + j->n > S_QUEUE_KEYS) {
-        s_job_t *old = s_pop(&a->queue);
-        old->next = dropped;
-        dropped = old;
-    }
-    s_push(&a->queue, j);
-    pthread_cond_signal(&a->cond);
-    pthread_mutex_unlock(&a->lock);
-    while (dropped) {
-        s_job_t *next = dropped->next;
-        if (dropped->kind == S_STORE) {
-            s_inc(&a->dropped, dropped->n);
-            s_give_up(a->mgr, dropped);
-            kvt_errrep_report(&a->rep, KVT_LOG_WARN,
-                              "l2 %s: write-behind queue full: dropped %u oldest writes",
-                              a->label, dropped->n);
-        }
-        free(dropped);
-        dropped = next;
+    if (kvt_queue_push_displace(a->queue, j, j->n, s_displaced, a) != 0) {
+        /* stopping: the threads take no more work; the objects need not wait for L2 */
+        if (j->kind == S_STORE)
+            s_give_up(a->mgr, j);
+        free(j);
     }
 }
 
@@ -638,40 +580,25 @@ static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
     kvt_prefetch_update(m->prefetch, j->prefetch_job, stored + present, true, kvt_now_ms());
 }
 
-static void *s_prefetch_run(void *arg)
+static bool s_prefetch_run(kvt_thread_t *t, void *arg)
 {
-    s_thread_arg_t *ta = arg;
-    kvt_l2mgr_t *m = ta->a->mgr;
-    kvt_sup_thread_t *beat = m->pbeats[ta->slot];
-    free(ta);
-    pthread_mutex_lock(&m->plock);
+    kvt_l2mgr_t *m = arg;
     for (;;) {
-        s_job_t *j = s_pop(&m->loads);
-        if (!j) {
-            if (atomic_load(&m->stop))
-                break;
-            struct timespec ts;
-            s_deadline_ts(&ts, 200);
-            pthread_cond_timedwait(&m->pcond, &m->plock, &ts);
-        }
-        pthread_mutex_unlock(&m->plock);
-        bool go_on = kvt_sup_beat(beat);
+        s_job_t *j = NULL;
+        if (kvt_queue_pop(m->loads, (void **)&j, kvt_thread_idle_ms(t)) == KVT_EUNAVAIL)
+            return true;
+        bool go_on = kvt_thread_beat(t);
         if (j) {
             if (go_on && !atomic_load(&m->stop))
                 s_do_load(m, j);
             else
                 kvt_prefetch_update(m->prefetch, j->prefetch_job, 0, true, kvt_now_ms());
             free(j);
+            kvt_queue_task_done(m->loads, 1);
         }
-        if (!go_on) {
-            kvt_sup_thread_exit(beat, false);
-            return NULL;
-        }
-        pthread_mutex_lock(&m->plock);
+        if (!go_on)
+            return false;
     }
-    pthread_mutex_unlock(&m->plock);
-    kvt_sup_thread_exit(beat, true);
-    return NULL;
 }
 
 void kvt_l2mgr_prefetch(kvt_l2mgr_t *self, uint64_t job, const kvt_ns_t *ns,
@@ -680,10 +607,10 @@ void kvt_l2mgr_prefetch(kvt_l2mgr_t *self, uint64_t job, const kvt_ns_t *ns,
     s_job_t *j = s_job_new(S_LOAD, ns, keys, sizes, n);
     j->prefetch_job = job;
     j->deadline_ms = kvt_now_ms() + self->cfg->lease_ms;
-    pthread_mutex_lock(&self->plock);
-    s_push(&self->loads, j);
-    pthread_cond_signal(&self->pcond);
-    pthread_mutex_unlock(&self->plock);
+    if (kvt_queue_push(self->loads, j, 1) != 0) { /* stopping (or past the job cap) */
+        kvt_prefetch_update(self->prefetch, job, 0, true, kvt_now_ms());
+        free(j);
+    }
 }
 
 /* ---- life cycle ---- */
@@ -775,7 +702,7 @@ static int s_open_adapter(kvt_l2mgr_t *m, s_adapter_t *a, const char *spec, kvt_
     a->mgr = m;
     a->rep = (kvt_errrep_t)KVT_ERRREP_INIT(10000);
     pthread_mutex_init(&a->lock, NULL);
-    pthread_cond_init(&a->cond, NULL);
+    a->queue = kvt_queue_new(S_QUEUE_KEYS, 0, err, errlen); /* no eventfd: cannot fail */
     int rrc = s_resolve(spec, a->label, &a->ops, &a->plugin, &args, err, errlen);
     if (rrc)
         return rrc;
@@ -794,12 +721,8 @@ static int s_open_adapter(kvt_l2mgr_t *m, s_adapter_t *a, const char *spec, kvt_
     for (int t = 0; t < (nthreads > 0 ? nthreads : 1); t++) {
         char name[32];
         snprintf(name, sizeof name, "l2-%d-%d", a->index, t);
-        a->beats[t] = kvt_sup_register(sup, name, 30000 + S_TICK_MS);
-        s_thread_arg_t *ta = malloc(sizeof *ta);
-        kvt_assert(ta);
-        *ta = (s_thread_arg_t){a, t};
-        if (pthread_create(&a->tids[t], NULL, s_adapter_run, ta) != 0) {
-            free(ta);
+        a->threads[t] = kvt_thread_start(sup, name, 30000 + S_TICK_MS, s_adapter_run, a);
+        if (!a->threads[t]) {
             snprintf(err, errlen, "l2: %s: cannot start a thread", a->label);
             return KVT_EINTERNAL;
         }
@@ -819,8 +742,8 @@ kvt_l2mgr_t *kvt_l2mgr_new(const kvt_config_t *cfg, kvt_l1_t *l1, kvt_prefetch_t
     self->cfg = cfg;
     self->l1 = l1;
     self->prefetch = prefetch;
-    pthread_mutex_init(&self->plock, NULL);
-    pthread_cond_init(&self->pcond, NULL);
+    self->loads = kvt_queue_new(cfg->max_prefetch_jobs ? cfg->max_prefetch_jobs : 1, 0, err,
+                                errlen);
     for (int i = 0; i < cfg->n_l2 && i < S_MAX_ADAPTERS; i++) {
         if (strcmp(cfg->l2[i], "none") == 0)
             continue;
@@ -837,12 +760,8 @@ kvt_l2mgr_t *kvt_l2mgr_new(const kvt_config_t *cfg, kvt_l1_t *l1, kvt_prefetch_t
         for (int t = 0; t < S_PREFETCH_THREADS; t++) {
             char name[32];
             snprintf(name, sizeof name, "prefetch-%d", t);
-            self->pbeats[t] = kvt_sup_register(sup, name, 2000);
-            s_thread_arg_t *ta = malloc(sizeof *ta);
-            kvt_assert(ta);
-            *ta = (s_thread_arg_t){&self->adapters[0], t};
-            if (pthread_create(&self->ptids[t], NULL, s_prefetch_run, ta) != 0) {
-                free(ta);
+            self->pthreads[t] = kvt_thread_start(sup, name, 2000, s_prefetch_run, self);
+            if (!self->pthreads[t]) {
                 snprintf(err, errlen, "l2: cannot start a prefetch thread");
                 goto fail;
             }
@@ -866,32 +785,26 @@ void kvt_l2mgr_destroy(kvt_l2mgr_t **self_p)
     uint64_t deadline = kvt_now_ms() + S_DRAIN_MS;
     for (uint32_t i = 0; i < self->nadapters; i++) {
         s_adapter_t *a = &self->adapters[i];
-        for (;;) {
-            pthread_mutex_lock(&a->lock);
-            bool empty = a->queue.head == NULL && a->busy == 0;
-            pthread_mutex_unlock(&a->lock);
-            if (empty || !a->nthreads || kvt_now_ms() > deadline)
-                break;
-            s_sleep_ms(10);
-        }
+        uint64_t now = kvt_now_ms();
+        if (a->nthreads && now < deadline)
+            kvt_queue_wait_idle(a->queue, (int64_t)(deadline - now));
     }
     atomic_store(&self->stop, true);
-    pthread_mutex_lock(&self->plock);
-    pthread_cond_broadcast(&self->pcond);
-    pthread_mutex_unlock(&self->plock);
+    /* from here every thread leaves as soon as its queue is empty (adapter threads still run
+     * what is queued; prefetch threads abandon it) */
+    kvt_queue_close(self->loads);
+    for (uint32_t i = 0; i < self->nadapters; i++)
+        kvt_queue_close(self->adapters[i].queue);
     for (int t = 0; t < self->npthreads; t++)
-        pthread_join(self->ptids[t], NULL);
-    for (s_job_t *j; (j = s_pop(&self->loads)) != NULL;)
+        kvt_thread_join(&self->pthreads[t]);
+    for (void *j; kvt_queue_pop(self->loads, &j, 0) == 0;) /* left by a thread that died */
         free(j);
     for (uint32_t i = 0; i < self->nadapters; i++) {
         s_adapter_t *a = &self->adapters[i];
-        pthread_mutex_lock(&a->lock);
-        pthread_cond_broadcast(&a->cond);
-        pthread_mutex_unlock(&a->lock);
         for (int t = 0; t < a->nthreads; t++)
-            pthread_join(a->tids[t], NULL);
+            kvt_thread_join(&a->threads[t]);
         size_t lost = 0;
-        for (s_job_t *j; (j = s_pop(&a->queue)) != NULL; free(j))
+        for (s_job_t *j; kvt_queue_pop(a->queue, (void **)&j, 0) == 0; free(j))
             lost += j->kind == S_STORE ? j->n : 0;
         if (lost)
             kvt_log(KVT_LOG_WARN, "l2 %s: %zu queued writes not done at stop", a->label, lost);
@@ -899,11 +812,10 @@ void kvt_l2mgr_destroy(kvt_l2mgr_t **self_p)
             a->ops->close(a->state);
         if (a->plugin)
             kvt_l2_plugin_unload(a->plugin);
-        pthread_cond_destroy(&a->cond);
+        kvt_queue_destroy(&a->queue);
         pthread_mutex_destroy(&a->lock);
     }
-    pthread_cond_destroy(&self->pcond);
-    pthread_mutex_destroy(&self->plock);
+    kvt_queue_destroy(&self->loads);
     free(self);
     *self_p = NULL;
 }
@@ -969,9 +881,7 @@ void kvt_l2mgr_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
         }
     for (uint32_t i = 0; i < self->nadapters; i++) {
         s_adapter_t *a = &self->adapters[i];
-        pthread_mutex_lock(&a->lock);
-        double depth = (double)a->queue.keys;
-        pthread_mutex_unlock(&a->lock);
+        double depth = (double)kvt_queue_depth(a->queue);
         kvt_sample_t s = {.name = "l2_queue_depth", .help = "Writes waiting for the adapter.",
                           .kind = KVT_METRIC_GAUGE, .label = "adapter", .label_value = a->label,
                           .value = depth};
@@ -1008,6 +918,7 @@ json_t *kvt_l2mgr_status_json(kvt_l2mgr_t *self)
         uint64_t bytes = 0, objects = 0;
         if (a->ops->usage)
             a->ops->usage(a->state, &bytes, &objects);
+        size_t depth = kvt_queue_depth(a->queue);
         pthread_mutex_lock(&a->lock);
         json_t *past = a->past_error[0]
                            ? json_pack("{s:s,s:f,s:f}", "error", a->past_error, "at",
@@ -1017,7 +928,7 @@ json_t *kvt_l2mgr_status_json(kvt_l2mgr_t *self)
             "{s:s,s:s,s:b,s:s,s:f,s:o,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "adapter", a->label,
             "kind", a->ops->kind, "healthy", atomic_load(&a->healthy), "last_error", a->last_error,
             "last_error_at", a->last_error_at, "past_error", past, "queue_depth",
-            (json_int_t)a->queue.keys, "stored", (json_int_t)s_get(&a->stored), "loaded",
+            (json_int_t)depth, "stored", (json_int_t)s_get(&a->stored), "loaded",
             (json_int_t)s_get(&a->loaded), "errors", (json_int_t)s_get(&a->errors), "dropped",
             (json_int_t)s_get(&a->dropped), "removed", (json_int_t)s_get(&a->removed), "corrupt",
             (json_int_t)s_get(&a->corrupt), "bytes", (json_int_t)bytes, "objects",
