@@ -1,5 +1,6 @@
-/* DESIGN: the registry holds no counters of its own beyond uptime: every family comes from a
- * source, and sources are appended only at start-up, so the readers (HTTP thread, STATS on the
+/* DESIGN: the registry holds no counters of its own (uptime is a source like the others, so
+ * the daemon decides where it appears): every family comes from a source, and sources are
+ * appended only at start-up, so the readers (HTTP thread, STATS on the
  * server thread) need no lock to walk them while writers keep counting their own atomics. */
 #include "kvt_metrics.h"
 
@@ -93,12 +94,17 @@ static void s_scalar(kvt_sample_fn emit, void *ctx, const char *name, const char
     emit(ctx, &s);
 }
 
+void kvt_metrics_uptime_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+{
+    kvt_metrics_t *self = ctx;
+    s_scalar(emit, emit_ctx, "uptime_seconds", "Seconds since the daemon started.",
+             KVT_METRIC_GAUGE, (double)(kvt_now_ms() - self->started_ms) / 1e3);
+    s_scalar(emit, emit_ctx, "start_time_seconds", "Start time of the daemon, Unix epoch seconds.",
+             KVT_METRIC_GAUGE, self->started_wall);
+}
+
 void kvt_metrics_each(kvt_metrics_t *self, kvt_sample_fn emit, void *ctx)
 {
-    s_scalar(emit, ctx, "uptime_seconds", "Seconds since the daemon started.", KVT_METRIC_GAUGE,
-             (double)(kvt_now_ms() - self->started_ms) / 1e3);
-    s_scalar(emit, ctx, "start_time_seconds", "Start time of the daemon, Unix epoch seconds.",
-             KVT_METRIC_GAUGE, self->started_wall);
     for (int i = 0; i < self->nsources; i++)
         self->sources[i].fn(self->sources[i].ctx, emit, ctx);
 }

@@ -4,8 +4,7 @@
  *
  * Modules own their counters (relaxed atomics written by their own threads) and contribute
  * them through sources registered at start-up (before any reader runs); a source is called
- * from the reading thread and must only read atomics or take its own short locks. The registry
- * itself only adds the uptime families. */
+ * from the reading thread and must only read atomics or take its own short locks. */
 #ifndef KVT_METRICS_H
 #define KVT_METRICS_H
 
@@ -58,8 +57,12 @@ void kvt_metrics_destroy(kvt_metrics_t **self_p);
 /* Adds a source of samples; start-up only (main thread, before HTTP starts). */
 void kvt_metrics_add_source(kvt_metrics_t *self, kvt_source_fn fn, void *ctx);
 
-/* Emits every sample: the uptime families first, then each source in registration order. */
+/* Emits every sample: each source in registration order. */
 void kvt_metrics_each(kvt_metrics_t *self, kvt_sample_fn emit, void *ctx);
+
+/* Metrics source (ctx: the registry): kvtier_uptime_seconds and kvtier_start_time_seconds,
+ * counted from kvt_metrics_new. */
+void kvt_metrics_uptime_source(void *ctx, kvt_sample_fn emit, void *emit_ctx);
 
 /* Prometheus text exposition format 0.0.4, names prefixed kvtier_. Caller frees. */
 char *kvt_metrics_prometheus(kvt_metrics_t *self, size_t *len);

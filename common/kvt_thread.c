@@ -60,8 +60,8 @@ bool kvt_thread_beat(kvt_thread_t *t)
 
 int64_t kvt_thread_idle_ms(const kvt_thread_t *t)
 {
-    if (!t->beat)
-        return -1;
+    if (!t->beat) /* still wakes: bodies do periodic work (L2 health probes) between pops */
+        return S_IDLE_MAX_MS;
     uint32_t ms = t->max_silence_ms / 10;
     return ms < S_IDLE_MAX_MS ? ms : S_IDLE_MAX_MS;
 }

@@ -31,8 +31,9 @@ void kvt_thread_join(kvt_thread_t **self_p);
 bool kvt_thread_beat(kvt_thread_t *t);
 
 /* How long the thread may wait idle between beats: a tenth of its silence limit, at most 200 ms
- * (so a stuck thread is told from an idle one long before the limit); -1 (no limit) without a
- * supervisor. */
+ * (so a stuck thread is told from an idle one long before the limit); 200 ms without a
+ * supervisor too, since bodies also do periodic work when they wake. A body that has nothing
+ * periodic to do (gpu-closer) pops without a timeout instead. */
 int64_t kvt_thread_idle_ms(const kvt_thread_t *t);
 
 #endif

@@ -585,20 +585,21 @@ static int s_check_fault_mode(const char *v, char *why, size_t whylen)
 
 /* --------------------------------------------------------------------------- value parsing */
 
-/* Plain decimal digits: 0, -1 (not an integer) or -2 (too big for 64 bits). */
+/* Plain decimal digits: 0, KVT_EINVAL (not an integer) or KVT_ETOOBIG (an integer too big for
+ * 64 bits), as kvt_size_parse answers for sizes. */
 static int s_parse_u64(const char *s, uint64_t *out)
 {
     uint64_t v = 0;
     if (!isdigit((unsigned char)*s))
-        return -1;
+        return KVT_EINVAL;
     for (; isdigit((unsigned char)*s); s++) {
         unsigned d = (unsigned)(*s - '0');
         if (v > (UINT64_MAX - d) / 10)
-            return strspn(s, "0123456789") == strlen(s) ? -2 : -1;
+            return strspn(s, "0123456789") == strlen(s) ? KVT_ETOOBIG : KVT_EINVAL;
         v = v * 10 + d;
     }
     if (*s != '\0')
-        return -1;
+        return KVT_EINVAL;
     *out = v;
     return 0;
 }
@@ -803,7 +804,7 @@ static int s_set_text(kvt_config_t *self, const s_opt_t *o, const char *v, bool 
     case S_UINT64: {
         uint64_t x = 0;
         int rc = s_parse_u64(v, &x);
-        if (rc == -1)
+        if (rc == KVT_EINVAL)
             return s_fail(err, errlen, "%s: '%s' is not an integer", o->name, shown);
         if (rc == KVT_ETOOBIG)
             x = UINT64_MAX;

@@ -47,7 +47,7 @@
 
 struct kvt_server {
     const kvt_config_t *cfg;
-    kvt_reqstats_t *stats;
+    kvt_reqstats_t *stats; /* not owned */
     kvt_sup_thread_t *beat;
     kvt_services_t svc;
     kvt_workers_t *workers;
@@ -523,15 +523,15 @@ static void s_monitor(kvt_server_t *self)
     }
 }
 
-kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_sup_t *sup,
+kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
+                             kvt_reqstats_t *stats, kvt_sup_t *sup,
                              kvt_l1_t *l1, kvt_l2mgr_t *l2, kvt_prefetch_t *prefetch, char *err,
                              size_t errlen)
 {
     kvt_server_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->cfg = cfg;
-    self->stats = kvt_reqstats_new();
-    kvt_metrics_add_source(metrics, kvt_reqstats_source, self->stats);
+    self->stats = stats;
     self->svc.cfg = cfg;
     self->svc.metrics = metrics;
     self->svc.l1 = l1;
@@ -609,7 +609,6 @@ void kvt_server_destroy(kvt_server_t **self_p)
     }
     kvt_workers_destroy(&self->lookups);
     kvt_gpu_destroy(&self->svc.gpu); /* after the workers, before L1 goes */
-    kvt_reqstats_destroy(&self->stats);
     if (self->spare) {
         free(self->spare->data); /* its messages are closed already */
         msgpack_sbuffer_destroy(&self->spare->sbuf);

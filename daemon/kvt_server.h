@@ -13,6 +13,7 @@
 #include "kvt_l1.h"
 #include "kvt_l2mgr.h"
 #include "kvt_metrics.h"
+#include "kvt_reqstats.h"
 #include "kvt_supervisor.h"
 
 #include <jansson.h>
@@ -21,11 +22,12 @@
 
 typedef struct kvt_server kvt_server_t;
 
-/* Creates the socket and binds every endpoint. NULL with a sentence in err on failure (an
+/* Creates the socket and binds every endpoint; finished requests are counted in `stats`
+ * (owned by the caller, which outlives the server). NULL with a sentence in err on failure (an
  * endpoint in use, another daemon on the ipc path, a bad endpoint). */
-kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics, kvt_sup_t *sup,
-                             kvt_l1_t *l1, kvt_l2mgr_t *l2, kvt_prefetch_t *prefetch, char *err,
-                             size_t errlen);
+kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
+                             kvt_reqstats_t *stats, kvt_sup_t *sup, kvt_l1_t *l1, kvt_l2mgr_t *l2,
+                             kvt_prefetch_t *prefetch, char *err, size_t errlen);
 
 /* Closes the socket (pending replies get the linger time) and frees everything. */
 void kvt_server_destroy(kvt_server_t **self_p);

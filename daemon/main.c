@@ -19,6 +19,7 @@
 #include "kvt_notify.h"
 #include "kvt_prefetch.h"
 #include "kvt_reload.h"
+#include "kvt_reqstats.h"
 #include "kvt_server.h"
 #include "kvt_supervisor.h"
 
@@ -247,6 +248,7 @@ int main(int argc, char **argv)
 
     int status = 1;
     kvt_metrics_t *metrics = NULL;
+    kvt_reqstats_t *reqstats = NULL;
     kvt_sup_t *sup = NULL;
     kvt_server_t *server = NULL;
     kvt_l1_t *l1 = NULL;
@@ -268,6 +270,10 @@ int main(int argc, char **argv)
                          &fds, err, sizeof err) != 0)
         goto done;
     metrics = kvt_metrics_new();
+    /* the order of the families on /metrics, /status and STATS is this order */
+    reqstats = kvt_reqstats_new();
+    kvt_metrics_add_source(metrics, kvt_reqstats_source, reqstats);
+    kvt_metrics_add_source(metrics, kvt_metrics_uptime_source, metrics);
     kvt_metrics_add_source(metrics, kvt_accept_metrics_source, NULL);
     kvt_sup_fault_t fault = {.thread = cfg->debug_fault_thread,
                              .mode = cfg->debug_fault_mode,
@@ -298,7 +304,7 @@ int main(int argc, char **argv)
         kvt_l2mgr_set_events(l2, s_on_l2_event, events);
     s_parts_t parts = {cfg, NULL, l1, l2, events, sup};
     kvt_l1_set_listener(l1, s_on_l1_event, &parts);
-    server = kvt_server_new(cfg, metrics, sup, l1, l2, prefetch, err, sizeof err);
+    server = kvt_server_new(cfg, metrics, reqstats, sup, l1, l2, prefetch, err, sizeof err);
     if (!server)
         goto done;
     if (kvt_l1_start(l1, sup) != 0) {
@@ -349,6 +355,7 @@ done:
     kvt_l1_destroy(&l1);
     kvt_sup_destroy(&sup);
     kvt_metrics_destroy(&metrics);
+    kvt_reqstats_destroy(&reqstats); /* after the server and HTTP, its writer and a reader */
     kvt_reload_destroy(&reload);
     kvt_instance_release(&instance); /* the arena and the socket files are gone */
     kvt_config_destroy(&cfg);

@@ -607,7 +607,7 @@ void kvt_l2mgr_prefetch(kvt_l2mgr_t *self, uint64_t job, const kvt_ns_t *ns,
     s_job_t *j = s_job_new(S_LOAD, ns, keys, sizes, n);
     j->prefetch_job = job;
     j->deadline_ms = kvt_now_ms() + self->cfg->lease_ms;
-    if (kvt_queue_push(self->loads, j, 1) != 0) { /* stopping (or past the job cap) */
+    if (kvt_queue_push(self->loads, j, 1) != 0) { /* stopping */
         kvt_prefetch_update(self->prefetch, job, 0, true, kvt_now_ms());
         free(j);
     }
@@ -742,8 +742,9 @@ kvt_l2mgr_t *kvt_l2mgr_new(const kvt_config_t *cfg, kvt_l1_t *l1, kvt_prefetch_t
     self->cfg = cfg;
     self->l1 = l1;
     self->prefetch = prefetch;
-    self->loads = kvt_queue_new(cfg->max_prefetch_jobs ? cfg->max_prefetch_jobs : 1, 0, err,
-                                errlen);
+    /* one load per running prefetch job, and kvt_prefetch caps those (max_prefetch_jobs; it never
+     * drops a running one): the queue itself refuses nothing but loads after the stop */
+    self->loads = kvt_queue_new(KVT_QUEUE_BOUNDED_BY_CALLER, 0, err, errlen);
     for (int i = 0; i < cfg->n_l2 && i < S_MAX_ADAPTERS; i++) {
         if (strcmp(cfg->l2[i], "none") == 0)
             continue;

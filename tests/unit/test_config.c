@@ -305,6 +305,9 @@ static void test_set_errors(void **state)
     s_set_fails("max_message", "8G", "max_message: 8G is out of range [4K, 4G]");
     s_set_fails("max_message", "4095", "max_message: 4095 is out of range [4K, 4G]");
     s_set_fails("chunk_tokens", "0", "chunk_tokens: 0 is out of range [1, 1048576]");
+    /* an integer past 64 bits is out of range, not taken as 0 (an option whose minimum is 0) */
+    s_set_fails("debug.fault_after_ms", "99999999999999999999",
+                "debug.fault_after_ms: 99999999999999999999 is out of range [0, 4294967295]");
     s_set_fails("chunk_tokens", "1048577", "chunk_tokens: 1048577 is out of range [1, 1048576]");
     s_set_fails("chunk_tokens", "abc", "chunk_tokens: 'abc' is not an integer");
     s_set_fails("chunk_tokens", "-1", "chunk_tokens: '-1' is not an integer");

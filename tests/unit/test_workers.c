@@ -150,9 +150,11 @@ static void test_full_queue_is_busy_not_blocking(void **state)
         jobs[i].id = i;
         assert_int_equal(kvt_workers_submit(w, s_run, &jobs[i]), 0);
     }
-    assert_int_equal(kvt_workers_submit(w, s_run, &jobs[4]), KVT_EBUSY);
-    assert_int_equal(kvt_workers_pending(w), 5);
-    s_gate(true);
+    int full = kvt_workers_submit(w, s_run, &jobs[4]);
+    size_t pending = kvt_workers_pending(w);
+    s_gate(true); /* before any check can fail: the held worker must not outlive the test */
+    assert_int_equal(full, KVT_EBUSY);
+    assert_int_equal(pending, 5);
     job_t *back[5];
     assert_int_equal(s_collect(w, back, 5), 5);
     assert_int_equal(atomic_load(&jobs[4].runs), 0); /* refused means never run */
