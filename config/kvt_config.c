@@ -194,6 +194,15 @@ static const s_opt_t s_options[] = {
           "DIR", "CURVE: directory of the client public certificates allowed to connect"),
     S_BOOLEAN("curve.require", "--curve-require", "KVTIER_CURVE_REQUIRE", curve_require, "false", 0,
               "refuse every tcp:// listen endpoint without CURVE, loopback ones too"),
+    S_STR("lmcache.listen", "--lmcache-listen", "KVTIER_LMCACHE_LISTEN", lmcache_listen, "", 0,
+          s_check_optional_endpoint, "ENDPOINT",
+          "LMCache-compatible endpoint (vLLM's LMCacheMPConnector); \"\" for none"),
+    S_NUM("lmcache.reap_timeout_s", "--lmcache-reap-timeout-s", "KVTIER_LMCACHE_REAP_TIMEOUT_S",
+          S_UINT32, lmcache_reap_timeout_s, 0, 86400, "120", 0, "S",
+          "an LMCache worker silent this long loses its registration (0: never)"),
+    S_NUM("lmcache.max_requests", "--lmcache-max-requests", "KVTIER_LMCACHE_MAX_REQUESTS",
+          S_UINT32, lmcache_max_requests, 16, 1048576, "16384", 0, "N",
+          "LMCache requests whose lookup state is kept at once (the oldest goes first)"),
     S_STR("debug.fault_thread", "--debug-fault-thread", "KVTIER_DEBUG_FAULT_THREAD",
           debug_fault_thread, "", S_HIDDEN, NULL, "NAME", "test: thread to fault, \"\" for none"),
     S_STR("debug.fault_mode", "--debug-fault-mode", "KVTIER_DEBUG_FAULT_MODE", debug_fault_mode,
@@ -1145,6 +1154,18 @@ static int s_check_curve_required(const kvt_config_t *self, const char *v, char 
                   s_show(v, shown, sizeof shown));
 }
 
+/* The LMCache client has no CURVE: under curve.require its door must be ipc://. */
+static int s_check_lmcache_curve(const kvt_config_t *self, char *err, size_t errlen)
+{
+    char shown[S_SHOW_LEN + 1];
+    if (!self->curve_require || strncmp(self->lmcache_listen, "tcp://", 6) != 0)
+        return 0;
+    return s_fail(err, errlen,
+                  "lmcache.listen: %s is plain tcp and curve.require is set (the LMCache client "
+                  "has no CURVE): use an ipc:// endpoint",
+                  s_show(self->lmcache_listen, shown, sizeof shown));
+}
+
 int kvt_config_shm_gid(const kvt_config_t *self, gid_t *gid)
 {
     if (!self->shm_group || !self->shm_group[0])
@@ -1195,6 +1216,9 @@ int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen)
             (rc = s_check_curve_required(self, self->listen[i], err, errlen)) != 0)
             return rc;
     if ((rc = s_check_bind(self, "events", self->events, err, errlen)) != 0)
+        return rc;
+    if ((rc = s_check_bind(self, "lmcache.listen", self->lmcache_listen, err, errlen)) != 0 ||
+        (rc = s_check_lmcache_curve(self, err, errlen)) != 0)
         return rc;
     if ((rc = s_check_bind(self, "http", self->http, err, errlen)) != 0)
         return rc;

@@ -58,6 +58,12 @@ typedef struct kvt_config {
     char *curve_server_cert;
     char *curve_clients;
     bool curve_require; /* every tcp:// listen endpoint must have CURVE, loopback ones too */
+    /* the LMCache-compatible door (daemon/kvt_lmcache): its ROUTER endpoint ("" = off), how
+     * long a registered worker may stay silent before it is dropped (0: never), and how many
+     * requests' lookup state it keeps at once */
+    char *lmcache_listen;
+    uint32_t lmcache_reap_timeout_s;
+    uint32_t lmcache_max_requests;
     /* hidden test knobs (never in --print-config unless set): make a supervised thread stall
      * or exit, to test the supervisor and /readyz */
     char *debug_fault_thread; /* thread name, "" for none */

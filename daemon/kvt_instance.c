@@ -125,6 +125,8 @@ kvt_instance_t *kvt_instance_claim(const kvt_config_t *cfg, int *rc, char *err, 
         *rc = kvt_instance_check_ipc(cfg->listen[i], err, errlen);
     if (*rc == 0)
         *rc = kvt_instance_check_ipc(cfg->events, err, errlen);
+    if (*rc == 0)
+        *rc = kvt_instance_check_ipc(cfg->lmcache_listen, err, errlen);
     if (*rc != 0) {
         close(fd); /* releases the lock when we held it */
         return NULL;
@@ -142,4 +144,19 @@ void kvt_instance_release(kvt_instance_t **self_p)
     close((*self_p)->fd);
     free(*self_p);
     *self_p = NULL;
+}
+
+int kvt_instance_share_ipc(const kvt_config_t *cfg, const char *option, const char *path,
+                           char *err, size_t errlen)
+{
+    gid_t gid;
+    int rc = kvt_config_shm_gid(cfg, &gid);
+    if (rc > 0)
+        return 0;
+    if (rc < 0 || chown(path, (uid_t)-1, gid) != 0 || chmod(path, 0660) != 0) {
+        snprintf(err, errlen, "%s: cannot give %s to group %s: %s", option, path,
+                 cfg->shm_group, rc < 0 ? "no such group" : strerror(errno));
+        return KVT_EINVAL;
+    }
+    return 0;
 }

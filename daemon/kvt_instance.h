@@ -32,4 +32,9 @@ void kvt_instance_release(kvt_instance_t **self_p);
  * else 0 after removing a stale socket file left by a crash. 0 for other transports. */
 int kvt_instance_check_ipc(const char *endpoint, char *err, size_t errlen);
 
+/* A bound ipc socket file (created under umask 077): with shm_group its members may connect,
+ * like they may map the arena (0660, that group). 0, or KVT_EINVAL naming `option`. */
+int kvt_instance_share_ipc(const kvt_config_t *cfg, const char *option, const char *path,
+                           char *err, size_t errlen);
+
 #endif

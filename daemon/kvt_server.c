@@ -436,22 +436,6 @@ static uint64_t s_on_gone(void *ctx, uint64_t owner, bool expired)
     return kvt_l1_release_owner(self->svc.l1, owner, expired);
 }
 
-/* The socket file is created under umask 077; with shm_group its members may connect, like
- * they may map the arena. */
-static int s_share_ipc(const kvt_config_t *cfg, const char *path, char *err, size_t errlen)
-{
-    gid_t gid;
-    int rc = kvt_config_shm_gid(cfg, &gid);
-    if (rc > 0)
-        return 0;
-    if (rc < 0 || chown(path, (uid_t)-1, gid) != 0 || chmod(path, 0660) != 0) {
-        snprintf(err, errlen, "listen: cannot give %s to group %s: %s", path, cfg->shm_group,
-                 rc < 0 ? "no such group" : strerror(errno));
-        return KVT_EINVAL;
-    }
-    return 0;
-}
-
 /* The socket monitor reports the descriptor of every listener (its connections are counted and
  * capped by kvt_accept), of every accepted connection and of every closed one. The monitor
  * socket's receive queue has no limit (libzmq's monitor would otherwise drop events and the
@@ -586,7 +570,7 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
         }
         self->nbound = i + 1;
         s_monitor(self); /* the listener's descriptor, to count its connections from now on */
-        if (strncmp(ep, "ipc://", 6) == 0 && s_share_ipc(cfg, ep + 6, err, errlen) != 0)
+        if (strncmp(ep, "ipc://", 6) == 0 && kvt_instance_share_ipc(cfg, "listen", ep + 6, err, errlen) != 0)
             goto fail;
         kvt_log(KVT_LOG_INFO, "listening on %s%s", ep,
                 self->curve && strncmp(ep, "tcp://", 6) == 0 ? " (CURVE)" : "");

@@ -14,6 +14,7 @@
 #include "kvt_instance.h"
 #include "kvt_l1.h"
 #include "kvt_l2mgr.h"
+#include "kvt_lmcache.h"
 #include "kvt_log.h"
 #include "kvt_metrics.h"
 #include "kvt_notify.h"
@@ -98,6 +99,7 @@ static void s_warn_plain_tcp(const kvt_config_t *cfg)
 typedef struct {
     const kvt_config_t *cfg;
     kvt_server_t *server;
+    kvt_lmcache_t *lmcache; /* NULL without lmcache.listen */
     kvt_l1_t *l1;
     kvt_l2mgr_t *l2;
     kvt_events_t *events;
@@ -132,6 +134,8 @@ static json_t *s_status_hook(void *ctx)
     s_parts_t *p = ctx;
     json_t *st = kvt_server_status_json(p->server);
     json_object_set_new(st, "l1", kvt_l1_status_json(p->l1));
+    if (p->lmcache)
+        json_object_set_new(st, "lmcache", kvt_lmcache_status_json(p->lmcache));
     json_object_set_new(st, "l2", kvt_l2mgr_status_json(p->l2));
     /* the effective config, with adapter secrets masked (--print-config keeps them) */
     char *text = kvt_config_to_json(p->cfg);
@@ -251,6 +255,7 @@ int main(int argc, char **argv)
     kvt_reqstats_t *reqstats = NULL;
     kvt_sup_t *sup = NULL;
     kvt_server_t *server = NULL;
+    kvt_lmcache_t *lmcache = NULL;
     kvt_l1_t *l1 = NULL;
     kvt_prefetch_t *prefetch = NULL;
     kvt_l2mgr_t *l2 = NULL;
@@ -302,11 +307,18 @@ int main(int argc, char **argv)
     kvt_metrics_add_source(metrics, kvt_l2mgr_metrics_source, l2);
     if (events)
         kvt_l2mgr_set_events(l2, s_on_l2_event, events);
-    s_parts_t parts = {cfg, NULL, l1, l2, events, sup};
+    s_parts_t parts = {cfg, NULL, NULL, l1, l2, events, sup};
     kvt_l1_set_listener(l1, s_on_l1_event, &parts);
     server = kvt_server_new(cfg, metrics, reqstats, sup, l1, l2, prefetch, err, sizeof err);
     if (!server)
         goto done;
+    if (cfg->lmcache_listen[0]) {
+        lmcache = kvt_lmcache_new(cfg, sup, l1, l2, prefetch, err, sizeof err);
+        if (!lmcache)
+            goto done;
+        kvt_metrics_add_source(metrics, kvt_lmcache_metrics_source, lmcache);
+        parts.lmcache = lmcache;
+    }
     if (kvt_l1_start(l1, sup) != 0) {
         snprintf(err, sizeof err, "cannot start the eviction thread");
         goto done;
@@ -341,6 +353,7 @@ done:
     }
     kvt_http_destroy(&http);
     kvt_server_destroy(&server);
+    kvt_lmcache_destroy(&lmcache); /* its leases and prefetch jobs, before L1 and L2 go */
     if (l1)
         kvt_l1_stop(l1); /* no evictions (and their events) from here on */
     /* before L1: queued write-behind reaches L2, running loads end */

@@ -443,6 +443,8 @@ static void s_wake_evictor(kvt_l1_t *self)
 }
 
 static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped);
+static int s_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, bool prefix,
+                   bool keep_pinned, uint64_t *removed);
 
 /* Allocates, evicting on demand while something evictable is left. Eviction skips objects of
  * shards busy at that instant, so a round that freed nothing but skipped some is retried. */
@@ -912,6 +914,20 @@ int kvt_l1_remove(kvt_l1_t *self, const kvt_ns_t *ref, const kvt_key_t *keys,
 
 int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *removed)
 {
+    return s_clear(self, ns, ns_len, false, false, removed);
+}
+
+int kvt_l1_clear_prefix(kvt_l1_t *self, const uint8_t *prefix, uint32_t prefix_len,
+                        bool keep_pinned, uint64_t *removed)
+{
+    return s_clear(self, prefix, prefix_len, true, keep_pinned, removed);
+}
+
+/* CLEAR's walk: READY objects of every namespace, of the one named `ns`, or (`prefix`) of
+ * those whose name starts with it; `keep_pinned` leaves objects someone reads alone. */
+static int s_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, bool prefix,
+                   bool keep_pinned, uint64_t *removed)
+{
     *removed = 0;
     s_batches_t bs = {0};
     for (uint32_t s = 0; s < S_SHARDS; s++) {
@@ -921,9 +937,12 @@ int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *r
         for (uint32_t b = 0; b < sh->nbuckets; b++) {
             for (s_obj_t *o = sh->buckets[b], *next; o; o = next) {
                 next = o->hnext;
-                if (o->state != S_READY)
+                if (o->state != S_READY || (keep_pinned && o->pins))
                     continue;
-                if (ns && (o->ns->key.name_len != ns_len || memcmp(o->ns->key.name, ns, ns_len)))
+                uint32_t len = o->ns->key.name_len;
+                if (ns && (prefix ? len < ns_len : len != ns_len))
+                    continue;
+                if (ns && memcmp(o->ns->key.name, ns, ns_len))
                     continue;
                 (*removed)++;
                 s_batches_add(self, &bs, o->ns, &o->key);

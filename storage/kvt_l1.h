@@ -143,6 +143,11 @@ int kvt_l1_remove(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uin
 /* CLEAR: removes every READY object, or those of namespace `ns` (any salt) when ns != NULL. */
 int kvt_l1_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, uint64_t *removed);
 
+/* CLEAR of the READY objects whose namespace name starts with `prefix` (a front door's own
+ * namespaces); with `keep_pinned`, objects under read pins stay. */
+int kvt_l1_clear_prefix(kvt_l1_t *self, const uint8_t *prefix, uint32_t prefix_len,
+                        bool keep_pinned, uint64_t *removed);
+
 /* Releases every lease of `owner` (BYE, or silence past lease_ms when `expired`). Returns how
  * many leases were released. */
 uint64_t kvt_l1_release_owner(kvt_l1_t *self, uint64_t owner, bool expired);

@@ -1,0 +1,1435 @@
+/* DESIGN: one thread serves the door's ROUTER socket and answers each message before reading
+ * the next; the only reply it defers is wait_prefetch_status, whose waiters are checked every
+ * few milliseconds while there are any. Tables (contexts by instance_id, requests by
+ * request_id with an age list, waiters) are the thread's, under one mutex so that /status can
+ * read them. L1 calls are made under that mutex: L1 never calls back into the door.
+ *
+ * Failures are answered in-band where the reply type can say so (a miss, false, an empty slot
+ * list, the registration's `error`), because the newest merged LMCache client does not know
+ * the LMCACHE_RPC_ERROR_V1 form and would wait out its mq_timeout (300 s) on anything else;
+ * the error form is kept for what has no in-band answer (malformed frames, refused ops). */
+#include "kvt_lmcache.h"
+
+#include "kvt_accept.h"
+#include "kvt_error.h"
+#include "kvt_hash.h"
+#include "kvt_instance.h"
+#include "kvt_lmc.h"
+#include "kvt_log.h"
+#include "kvt_thread.h"
+#include "kvt_u64map.h"
+
+#include <czmq.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+               "token ids are hashed as the little-endian uint32 array they are decoded into");
+
+#define S_MAX_FRAMES 16      /* identity, uid, op and at most 13 arguments */
+#define S_MAX_XFERS 4096     /* prepared, uncommitted transfers of one worker */
+#define S_MAX_WAITS 1024     /* wait_prefetch_status replies held back */
+#define S_MAX_PENDING 256    /* lookups waiting for L2 loads at once */
+#define S_MAX_WAIT_S 60.0    /* longest wait_prefetch_status */
+#define S_L2_LOOKUP_MS 500   /* one lookup's L2 part */
+#define S_SWEEP_MS 100
+#define S_WAIT_POLL_MS 5
+#define S_SNDHWM 10000       /* replies a client may leave unread before they are dropped */
+#define S_STATUS_MAX 100
+
+typedef enum { S_E_BAD, S_E_UNKTYPE, S_E_TOOBIG, S_E_INTERNAL, S_E_COUNT } s_etype_t;
+static const char *const s_etype_names[S_E_COUNT] = {"bad_request", "unknown_type", "too_large",
+                                                     "internal"};
+
+/* A prepared transfer of one worker: the lease its prepare_* took, found again by the
+ * identity of (kind, namespace, range, last chunk key) when the commit names the same key. */
+typedef struct s_xfer {
+    XXH128_hash_t id;
+    bool store;
+    uint64_t lease;
+    uint64_t t_ms;
+    struct s_xfer *next;
+} s_xfer_t;
+
+/* A registered worker (register_kv_cache_engine_driven_context). */
+typedef struct {
+    uint64_t instance_id;
+    uint64_t owner; /* its L1 lease owner */
+    char model[KVT_LMC_MAX_MODEL + 1];
+    uint32_t world_size, num_layers, block_size;
+    uint64_t hidden;
+    char dtype[KVT_MAX_DTYPE + 1];
+    bool use_mla;
+    uint64_t shape[KVT_LMC_MAX_SHAPE];
+    uint32_t ndim;
+    uint64_t obj_size;
+    uint64_t registered_ms, last_seen_ms;
+    s_xfer_t *xfers;
+    uint32_t nxfers;
+} s_ctx_t;
+
+/* One request's lookup: its hit count and the read locks on the hit chunks of every worker. */
+typedef struct s_req {
+    char *id;
+    char model[KVT_LMC_MAX_MODEL + 1];
+    char salt[KVT_MAX_SALT + 1];
+    uint32_t salt_len;
+    uint32_t world;
+    uint32_t readers; /* retrieves per worker after which its locks go (num_kv_readers) */
+    uint32_t hits;    /* chunks every worker has (valid when !pending) */
+    uint32_t target;  /* pending: chunks the L2 loads should complete */
+    bool pending, consumed;
+    kvt_key_t *keys;  /* pending: the chunk keys, for the lock pass once loaded */
+    uint64_t *jobs;   /* pending: prefetch job per worker, 0 for none */
+    uint64_t *leases; /* daemon read lease per worker, 0 when none or released */
+    uint32_t *reads;
+    uint64_t deadline_ms;
+    struct s_req *older, *newer;
+} s_req_t;
+
+/* A wait_prefetch_status reply held back until its lookup is done or it times out. */
+typedef struct s_wait {
+    zmq_msg_t head[3]; /* identity, uid, op */
+    char *request_id;
+    uint64_t deadline_ms;
+    struct s_wait *next;
+} s_wait_t;
+
+/* What a handler answers. */
+typedef enum { S_R_NONE, S_R_VALUE, S_R_ERROR, S_R_LATER } s_rkind_t;
+
+typedef struct {
+    s_rkind_t kind;
+    msgpack_sbuffer sbuf;
+    msgpack_packer pk;
+    s_etype_t etype;
+    char msg[KVT_LMC_MAX_REQUEST + 128]; /* S_R_ERROR: the message; S_R_LATER: request_id */
+    double wait_s; /* S_R_LATER: how long to hold the reply back */
+} s_reply_t;
+
+struct kvt_lmcache {
+    const kvt_config_t *cfg;
+    kvt_l1_t *l1;
+    kvt_l2mgr_t *l2; /* NULL or without adapters: no L2 part */
+    kvt_prefetch_t *prefetch;
+    zsock_t *router, *monitor;
+    void *sock;
+    bool bound;
+    kvt_thread_t *thread;
+    atomic_bool stop;
+    char shm_name[256];
+    uint64_t pool_size;
+    uint32_t chunk;
+    kvt_lmc_limits_t lim;
+
+    pthread_mutex_t lock;
+    kvt_u64map_t *ctxs;
+    zhashx_t *reqs;                /* request_id -> s_req_t (the age list owns them) */
+    s_req_t *oldest, *newest;
+    uint32_t npending;
+    s_wait_t *waits;
+    uint32_t nwaits;
+    uint64_t next_owner;
+    uint64_t next_sweep_ms;
+    uint64_t lookup_locks;         /* daemon read leases held by lookups */
+
+    atomic_uint_fast64_t requests[KVT_LMC_NOPS]; /* by wire id; [0]: unknown or bad op */
+    atomic_uint_fast64_t errors[S_E_COUNT];
+    atomic_uint_fast64_t lookup_chunks, hit_chunks, dropped;
+    bool refused_logged[KVT_LMC_NOPS];
+};
+
+static kvt_errrep_t s_rep_unknown = KVT_ERRREP_INIT(10000);
+static kvt_errrep_t s_rep_worker = KVT_ERRREP_INIT(10000);
+static kvt_errrep_t s_rep_bad = KVT_ERRREP_INIT(10000);
+
+/* ---- replies ------------------------------------------------------------------------------ */
+
+static void s_reply_init(s_reply_t *r)
+{
+    memset(r, 0, sizeof *r);
+    msgpack_sbuffer_init(&r->sbuf);
+    msgpack_packer_init(&r->pk, &r->sbuf, msgpack_sbuffer_write);
+}
+
+static msgpack_packer *s_value(s_reply_t *r)
+{
+    r->kind = S_R_VALUE;
+    return &r->pk;
+}
+
+__attribute__((format(printf, 3, 4))) static void s_error(s_reply_t *r, s_etype_t type,
+                                                          const char *fmt, ...)
+{
+    r->kind = S_R_ERROR;
+    r->etype = type;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->msg, sizeof r->msg, fmt, ap);
+    va_end(ap);
+}
+
+/* Sends identity, uid and op as received, then the value (or the error form). A client that
+ * is gone or leaves S_SNDHWM replies unread loses this one (counted). */
+static void s_send(kvt_lmcache_t *self, zmq_msg_t *head, s_reply_t *r)
+{
+    msgpack_sbuffer ebuf;
+    msgpack_sbuffer_init(&ebuf);
+    const void *parts[5];
+    size_t sizes[5];
+    int n = 0;
+    for (int i = 0; i < 3; i++) {
+        parts[n] = zmq_msg_data(&head[i]);
+        sizes[n++] = zmq_msg_size(&head[i]);
+    }
+    if (r->kind == S_R_VALUE) {
+        parts[n] = r->sbuf.data;
+        sizes[n++] = r->sbuf.size;
+    } else if (r->kind == S_R_ERROR) {
+        msgpack_packer pk;
+        msgpack_packer_init(&pk, &ebuf, msgpack_sbuffer_write);
+        kvt_lmc_pack_error(&pk, s_etype_names[r->etype], r->msg);
+        parts[n] = KVT_LMC_ERROR_MARKER;
+        sizes[n++] = strlen(KVT_LMC_ERROR_MARKER);
+        parts[n] = ebuf.data;
+        sizes[n++] = ebuf.size;
+    }
+    for (int i = 0; i < n; i++) {
+        int flags = ZMQ_DONTWAIT | (i + 1 < n ? ZMQ_SNDMORE : 0);
+        if (zmq_send(self->sock, parts[i], sizes[i], flags) < 0) {
+            /* only the first part can fail: a ROUTER queues a message whole or not at all */
+            atomic_fetch_add(&self->dropped, 1);
+            kvt_log(KVT_LOG_DEBUG, "lmcache: reply dropped: %s", zmq_strerror(errno));
+            break;
+        }
+    }
+    msgpack_sbuffer_destroy(&ebuf);
+}
+
+/* ---- keys and namespaces ------------------------------------------------------------------- */
+
+/* "lmcache/<model>/<world>/<worker>" with the salt: what the door stores a worker's chunk
+ * under (docs/integrations.md gives the v1 equivalent). */
+static kvt_ns_t s_ns(const char *model, uint32_t world, uint32_t worker, const char *salt,
+                     uint32_t salt_len, char *buf, size_t cap)
+{
+    int len = snprintf(buf, cap, KVT_LMCACHE_NS_PREFIX "%s/%" PRIu32 "/%" PRIu32, model, world,
+                       worker);
+    return (kvt_ns_t){(const uint8_t *)buf, (uint32_t)len, (const uint8_t *)salt, salt_len};
+}
+
+/* The chunk keys 0..n of a key's token_ids (n full chunks must be there). */
+static kvt_key_t *s_hash(const kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t n)
+{
+    kvt_key_t *keys = malloc((n ? n : 1) * sizeof *keys);
+    kvt_assert(keys);
+    kvt_hash_tokens((const uint8_t *)key->tokens, (size_t)key->ntokens * 4u, self->chunk,
+                    key->salt, key->salt_len, (uint8_t(*)[KVT_HASH_KEY_LEN])keys, n);
+    return keys;
+}
+
+/* A transfer's [start, end) as chunk indices: both aligned, inside token_ids, at most max_keys
+ * chunks. False with the reason in r->msg. */
+static bool s_range(const kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t *c0,
+                    uint32_t *c1, char *why, size_t whylen)
+{
+    uint64_t c = self->chunk;
+    if (key->start % c || key->end % c) {
+        snprintf(why, whylen, "[%" PRIu64 ", %" PRIu64 ") is not aligned to the chunk size %u",
+                 key->start, key->end, self->chunk);
+        return false;
+    }
+    if (key->end > key->ntokens) {
+        snprintf(why, whylen, "end %" PRIu64 " is past the %u token_ids", key->end,
+                 key->ntokens);
+        return false;
+    }
+    if (key->end / c > self->cfg->max_keys) {
+        snprintf(why, whylen, "%" PRIu64 " chunks exceed max_keys (%u)", key->end / c,
+                 self->cfg->max_keys);
+        return false;
+    }
+    *c0 = (uint32_t)(key->start / c);
+    *c1 = (uint32_t)(key->end / c);
+    return true;
+}
+
+static XXH128_hash_t s_xfer_id(bool store, const kvt_ns_t *ns, uint32_t c0, uint32_t c1,
+                               const kvt_key_t *last)
+{
+    uint8_t buf[1 + KVT_MAX_NS + 4 + KVT_MAX_SALT + 8 + KVT_KEY_LEN];
+    size_t n = 0;
+    buf[n++] = store;
+    memcpy(buf + n, ns->name, ns->name_len);
+    n += ns->name_len;
+    memcpy(buf + n, &ns->salt_len, 4);
+    n += 4;
+    if (ns->salt_len)
+        memcpy(buf + n, ns->salt, ns->salt_len);
+    n += ns->salt_len;
+    memcpy(buf + n, &c0, 4);
+    memcpy(buf + n + 4, &c1, 4);
+    n += 8;
+    memcpy(buf + n, last->b, KVT_KEY_LEN);
+    return XXH3_128bits(buf, n + KVT_KEY_LEN);
+}
+
+/* Takes the prepared transfer with this identity out of the worker's list; NULL if none. */
+static s_xfer_t *s_xfer_take(s_ctx_t *ctx, XXH128_hash_t id, bool store)
+{
+    for (s_xfer_t **pp = &ctx->xfers; *pp; pp = &(*pp)->next) {
+        s_xfer_t *x = *pp;
+        if (x->store == store && XXH128_isEqual(x->id, id)) {
+            *pp = x->next;
+            ctx->nxfers--;
+            return x;
+        }
+    }
+    return NULL;
+}
+
+static void s_xfers_free(s_ctx_t *ctx)
+{
+    for (s_xfer_t *x = ctx->xfers, *next; x; x = next) {
+        next = x->next;
+        free(x);
+    }
+    ctx->xfers = NULL;
+    ctx->nxfers = 0;
+}
+
+/* ---- workers ------------------------------------------------------------------------------ */
+
+static s_ctx_t *s_ctx(kvt_lmcache_t *self, uint64_t instance_id, const char *op)
+{
+    s_ctx_t *ctx = kvt_u64map_get(self->ctxs, instance_id);
+    if (ctx)
+        ctx->last_seen_ms = kvt_now_ms();
+    else
+        kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                          "lmcache: %s from instance %" PRId64 ", which is not registered (never, "
+                          "unregistered, or silent past lmcache.reap_timeout_s): answered as a "
+                          "miss; the worker must register again",
+                          op, (int64_t)instance_id);
+    return ctx;
+}
+
+static void s_ctx_drop(kvt_lmcache_t *self, s_ctx_t *ctx, bool expired)
+{
+    kvt_u64map_remove(self->ctxs, ctx->instance_id);
+    kvt_l1_release_owner(self->l1, ctx->owner, expired);
+    s_xfers_free(ctx);
+    free(ctx);
+}
+
+static void s_slot(const s_ctx_t *ctx, const kvt_slot_t *s, kvt_lmc_slot_t *out)
+{
+    out->offset = s->offset;
+    out->length = s->length;
+    memcpy(out->shape, ctx->shape, sizeof out->shape);
+    out->ndim = ctx->ndim;
+    out->dtype = ctx->dtype;
+}
+
+/* ---- lookups ------------------------------------------------------------------------------ */
+
+static void s_req_release_locks(kvt_lmcache_t *self, s_req_t *q)
+{
+    for (uint32_t w = 0; w < q->world; w++)
+        if (q->leases[w]) {
+            kvt_l1_release(self->l1, KVT_OWNER_DAEMON, q->leases[w]);
+            q->leases[w] = 0;
+            self->lookup_locks--;
+        }
+}
+
+static void s_req_drop(kvt_lmcache_t *self, s_req_t *q)
+{
+    s_req_release_locks(self, q);
+    zhashx_delete(self->reqs, q->id);
+    if (q->older)
+        q->older->newer = q->newer;
+    else
+        self->oldest = q->newer;
+    if (q->newer)
+        q->newer->older = q->older;
+    else
+        self->newest = q->older;
+    if (q->pending)
+        self->npending--;
+    free(q->id);
+    free(q->keys);
+    free(q->jobs);
+    free(q->leases);
+    free(q->reads);
+    free(q);
+}
+
+/* Locks the first `n` chunks of every worker (what is still there of them): hits = the
+ * shortest prefix locked. */
+static void s_req_lock(kvt_lmcache_t *self, s_req_t *q, const kvt_key_t *keys, uint32_t n)
+{
+    char nsbuf[KVT_MAX_NS + 1];
+    uint32_t hits = n;
+    for (uint32_t w = 0; w < q->world && n; w++) {
+        kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
+        uint32_t got = 0;
+        uint64_t lease = 0;
+        kvt_l1_lookup(self->l1, KVT_OWNER_DAEMON, &ns, keys, n, true, &got, &lease);
+        q->leases[w] = lease;
+        if (lease)
+            self->lookup_locks++;
+        if (got < hits)
+            hits = got;
+    }
+    q->hits = n ? hits : 0;
+    atomic_fetch_add(&self->hit_chunks, q->hits);
+}
+
+/* A pending lookup whose loads have all finished takes its locks. */
+static void s_req_progress(kvt_lmcache_t *self, s_req_t *q)
+{
+    if (!q->pending)
+        return;
+    for (uint32_t w = 0; w < q->world; w++) {
+        bool done = true;
+        uint32_t loaded = 0, hits = 0;
+        if (q->jobs[w] && kvt_prefetch_status(self->prefetch, q->jobs[w], &done, &loaded,
+                                              &hits) == 0 &&
+            !done)
+            return;
+    }
+    q->pending = false;
+    self->npending--;
+    s_req_lock(self, q, q->keys, q->target);
+    free(q->keys);
+    q->keys = NULL;
+}
+
+static s_req_t *s_req_new(kvt_lmcache_t *self, const kvt_lmc_key_t *key)
+{
+    s_req_t *old = zhashx_lookup(self->reqs, key->request_id);
+    if (old)
+        s_req_drop(self, old);
+    if (zhashx_size(self->reqs) >= self->cfg->lmcache_max_requests && self->oldest)
+        s_req_drop(self, self->oldest);
+    s_req_t *q = calloc(1, sizeof *q);
+    kvt_assert(q);
+    q->id = strdup(key->request_id);
+    kvt_assert(q->id);
+    memcpy(q->model, key->model, sizeof q->model);
+    memcpy(q->salt, key->salt, sizeof q->salt);
+    q->salt_len = key->salt_len;
+    q->world = key->world_size;
+    q->readers = key->num_kv_readers ? key->num_kv_readers : 1;
+    q->jobs = calloc(q->world, sizeof *q->jobs);
+    q->leases = calloc(q->world, sizeof *q->leases);
+    q->reads = calloc(q->world, sizeof *q->reads);
+    kvt_assert(q->jobs && q->leases && q->reads);
+    q->deadline_ms = kvt_now_ms() + self->cfg->lease_ms;
+    zhashx_insert(self->reqs, q->id, q);
+    q->older = self->newest;
+    if (self->newest)
+        self->newest->newer = q;
+    else
+        self->oldest = q;
+    self->newest = q;
+    return q;
+}
+
+/* Keys past the L1 prefix that some L2 adapter has: queue their loads (one prefetch job per
+ * worker) and leave the lookup pending until they finish. */
+static void s_lookup_l2(kvt_lmcache_t *self, s_req_t *q, kvt_key_t *keys, uint32_t n,
+                        const uint32_t *l1)
+{
+    uint32_t min_l1 = n;
+    for (uint32_t w = 0; w < q->world; w++)
+        if (l1[w] < min_l1)
+            min_l1 = l1[w];
+    uint64_t deadline = kvt_now_ms() + S_L2_LOOKUP_MS;
+    uint64_t **sizes = calloc(q->world, sizeof *sizes);
+    kvt_assert(sizes);
+    char nsbuf[KVT_MAX_NS + 1];
+    uint32_t target = n;
+    for (uint32_t w = 0; w < q->world && target > min_l1; w++) {
+        if (l1[w] >= target)
+            continue;
+        sizes[w] = malloc((n - l1[w]) * sizeof **sizes);
+        kvt_assert(sizes[w]);
+        kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
+        uint32_t m = kvt_l2mgr_lookup(self->l2, &ns, keys + l1[w], target - l1[w], deadline,
+                                      sizes[w]);
+        if (l1[w] + m < target)
+            target = l1[w] + m;
+    }
+    if (target > min_l1) {
+        uint64_t now = kvt_now_ms();
+        for (uint32_t w = 0; w < q->world; w++) {
+            if (l1[w] >= target)
+                continue;
+            q->jobs[w] = kvt_prefetch_start(self->prefetch, l1[w], false, now);
+            if (!q->jobs[w])
+                break; /* the job table is full: loads started so far just warm L1 */
+            kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
+            kvt_l2mgr_prefetch(self->l2, q->jobs[w], &ns, keys + l1[w], sizes[w],
+                               target - l1[w]);
+        }
+        q->pending = true;
+        q->target = target;
+        q->keys = keys;
+        self->npending++;
+    }
+    for (uint32_t w = 0; w < q->world; w++)
+        free(sizes[w]);
+    free(sizes);
+}
+
+static void s_op_lookup(kvt_lmcache_t *self, const kvt_lmc_key_t *key, s_reply_t *r)
+{
+    uint64_t end = key->end < key->ntokens ? key->end : key->ntokens;
+    uint64_t nchunks = end / self->chunk;
+    if (nchunks > self->cfg->max_keys) {
+        s_error(r, S_E_TOOBIG, "lookup: %" PRIu64 " chunks exceed max_keys (%u)", nchunks,
+                self->cfg->max_keys);
+        return;
+    }
+    uint32_t n = (uint32_t)nchunks;
+    s_req_t *q = s_req_new(self, key);
+    kvt_key_t *keys = s_hash(self, key, n);
+    uint32_t *l1 = calloc(q->world, sizeof *l1);
+    kvt_assert(l1);
+    char nsbuf[KVT_MAX_NS + 1];
+    uint32_t min_l1 = n;
+    for (uint32_t w = 0; w < q->world && n; w++) {
+        kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
+        uint64_t none = 0;
+        kvt_l1_lookup(self->l1, KVT_OWNER_DAEMON, &ns, keys, n, false, &l1[w], &none);
+        if (l1[w] < min_l1)
+            min_l1 = l1[w];
+    }
+    atomic_fetch_add(&self->lookup_chunks, n);
+    if (min_l1 < n && self->l2 && kvt_l2mgr_count(self->l2) && self->npending < S_MAX_PENDING)
+        s_lookup_l2(self, q, keys, n, l1);
+    if (!q->pending) {
+        s_req_lock(self, q, keys, min_l1);
+        free(keys);
+    }
+    free(l1);
+    r->kind = S_R_NONE;
+}
+
+/* query_prefetch_status / query_prefetch_lookup_hits: None while loads run, then the hit
+ * count; `consume` answers it once (later: 0), like an unknown request. */
+static void s_op_status(kvt_lmcache_t *self, const char *request_id, bool consume, s_reply_t *r)
+{
+    s_req_t *q = zhashx_lookup(self->reqs, request_id);
+    if (q)
+        s_req_progress(self, q);
+    if (q && q->pending) {
+        r->kind = S_R_NONE;
+        return;
+    }
+    uint32_t hits = q && !q->consumed ? q->hits : 0;
+    if (q && consume)
+        q->consumed = true;
+    msgpack_pack_uint32(s_value(r), hits);
+}
+
+static void s_op_free_locks(kvt_lmcache_t *self, const kvt_lmc_key_t *key)
+{
+    /* vLLM frees [0, n) when it loads none of the hits, or what it computed itself; a later
+     * range (start > 0) is kept until read, the session ends or the deadline: holding a lock
+     * a little long is harmless, dropping one the worker still reads is a miss */
+    s_req_t *q = zhashx_lookup(self->reqs, key->request_id);
+    if (q && key->start < self->chunk)
+        s_req_release_locks(self, q);
+}
+
+/* A worker read chunks of a request it looked up: once each worker was read by all its
+ * readers up to the hits, its locks go. */
+static void s_lookup_read(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t c1)
+{
+    s_req_t *q = zhashx_lookup(self->reqs, key->request_id);
+    uint32_t w = key->worker_id;
+    if (!q || !key->has_worker || q->pending || w >= q->world || c1 < q->hits || !q->leases[w])
+        return;
+    if (++q->reads[w] >= q->readers) {
+        kvt_l1_release(self->l1, KVT_OWNER_DAEMON, q->leases[w]);
+        q->leases[w] = 0;
+        self->lookup_locks--;
+    }
+}
+
+/* ---- transfers ---------------------------------------------------------------------------- */
+
+static bool s_worker_key(const kvt_lmc_key_t *key, const char *op, s_reply_t *r)
+{
+    if (!key->has_worker) {
+        s_error(r, S_E_BAD, "%s: key.worker_id is nil (it names the worker's piece)", op);
+        return false;
+    }
+    return true;
+}
+
+static void s_op_prepare_store(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint64_t instance,
+                               s_reply_t *r)
+{
+    if (!s_worker_key(key, "prepare_store", r))
+        return;
+    s_ctx_t *ctx = s_ctx(self, instance, "prepare_store");
+    uint32_t c0 = 0, c1 = 0;
+    char why[160];
+    if (ctx && !s_range(self, key, &c0, &c1, why, sizeof why)) {
+        s_error(r, S_E_BAD, "prepare_store: %s", why);
+        return;
+    }
+    if (ctx && ctx->nxfers >= S_MAX_XFERS) {
+        kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                          "lmcache: instance %" PRId64 " has %u transfers prepared and not "
+                          "committed: prepare_store answered with no slots",
+                          (int64_t)instance, ctx->nxfers);
+        ctx = NULL;
+    }
+    uint32_t n = c1 - c0, m = 0;
+    kvt_key_t *keys = ctx && n ? s_hash(self, key, c1) : NULL;
+    kvt_key_t *sel = keys ? malloc(n * sizeof *sel) : NULL;
+    uint32_t *idx = keys ? malloc(n * sizeof *idx) : NULL;
+    for (uint32_t i = 0; keys && i < n; i++) {
+        /* the mask is per chunk of [start, end), or of the whole sequence when that long */
+        uint32_t mi = key->null_mask_len == n ? i : c0 + i;
+        if (key->null_mask && mi < key->null_mask_len && key->null_mask[mi])
+            continue;
+        sel[m] = keys[c0 + i];
+        idx[m++] = i;
+    }
+    kvt_slot_t *slots = m ? malloc(m * sizeof *slots) : NULL;
+    kvt_lmc_slot_t *out = m ? malloc(m * sizeof *out) : NULL;
+    uint32_t *chunk = m ? malloc(m * sizeof *chunk) : NULL;
+    uint32_t nslots = 0, nout = 0;
+    uint64_t lease = 0;
+    char nsbuf[KVT_MAX_NS + 1];
+    kvt_ns_t ns = {0};
+    if (m) {
+        ns = s_ns(key->model, key->world_size, key->worker_id, key->salt, key->salt_len, nsbuf,
+                  sizeof nsbuf);
+        char err[200];
+        int rc = kvt_l1_reserve(self->l1, ctx->owner, &ns, sel, m, NULL, ctx->obj_size, slots,
+                                &nslots, &lease, err, sizeof err);
+        if (rc != 0) {
+            kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                              "lmcache: prepare_store of %u chunks: %s (answered with no slots)",
+                              m, err);
+            nslots = 0;
+        }
+    }
+    for (uint32_t i = 0; i < nslots; i++) {
+        if (!slots[i].length)
+            continue; /* stored already */
+        s_slot(ctx, &slots[i], &out[nout]);
+        chunk[nout++] = idx[i];
+    }
+    if (lease) {
+        s_xfer_t *x = calloc(1, sizeof *x);
+        kvt_assert(x);
+        x->id = s_xfer_id(true, &ns, c0, c1, &keys[c1 - 1]);
+        x->store = true;
+        x->lease = lease;
+        x->t_ms = kvt_now_ms();
+        x->next = ctx->xfers;
+        ctx->xfers = x;
+        ctx->nxfers++;
+    }
+    kvt_lmc_pack_prepare_store(s_value(r), out, chunk, nout);
+    free(keys);
+    free(sel);
+    free(idx);
+    free(slots);
+    free(out);
+    free(chunk);
+}
+
+/* The prepared transfer a commit names (NULL when there is none), taken out of its list. */
+static s_xfer_t *s_commit_find(kvt_lmcache_t *self, s_ctx_t *ctx, const kvt_lmc_key_t *key,
+                               bool store, uint32_t *c1_out)
+{
+    uint32_t c0, c1;
+    char why[160];
+    if (!ctx || !key->has_worker || !s_range(self, key, &c0, &c1, why, sizeof why) || c1 == c0)
+        return NULL;
+    kvt_key_t *keys = s_hash(self, key, c1);
+    char nsbuf[KVT_MAX_NS + 1];
+    kvt_ns_t ns = s_ns(key->model, key->world_size, key->worker_id, key->salt, key->salt_len,
+                       nsbuf, sizeof nsbuf);
+    s_xfer_t *x = s_xfer_take(ctx, s_xfer_id(store, &ns, c0, c1, &keys[c1 - 1]), store);
+    free(keys);
+    *c1_out = c1;
+    return x;
+}
+
+static void s_op_commit_store(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint64_t instance,
+                              uint64_t data_len, s_reply_t *r)
+{
+    s_ctx_t *ctx = s_ctx(self, instance, "commit_store");
+    bool ok = false;
+    uint32_t c1 = 0;
+    if (data_len) {
+        kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                          "lmcache: commit_store with %" PRIu64 " bytes of data (the pickle "
+                          "transfer mode, which kvtier does not take): answered false",
+                          data_len);
+    }
+    s_xfer_t *x = s_commit_find(self, ctx, key, true, &c1);
+    if (x && !data_len) {
+        uint32_t stored = 0;
+        char err[200];
+        ok = kvt_l1_commit(self->l1, ctx->owner, x->lease, NULL, 0, &stored, err, sizeof err) ==
+             0;
+        if (!ok)
+            kvt_log(KVT_LOG_INFO, "lmcache: commit_store of instance %" PRId64 ": %s",
+                    (int64_t)instance, err);
+    } else if (x) {
+        kvt_l1_release(self->l1, ctx->owner, x->lease);
+    }
+    free(x);
+    ok ? msgpack_pack_true(s_value(r)) : msgpack_pack_false(s_value(r));
+}
+
+static void s_op_prepare_retrieve(kvt_lmcache_t *self, const kvt_lmc_key_t *key,
+                                  uint64_t instance, s_reply_t *r)
+{
+    if (!s_worker_key(key, "prepare_retrieve", r))
+        return;
+    s_ctx_t *ctx = s_ctx(self, instance, "prepare_retrieve");
+    uint32_t c0 = 0, c1 = 0;
+    char why[160];
+    if (ctx && !s_range(self, key, &c0, &c1, why, sizeof why)) {
+        s_error(r, S_E_BAD, "prepare_retrieve: %s", why);
+        return;
+    }
+    uint32_t n = c1 - c0, nslots = 0;
+    if (!ctx || !n || ctx->nxfers >= S_MAX_XFERS) {
+        kvt_lmc_pack_prepare_retrieve(s_value(r), false, NULL, 0);
+        return;
+    }
+    kvt_key_t *keys = s_hash(self, key, c1);
+    kvt_slot_t *slots = malloc(n * sizeof *slots);
+    kvt_lmc_slot_t *out = malloc(n * sizeof *out);
+    kvt_assert(slots && out);
+    char nsbuf[KVT_MAX_NS + 1];
+    kvt_ns_t ns = s_ns(key->model, key->world_size, key->worker_id, key->salt, key->salt_len,
+                       nsbuf, sizeof nsbuf);
+    uint64_t lease = 0;
+    kvt_l1_acquire(self->l1, ctx->owner, &ns, keys + c0, n, slots, &nslots, &lease);
+    bool ok = nslots == n;
+    for (uint32_t i = 0; ok && i < n; i++) {
+        if (slots[i].length != ctx->obj_size) {
+            kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                              "lmcache: prepare_retrieve: a chunk of %s holds %" PRIu64
+                              " bytes, instance %" PRId64 "'s layout %" PRIu64 ": a miss",
+                              nsbuf, slots[i].length, (int64_t)instance, ctx->obj_size);
+            ok = false;
+        }
+        s_slot(ctx, &slots[i], &out[i]);
+    }
+    if (ok && kvt_l1_verify(self->l1, ctx->owner, lease, n) < n)
+        ok = false; /* l1_checksum found a damaged chunk (logged and removed by L1) */
+    if (ok) {
+        s_xfer_t *x = calloc(1, sizeof *x);
+        kvt_assert(x);
+        x->id = s_xfer_id(false, &ns, c0, c1, &keys[c1 - 1]);
+        x->lease = lease;
+        x->t_ms = kvt_now_ms();
+        x->next = ctx->xfers;
+        ctx->xfers = x;
+        ctx->nxfers++;
+    } else if (lease) {
+        kvt_l1_release(self->l1, ctx->owner, lease);
+    }
+    kvt_lmc_pack_prepare_retrieve(s_value(r), ok, out, ok ? n : 0);
+    free(keys);
+    free(slots);
+    free(out);
+}
+
+static void s_op_commit_retrieve(kvt_lmcache_t *self, const kvt_lmc_key_t *key,
+                                 uint64_t instance, s_reply_t *r)
+{
+    s_ctx_t *ctx = s_ctx(self, instance, "commit_retrieve");
+    uint32_t c1 = 0;
+    s_xfer_t *x = s_commit_find(self, ctx, key, false, &c1);
+    if (x) {
+        kvt_l1_release(self->l1, ctx->owner, x->lease);
+        s_lookup_read(self, key, c1);
+        free(x);
+    }
+    /* true also after a failed prepare: the client sends this whatever happened */
+    ctx ? msgpack_pack_true(s_value(r)) : msgpack_pack_false(s_value(r));
+}
+
+/* ---- registration ------------------------------------------------------------------------- */
+
+/* Checks a registration against what the door can serve; NULL, or why not. */
+static const char *s_ctx_check(const kvt_lmcache_t *self, const kvt_lmc_ctx_t *p, char *why,
+                               size_t whylen, uint64_t *obj_size)
+{
+    uint32_t item = kvt_lmc_dtype_size(p->dtype);
+    if (!item)
+        snprintf(why, whylen, "dtype_str '%s' is not a dtype kvtier knows", p->dtype);
+    else if (!p->model[0])
+        snprintf(why, whylen, "model_name is empty");
+    else if (p->world_size < 1 || p->world_size > KVT_LMC_MAX_WORLD)
+        snprintf(why, whylen, "world_size %u is outside 1..%u", p->world_size,
+                 KVT_LMC_MAX_WORLD);
+    else if (p->ngroups > 1)
+        snprintf(why, whylen, "%u engine groups (a hybrid KV cache) are not supported; start "
+                              "vLLM with --disable-hybrid-kv-cache-manager", p->ngroups);
+    else if (p->num_physical_slots && p->num_physical_slots != self->chunk)
+        snprintf(why, whylen, "the worker gathers %" PRIu64 " tokens per chunk, kvtierd's "
+                              "chunk_tokens is %u: start kvtierd with --chunk-tokens %" PRIu64,
+                 p->num_physical_slots, self->chunk, p->num_physical_slots);
+    else if (!p->block_size || self->chunk % p->block_size)
+        snprintf(why, whylen, "chunk_tokens %u is not a multiple of block_size %u", self->chunk,
+                 p->block_size);
+    else if (!p->num_layers || !p->hidden_dim_size)
+        snprintf(why, whylen, "num_layers and hidden_dim_size must be positive");
+    else {
+        /* every factor is below 2^32 and the product is checked step by step */
+        uint64_t size = (p->use_mla ? 1u : 2u) * (uint64_t)p->num_layers;
+        uint64_t f[3] = {self->chunk, p->hidden_dim_size, item};
+        bool over = false;
+        for (int i = 0; i < 3 && !over; i++) {
+            over = f[i] && size > UINT64_MAX / f[i];
+            size *= f[i];
+        }
+        if (over || size > self->pool_size / 2) {
+            snprintf(why, whylen, "a chunk of this layout (%" PRIu64 " bytes) does not fit the "
+                                  "L1 arena (%" PRIu64 " bytes) twice",
+                     over ? UINT64_MAX : size, self->pool_size);
+        } else {
+            *obj_size = size;
+            return NULL;
+        }
+    }
+    return why;
+}
+
+static void s_op_register(kvt_lmcache_t *self, const kvt_lmc_ctx_t *p, s_reply_t *r)
+{
+    char why[256];
+    uint64_t size = 0;
+    const char *error = s_ctx_check(self, p, why, sizeof why, &size);
+    s_ctx_t *ctx = kvt_u64map_get(self->ctxs, p->instance_id);
+    if (!error && !ctx && kvt_u64map_size(self->ctxs) >= self->cfg->max_instances) {
+        snprintf(why, sizeof why, "%zu workers are registered (max_instances)",
+                 kvt_u64map_size(self->ctxs));
+        error = why;
+    }
+    if (error) {
+        kvt_log(KVT_LOG_WARN, "lmcache: registration of instance %" PRId64 " refused: %s",
+                (int64_t)p->instance_id, error);
+        kvt_lmc_pack_register(s_value(r), self->shm_name, self->pool_size, error);
+        return;
+    }
+    bool created = !ctx;
+    if (created) {
+        ctx = calloc(1, sizeof *ctx);
+        kvt_assert(ctx);
+        ctx->instance_id = p->instance_id;
+        ctx->owner = self->next_owner++;
+        ctx->registered_ms = kvt_now_ms();
+        kvt_u64map_set(self->ctxs, p->instance_id, ctx);
+    }
+    memcpy(ctx->model, p->model, sizeof ctx->model);
+    memcpy(ctx->dtype, p->dtype, sizeof ctx->dtype);
+    ctx->world_size = p->world_size;
+    ctx->num_layers = p->num_layers;
+    ctx->block_size = p->block_size;
+    ctx->hidden = p->hidden_dim_size;
+    ctx->use_mla = p->use_mla;
+    ctx->obj_size = size;
+    ctx->ndim = 0;
+    if (!p->use_mla)
+        ctx->shape[ctx->ndim++] = 2;
+    ctx->shape[ctx->ndim++] = p->num_layers;
+    ctx->shape[ctx->ndim++] = self->chunk;
+    ctx->shape[ctx->ndim++] = p->hidden_dim_size;
+    ctx->last_seen_ms = kvt_now_ms();
+    kvt_log(KVT_LOG_INFO,
+            "lmcache: instance %" PRId64 " %s: %s, world_size %u, %u layers x %" PRIu64
+            " x %s%s (%" PRIu64 " bytes per chunk)",
+            (int64_t)p->instance_id, created ? "registered" : "registered again", p->model,
+            p->world_size, p->num_layers, p->hidden_dim_size, p->dtype,
+            p->use_mla ? ", MLA" : "", size);
+    kvt_lmc_pack_register(s_value(r), self->shm_name, self->pool_size, NULL);
+}
+
+/* ---- dispatch ----------------------------------------------------------------------------- */
+
+#define S_ARG(i) zmq_msg_data(&f[3 + (i)]), zmq_msg_size(&f[3 + (i)])
+
+static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int nargs,
+                       s_reply_t *r)
+{
+    char why[200] = "";
+    kvt_lmc_key_t key = {0};
+    kvt_lmc_ctx_t ctx;
+    uint64_t u = 0, u2 = 0;
+    bool nil = false, b = false;
+    double d = 0;
+    char rid[KVT_LMC_MAX_REQUEST + 1];
+    int rc = 0;
+    switch (op) {
+    case KVT_LMC_LOOKUP:
+    case KVT_LMC_FREE_LOOKUP_LOCKS:
+        if ((rc = kvt_lmc_decode_key(S_ARG(0), &self->lim, &key, why, sizeof why)) == 0 &&
+            (rc = kvt_lmc_decode_uint(S_ARG(1), UINT32_MAX, &u, why, sizeof why)) == 0) {
+            if (op == KVT_LMC_LOOKUP)
+                s_op_lookup(self, &key, r);
+            else
+                s_op_free_locks(self, &key);
+        }
+        break;
+    case KVT_LMC_QUERY_PREFETCH_STATUS:
+    case KVT_LMC_QUERY_PREFETCH_LOOKUP_HITS:
+        if ((rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, sizeof why)) == 0)
+            s_op_status(self, rid, op == KVT_LMC_QUERY_PREFETCH_STATUS, r);
+        break;
+    case KVT_LMC_WAIT_PREFETCH_STATUS:
+        if ((rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, sizeof why)) == 0 &&
+            (rc = kvt_lmc_decode_double(S_ARG(1), &d, why, sizeof why)) == 0) {
+            s_req_t *q = zhashx_lookup(self->reqs, rid);
+            if (q)
+                s_req_progress(self, q);
+            if (q && q->pending && d > 0 && self->nwaits < S_MAX_WAITS) {
+                r->kind = S_R_LATER;
+                snprintf(r->msg, sizeof r->msg, "%s", rid);
+                r->wait_s = d < S_MAX_WAIT_S ? d : S_MAX_WAIT_S;
+            } else {
+                s_op_status(self, rid, true, r);
+            }
+        }
+        break;
+    case KVT_LMC_END_SESSION:
+        if ((rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, sizeof why)) == 0) {
+            s_req_t *q = zhashx_lookup(self->reqs, rid);
+            if (q)
+                s_req_drop(self, q); /* its waiters, if any, are answered 0 on the next tick */
+        }
+        break;
+    case KVT_LMC_REGISTER_CONTEXT:
+        if ((rc = kvt_lmc_decode_ctx(S_ARG(0), &self->lim, &ctx, why, sizeof why)) == 0)
+            s_op_register(self, &ctx, r);
+        break;
+    case KVT_LMC_UNREGISTER_CONTEXT:
+        if ((rc = kvt_lmc_decode_int(S_ARG(0), false, &u, &nil, why, sizeof why)) == 0) {
+            s_ctx_t *c = kvt_u64map_get(self->ctxs, u);
+            if (c) {
+                kvt_log(KVT_LOG_INFO, "lmcache: instance %" PRId64 " unregistered", (int64_t)u);
+                s_ctx_drop(self, c, false);
+            } else {
+                kvt_log(KVT_LOG_INFO, "lmcache: unregister of instance %" PRId64
+                                      ", which is not registered", (int64_t)u);
+            }
+        }
+        break;
+    case KVT_LMC_PREPARE_STORE:
+    case KVT_LMC_PREPARE_RETRIEVE:
+    case KVT_LMC_COMMIT_RETRIEVE:
+    case KVT_LMC_COMMIT_STORE:
+        if ((rc = kvt_lmc_decode_key(S_ARG(0), &self->lim, &key, why, sizeof why)) != 0 ||
+            (rc = kvt_lmc_decode_int(S_ARG(1), false, &u, &nil, why, sizeof why)) != 0)
+            break;
+        if (op == KVT_LMC_COMMIT_STORE &&
+            (rc = kvt_lmc_decode_bin_len(S_ARG(2), &u2, why, sizeof why)) != 0)
+            break;
+        if (op == KVT_LMC_PREPARE_STORE)
+            s_op_prepare_store(self, &key, u, r);
+        else if (op == KVT_LMC_PREPARE_RETRIEVE)
+            s_op_prepare_retrieve(self, &key, u, r);
+        else if (op == KVT_LMC_COMMIT_STORE)
+            s_op_commit_store(self, &key, u, u2, r);
+        else
+            s_op_commit_retrieve(self, &key, u, r);
+        break;
+    case KVT_LMC_CLEAR:
+        if (nargs == 0 || (rc = kvt_lmc_decode_bool(S_ARG(0), &b, why, sizeof why)) == 0) {
+            uint64_t removed = 0;
+            kvt_l1_clear_prefix(self->l1, (const uint8_t *)KVT_LMCACHE_NS_PREFIX,
+                                strlen(KVT_LMCACHE_NS_PREFIX), !b, &removed);
+            kvt_log(KVT_LOG_INFO, "lmcache: clear(force=%s) removed %" PRIu64 " objects",
+                    b ? "true" : "false", removed);
+        }
+        break;
+    case KVT_LMC_GET_CHUNK_SIZE:
+        msgpack_pack_uint32(s_value(r), self->chunk);
+        break;
+    case KVT_LMC_PING:
+        if (nargs == 1 && (rc = kvt_lmc_decode_int(S_ARG(0), true, &u, &nil, why, sizeof why)) == 0 &&
+            !nil) {
+            s_ctx_t *c = kvt_u64map_get(self->ctxs, u);
+            if (c)
+                c->last_seen_ms = kvt_now_ms();
+        }
+        if (rc == 0)
+            msgpack_pack_true(s_value(r)); /* always: the adapter takes false as "reaped" */
+        break;
+    case KVT_LMC_REPORT_BLOCK_ALLOCATION:
+        if ((rc = kvt_lmc_decode_int(S_ARG(0), false, &u, &nil, why, sizeof why)) == 0 &&
+            (rc = kvt_lmc_decode_str(S_ARG(1), rid, sizeof rid, why, sizeof why)) == 0 &&
+            (rc = kvt_lmc_check_records(S_ARG(2), &self->lim, why, sizeof why)) == 0) {
+            s_ctx_t *c = kvt_u64map_get(self->ctxs, u);
+            if (c)
+                c->last_seen_ms = kvt_now_ms();
+        }
+        break;
+    case KVT_LMC_NOOP:
+        msgpack_pack_str_with_body(s_value(r), "OK", 2);
+        break;
+    case KVT_LMC_GET_EXPERIMENTAL:
+        msgpack_pack_array(s_value(r), 0);
+        break;
+    default:
+        s_error(r, S_E_INTERNAL, "no handler"); /* the served table and this switch agree */
+        break;
+    }
+    kvt_lmc_key_free(&key);
+    if (rc != 0)
+        s_error(r, rc == KVT_ETOOBIG ? S_E_TOOBIG : S_E_BAD, "%s: %s",
+                kvt_lmc_opinfo(op)->name, why);
+}
+
+/* Holds a wait_prefetch_status reply back (the frames move into the waiter). */
+static void s_wait_add(kvt_lmcache_t *self, zmq_msg_t *f, const char *rid, double seconds)
+{
+    s_wait_t *w = calloc(1, sizeof *w);
+    kvt_assert(w);
+    for (int i = 0; i < 3; i++) {
+        zmq_msg_init(&w->head[i]);
+        zmq_msg_move(&w->head[i], &f[i]);
+    }
+    w->request_id = strdup(rid);
+    kvt_assert(w->request_id);
+    w->deadline_ms = kvt_now_ms() + (uint64_t)(seconds * 1000.0);
+    w->next = self->waits;
+    self->waits = w;
+    self->nwaits++;
+}
+
+/* Answers the waiters whose lookup finished (or vanished) or whose time is up. */
+static void s_waits_run(kvt_lmcache_t *self, bool all)
+{
+    uint64_t now = kvt_now_ms();
+    for (s_wait_t **pp = &self->waits; *pp;) {
+        s_wait_t *w = *pp;
+        s_req_t *q = zhashx_lookup(self->reqs, w->request_id);
+        if (q)
+            s_req_progress(self, q);
+        bool ready = !q || !q->pending;
+        if (!ready && !all && now < w->deadline_ms) {
+            pp = &w->next;
+            continue;
+        }
+        s_reply_t r;
+        s_reply_init(&r);
+        if (ready)
+            s_op_status(self, w->request_id, true, &r);
+        else
+            r.kind = S_R_NONE; /* timed out: None, as the reference answers */
+        s_send(self, w->head, &r);
+        msgpack_sbuffer_destroy(&r.sbuf);
+        *pp = w->next;
+        for (int i = 0; i < 3; i++)
+            zmq_msg_close(&w->head[i]);
+        free(w->request_id);
+        free(w);
+        self->nwaits--;
+    }
+}
+
+/* One message: frames f[0..n) (identity, uid, op, arguments). */
+static void s_message(kvt_lmcache_t *self, zmq_msg_t *f, int n, bool too_many)
+{
+    if (n < 3) {
+        kvt_errrep_report(&s_rep_bad, KVT_LOG_WARN,
+                          "lmcache: a message of %d frames (uid and op are needed) dropped", n - 1);
+        atomic_fetch_add(&self->requests[0], 1);
+        atomic_fetch_add(&self->errors[S_E_BAD], 1);
+        return;
+    }
+    if (zmq_msg_size(&f[2]) == 0)
+        return; /* a stream-control frame (ack, cancel): never answered */
+    char name[64];
+    kvt_lmc_op_t op = kvt_lmc_op_decode(zmq_msg_data(&f[2]), zmq_msg_size(&f[2]), name,
+                                        sizeof name);
+    const kvt_lmc_opinfo_t *info = kvt_lmc_opinfo(op);
+    atomic_fetch_add(&self->requests[info ? (int)op : 0], 1);
+    s_reply_t r;
+    s_reply_init(&r);
+    int nargs = n - 3;
+    if (!info) {
+        kvt_errrep_report(&s_rep_unknown, KVT_LOG_WARN,
+                          "lmcache: unknown operation %s refused", name);
+        s_error(&r, S_E_UNKTYPE, "unknown operation %s", name);
+    } else if (!info->served) {
+        if (!self->refused_logged[op]) {
+            self->refused_logged[op] = true;
+            kvt_log(KVT_LOG_WARN,
+                    "lmcache: operation %s refused: kvtier serves the engine-driven shared-memory "
+                    "path only (lmcache.mp.mp_transfer_mode = engine_driven)",
+                    info->name);
+        }
+        s_error(&r, S_E_UNKTYPE,
+                "operation %s is not served by kvtier (engine-driven shared-memory mode only)",
+                info->name);
+    } else if (too_many || nargs < info->min_args || nargs > info->max_args) {
+        s_error(&r, S_E_BAD, "%s: %s%d argument frames, expected %d to %d", info->name,
+                too_many ? "more than " : "", nargs, info->min_args, info->max_args);
+    } else {
+        pthread_mutex_lock(&self->lock);
+        s_dispatch(self, op, f, nargs, &r);
+        if (r.kind == S_R_LATER)
+            s_wait_add(self, f, r.msg, r.wait_s);
+        pthread_mutex_unlock(&self->lock);
+    }
+    if (r.kind == S_R_ERROR) {
+        atomic_fetch_add(&self->errors[r.etype], 1);
+        if (r.etype != S_E_UNKTYPE)
+            kvt_errrep_report(&s_rep_bad, KVT_LOG_WARN, "lmcache: %s", r.msg);
+    }
+    if (r.kind != S_R_LATER)
+        s_send(self, f, &r);
+    msgpack_sbuffer_destroy(&r.sbuf);
+}
+
+/* Reads and answers one message; false when none is waiting. */
+static bool s_recv_one(kvt_lmcache_t *self)
+{
+    zmq_msg_t f[S_MAX_FRAMES];
+    int n = 0;
+    bool too_many = false;
+    for (;;) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, self->sock, n == 0 ? ZMQ_DONTWAIT : 0) < 0) {
+            int e = errno;
+            zmq_msg_close(&m);
+            if (n == 0 && e == EAGAIN)
+                return false;
+            if (e == EINTR && n > 0)
+                continue; /* the rest of a message is there already */
+            break;
+        }
+        int more = zmq_msg_more(&m);
+        if (n < S_MAX_FRAMES)
+            f[n++] = m; /* the struct moves; m is not used again */
+        else {
+            too_many = true;
+            zmq_msg_close(&m);
+        }
+        if (!more)
+            break;
+    }
+    if (n == 0)
+        return false;
+    s_message(self, f, n, too_many);
+    for (int i = 0; i < n; i++)
+        zmq_msg_close(&f[i]);
+    return true;
+}
+
+/* ---- periodic ----------------------------------------------------------------------------- */
+
+static void s_sweep(kvt_lmcache_t *self, uint64_t now)
+{
+    uint64_t lease = self->cfg->lease_ms, reap = (uint64_t)self->cfg->lmcache_reap_timeout_s * 1000;
+    size_t nctx = kvt_u64map_size(self->ctxs), ndrop = 0;
+    s_ctx_t **drop = nctx ? calloc(nctx, sizeof *drop) : NULL;
+    for (s_ctx_t *c = kvt_u64map_first(self->ctxs); c; c = kvt_u64map_next(self->ctxs)) {
+        uint64_t idle = now > c->last_seen_ms ? now - c->last_seen_ms : 0;
+        if (reap && idle > reap) {
+            drop[ndrop++] = c;
+        } else if (idle > lease && c->nxfers) {
+            kvt_log(KVT_LOG_INFO,
+                    "lmcache: instance %" PRId64 " silent for %" PRIu64 " ms: its %u prepared "
+                    "transfers are released",
+                    (int64_t)c->instance_id, idle, c->nxfers);
+            kvt_l1_release_owner(self->l1, c->owner, true);
+            s_xfers_free(c);
+        } else {
+            for (s_xfer_t **pp = &c->xfers; *pp;) {
+                s_xfer_t *x = *pp;
+                if (now - x->t_ms <= lease) {
+                    pp = &x->next;
+                    continue;
+                }
+                kvt_l1_release(self->l1, c->owner, x->lease); /* never committed: discarded */
+                *pp = x->next;
+                c->nxfers--;
+                free(x);
+            }
+        }
+    }
+    for (size_t i = 0; i < ndrop; i++) {
+        kvt_log(KVT_LOG_INFO, "lmcache: instance %" PRId64 " silent past lmcache.reap_timeout_s: "
+                              "its registration is dropped",
+                (int64_t)drop[i]->instance_id);
+        s_ctx_drop(self, drop[i], true);
+    }
+    free(drop);
+    while (self->oldest && self->oldest->deadline_ms <= now)
+        s_req_drop(self, self->oldest);
+}
+
+static void s_monitor(kvt_lmcache_t *self)
+{
+    for (;;) {
+        zmsg_t *ev = zmsg_recv_nowait(self->monitor);
+        if (!ev)
+            return;
+        zframe_t *fr = zmsg_first(ev);
+        if (fr && zframe_size(fr) == 6) {
+            uint16_t event;
+            int32_t fd;
+            memcpy(&event, zframe_data(fr), 2);
+            memcpy(&fd, zframe_data(fr) + 2, 4);
+            if (event == ZMQ_EVENT_LISTENING)
+                kvt_accept_watch(fd);
+            else if (event == ZMQ_EVENT_DISCONNECTED)
+                kvt_accept_closed(fd);
+        }
+        zmsg_destroy(&ev);
+    }
+}
+
+static bool s_run(kvt_thread_t *t, void *arg)
+{
+    kvt_lmcache_t *self = arg;
+    zmq_pollitem_t items[2] = {{self->sock, 0, ZMQ_POLLIN, 0},
+                               {zsock_resolve(self->monitor), 0, ZMQ_POLLIN, 0}};
+    while (!atomic_load(&self->stop)) {
+        if (!kvt_thread_beat(t))
+            return false;
+        long timeout = self->nwaits ? S_WAIT_POLL_MS : (long)kvt_thread_idle_ms(t);
+        if (zmq_poll(items, 2, timeout) < 0 && errno != EINTR) {
+            kvt_log(KVT_LOG_ERROR, "lmcache: poll failed: %s", zmq_strerror(errno));
+            return false;
+        }
+        s_monitor(self);
+        for (int i = 0; i < 256 && s_recv_one(self); i++)
+            ;
+        uint64_t now = kvt_now_ms();
+        pthread_mutex_lock(&self->lock);
+        if (self->nwaits)
+            s_waits_run(self, false);
+        if (now >= self->next_sweep_ms) {
+            self->next_sweep_ms = now + S_SWEEP_MS;
+            s_sweep(self, now);
+        }
+        pthread_mutex_unlock(&self->lock);
+    }
+    return true;
+}
+
+/* ---- life cycle --------------------------------------------------------------------------- */
+
+kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_l1_t *l1,
+                               kvt_l2mgr_t *l2, kvt_prefetch_t *prefetch, char *err,
+                               size_t errlen)
+{
+    const char *path = kvt_l1_shm_path(l1);
+    const char *dir = "/dev/shm/";
+    if (strncmp(path, dir, strlen(dir)) != 0 || strchr(path + strlen(dir), '/')) {
+        snprintf(err, errlen, "lmcache.listen: the L1 arena %s is not a POSIX shared-memory "
+                              "object, which the LMCache client opens by name",
+                 path);
+        return NULL;
+    }
+    kvt_lmcache_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->cfg = cfg;
+    self->l1 = l1;
+    self->l2 = l2;
+    self->prefetch = prefetch;
+    snprintf(self->shm_name, sizeof self->shm_name, "%s", path + strlen(dir));
+    self->pool_size = kvt_l1_capacity(l1);
+    self->chunk = cfg->chunk_tokens;
+    uint64_t tokens = (uint64_t)cfg->max_keys * cfg->chunk_tokens;
+    self->lim.max_tokens = tokens > UINT32_MAX ? UINT32_MAX : (uint32_t)tokens;
+    self->lim.max_items = self->lim.max_tokens + 2u * cfg->max_keys + 4096u;
+    pthread_mutex_init(&self->lock, NULL);
+    self->ctxs = kvt_u64map_new();
+    self->reqs = zhashx_new();
+    kvt_assert(self->ctxs && self->reqs);
+    self->next_owner = (UINT64_C(1) << 62) + 1; /* apart from v1's session owners */
+    const char *ep = cfg->lmcache_listen;
+    self->router = zsock_new(ZMQ_ROUTER);
+    if (!self->router) {
+        snprintf(err, errlen, "lmcache.listen: cannot create a socket: %s", zmq_strerror(errno));
+        goto fail;
+    }
+    self->sock = zsock_resolve(self->router);
+    zsock_set_router_mandatory(self->router, 1);
+    zsock_set_sndhwm(self->router, S_SNDHWM);
+    zsock_set_linger(self->router, 500);
+    zsock_set_maxmsgsize(
+        self->router,
+        (int)(cfg->max_message + 65536 > INT32_MAX ? INT32_MAX : cfg->max_message + 65536));
+    char mon[64];
+    snprintf(mon, sizeof mon, "inproc://kvt-lmcache-monitor-%p", (void *)self);
+    if (zmq_socket_monitor(self->sock, mon, ZMQ_EVENT_LISTENING | ZMQ_EVENT_DISCONNECTED) != 0 ||
+        !(self->monitor = zsock_new(ZMQ_PAIR))) {
+        snprintf(err, errlen, "lmcache.listen: cannot monitor the socket: %s",
+                 zmq_strerror(errno));
+        goto fail;
+    }
+    zsock_set_rcvhwm(self->monitor, 0);
+    if (zsock_connect(self->monitor, "%s", mon) != 0) {
+        snprintf(err, errlen, "lmcache.listen: cannot connect the socket's monitor");
+        goto fail;
+    }
+    if (strncmp(ep, "ipc://", 6) == 0 && kvt_instance_check_ipc(ep, err, errlen) != 0)
+        goto fail;
+    if (zsock_bind(self->router, "%s", ep) < 0) {
+        snprintf(err, errlen, "lmcache.listen: cannot bind %s: %s", ep, zmq_strerror(errno));
+        goto fail;
+    }
+    self->bound = true;
+    s_monitor(self); /* the listener's descriptor: its connections count against the cap */
+    if (strncmp(ep, "ipc://", 6) == 0 &&
+        kvt_instance_share_ipc(cfg, "lmcache.listen", ep + 6, err, errlen) != 0)
+        goto fail;
+    self->thread = kvt_thread_start(sup, "lmcache", 2000, s_run, self);
+    if (!self->thread) {
+        snprintf(err, errlen, "lmcache.listen: cannot start the door's thread");
+        goto fail;
+    }
+    kvt_log(KVT_LOG_INFO,
+            "lmcache: LMCache-compatible endpoint on %s (arena %s, %" PRIu64 " bytes, "
+            "chunk_tokens %u)%s",
+            ep, self->shm_name, self->pool_size, self->chunk,
+            strncmp(ep, "tcp://", 6) == 0 ? ": plain tcp, every local user can use it" : "");
+    return self;
+fail:
+    kvt_lmcache_destroy(&self);
+    return NULL;
+}
+
+void kvt_lmcache_destroy(kvt_lmcache_t **self_p)
+{
+    if (!self_p || !*self_p)
+        return;
+    kvt_lmcache_t *self = *self_p;
+    atomic_store(&self->stop, true);
+    kvt_thread_join(&self->thread);
+    pthread_mutex_lock(&self->lock);
+    s_waits_run(self, true);
+    while (self->oldest)
+        s_req_drop(self, self->oldest);
+    for (s_ctx_t *c; (c = kvt_u64map_first(self->ctxs));)
+        s_ctx_drop(self, c, false);
+    pthread_mutex_unlock(&self->lock);
+    zsock_destroy(&self->monitor);
+    if (self->sock)
+        zmq_socket_monitor(self->sock, NULL, 0);
+    zsock_destroy(&self->router);
+    if (self->bound && strncmp(self->cfg->lmcache_listen, "ipc://", 6) == 0)
+        unlink(self->cfg->lmcache_listen + 6);
+    kvt_u64map_destroy(&self->ctxs);
+    zhashx_destroy(&self->reqs);
+    pthread_mutex_destroy(&self->lock);
+    free(self);
+    *self_p = NULL;
+}
+
+/* ---- operations --------------------------------------------------------------------------- */
+
+json_t *kvt_lmcache_status_json(kvt_lmcache_t *self)
+{
+    uint64_t now = kvt_now_ms();
+    json_t *list = json_array();
+    pthread_mutex_lock(&self->lock);
+    size_t total = kvt_u64map_size(self->ctxs), shown = 0;
+    for (s_ctx_t *c = kvt_u64map_first(self->ctxs); c && shown < S_STATUS_MAX;
+         c = kvt_u64map_next(self->ctxs), shown++) {
+        json_t *shape = json_array();
+        for (uint32_t i = 0; i < c->ndim; i++)
+            json_array_append_new(shape, json_integer((json_int_t)c->shape[i]));
+        json_array_append_new(
+            list,
+            json_pack("{s:I,s:s,s:i,s:i,s:I,s:s,s:b,s:o,s:I,s:I,s:i,s:I}", "instance_id",
+                      (json_int_t)c->instance_id, "model_name", c->model, "world_size",
+                      (int)c->world_size, "num_layers", (int)c->num_layers, "hidden_dim_size",
+                      (json_int_t)c->hidden, "dtype", c->dtype, "use_mla", c->use_mla,
+                      "slot_shape", shape, "chunk_bytes", (json_int_t)c->obj_size, "idle_ms",
+                      (json_int_t)(now - c->last_seen_ms), "prepared_transfers",
+                      (int)c->nxfers, "leased_bytes",
+                      (json_int_t)kvt_l1_owner_bytes(self->l1, c->owner)));
+    }
+    json_t *st = json_pack("{s:s,s:s,s:I,s:i,s:o,s:I,s:I,s:I,s:I}", "endpoint",
+                           self->cfg->lmcache_listen, "shm_name", self->shm_name, "pool_size",
+                           (json_int_t)self->pool_size, "chunk_tokens", (int)self->chunk,
+                           "contexts", list, "contexts_total", (json_int_t)total,
+                           "requests_tracked", (json_int_t)zhashx_size(self->reqs),
+                           "lookups_loading", (json_int_t)self->npending, "lookup_locks",
+                           (json_int_t)self->lookup_locks);
+    pthread_mutex_unlock(&self->lock);
+    return st;
+}
+
+void kvt_lmcache_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+{
+    kvt_lmcache_t *self = ctx;
+    kvt_sample_t s = {.name = "lmcache_requests_total",
+                      .help = "Requests on the LMCache-compatible endpoint, by operation",
+                      .kind = KVT_METRIC_COUNTER,
+                      .label = "op"};
+    for (int op = 1; op < KVT_LMC_NOPS; op++) {
+        const kvt_lmc_opinfo_t *info = kvt_lmc_opinfo((kvt_lmc_op_t)op);
+        s.label_value = info->name;
+        s.value = (double)atomic_load(&self->requests[op]);
+        emit(emit_ctx, &s);
+    }
+    s.label_value = "unknown";
+    s.value = (double)atomic_load(&self->requests[0]);
+    emit(emit_ctx, &s);
+    s = (kvt_sample_t){.name = "lmcache_errors_total",
+                       .help = "Error replies of the LMCache-compatible endpoint, by type",
+                       .kind = KVT_METRIC_COUNTER,
+                       .label = "type"};
+    for (int i = 0; i < S_E_COUNT; i++) {
+        s.label_value = s_etype_names[i];
+        s.value = (double)atomic_load(&self->errors[i]);
+        emit(emit_ctx, &s);
+    }
+    pthread_mutex_lock(&self->lock);
+    double contexts = (double)kvt_u64map_size(self->ctxs);
+    double tracked = (double)zhashx_size(self->reqs);
+    pthread_mutex_unlock(&self->lock);
+    emit(emit_ctx, &(kvt_sample_t){.name = "lmcache_contexts",
+                                   .help = "LMCache workers registered (engine-driven contexts)",
+                                   .kind = KVT_METRIC_GAUGE,
+                                   .value = contexts});
+    emit(emit_ctx, &(kvt_sample_t){.name = "lmcache_requests_tracked",
+                                   .help = "LMCache requests whose lookup state is kept",
+                                   .kind = KVT_METRIC_GAUGE,
+                                   .value = tracked});
+    emit(emit_ctx, &(kvt_sample_t){.name = "lmcache_lookup_chunks_total",
+                                   .help = "Chunks LMCache lookups asked for",
+                                   .kind = KVT_METRIC_COUNTER,
+                                   .value = (double)atomic_load(&self->lookup_chunks)});
+    emit(emit_ctx, &(kvt_sample_t){.name = "lmcache_lookup_hit_chunks_total",
+                                   .help = "Chunks LMCache lookups found for every worker",
+                                   .kind = KVT_METRIC_COUNTER,
+                                   .value = (double)atomic_load(&self->hit_chunks)});
+    emit(emit_ctx, &(kvt_sample_t){.name = "lmcache_replies_dropped_total",
+                                   .help = "LMCache replies dropped: client gone or not reading",
+                                   .kind = KVT_METRIC_COUNTER,
+                                   .value = (double)atomic_load(&self->dropped)});
+}
