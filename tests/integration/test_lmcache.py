@@ -1,0 +1,887 @@
+"""kvtierd's LMCache door (--lmcache-listen) against an unmodified LMCache MP client's wire, as
+vLLM's LMCacheMPConnector drives it in engine-driven shared-memory mode
+(../../../shared/LMCACHE_MP.md): the small ops, registration and the shared pool, the
+prepare/commit store and retrieve cycle through the mapped pool, lookups and prefetch status,
+prefixes across workers, salts, both doors seeing the same objects, end_session / free locks /
+clear / unregister, refusals (error replies, silence for stream-control and short messages), a
+worker SIGKILLed with its reservations, /metrics and /status, and the v1 door serving at the
+same time.
+
+lmc_client.py speaks the wire (and is the crashing worker process). Every receive is bounded
+(5 s poller); state changes are polled with bounds.
+"""
+
+import itertools
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, "..", "..", "client", "python"))
+sys.path.insert(0, _HERE)
+
+import pytest  # noqa: E402
+import zmq  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtest import daemon_path, free_port, metric_value, wait_until  # noqa: E402
+from lmc_client import (OPS, Layout, LmcClient, RemoteError, Shm,  # noqa: E402
+                        check_slots, chunk_data, door_missing_reason, ipc_key,
+                        new_instance_id, pack, selftest, tokens_of, unpack)
+
+C = 16                                   # --chunk-tokens of every daemon here
+MODEL = "meta-llama/Llama-3.1-8B"        # a '/' in the model name, as Hugging Face ids have
+LAY = Layout(2, 64, "float16", C)        # 8 KiB per chunk object
+# L1 alone: no L2 (a lookup is complete at once, CLEAR leaves no L2 copies behind)
+KVT_DAEMON_ARGS = ("--l2", "none", "--chunk-tokens", str(C))
+
+# This check exists only while the daemon side of the LMCache door is written on another
+# branch; it is to be removed with that merge, so that a daemon without the flag fails here.
+_BIN = daemon_path()
+_MISSING = door_missing_reason(_BIN) if _BIN else None
+needs_door = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+
+REQ_METRIC = "kvtier_lmcache_requests_total"
+
+
+def ns_of(model, world_size, worker):
+    """The v1 namespace of worker `worker`'s objects (the door's mapping)."""
+    return "lmcache/%s/%d/%d" % (model, world_size, worker)
+
+
+_rids = itertools.count()
+
+
+def rid(tag="req"):
+    return "%s-%d" % (tag, next(_rids))
+
+
+# ----------------------------------------------------------------------------------------
+# Fixtures and helpers
+
+
+class Door:
+    """A daemon with the LMCache door, and the clients, pools and v1 clients a test opens
+    (all closed at teardown, before the daemon stops)."""
+
+    def __init__(self, factory):
+        self._factory = factory
+        self.ctx = zmq.Context()
+        self._clients, self._shms, self._v1 = [], [], []
+        self.d = self.endpoint = None
+
+    def start(self, *extra, transport="ipc"):
+        d = self._factory(start=False)
+        if transport == "ipc":
+            ep = "ipc://" + os.path.join(d.run_dir, "lmcache.sock")
+        else:
+            ep = "tcp://127.0.0.1:%d" % free_port()
+        d.args += ["--lmcache-listen", ep] + list(extra)
+        d.start()
+        self.d, self.endpoint = d, ep
+        assert self.client().noop() == "OK"     # the door answers (the connect is retried)
+        return self
+
+    def client(self):
+        c = LmcClient(self.endpoint, ctx=self.ctx)
+        self._clients.append(c)
+        return c
+
+    def shm(self, reg):
+        s = Shm(reg["shm_name"], reg["pool_size"])
+        self._shms.append(s)
+        return s
+
+    def v1(self, name="lmc-v1"):
+        c = kvtier.Client(self.d.ipc, client=name, instance="%s-%d" % (name, len(self._v1)))
+        self._v1.append(c)
+        return c
+
+    def close(self):
+        for s in self._shms:
+            s.close()
+        for c in self._v1:
+            c.close()
+        for c in self._clients:
+            c.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def door(daemon_factory):
+    dr = Door(daemon_factory)
+    yield dr
+    dr.close()
+
+
+def check_register(reg, pool_size=None):
+    """Asserts a successful RegisterEngineDrivenContextResponse and that its pool exists."""
+    assert isinstance(reg, dict), "register reply is not a map: %r" % (reg,)
+    assert set(reg) >= {"shm_name", "pool_size", "scratch_offset", "scratch_size", "error"}, reg
+    assert reg["error"] is None, "registration refused: %r" % (reg,)
+    name, size = reg["shm_name"], reg["pool_size"]
+    assert isinstance(name, str) and name and not name.startswith("/dev/shm"), reg
+    assert "/" not in name.lstrip("/"), reg
+    assert isinstance(size, int) and not isinstance(size, bool) and size > 0, reg
+    assert reg["scratch_offset"] == 0 and reg["scratch_size"] == 0, reg
+    path = "/dev/shm/" + name.lstrip("/")
+    assert os.path.exists(path), "%s does not exist" % path
+    assert os.stat(path).st_size >= size, (path, os.stat(path).st_size, size)
+    if pool_size is not None:
+        assert size == pool_size, reg
+
+
+class Worker:
+    """One vLLM worker: its own DEALER, a registered instance, the mapped pool."""
+
+    def __init__(self, door, model=MODEL, world_size=1, rank=0, layout=LAY, instance_id=None):
+        self.door, self.model, self.world_size, self.rank = door, model, world_size, rank
+        self.layout = layout
+        self.c = door.client()
+        self.iid = instance_id if instance_id is not None else new_instance_id()
+        self.reg = self.c.register(layout.payload(self.iid, model, world_size))
+        check_register(self.reg)
+        self.shm = door.shm(self.reg)
+
+    def key(self, tokens, start, end, salt="", request_id="req", **kw):
+        return ipc_key(self.model, self.world_size, self.rank, tokens, start, end, request_id,
+                       salt, **kw)
+
+    def prepare(self, tokens, start, end, salt="", **kw):
+        """prepare_store -> (slots, chunk_indices), both checked."""
+        r = self.c.prepare_store(self.key(tokens, start, end, salt, **kw), self.iid)
+        assert isinstance(r, dict) and isinstance(r.get("context"), dict), r
+        ctx = r["context"]
+        assert isinstance(ctx.get("slots"), list), "context without a slots list: %r" % (ctx,)
+        assert isinstance(ctx.get("chunk_indices"), list), ctx
+        slots, idx = ctx["slots"], ctx["chunk_indices"]
+        assert len(slots) == len(idx), ctx
+        n = (end - start) // C
+        assert all(isinstance(i, int) and 0 <= i < n for i in idx), idx
+        assert len(set(idx)) == len(idx), idx
+        check_slots(slots, self.layout, self.reg["pool_size"])
+        return slots, idx
+
+    def write(self, slots, idx, start, tag):
+        for sl, i in zip(slots, idx):
+            self.shm.write(sl["offset"], chunk_data(tag, self.rank, start // C + i,
+                                                    self.layout.nbytes))
+
+    def commit(self, tokens, start, end, salt="", **kw):
+        return self.c.commit_store(self.key(tokens, start, end, salt, **kw), self.iid, b"")
+
+    def store(self, tokens, start, end, tag, salt="", **kw):
+        """prepare_store + write the chunks it hands out + commit_store (True). Returns the
+        chunk_indices."""
+        slots, idx = self.prepare(tokens, start, end, salt, **kw)
+        if slots:
+            self.write(slots, idx, start, tag)
+            assert self.commit(tokens, start, end, salt, **kw) is True
+        return idx
+
+    def retrieve(self, tokens, start, end, salt=""):
+        """prepare_retrieve -> the bytes of every chunk (None on a miss), then commit_retrieve."""
+        k = self.key(tokens, start, end, salt)
+        r = self.c.prepare_retrieve(k, self.iid)
+        assert isinstance(r, dict) and isinstance(r.get("success"), bool), r
+        assert isinstance(r.get("data"), bytes) and r["data"] == b"", \
+            "prepare_retrieve data must be an empty bin: %r" % (r.get("data"),)
+        ctx = r.get("context")
+        assert isinstance(ctx, dict) and isinstance(ctx.get("slots"), list), r
+        if not r["success"]:
+            assert ctx["slots"] == [], "a miss with slots: %r" % (r,)
+            return None
+        assert len(ctx["slots"]) == (end - start) // C, r
+        check_slots(ctx["slots"], self.layout, self.reg["pool_size"])
+        out = [self.shm.read(sl["offset"], sl["length"]) for sl in ctx["slots"]]
+        assert self.c.commit_retrieve(k, self.iid) is True
+        return out
+
+    def expected(self, tag, first, last):
+        return [chunk_data(tag, self.rank, i, self.layout.nbytes) for i in range(first, last)]
+
+
+def hits(c, model, world_size, tokens, salt="", end=None, tp_size=None):
+    """A scheduler lookup + query_prefetch_status + end_session -> hit chunks."""
+    r = rid("probe")
+    end = len(tokens) // C * C if end is None else end
+    c.lookup(ipc_key(model, world_size, None, tokens, 0, end, r, salt), tp_size or world_size)
+    n = c.query_prefetch_status(r)
+    assert isinstance(n, int) and not isinstance(n, bool), "query_prefetch_status -> %r" % (n,)
+    c.end_session(r)
+    return n
+
+
+def assert_remote(exc_info_or_err, error_type, *mentions):
+    err = exc_info_or_err
+    assert isinstance(err, RemoteError), err
+    assert err.error_type == error_type, "expected %s, got %s: %s" % (error_type,
+                                                                     err.error_type,
+                                                                     err.message)
+    for m in mentions:
+        assert str(m).lower() in err.message.lower(), \
+            "error message %r does not mention %r" % (err.message, m)
+
+
+# ----------------------------------------------------------------------------------------
+# The helper itself (no daemon needed beyond the suite's own rule)
+
+
+def test_helper_encoders_match_spec_bytes():
+    assert selftest() > 20
+
+
+# ----------------------------------------------------------------------------------------
+# Small ops, both transports
+
+
+@needs_door
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_small_ops(door, transport):
+    door.start(transport=transport)
+    c = door.client()
+    r = c.request(OPS["get_chunk_size"])
+    assert r.frames[0] == b"\x00", "the first uid of a DEALER is 0"
+    assert r.value == C and type(r.value) is int
+    assert c.noop() == "OK"
+    r = c.request("noop")                       # by name: the op frame comes back as sent
+    assert r.frames[1] == pack("noop") and r.value == "OK"
+    assert c.ping(None) is True                 # the scheduler's probe
+    assert c.ping(new_instance_id()) is True    # unknown ids too: never False
+    assert c.get_experimental() == []
+    w = Worker(door)
+    assert c.ping(w.iid) is True
+    c.report_block_allocation(w.iid, MODEL, [
+        {"req_id": "r0", "new_block_ids": [1, 2, 3], "new_token_ids": [5, 6, 7]}])
+    c.report_block_allocation(w.iid, MODEL, [])
+    c.end_session(rid("never-looked-up"))
+    assert c.query_prefetch_status(rid("unknown")) == 0
+
+
+@needs_door
+def test_pipelined_requests_matched_by_uid(door):
+    """The client sends without waiting and matches replies by uid (they may come in any
+    order); each op frame is echoed."""
+    door.start()
+    c = door.client()
+    sent = {}
+    for i in range(30):
+        op = [OPS["noop"], OPS["get_chunk_size"], "noop", OPS["get_experimental"],
+              OPS["ping"]][i % 5]
+        args = (None,) if op == OPS["ping"] else ()
+        uid, opf = c.send(op, *args)
+        sent[uid] = (opf, {OPS["noop"]: "OK", "noop": "OK", OPS["get_chunk_size"]: C,
+                           OPS["get_experimental"]: [], OPS["ping"]: True}[op])
+    for _ in range(len(sent)):
+        frames = c.recv_frames()
+        assert frames is not None, "missing replies: %d left" % len(sent)
+        assert frames[0] in sent, "reply with an unknown uid %r" % (frames[0],)
+        opf, want = sent.pop(frames[0])
+        assert frames[1] == opf and len(frames) == 3
+        assert unpack(frames[2]) == want
+    c.expect_silence(0.2)
+
+
+# ----------------------------------------------------------------------------------------
+# Registration and the pool
+
+
+@needs_door
+def test_register_pool_and_idempotence(door):
+    door.start()
+    c = door.client()
+    iid = new_instance_id()
+    payload = LAY.payload(iid, MODEL, 1)
+    reg = c.register(payload)
+    check_register(reg)
+    # the same instance again (a worker after a reconnect): the same pool, from another DEALER
+    assert door.client().register(payload) == reg
+    assert c.register(payload) == reg
+    # a payload with a field from a later version: ignored
+    later = dict(payload, transfer_metadata_wire=None, kernel_groups=[])
+    assert c.register(later) == reg
+    # it maps read-write, and two mappings see each other's writes
+    with Shm(reg["shm_name"], reg["pool_size"]) as a, Shm(reg["shm_name"], reg["pool_size"]) as b:
+        w = Worker(door, instance_id=iid)
+        slots, idx = w.prepare(tokens_of("reg", 2 * C), 0, 2 * C)
+        assert idx == [0, 1]
+        a.write(slots[1]["offset"], b"kvtier-lmcache" * 10)
+        assert b.read(slots[1]["offset"], 140) == b"kvtier-lmcache" * 10
+        w.c.unregister(iid)
+
+
+@needs_door
+@pytest.mark.parametrize("layout", [
+    Layout(2, 64, "float16", C), Layout(3, 128, "bfloat16", C), Layout(1, 32, "float32", C),
+    Layout(4, 96, "bfloat16", C, use_mla=True)], ids=["fp16", "bf16", "fp32", "mla"])
+def test_slot_layout(door, layout):
+    """Slot shape [2, layers, chunk, hidden] ([layers, chunk, hidden] with MLA), the registered
+    dtype, length = prod(shape) * itemsize; the bytes round-trip."""
+    door.start()
+    w = Worker(door, model="layout/" + layout.dtype, layout=layout)
+    toks = tokens_of("layout", 3 * C)
+    assert w.store(toks, 0, 3 * C, "layout") == [0, 1, 2]
+    assert w.retrieve(toks, 0, 3 * C) == w.expected("layout", 0, 3)
+
+
+@needs_door
+@pytest.mark.parametrize("bad", [{"dtype_str": "complex128"}, {"num_layers": 0},
+                                 {"world_size": 0}], ids=["dtype", "layers", "world"])
+def test_register_rejects_bad_payload(door, bad):
+    door.start()
+    c = door.client()
+    iid = new_instance_id()
+    reg = c.register(dict(LAY.payload(iid, MODEL, 1), **bad))
+    assert isinstance(reg, dict) and isinstance(reg.get("error"), str) and reg["error"], \
+        "a bad registration must come back with an error string: %r" % (reg,)
+    # nothing was registered
+    key = ipc_key(MODEL, 1, 0, tokens_of("bad", C), 0, C, "r")
+    assert_remote(c.error(OPS["prepare_store"], key, iid), "instance_dropped")
+    assert c.noop() == "OK"
+
+
+# ----------------------------------------------------------------------------------------
+# Store and retrieve
+
+
+@needs_door
+def test_store_lookup_retrieve_round_trip(door):
+    """The engine-driven cycle: lookup misses; prepare_store hands out slots that stay
+    invisible until commit_store; then lookup hits, and another worker process (another
+    instance, another DEALER) reads the bytes back through its own mapping."""
+    door.start()
+    w = Worker(door)
+    sched = door.client()
+    toks = tokens_of("rt", 4 * C + 5)              # a trailing partial chunk
+    assert hits(sched, MODEL, 1, toks) == 0
+    slots, idx = w.prepare(toks, 0, 4 * C, request_id="rt")
+    assert idx == [0, 1, 2, 3], idx
+    w.write(slots, idx, 0, "rt")
+    assert hits(sched, MODEL, 1, toks) == 0, "chunks visible before commit_store"
+    other = Worker(door)
+    assert other.retrieve(toks, 0, 4 * C) is None, "prepare_retrieve saw uncommitted chunks"
+    assert w.commit(toks, 0, 4 * C, request_id="rt") is True
+
+    r = rid("rt")
+    sched.lookup(ipc_key(MODEL, 1, None, toks, 0, 4 * C, r), 1)
+    assert sched.query_prefetch_status(r) == 4
+    got = other.retrieve(toks, 0, 4 * C)
+    assert got == w.expected("rt", 0, 4), "bytes read back differ from those written"
+    assert other.retrieve(toks, C, 3 * C) == w.expected("rt", 1, 3)
+    sched.end_session(r)
+
+
+@needs_door
+def test_prepare_store_skips_stored_chunks(door):
+    """Ranges advance over steps; chunk_indices are relative to start; stored chunks are left
+    out; an all-cached prepare gives no slots and its commit_store is False."""
+    door.start()
+    w = Worker(door)
+    toks = tokens_of("adv", 6 * C)
+    assert w.store(toks, 0, 2 * C, "adv") == [0, 1]
+    assert w.store(toks, 2 * C, 4 * C, "adv") == [0, 1]            # relative to start
+    slots, idx = w.prepare(toks, 0, 6 * C)                          # 0..3 stored: 4, 5 left
+    assert idx == [4, 5], idx
+    w.write(slots, idx, 0, "adv")
+    assert w.commit(toks, 0, 6 * C) is True
+    slots, idx = w.prepare(toks, 0, 6 * C)
+    assert slots == [] and idx == [], "all cached: nothing to write"
+    assert w.commit(toks, 0, 6 * C) is False, "commit_store after an all-cached prepare"
+    assert w.retrieve(toks, 0, 6 * C) == w.expected("adv", 0, 6)
+    assert w.retrieve(toks, 4 * C, 6 * C) == w.expected("adv", 4, 6)
+    assert w.retrieve(tokens_of("adv", 7 * C), 0, 7 * C) is None    # chunk 6 missing: a miss
+
+
+@needs_door
+def test_commit_store_refusals(door):
+    door.start()
+    w = Worker(door)
+    toks = tokens_of("cs", 2 * C)
+    assert w.commit(toks, 0, 2 * C) is False, "commit_store without a prepare"
+    slots, idx = w.prepare(toks, 0, 2 * C)
+    w.write(slots, idx, 0, "cs")
+    err = w.c.error(OPS["commit_store"], w.key(toks, 0, 2 * C), w.iid, b"\x80\x04pickled")
+    assert isinstance(err, RemoteError) and err.error_type, err     # the pickle path: refused
+    assert w.c.noop() == "OK"
+
+
+@needs_door
+def test_null_chunk_mask(door):
+    """Chunks whose null_chunk_mask[0][i] is true are not stored (prefix stops there)."""
+    door.start()
+    w = Worker(door)
+    sched = door.client()
+    toks = tokens_of("null", 4 * C)
+    mask = [[False, True, False, False]]
+    slots, idx = w.prepare(toks, 0, 4 * C, null_chunk_mask=mask)
+    assert idx == [0, 2, 3], idx
+    w.write(slots, idx, 0, "null")
+    assert w.commit(toks, 0, 4 * C, null_chunk_mask=mask) is True
+    assert hits(sched, MODEL, 1, toks) == 1
+    assert w.retrieve(toks, 0, 4 * C) is None
+    assert w.retrieve(toks, 0, C) == w.expected("null", 0, 1)
+    assert w.retrieve(toks, 2 * C, 4 * C) == w.expected("null", 2, 4)
+
+
+@needs_door
+def test_unknown_instance_is_refused(door):
+    door.start()
+    Worker(door)                                   # a context for the model exists
+    c = door.client()
+    iid = new_instance_id()
+    k = ipc_key(MODEL, 1, 0, tokens_of("ui", C), 0, C, "r")
+    for op, args in (("prepare_store", (k, iid)), ("commit_store", (k, iid, b"")),
+                     ("prepare_retrieve", (k, iid)), ("commit_retrieve", (k, iid))):
+        assert_remote(c.error(OPS[op], *args), "instance_dropped")
+    assert c.noop() == "OK"
+
+
+# ----------------------------------------------------------------------------------------
+# Lookup and prefetch status
+
+
+@needs_door
+def test_prefetch_status_semantics(door):
+    door.start()
+    w = Worker(door)
+    c = door.client()
+    toks = tokens_of("pf", 3 * C + 7)
+    w.store(toks, 0, 3 * C, "pf")
+    r = rid("pf")
+    c.lookup(ipc_key(MODEL, 1, None, toks, 0, len(toks), r), 1)    # end not aligned: aligned down
+    assert c.query_prefetch_lookup_hits(r) == 3
+    assert c.query_prefetch_lookup_hits(r) == 3                    # does not consume
+    assert c.query_prefetch_status(r) == 3
+    assert c.query_prefetch_status(r) == 0                         # exactly once
+    assert c.query_prefetch_lookup_hits(r) == 0
+    c.end_session(r)
+    r = rid("pf")
+    c.lookup(ipc_key(MODEL, 1, None, toks, 0, 3 * C, r), 1)
+    n = c.wait_prefetch_status(r, 2.0)
+    assert n == 3 and type(n) is int
+    assert c.wait_prefetch_status(r, 0.5) == 0
+    assert c.wait_prefetch_status(rid("unknown"), 0.5) == 0
+    assert c.query_prefetch_lookup_hits(rid("unknown")) == 0
+    assert c.query_prefetch_status(rid("unknown")) == 0
+    c.free_lookup_locks(ipc_key(MODEL, 1, None, toks, 0, 3 * C, r), 1)
+    c.end_session(r)
+
+
+@needs_door
+def test_partial_prefixes_and_world_size(door):
+    door.start()
+    sched = door.client()
+    # one worker: chunks 0..3 of 6 -> 4 hits; a lookup only looks at token_ids[0:end]
+    w = Worker(door, model="m-tp1")
+    toks = tokens_of("pp", 6 * C)
+    w.store(toks, 0, 4 * C, "pp")
+    assert hits(sched, "m-tp1", 1, toks) == 4
+    assert hits(sched, "m-tp1", 1, toks, end=2 * C) == 2
+    assert hits(sched, "m-tp1", 1, toks[:3 * C] + tokens_of("other", 3 * C)) == 3
+    assert hits(sched, "m-tp1", 1, tokens_of("other", 6 * C)) == 0
+    # a chunk is a hit only when every worker of the world has stored its piece
+    w0 = Worker(door, model="m-tp2", world_size=2, rank=0)
+    w1 = Worker(door, model="m-tp2", world_size=2, rank=1)
+    w0.store(toks, 0, 4 * C, "tp2")
+    assert hits(sched, "m-tp2", 2, toks) == 0
+    assert w1.retrieve(toks, 0, C) is None
+    w1.store(toks, 0, 4 * C, "tp2")
+    assert hits(sched, "m-tp2", 2, toks) == 4
+    w0.store(toks, 4 * C, 6 * C, "tp2")
+    assert hits(sched, "m-tp2", 2, toks) == 4
+    w1.store(toks, 4 * C, 6 * C, "tp2")
+    assert hits(sched, "m-tp2", 2, toks) == 6
+    # each worker reads its own piece back
+    assert w0.retrieve(toks, 0, 6 * C) == w0.expected("tp2", 0, 6)
+    assert w1.retrieve(toks, 0, 6 * C) == w1.expected("tp2", 0, 6)
+    assert w0.expected("tp2", 0, 1) != w1.expected("tp2", 0, 1)
+    # the same tokens under world_size 1 of the same model name are other objects
+    assert hits(sched, "m-tp2", 1, toks) == 0
+
+
+@needs_door
+def test_cache_salt_isolation(door):
+    door.start()
+    w = Worker(door)
+    sched = door.client()
+    toks = tokens_of("salt", 4 * C)
+    w.store(toks, 0, 4 * C, "salt-a", salt="a")
+    assert [hits(sched, MODEL, 1, toks, salt=s) for s in ("a", "b", "")] == [4, 0, 0]
+    assert w.retrieve(toks, 0, 4 * C, salt="b") is None
+    assert w.retrieve(toks, 0, 4 * C, salt="") is None
+    slots, idx = w.prepare(toks, 0, 4 * C, salt="")              # nothing stored without salt
+    assert idx == [0, 1, 2, 3]
+    w.write(slots, idx, 0, "salt-none")
+    assert w.commit(toks, 0, 4 * C, salt="") is True
+    assert [hits(sched, MODEL, 1, toks, salt=s) for s in ("a", "b", "")] == [4, 0, 4]
+    assert w.retrieve(toks, 0, 4 * C, salt="a") == w.expected("salt-a", 0, 4)
+    assert w.retrieve(toks, 0, 4 * C, salt="") == w.expected("salt-none", 0, 4)
+
+
+# ----------------------------------------------------------------------------------------
+# Both doors, the same objects
+
+
+@needs_door
+@pytest.mark.parametrize("salt", ["tenant-x", ""], ids=["salt", "nosalt"])
+def test_lmcache_store_seen_by_v1(door, salt):
+    """What LMCache worker w stores for (M, W, S) is the v1 object in ns lmcache/M/W/w, salt S,
+    under HASH_TOKENS' keys."""
+    door.start()
+    w0 = Worker(door, world_size=2, rank=0)
+    w1 = Worker(door, world_size=2, rank=1)
+    toks = tokens_of("x1", 3 * C + 3)
+    w0.store(toks, 0, 3 * C, "x1", salt=salt)
+    w1.store(toks, 0, 3 * C, "x1", salt=salt)
+    v1 = door.v1()
+    keys = v1.hash_tokens(toks, salt=salt or None)
+    assert len(keys) == 3
+    for w in (w0, w1):
+        ns = ns_of(MODEL, 2, w.rank)
+        assert v1.lookup(ns, keys, salt=salt or None).hits == 3
+        assert v1.get(ns, keys, salt=salt or None) == w.expected("x1", 0, 3)
+    assert v1.lookup(ns_of(MODEL, 2, 0), keys, salt="other").hits == 0
+    assert v1.lookup(ns_of(MODEL, 1, 0), keys, salt=salt or None).hits == 0
+
+
+@needs_door
+@pytest.mark.parametrize("salt", ["tenant-y", ""], ids=["salt", "nosalt"])
+def test_v1_put_seen_by_lmcache(door, salt):
+    door.start()
+    w = Worker(door)
+    sched = door.client()
+    v1 = door.v1()
+    toks = tokens_of("x2", 4 * C)
+    keys = v1.hash_tokens(toks, salt=salt or None)
+    datas = w.expected("x2", 0, 4)
+    assert v1.put(ns_of(MODEL, 1, 0), keys[:3], datas[:3], salt=salt or None) == 3
+    assert hits(sched, MODEL, 1, toks, salt=salt) == 3
+    assert hits(sched, MODEL, 1, toks, salt="zzz" if salt else "tenant-y") == 0
+    assert w.retrieve(toks, 0, 3 * C, salt=salt) == datas[:3]
+    assert w.retrieve(toks, 0, 4 * C, salt=salt) is None
+    # and the LMCache door does not store again what v1 put
+    slots, idx = w.prepare(toks, 0, 4 * C, salt=salt)
+    assert idx == [3], idx
+    w.write(slots, idx, 0, "x2")
+    assert w.commit(toks, 0, 4 * C, salt=salt) is True
+    assert v1.get(ns_of(MODEL, 1, 0), keys, salt=salt or None) == datas
+
+
+@needs_door
+def test_doors_serve_together(door):
+    """v1 lookups keep being answered while LMCache stores go on, and each v1 lookup sees an
+    LMCache chunk only after its commit_store."""
+    door.start()
+    w = Worker(door)
+    v1 = door.v1("lmc-v1-main")
+    toks = tokens_of("both", 8 * C)
+    ns = ns_of(MODEL, 1, 0)
+    keys = v1.hash_tokens(toks)
+    stop = threading.Event()
+    seen, errors = [], []
+
+    def background():
+        try:
+            with kvtier.Client(door.d.tcp, client="lmc-v1-bg") as bg:
+                while not stop.is_set():
+                    seen.append(bg.lookup(ns, keys).hits)
+        except Exception as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=background, daemon=True)
+    t.start()
+    try:
+        for i in range(8):
+            slots, idx = w.prepare(toks, i * C, (i + 1) * C)
+            assert idx == [0]
+            assert v1.lookup(ns, keys).hits == i, "visible before commit_store"
+            w.write(slots, idx, i * C, "both")
+            assert v1.lookup(ns, keys).hits == i
+            assert w.commit(toks, i * C, (i + 1) * C) is True
+            assert v1.lookup(ns, keys).hits == i + 1
+        wait_until(lambda: len(seen) >= 5, timeout=5.0, what="background v1 lookups")
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive()
+    assert not errors, errors
+    assert seen == sorted(seen) and max(seen) <= 8, seen
+    assert v1.get(ns, keys) == w.expected("both", 0, 8)
+
+
+# ----------------------------------------------------------------------------------------
+# Sessions, locks, clear, unregister
+
+
+@needs_door
+def test_end_session_free_locks_and_clear(door):
+    door.start()
+    w = Worker(door)
+    c = door.client()
+    v1 = door.v1()
+    other = v1.put("not-lmcache/ns", [b"k" * 16], [b"survives"])
+    assert other == 1
+    toks = tokens_of("clr", 4 * C)
+    w.store(toks, 0, 4 * C, "clr")
+    r = rid("clr")
+    k = ipc_key(MODEL, 1, None, toks, 0, 4 * C, r)
+    c.lookup(k, 1)
+    assert c.query_prefetch_status(r) == 4
+    c.free_lookup_locks(k, 1)                      # vLLM will not load them
+    c.end_session(r)
+    c.end_session(r, {"finish_reason": "stop", "stop_token_id": 2})   # 2 frames: also an ack
+    c.end_session(rid("x"), {})
+    c.clear(False)
+    assert hits(c, MODEL, 1, toks) == 0, "clear(False) left unlocked objects"
+    assert w.retrieve(toks, 0, 4 * C) is None
+    assert v1.get("not-lmcache/ns", [b"k" * 16]) == [b"survives"], \
+        "clear on the LMCache door removed an object outside its namespaces"
+    w.store(toks, 0, 4 * C, "clr2")
+    assert hits(c, MODEL, 1, toks) == 4
+    c.clear(True)
+    assert hits(c, MODEL, 1, toks) == 0
+    assert c.noop() == "OK"
+
+
+@needs_door
+def test_unregister(door):
+    door.start()
+    w = Worker(door)
+    reader = Worker(door)
+    sched = door.client()
+    toks = tokens_of("unreg", 4 * C)
+    w.store(toks, 0, 2 * C, "unreg")                             # committed: stays
+    slots, idx = w.prepare(toks, 0, 4 * C)                       # uncommitted: discarded
+    assert idx == [2, 3]
+    w.write(slots, idx, 0, "unreg")
+    w.c.unregister(w.iid)
+    assert_remote(w.c.error(OPS["commit_store"], w.key(toks, 0, 4 * C), w.iid, b""),
+                  "instance_dropped")
+    assert_remote(w.c.error(OPS["prepare_store"], w.key(toks, 0, 4 * C), w.iid),
+                  "instance_dropped")
+    assert hits(sched, MODEL, 1, toks) == 2
+    assert reader.retrieve(toks, 0, 4 * C) is None
+    assert reader.retrieve(toks, 0, 2 * C) == w.expected("unreg", 0, 2)
+    sched.unregister(new_instance_id())                          # unknown: an ack too
+    sched.unregister(w.iid)                                      # again: an ack
+    # the same worker registers again and stores the rest
+    w2 = Worker(door, instance_id=w.iid)
+    assert w2.store(toks, 0, 4 * C, "unreg") == [2, 3]
+    assert hits(sched, MODEL, 1, toks) == 4
+
+
+# ----------------------------------------------------------------------------------------
+# Refusals
+
+
+@needs_door
+@pytest.mark.parametrize("op,nargs,mention", [
+    (1, 1, "register_kv_cache"), (6, 3, "store"), (7, 3, "retrieve"),
+    (29, 0, "p2p_lookup_and_lock"), (33, 0, "cb_protocol_handshake"), (99, 0, "99"),
+    ("frobnicate", 1, "frobnicate")])
+def test_unsupported_and_unknown_ops(door, op, nargs, mention):
+    door.start()
+    c = door.client()
+    args = [{"model_name": MODEL}, new_instance_id(), b""][:nargs]
+    assert_remote(c.error(op, *args), "unknown_type", mention)
+    assert c.noop() == "OK"
+
+
+MAL_IID = (1 << 62) | 0x1234            # the instance registered by test_malformed_requests
+
+
+def _malformed_cases():
+    iid = pack(MAL_IID)
+    toks = tokens_of("mal", 2 * C)
+    k = ipc_key(MODEL, 1, 0, toks, 0, 2 * C, "r")
+    kb = pack(k)
+    bad_start = dict(k, start="0")
+    no_model = {f: v for f, v in k.items() if f != "model_name"}
+    return [
+        ("get_chunk_size+arg", OPS["get_chunk_size"], [pack(1)]),
+        ("noop+arg", OPS["noop"], [pack(None)]),
+        ("lookup-1arg", OPS["lookup"], [kb]),
+        ("prepare_store-3args", OPS["prepare_store"], [kb, iid, pack(2)]),
+        ("commit_store-2args", OPS["commit_store"], [kb, iid]),
+        ("end_session-3args", OPS["end_session"], [pack("r"), pack({}), pack({})]),
+        ("end_session-0args", OPS["end_session"], []),
+        ("register-0args", OPS["register_kv_cache_engine_driven_context"], []),
+        ("instance_id-str", OPS["prepare_store"], [kb, pack("123")]),
+        ("tp_size-str", OPS["lookup"], [kb, pack("1")]),
+        ("request_id-int", OPS["query_prefetch_status"], [pack(5)]),
+        ("ping-str", OPS["ping"], [pack("abc")]),
+        ("key-start-str", OPS["prepare_store"], [pack(bad_start), iid]),
+        ("key-not-map", OPS["prepare_store"], [pack([1, 2]), iid]),
+        ("key-no-model_name", OPS["prepare_retrieve"], [pack(no_model), iid]),
+        ("key-truncated", OPS["prepare_store"], [kb[:len(kb) // 2], iid]),
+        ("data-str", OPS["commit_store"], [kb, iid, pack("")]),
+        ("payload-truncated", OPS["register_kv_cache_engine_driven_context"],
+         [pack(LAY.payload(1, MODEL, 1))[:-3]]),
+        ("int-truncated", OPS["unregister_kv_cache_engine_driven_context"], [b"\xcf\x00\x01"]),
+        ("trailing-bytes", OPS["query_prefetch_status"], [pack("r") + b"\x00"]),
+        ("empty-arg-frame", OPS["query_prefetch_status"], [b""]),
+    ]
+
+
+@needs_door
+@pytest.mark.parametrize("name,op,frames", _malformed_cases(), ids=[c[0] for c in
+                                                                    _malformed_cases()])
+def test_malformed_requests(door, name, op, frames):
+    door.start()
+    Worker(door, instance_id=MAL_IID)
+    c = door.client()
+    assert_remote(c.error(op, raw_args=frames), "bad_request")
+    assert c.noop() == "OK", "the door stopped serving after %s" % name
+
+
+@needs_door
+def test_stream_control_and_short_messages_get_no_reply(door):
+    door.start()
+    c = door.client()
+    for rest in ([b"", b"ack"], [b"", b"cancel"], [b"", pack(OPS["noop"])], []):
+        c.send_frames([c.next_uid()] + rest)          # uids 0..3; the noop below gets 4
+        c.expect_silence(0.3)
+    c.send_frames([b""])
+    c.expect_silence(0.3)
+    assert c.noop() == "OK"          # its reply (uid 4) is the next one: nothing stray
+    c.expect_silence(0.2)
+    assert door.d.alive()
+
+
+# ----------------------------------------------------------------------------------------
+# A worker killed with its reservations
+
+
+@needs_door
+def test_killed_worker_reservations_come_back(door):
+    lease_ms = 1000
+    door.start("--lease-ms", str(lease_ms))
+    big = Layout(2, 1024, "float16", C)                      # 128 KiB per chunk
+    probe = door.client()
+    reg = probe.register(big.payload(new_instance_id(), "crash", 1))
+    check_register(reg)
+    n = int(reg["pool_size"] * 0.75) // big.nbytes            # 3/4 of the pool: two do not fit
+    assert n >= 8 and 2 * n * big.nbytes > reg["pool_size"]
+    args = {"endpoint": door.endpoint, "instance_id": new_instance_id(), "model": "crash",
+            "num_layers": 2, "hidden": 1024, "dtype": "float16", "chunk": C, "chunks": n,
+            "seed": "crashed", "ping_s": lease_ms / 5000.0}
+    proc = subprocess.Popen([sys.executable, os.path.join(_HERE, "lmc_client.py"),
+                             "crash-worker", json.dumps(args)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        line = proc.stdout.readline() if ready else b""
+        assert line, "the worker did not get ready (%s): %s" % (
+            proc.poll(), proc.stderr.read().decode() if proc.poll() is not None else "")
+        info = json.loads(line)
+        assert info["slots"] == n and info["indices"] == list(range(n)), info
+
+        def try_store(seed):
+            """A fresh instance prepare_stores n chunks; all n -> committed, True. Fewer (or
+            a refusal) -> its reservation is dropped with unregister, False."""
+            w = Worker(door, model="crash", layout=big)
+            toks = tokens_of(seed, n * C)
+            try:
+                slots = w.prepare(toks, 0, n * C)[0]
+            except RemoteError:
+                slots = []
+            if len(slots) < n:
+                w.c.unregister(w.iid)
+                w.shm.close()
+                w.c.close()
+                return False
+            fill = bytes([0xa5]) * big.nbytes                  # cheap: well inside lease_ms
+            for sl in slots:
+                w.shm.write(sl["offset"], fill)
+            assert w.commit(toks, 0, n * C) is True
+            return True
+
+        # while the worker lives (and pings), its reservations hold the space
+        assert not try_store("while-alive"), "a second 3/4 of the pool fit beside the first"
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        t0 = time.monotonic()
+        deadline = t0 + lease_ms / 1000.0 + 4.0
+        ok = False
+        while not ok and time.monotonic() < deadline:
+            ok = try_store("after-kill")
+            if not ok:
+                time.sleep(0.1)
+        assert ok, "the killed worker's reservations did not come back within %.1f s" % (
+            deadline - t0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
+    w = Worker(door, model="crash", layout=big)      # a live context for (crash, 1)
+    assert hits(probe, "crash", 1, tokens_of("after-kill", n * C)) == n
+    assert hits(probe, "crash", 1, tokens_of("crashed", n * C)) == 0, \
+        "a killed worker's uncommitted chunks became visible"
+    assert w.retrieve(tokens_of("crashed", n * C), 0, C) is None
+    assert door.d.alive()
+
+
+# ----------------------------------------------------------------------------------------
+# Operations: /metrics and /status
+
+
+@needs_door
+def test_metrics_count_requests_by_op(door):
+    door.start()
+    d = door.d
+    c = door.client()
+
+    def counts():
+        fams, samples = d.metrics()
+        assert fams.get(REQ_METRIC, {}).get("type") in (None, "counter"), fams.get(REQ_METRIC)
+        return {op: metric_value(samples, REQ_METRIC, op=op) or 0
+                for op in ("noop", "get_chunk_size", "ping",
+                           "register_kv_cache_engine_driven_context")}
+
+    before = counts()
+    for _ in range(3):
+        c.noop()
+    c.call("noop")                                             # by name: the same op
+    c.get_chunk_size()
+    c.get_chunk_size()
+    c.ping(None)
+    Worker(door)
+    want = dict(before)
+    want["noop"] += 4
+    want["get_chunk_size"] += 2
+    want["ping"] += 1
+    want["register_kv_cache_engine_driven_context"] += 1
+    wait_until(lambda: counts() == want, timeout=3.0,
+               what="%s by op to reach %r" % (REQ_METRIC, want))
+    fams, _ = d.metrics()
+    assert fams[REQ_METRIC]["type"] == "counter"
+
+
+@needs_door
+def test_status_lists_contexts(door):
+    door.start()
+    d = door.d
+    w = Worker(door, world_size=2, rank=1)
+
+    def entry():
+        lm = d.http_json("GET", "/status").get("lmcache")
+        assert isinstance(lm, dict), "/status has no lmcache object"
+        assert lm.get("endpoint") == door.endpoint, lm
+        assert isinstance(lm.get("contexts"), list), lm
+        found = [x for x in lm["contexts"] if str(x.get("instance_id")) == str(w.iid)]
+        assert len(found) <= 1, lm["contexts"]
+        return found[0] if found else None
+
+    e = entry()
+    assert e is not None, d.http_json("GET", "/status")["lmcache"]
+    assert e["model_name"] == MODEL and e["world_size"] == 2, e
+    w.c.unregister(w.iid)
+    wait_until(lambda: entry() is None, timeout=3.0, what="the context to leave /status")
