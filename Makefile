@@ -453,10 +453,12 @@ bench: deps $(BUILD)/kvtierd $(BENCH)
 # libFuzzer harnesses (tests/fuzz/), built with clang and ASan+UBSan from the sources they
 # need (not the gcc objects): fuzz_decode drives the request decoder (kvt_msg_decode,
 # kvt_msg_prescan, kvt_msg_read_uint), fuzz_config the JSON config loader and its
-# --print-config round trip. `make fuzz` runs each for FUZZ_SECONDS on a fresh copy of its
-# seed corpus in build/fuzz/ (the repo's corpus is never written); any crash, leak, timeout or
-# sanitizer report fails it, the input left in build/fuzz/artifacts/. `make fuzz-smoke` is the
-# CI run (60 s each). Seeds: tests/fuzz/corpus/; decode seeds come from tests/fuzz/gen_corpus.py.
+# --print-config round trip, fuzz_lmc the LMCache MP wire's decoders and error encoder
+# (kvt_lmc_*). `make fuzz` runs each for FUZZ_SECONDS on a fresh copy of its seed corpus in
+# build/fuzz/ (the repo's corpus is never written); any crash, leak, timeout or sanitizer
+# report fails it, the input left in build/fuzz/artifacts/. `make fuzz-smoke` is the CI run
+# (60 s each). Seeds: tests/fuzz/corpus/; decode and lmc seeds come from
+# tests/fuzz/gen_corpus.py.
 FUZZ_CC       ?= clang
 FUZZ_SECONDS  ?= 60
 FUZZ_DEB_PKGS := clang libclang-rt-14-dev
@@ -470,7 +472,9 @@ FUZZ_DECODE_SRC := tests/fuzz/fuzz_decode.c protocol/kvt_msg.c protocol/kvt_prot
                    common/kvt_error.c common/kvt_log.c
 FUZZ_CONFIG_SRC := tests/fuzz/fuzz_config.c config/kvt_config.c common/kvt_error.c common/kvt_log.c \
                    common/kvt_size.c
-FUZZ_BINS     := $(FUZZ_DIR)/fuzz_decode $(FUZZ_DIR)/fuzz_config
+FUZZ_LMC_SRC    := tests/fuzz/fuzz_lmc.c protocol/kvt_lmc.c protocol/kvt_msg.c protocol/kvt_proto.c \
+                   common/kvt_error.c common/kvt_log.c
+FUZZ_BINS     := $(FUZZ_DIR)/fuzz_decode $(FUZZ_DIR)/fuzz_config $(FUZZ_DIR)/fuzz_lmc
 
 .PHONY: fuzz fuzz-smoke fuzz-build fuzz-deps
 
@@ -491,6 +495,11 @@ $(FUZZ_DIR)/fuzz_decode: $(FUZZ_DECODE_SRC) $(wildcard common/*.h protocol/*.h)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(shell pkg-config --cflags msgpack 2>/dev/null) -o $@ \
 	  $(FUZZ_DECODE_SRC) $(shell pkg-config --libs msgpack 2>/dev/null)
 
+$(FUZZ_DIR)/fuzz_lmc: $(FUZZ_LMC_SRC) $(wildcard common/*.h protocol/*.h)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(shell pkg-config --cflags msgpack 2>/dev/null) -o $@ \
+	  $(FUZZ_LMC_SRC) $(shell pkg-config --libs msgpack 2>/dev/null)
+
 $(FUZZ_DIR)/fuzz_config: $(FUZZ_CONFIG_SRC) $(wildcard common/*.h config/*.h)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(shell pkg-config --cflags jansson 2>/dev/null) -o $@ \
@@ -501,7 +510,7 @@ fuzz-build: fuzz-deps
 
 # Each run starts from a fresh copy of the seeds; libFuzzer exits non-zero on any finding.
 fuzz: fuzz-build
-	@set -e; mkdir -p $(FUZZ_DIR)/artifacts; for t in decode config; do \
+	@set -e; mkdir -p $(FUZZ_DIR)/artifacts; for t in decode config lmc; do \
 	  rm -rf $(FUZZ_DIR)/corpus-$$t; mkdir -p $(FUZZ_DIR)/corpus-$$t; \
 	  cp tests/fuzz/corpus/$$t/* $(FUZZ_DIR)/corpus-$$t/; \
 	  echo "== fuzz_$$t ($(FUZZ_SECONDS) s)"; \

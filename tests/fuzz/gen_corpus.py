@@ -1,6 +1,8 @@
 #!/usr/bin/python3
-"""Regenerates tests/fuzz/corpus/decode/ seeds: one byte of request type, then a msgpack body
-(protocol v1, protocol/kvt_proto.h). Needs Debian's python3-msgpack: /usr/bin/python3 gen_corpus.py"""
+"""Regenerates the msgpack seeds of tests/fuzz/corpus/: decode/ (one byte of request type, then a
+protocol v1 body, protocol/kvt_proto.h) and lmc/ (one selector byte of fuzz_lmc.c, then an
+LMCache MP frame as msgspec encodes it: structs as maps with every field, in declaration order).
+Needs Debian's python3-msgpack: /usr/bin/python3 gen_corpus.py"""
 import os
 import struct
 
@@ -8,6 +10,7 @@ import msgpack
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "decode")
+LMC_OUT = os.path.join(HERE, "corpus", "lmc")
 K1 = bytes(range(16))
 K2 = bytes(range(16, 32))
 H1 = bytes(range(64))
@@ -62,5 +65,71 @@ def main():
         f.write(bytes([4]) + msgpack.packb(SEEDS["lookup"][1], use_bin_type=True)[:-5])
 
 
+# fuzz_lmc.c's selectors (low nibble); | 0x80 = small limits
+T_OP, T_KEY, T_CTX, T_INT_NIL, T_INT, T_UINT, T_BOOL, T_DOUBLE, T_STR, T_BIN, T_RECORDS, \
+    T_PACK_ERROR = range(12)
+SMALL = 0x80
+
+
+def lmc_key(worker_id=1, tokens=tuple(range(1, 513)), start=0, end=512, salt="", mask=None):
+    """IPCCacheServerKey: msgpack-python keeps dict order and picks the smallest encodings,
+    as msgspec does."""
+    return {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "world_size": 2,
+            "worker_id": worker_id, "token_ids": list(tokens), "start": start, "end": end,
+            "request_id": "cmpl-5f1c-0", "cache_salt": salt, "request_configs": None,
+            "num_kv_readers": 1, "null_chunk_mask": mask}
+
+
+LMC_CTX = {"instance_id": 0x25895F0102030405, "model_name": "meta-llama/Llama-3.1-8B-Instruct",
+           "world_size": 2, "block_size": 16, "num_layers": 32, "hidden_dim_size": 1024,
+           "dtype_str": "bfloat16", "use_mla": False, "num_physical_slots": 256,
+           "engine_group_infos": [], "group_hidden_dim_sizes": None,
+           "group_layout_descs": None, "enable_l1_kvweave_quant": False}
+
+LMC_SEEDS = {
+    "op_get_chunk_size": (T_OP, 21),
+    "op_noop_name": (T_OP, "noop"),
+    "op_register_name": (T_OP | 0x30, "register_kv_cache_engine_driven_context"),
+    "op_unknown_name": (T_OP, "subscribe_kv_events"),
+    "op_unknown_int": (T_OP, 99),
+    "key_lookup": (T_KEY, lmc_key(worker_id=None)),
+    "key_store": (T_KEY, lmc_key(start=256, salt="tenant-a", mask=[[False, True], [False]])),
+    "key_small_limits": (T_KEY | SMALL, lmc_key(tokens=range(8), end=8)),
+    "key_tokens_u32": (T_KEY, lmc_key(tokens=[0, 127, 128, 255, 65535, 65536, 2**32 - 1],
+                                      end=0)),
+    "ctx": (T_CTX, LMC_CTX),
+    "ctx_groups": (T_CTX, dict(LMC_CTX, instance_id=-7, use_mla=True, num_physical_slots=None,
+                               engine_group_infos=[{"engine_group_id": 0,
+                                                    "layer_indices": [0, 1],
+                                                    "tokens_per_block": 16}],
+                               kernel_groups=[[1, 2]])),
+    "int_instance": (T_INT, 0x25895F0102030405),
+    "int_nil": (T_INT_NIL, None),
+    "int_negative": (T_INT_NIL, -2),
+    "uint_tp": (T_UINT, 2),
+    "bool_false": (T_BOOL, False),
+    "bool_int": (T_BOOL, 1),
+    "double_timeout": (T_DOUBLE, 1.5),
+    "str_request_id": (T_STR, "cmpl-5f1c-0"),
+    "bin_empty": (T_BIN, b""),
+    "records": (T_RECORDS, [{"req_id": "cmpl-5f1c-0", "new_block_ids": [3, 4],
+                             "new_token_ids": [1, 2, 3]}]),
+    "records_empty": (T_RECORDS | SMALL, []),
+}
+
+
+def lmc():
+    os.makedirs(LMC_OUT, exist_ok=True)
+    for name, (sel, value) in LMC_SEEDS.items():
+        with open(os.path.join(LMC_OUT, name), "wb") as f:
+            f.write(bytes([sel]) + msgpack.packb(value, use_bin_type=True))
+    # the error reply encoder takes raw text: a cut UTF-8 sequence at 4096 bytes
+    with open(os.path.join(LMC_OUT, "pack_error_utf8"), "wb") as f:
+        f.write(bytes([T_PACK_ERROR]) + b"a" + "\u00e9".encode() * 2100)
+    with open(os.path.join(LMC_OUT, "truncated_key"), "wb") as f:
+        f.write(bytes([T_KEY]) + msgpack.packb(lmc_key(), use_bin_type=True)[:-7])
+
+
 if __name__ == "__main__":
     main()
+    lmc()

@@ -1,0 +1,810 @@
+/* DESIGN: the LMCache MP wire's frames as pure functions of bytes. Every decoder runs the
+ * bounded pre-scan of kvt_msg over the whole frame (depth 8, an element budget) and only then
+ * lets msgpack-c unpack it into a zone of its own, which is destroyed before returning; the only
+ * memory that outlives a call is a key's token_ids and null-mask copies (kvt_lmc_key_free).
+ * Structs are msgspec maps: a per-struct list of field names, unknown keys skipped, a known one
+ * given twice refused. Any thread; no shared state. */
+#include "kvt_lmc.h"
+
+#include "kvt_error.h"
+#include "kvt_log.h"
+#include "kvt_msg.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define S_MAX_DEPTH 8
+/* a scalar frame has no elements; a few let a wrong-typed small container say what it is */
+#define S_SCALAR_ITEMS 16
+#define S_MAX_ERROR_MSG 4096
+
+/* ---- the op table ---- */
+
+#define S_CHECK_ID(N, ID, NAME, MIN, MAX, SERVED)                                              \
+    _Static_assert((ID) > 0 && (ID) < KVT_LMC_NOPS && (MIN) <= (MAX), #N ": bad table row");
+KVT_LMC_OP_MAP(S_CHECK_ID)
+#undef S_CHECK_ID
+
+static const kvt_lmc_opinfo_t s_ops[KVT_LMC_NOPS] = {
+#define XX(N, ID, NAME, MIN, MAX, SERVED) [ID] = {NAME, MIN, MAX, SERVED},
+    KVT_LMC_OP_MAP(XX)
+#undef XX
+};
+
+const kvt_lmc_opinfo_t *kvt_lmc_opinfo(kvt_lmc_op_t op)
+{
+    if ((int)op < 1 || (int)op >= KVT_LMC_NOPS || !s_ops[op].name)
+        return NULL;
+    return &s_ops[op];
+}
+
+/* ---- helpers ---- */
+
+static void s_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void s_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (!err || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static const char *s_type_name(const msgpack_object *o)
+{
+    switch (o->type) {
+    case MSGPACK_OBJECT_NIL: return "nil";
+    case MSGPACK_OBJECT_BOOLEAN: return "bool";
+    case MSGPACK_OBJECT_POSITIVE_INTEGER: return "int";
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER: return "negative int";
+    case MSGPACK_OBJECT_FLOAT32:
+    case MSGPACK_OBJECT_FLOAT64: return "float";
+    case MSGPACK_OBJECT_STR: return "str";
+    case MSGPACK_OBJECT_ARRAY: return "array";
+    case MSGPACK_OBJECT_MAP: return "map";
+    case MSGPACK_OBJECT_BIN: return "bin";
+    case MSGPACK_OBJECT_EXT: return "ext";
+    }
+    return "?";
+}
+
+/* Pre-scan, then unpack one object filling buf[0..len). On 0 the caller destroys *mp; on
+ * failure nothing is left to free. `what` prefixes the sentence in err. */
+static int s_unpack(const uint8_t *buf, size_t len, uint32_t max_items, msgpack_unpacked *mp,
+                    const char *what, char *err, size_t errlen)
+{
+    kvt_limits_t lim = {
+        .max_body = len > UINT32_MAX ? UINT32_MAX : (uint32_t)len,
+        .max_depth = S_MAX_DEPTH,
+        .max_items = max_items,
+    };
+    char why[128];
+    int rc = kvt_msg_prescan(buf, len, &lim, why, sizeof why);
+    if (rc) {
+        s_err(err, errlen, "%s: %s", what, why);
+        return rc;
+    }
+    msgpack_unpacked_init(mp);
+    size_t off = 0;
+    if (msgpack_unpack_next(mp, (const char *)buf, len, &off) != MSGPACK_UNPACK_SUCCESS ||
+        off != len) {
+        msgpack_unpacked_destroy(mp);
+        s_err(err, errlen, "%s: not one msgpack value", what);
+        return KVT_EBADREQ;
+    }
+    return 0;
+}
+
+static int s_wrong(const char *what, const char *field, const char *want,
+                   const msgpack_object *o, char *err, size_t errlen)
+{
+    s_err(err, errlen, "%s: %s must be %s, got %s", what, field, want, s_type_name(o));
+    return KVT_EBADREQ;
+}
+
+/* A non-negative int in lo..hi (bool is not an int). */
+static int s_uint(const msgpack_object *o, const char *what, const char *field, uint64_t lo,
+                  uint64_t hi, uint64_t *out, char *err, size_t errlen)
+{
+    if (o->type != MSGPACK_OBJECT_POSITIVE_INTEGER && o->type != MSGPACK_OBJECT_NEGATIVE_INTEGER)
+        return s_wrong(what, field, "an int", o, err, errlen);
+    if (o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER || o->via.u64 < lo || o->via.u64 > hi) {
+        s_err(err, errlen, "%s: %s must be %llu to %llu", what, field, (unsigned long long)lo,
+              (unsigned long long)hi);
+        return KVT_EBADREQ;
+    }
+    *out = o->via.u64;
+    return 0;
+}
+
+/* A str of lo..hi bytes with no NUL and none of `bad`, copied NUL-terminated into out (hi + 1
+ * bytes). */
+static int s_str(const msgpack_object *o, const char *what, const char *field, uint32_t lo,
+                 uint32_t hi, const char *bad, char *out, uint32_t *outlen, char *err,
+                 size_t errlen)
+{
+    if (o->type != MSGPACK_OBJECT_STR)
+        return s_wrong(what, field, "a str", o, err, errlen);
+    const char *p = o->via.str.ptr;
+    uint32_t n = o->via.str.size;
+    if (n < lo || n > hi) {
+        s_err(err, errlen, "%s: %s must be %u to %u bytes, got %u", what, field, lo, hi, n);
+        return KVT_EBADREQ;
+    }
+    if (n && memchr(p, 0, n)) {
+        s_err(err, errlen, "%s: %s contains a NUL byte", what, field);
+        return KVT_EBADREQ;
+    }
+    for (const char *b = bad; b && *b; b++)
+        if (n && memchr(p, *b, n)) {
+            s_err(err, errlen, "%s: %s contains '%c'", what, field, *b);
+            return KVT_EBADREQ;
+        }
+    if (n)
+        memcpy(out, p, n);
+    out[n] = '\0';
+    if (outlen)
+        *outlen = n;
+    return 0;
+}
+
+/* Collects the values of a msgspec map by field name into vals[] (NULL = absent). Keys must
+ * be str; unknown ones are skipped (later versions append fields); a known one given twice is
+ * refused, since msgspec and this decoder could disagree on which one wins. */
+static int s_fields(const msgpack_object *o, const char *what, const char *const *names, int n,
+                    const msgpack_object **vals, char *err, size_t errlen)
+{
+    if (o->type != MSGPACK_OBJECT_MAP) {
+        s_err(err, errlen, "%s: must be a map, got %s", what, s_type_name(o));
+        return KVT_EBADREQ;
+    }
+    for (int f = 0; f < n; f++)
+        vals[f] = NULL;
+    for (uint32_t i = 0; i < o->via.map.size; i++) {
+        const msgpack_object_kv *kv = &o->via.map.ptr[i];
+        if (kv->key.type != MSGPACK_OBJECT_STR) {
+            s_err(err, errlen, "%s: field names must be str, got %s", what,
+                  s_type_name(&kv->key));
+            return KVT_EBADREQ;
+        }
+        for (int f = 0; f < n; f++) {
+            size_t flen = strlen(names[f]);
+            if (kv->key.via.str.size != flen || memcmp(kv->key.via.str.ptr, names[f], flen))
+                continue;
+            if (vals[f]) {
+                s_err(err, errlen, "%s: field '%s' given twice", what, names[f]);
+                return KVT_EBADREQ;
+            }
+            vals[f] = &kv->val;
+            break;
+        }
+    }
+    return 0;
+}
+
+static int s_missing(const char *what, const char *field, char *err, size_t errlen)
+{
+    s_err(err, errlen, "%s: missing required field '%s'", what, field);
+    return KVT_EBADREQ;
+}
+
+/* ---- op frames ---- */
+
+static void s_name(char *name, size_t cap, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void s_name(char *name, size_t cap, const char *fmt, ...)
+{
+    if (!name || cap == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, cap, fmt, ap);
+    va_end(ap);
+}
+
+kvt_lmc_op_t kvt_lmc_op_decode(const uint8_t *buf, size_t len, char *name, size_t cap)
+{
+    msgpack_unpacked mp;
+    if (s_unpack(buf, len, S_SCALAR_ITEMS, &mp, "op", NULL, 0) != 0) {
+        s_name(name, cap, "?");
+        return KVT_LMC_OP_BAD;
+    }
+    const msgpack_object *o = &mp.data;
+    kvt_lmc_op_t op = KVT_LMC_OP_UNKNOWN;
+    switch (o->type) {
+    case MSGPACK_OBJECT_POSITIVE_INTEGER:
+        if (o->via.u64 < KVT_LMC_NOPS && kvt_lmc_opinfo((kvt_lmc_op_t)o->via.u64)) {
+            op = (kvt_lmc_op_t)o->via.u64;
+            s_name(name, cap, "%s", s_ops[op].name);
+        } else {
+            s_name(name, cap, "#%llu", (unsigned long long)o->via.u64);
+        }
+        break;
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER:
+        s_name(name, cap, "#%lld", (long long)o->via.i64);
+        break;
+    case MSGPACK_OBJECT_STR: {
+        const char *p = o->via.str.ptr;
+        uint32_t n = o->via.str.size;
+        for (int id = 1; id < KVT_LMC_NOPS; id++)
+            if (s_ops[id].name && strlen(s_ops[id].name) == n && memcmp(s_ops[id].name, p, n) == 0)
+                op = (kvt_lmc_op_t)id;
+        if (op != KVT_LMC_OP_UNKNOWN) {
+            s_name(name, cap, "%s", s_ops[op].name);
+        } else if (name && cap) {
+            /* the name goes into logs and metric labels: printable ASCII only */
+            size_t k = 0;
+            for (; k < n && k + 1 < cap; k++) {
+                unsigned char c = (unsigned char)p[k];
+                name[k] = c >= 0x20 && c < 0x7f ? (char)c : '?';
+            }
+            name[k] = '\0';
+        }
+        break;
+    }
+    default:
+        op = KVT_LMC_OP_BAD;
+        s_name(name, cap, "?");
+        break;
+    }
+    msgpack_unpacked_destroy(&mp);
+    return op;
+}
+
+/* ---- IPCCacheServerKey ---- */
+
+enum {
+    K_MODEL,
+    K_WORLD,
+    K_WORKER,
+    K_TOKENS,
+    K_START,
+    K_END,
+    K_REQUEST,
+    K_SALT,
+    K_CONFIGS,
+    K_READERS,
+    K_MASK,
+    K_COUNT
+};
+static const char *const s_key_fields[K_COUNT] = {
+    [K_MODEL] = "model_name",          [K_WORLD] = "world_size",
+    [K_WORKER] = "worker_id",          [K_TOKENS] = "token_ids",
+    [K_START] = "start",               [K_END] = "end",
+    [K_REQUEST] = "request_id",        [K_SALT] = "cache_salt",
+    [K_CONFIGS] = "request_configs",   [K_READERS] = "num_kv_readers",
+    [K_MASK] = "null_chunk_mask",
+};
+
+static int s_key_tokens(const msgpack_object *o, const kvt_lmc_limits_t *lim, kvt_lmc_key_t *out,
+                        char *err, size_t errlen)
+{
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return s_wrong("key", "token_ids", "an array of int", o, err, errlen);
+    uint32_t n = o->via.array.size;
+    if (n > lim->max_tokens) {
+        s_err(err, errlen, "key: token_ids has %u entries, at most %u", n, lim->max_tokens);
+        return KVT_ETOOBIG;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        const msgpack_object *e = &o->via.array.ptr[i];
+        if (e->type != MSGPACK_OBJECT_POSITIVE_INTEGER || e->via.u64 > UINT32_MAX) {
+            s_err(err, errlen, "key: token_ids[%u] is not an unsigned 32-bit int", i);
+            return KVT_EBADREQ;
+        }
+    }
+    if (n == 0)
+        return 0;
+    out->tokens = malloc((size_t)n * sizeof *out->tokens);
+    if (!out->tokens) {
+        s_err(err, errlen, "key: token_ids: out of memory");
+        return KVT_ENOMEM;
+    }
+    for (uint32_t i = 0; i < n; i++)
+        out->tokens[i] = (uint32_t)o->via.array.ptr[i].via.u64;
+    out->ntokens = n;
+    return 0;
+}
+
+/* nil, or [group][chunk] bools; every group is checked, only the first is kept. */
+static int s_key_mask(const msgpack_object *o, kvt_lmc_key_t *out, char *err, size_t errlen)
+{
+    if (o->type == MSGPACK_OBJECT_NIL)
+        return 0;
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return s_wrong("key", "null_chunk_mask", "nil or an array of arrays of bool", o, err,
+                       errlen);
+    for (uint32_t g = 0; g < o->via.array.size; g++) {
+        const msgpack_object *grp = &o->via.array.ptr[g];
+        if (grp->type != MSGPACK_OBJECT_ARRAY) {
+            s_err(err, errlen, "key: null_chunk_mask[%u] must be an array of bool, got %s", g,
+                  s_type_name(grp));
+            return KVT_EBADREQ;
+        }
+        for (uint32_t c = 0; c < grp->via.array.size; c++)
+            if (grp->via.array.ptr[c].type != MSGPACK_OBJECT_BOOLEAN) {
+                s_err(err, errlen, "key: null_chunk_mask[%u][%u] is not a bool", g, c);
+                return KVT_EBADREQ;
+            }
+    }
+    if (o->via.array.size == 0 || o->via.array.ptr[0].via.array.size == 0)
+        return 0;
+    const msgpack_object *first = &o->via.array.ptr[0];
+    uint32_t n = first->via.array.size;
+    out->null_mask = malloc((size_t)n * sizeof *out->null_mask);
+    if (!out->null_mask) {
+        s_err(err, errlen, "key: null_chunk_mask: out of memory");
+        return KVT_ENOMEM;
+    }
+    for (uint32_t c = 0; c < n; c++)
+        out->null_mask[c] = first->via.array.ptr[c].via.boolean;
+    out->null_mask_len = n;
+    return 0;
+}
+
+static int s_key(const msgpack_object *root, const kvt_lmc_limits_t *lim, kvt_lmc_key_t *out,
+                 char *err, size_t errlen)
+{
+    const msgpack_object *v[K_COUNT];
+    int rc = s_fields(root, "key", s_key_fields, K_COUNT, v, err, errlen);
+    if (rc)
+        return rc;
+    static const int required[] = {K_MODEL, K_WORLD, K_TOKENS, K_START, K_END, K_REQUEST};
+    for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
+        if (!v[required[i]])
+            return s_missing("key", s_key_fields[required[i]], err, errlen);
+
+    uint64_t u;
+    if ((rc = s_str(v[K_MODEL], "key", "model_name", 1, KVT_LMC_MAX_MODEL, NULL, out->model,
+                    NULL, err, errlen)))
+        return rc;
+    if ((rc = s_uint(v[K_WORLD], "key", "world_size", 1, KVT_LMC_MAX_WORLD, &u, err, errlen)))
+        return rc;
+    out->world_size = (uint32_t)u;
+    if (v[K_WORKER] && v[K_WORKER]->type != MSGPACK_OBJECT_NIL) {
+        if ((rc = s_uint(v[K_WORKER], "key", "worker_id", 0, out->world_size - 1, &u, err,
+                         errlen)))
+            return rc;
+        out->has_worker = true;
+        out->worker_id = (uint32_t)u;
+    }
+    if ((rc = s_key_tokens(v[K_TOKENS], lim, out, err, errlen)))
+        return rc;
+    if ((rc = s_uint(v[K_START], "key", "start", 0, UINT64_MAX, &out->start, err, errlen)))
+        return rc;
+    if ((rc = s_uint(v[K_END], "key", "end", 0, UINT64_MAX, &out->end, err, errlen)))
+        return rc;
+    if (out->start > out->end) {
+        s_err(err, errlen, "key: start %llu is after end %llu", (unsigned long long)out->start,
+              (unsigned long long)out->end);
+        return KVT_EBADREQ;
+    }
+    if ((rc = s_str(v[K_REQUEST], "key", "request_id", 0, KVT_LMC_MAX_REQUEST, NULL,
+                    out->request_id, NULL, err, errlen)))
+        return rc;
+    /* the salt becomes part of an object's identity and of L2 names: the same bytes msgspec's
+     * IPCCacheServerKey refuses */
+    if (v[K_SALT] && (rc = s_str(v[K_SALT], "key", "cache_salt", 0, KVT_MAX_SALT, "@/\\",
+                                 out->salt, &out->salt_len, err, errlen)))
+        return rc;
+    /* request_configs: any value, not part of identity */
+    if (v[K_READERS]) {
+        if ((rc = s_uint(v[K_READERS], "key", "num_kv_readers", 0, UINT32_MAX, &u, err, errlen)))
+            return rc;
+        out->num_kv_readers = (uint32_t)u;
+    }
+    if (v[K_MASK] && (rc = s_key_mask(v[K_MASK], out, err, errlen)))
+        return rc;
+    return 0;
+}
+
+int kvt_lmc_decode_key(const uint8_t *buf, size_t len, const kvt_lmc_limits_t *lim,
+                       kvt_lmc_key_t *out, char *err, size_t errlen)
+{
+    memset(out, 0, sizeof *out);
+    msgpack_unpacked mp;
+    int rc = s_unpack(buf, len, lim->max_items, &mp, "key", err, errlen);
+    if (rc)
+        return rc;
+    rc = s_key(&mp.data, lim, out, err, errlen);
+    msgpack_unpacked_destroy(&mp);
+    if (rc)
+        kvt_lmc_key_free(out);
+    return rc;
+}
+
+void kvt_lmc_key_free(kvt_lmc_key_t *key)
+{
+    if (!key)
+        return;
+    free(key->tokens);
+    free(key->null_mask);
+    key->tokens = NULL;
+    key->ntokens = 0;
+    key->null_mask = NULL;
+    key->null_mask_len = 0;
+}
+
+/* ---- RegisterEngineDrivenContextPayload ---- */
+
+enum { C_INSTANCE, C_MODEL, C_WORLD, C_BLOCK, C_LAYERS, C_HIDDEN, C_DTYPE, C_MLA, C_SLOTS,
+       C_GROUPS, C_COUNT };
+static const char *const s_ctx_fields[C_COUNT] = {
+    [C_INSTANCE] = "instance_id",     [C_MODEL] = "model_name",
+    [C_WORLD] = "world_size",         [C_BLOCK] = "block_size",
+    [C_LAYERS] = "num_layers",        [C_HIDDEN] = "hidden_dim_size",
+    [C_DTYPE] = "dtype_str",          [C_MLA] = "use_mla",
+    [C_SLOTS] = "num_physical_slots", [C_GROUPS] = "engine_group_infos",
+};
+
+static int s_ctx(const msgpack_object *root, kvt_lmc_ctx_t *out, char *err, size_t errlen)
+{
+    static const char W[] = "payload";
+    const msgpack_object *v[C_COUNT];
+    int rc = s_fields(root, W, s_ctx_fields, C_COUNT, v, err, errlen);
+    if (rc)
+        return rc;
+    static const int required[] = {C_INSTANCE, C_MODEL,  C_WORLD, C_BLOCK,
+                                   C_LAYERS,   C_HIDDEN, C_DTYPE};
+    for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
+        if (!v[required[i]])
+            return s_missing(W, s_ctx_fields[required[i]], err, errlen);
+
+    const msgpack_object *o = v[C_INSTANCE];
+    if (o->type != MSGPACK_OBJECT_POSITIVE_INTEGER && o->type != MSGPACK_OBJECT_NEGATIVE_INTEGER)
+        return s_wrong(W, "instance_id", "an int", o, err, errlen);
+    out->instance_id = o->via.u64; /* i64 and u64 share the bits */
+    if ((rc = s_str(v[C_MODEL], W, "model_name", 1, KVT_LMC_MAX_MODEL, NULL, out->model, NULL,
+                    err, errlen)))
+        return rc;
+    uint64_t u;
+    if ((rc = s_uint(v[C_WORLD], W, "world_size", 1, KVT_LMC_MAX_WORLD, &u, err, errlen)))
+        return rc;
+    out->world_size = (uint32_t)u;
+    if ((rc = s_uint(v[C_BLOCK], W, "block_size", 1, UINT32_MAX, &u, err, errlen)))
+        return rc;
+    out->block_size = (uint32_t)u;
+    if ((rc = s_uint(v[C_LAYERS], W, "num_layers", 1, 65536, &u, err, errlen)))
+        return rc;
+    out->num_layers = (uint32_t)u;
+    if ((rc = s_uint(v[C_HIDDEN], W, "hidden_dim_size", 1, UINT64_MAX, &out->hidden_dim_size,
+                     err, errlen)))
+        return rc;
+    if ((rc = s_str(v[C_DTYPE], W, "dtype_str", 0, KVT_MAX_DTYPE, NULL, out->dtype, NULL, err,
+                    errlen)))
+        return rc;
+    if ((o = v[C_MLA])) {
+        if (o->type != MSGPACK_OBJECT_BOOLEAN)
+            return s_wrong(W, "use_mla", "a bool", o, err, errlen);
+        out->use_mla = o->via.boolean;
+    }
+    if ((o = v[C_SLOTS]) && o->type != MSGPACK_OBJECT_NIL &&
+        (rc = s_uint(o, W, "num_physical_slots", 0, UINT64_MAX, &out->num_physical_slots, err,
+                     errlen)))
+        return rc;
+    /* nil is taken as "none" too: a version may declare the list optional */
+    if ((o = v[C_GROUPS]) && o->type != MSGPACK_OBJECT_NIL) {
+        if (o->type != MSGPACK_OBJECT_ARRAY)
+            return s_wrong(W, "engine_group_infos", "an array of maps", o, err, errlen);
+        for (uint32_t i = 0; i < o->via.array.size; i++)
+            if (o->via.array.ptr[i].type != MSGPACK_OBJECT_MAP) {
+                s_err(err, errlen, "%s: engine_group_infos[%u] must be a map, got %s", W, i,
+                      s_type_name(&o->via.array.ptr[i]));
+                return KVT_EBADREQ;
+            }
+        out->ngroups = o->via.array.size;
+    }
+    return 0;
+}
+
+int kvt_lmc_decode_ctx(const uint8_t *buf, size_t len, const kvt_lmc_limits_t *lim,
+                       kvt_lmc_ctx_t *out, char *err, size_t errlen)
+{
+    memset(out, 0, sizeof *out);
+    msgpack_unpacked mp;
+    int rc = s_unpack(buf, len, lim->max_items, &mp, "payload", err, errlen);
+    if (rc)
+        return rc;
+    rc = s_ctx(&mp.data, out, err, errlen);
+    msgpack_unpacked_destroy(&mp);
+    if (rc)
+        memset(out, 0, sizeof *out);
+    return rc;
+}
+
+/* ---- top-level scalars ---- */
+
+/* A scalar frame: anything bigger than S_SCALAR_ITEMS is simply the wrong type, so the
+ * pre-scan's "too many elements" is reported as a bad request, not as too big. */
+static int s_scalar(const uint8_t *buf, size_t len, msgpack_unpacked *mp, char *err,
+                    size_t errlen)
+{
+    int rc = s_unpack(buf, len, S_SCALAR_ITEMS, mp, "argument", err, errlen);
+    return rc == KVT_ETOOBIG ? KVT_EBADREQ : rc;
+}
+
+int kvt_lmc_decode_int(const uint8_t *buf, size_t len, bool allow_nil, uint64_t *out,
+                       bool *is_nil, char *err, size_t errlen)
+{
+    msgpack_unpacked mp;
+    int rc = s_scalar(buf, len, &mp, err, errlen);
+    if (rc)
+        return rc;
+    const msgpack_object *o = &mp.data;
+    if (is_nil)
+        *is_nil = false;
+    if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER || o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER) {
+        *out = o->via.u64;
+    } else if (allow_nil && o->type == MSGPACK_OBJECT_NIL) {
+        *out = 0;
+        if (is_nil)
+            *is_nil = true;
+    } else {
+        rc = s_wrong("argument", "value", allow_nil ? "an int or nil" : "an int", o, err, errlen);
+    }
+    msgpack_unpacked_destroy(&mp);
+    return rc;
+}
+
+int kvt_lmc_decode_uint(const uint8_t *buf, size_t len, uint64_t max, uint64_t *out, char *err,
+                        size_t errlen)
+{
+    msgpack_unpacked mp;
+    int rc = s_scalar(buf, len, &mp, err, errlen);
+    if (rc)
+        return rc;
+    rc = s_uint(&mp.data, "argument", "value", 0, max, out, err, errlen);
+    msgpack_unpacked_destroy(&mp);
+    return rc;
+}
+
+int kvt_lmc_decode_bool(const uint8_t *buf, size_t len, bool *out, char *err, size_t errlen)
+{
+    msgpack_unpacked mp;
+    int rc = s_scalar(buf, len, &mp, err, errlen);
+    if (rc)
+        return rc;
+    const msgpack_object *o = &mp.data;
+    if (o->type == MSGPACK_OBJECT_BOOLEAN)
+        *out = o->via.boolean;
+    else if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER ||
+             o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
+        *out = o->via.u64 != 0;
+    else
+        rc = s_wrong("argument", "value", "a bool", o, err, errlen);
+    msgpack_unpacked_destroy(&mp);
+    return rc;
+}
+
+int kvt_lmc_decode_double(const uint8_t *buf, size_t len, double *out, char *err, size_t errlen)
+{
+    msgpack_unpacked mp;
+    int rc = s_scalar(buf, len, &mp, err, errlen);
+    if (rc)
+        return rc;
+    const msgpack_object *o = &mp.data;
+    switch (o->type) {
+    case MSGPACK_OBJECT_FLOAT32:
+    case MSGPACK_OBJECT_FLOAT64:
+        /* a NaN or infinite timeout would reach a float-to-int conversion in the caller */
+        if (!isfinite(o->via.f64)) {
+            s_err(err, errlen, "argument: value must be a finite number");
+            rc = KVT_EBADREQ;
+        } else {
+            *out = o->via.f64;
+        }
+        break;
+    case MSGPACK_OBJECT_POSITIVE_INTEGER: *out = (double)o->via.u64; break;
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER: *out = (double)o->via.i64; break;
+    default: rc = s_wrong("argument", "value", "a float or an int", o, err, errlen); break;
+    }
+    msgpack_unpacked_destroy(&mp);
+    return rc;
+}
+
+int kvt_lmc_decode_str(const uint8_t *buf, size_t len, char *out, size_t cap, char *err,
+                       size_t errlen)
+{
+    if (cap == 0) {
+        s_err(err, errlen, "argument: no room for a str");
+        return KVT_EBADREQ;
+    }
+    uint32_t hi = cap - 1 > UINT32_MAX ? UINT32_MAX : (uint32_t)(cap - 1);
+    msgpack_unpacked mp;
+    int rc = s_scalar(buf, len, &mp, err, errlen);
+    if (rc)
+        return rc;
+    rc = s_str(&mp.data, "argument", "value", 0, hi, NULL, out, NULL, err, errlen);
+    msgpack_unpacked_destroy(&mp);
+    return rc;
+}
+
+int kvt_lmc_decode_bin_len(const uint8_t *buf, size_t len, uint64_t *out, char *err,
+                           size_t errlen)
+{
+    msgpack_unpacked mp;
+    int rc = s_scalar(buf, len, &mp, err, errlen);
+    if (rc)
+        return rc;
+    if (mp.data.type == MSGPACK_OBJECT_BIN)
+        *out = mp.data.via.bin.size;
+    else
+        rc = s_wrong("argument", "value", "a bin", &mp.data, err, errlen);
+    msgpack_unpacked_destroy(&mp);
+    return rc;
+}
+
+/* ---- BlockAllocationRecord list ---- */
+
+enum { R_REQ, R_BLOCKS, R_TOKENS, R_COUNT };
+static const char *const s_rec_fields[R_COUNT] = {"req_id", "new_block_ids", "new_token_ids"};
+
+static int s_int_array(const msgpack_object *o, const char *what, const char *field, char *err,
+                       size_t errlen)
+{
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return s_wrong(what, field, "an array of int", o, err, errlen);
+    for (uint32_t i = 0; i < o->via.array.size; i++) {
+        msgpack_object_type t = o->via.array.ptr[i].type;
+        if (t != MSGPACK_OBJECT_POSITIVE_INTEGER && t != MSGPACK_OBJECT_NEGATIVE_INTEGER) {
+            s_err(err, errlen, "%s: %s[%u] is not an int", what, field, i);
+            return KVT_EBADREQ;
+        }
+    }
+    return 0;
+}
+
+static int s_records(const msgpack_object *root, char *err, size_t errlen)
+{
+    if (root->type != MSGPACK_OBJECT_ARRAY)
+        return s_wrong("records", "value", "an array of maps", root, err, errlen);
+    for (uint32_t i = 0; i < root->via.array.size; i++) {
+        char what[32];
+        snprintf(what, sizeof what, "records[%u]", i);
+        const msgpack_object *v[R_COUNT];
+        int rc = s_fields(&root->via.array.ptr[i], what, s_rec_fields, R_COUNT, v, err, errlen);
+        if (rc)
+            return rc;
+        for (int f = 0; f < R_COUNT; f++)
+            if (!v[f])
+                return s_missing(what, s_rec_fields[f], err, errlen);
+        if (v[R_REQ]->type != MSGPACK_OBJECT_STR)
+            return s_wrong(what, "req_id", "a str", v[R_REQ], err, errlen);
+        if ((rc = s_int_array(v[R_BLOCKS], what, "new_block_ids", err, errlen)) ||
+            (rc = s_int_array(v[R_TOKENS], what, "new_token_ids", err, errlen)))
+            return rc;
+    }
+    return 0;
+}
+
+int kvt_lmc_check_records(const uint8_t *buf, size_t len, const kvt_lmc_limits_t *lim,
+                          char *err, size_t errlen)
+{
+    msgpack_unpacked mp;
+    int rc = s_unpack(buf, len, lim->max_items, &mp, "records", err, errlen);
+    if (rc)
+        return rc;
+    rc = s_records(&mp.data, err, errlen);
+    msgpack_unpacked_destroy(&mp);
+    return rc;
+}
+
+/* ---- dtypes ---- */
+
+uint32_t kvt_lmc_dtype_size(const char *dtype)
+{
+    static const struct {
+        const char *name;
+        uint32_t size;
+    } tab[] = {
+        {"bfloat16", 2},      {"float16", 2},     {"half", 2},  {"float32", 4},
+        {"float", 4},         {"float64", 8},     {"double", 8}, {"float8_e4m3fn", 1},
+        {"float8_e5m2", 1},   {"uint8", 1},       {"int8", 1},  {"int16", 2},
+        {"int32", 4},         {"int64", 8},       {"bool", 1},
+    };
+    if (!dtype)
+        return 0;
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
+        if (strcmp(tab[i].name, dtype) == 0)
+            return tab[i].size;
+    return 0;
+}
+
+/* ---- replies (msgspec writes every field, in declaration order) ---- */
+
+static void s_pack_slot(msgpack_packer *pk, const kvt_lmc_slot_t *s)
+{
+    kvt_assert(s->ndim <= KVT_LMC_MAX_SHAPE && s->dtype);
+    msgpack_pack_map(pk, 4);
+    kvt_pack_str(pk, "offset");
+    msgpack_pack_uint64(pk, s->offset);
+    kvt_pack_str(pk, "length");
+    msgpack_pack_uint64(pk, s->length);
+    kvt_pack_str(pk, "shape");
+    msgpack_pack_array(pk, s->ndim);
+    for (uint32_t d = 0; d < s->ndim; d++)
+        msgpack_pack_uint64(pk, s->shape[d]);
+    kvt_pack_str(pk, "dtype");
+    kvt_pack_str(pk, s->dtype);
+}
+
+static void s_pack_slots(msgpack_packer *pk, const kvt_lmc_slot_t *slots, uint32_t n)
+{
+    kvt_pack_str(pk, "slots");
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < n; i++)
+        s_pack_slot(pk, &slots[i]);
+}
+
+void kvt_lmc_pack_register(msgpack_packer *pk, const char *shm_name, uint64_t pool_size,
+                           const char *error)
+{
+    msgpack_pack_map(pk, 5);
+    kvt_pack_str(pk, "shm_name");
+    kvt_pack_str(pk, shm_name ? shm_name : "");
+    kvt_pack_str(pk, "pool_size");
+    msgpack_pack_uint64(pk, pool_size);
+    kvt_pack_str(pk, "scratch_offset");
+    msgpack_pack_uint64(pk, 0);
+    kvt_pack_str(pk, "scratch_size");
+    msgpack_pack_uint64(pk, 0);
+    kvt_pack_str(pk, "error");
+    if (error)
+        kvt_pack_str(pk, error);
+    else
+        msgpack_pack_nil(pk);
+}
+
+void kvt_lmc_pack_prepare_store(msgpack_packer *pk, const kvt_lmc_slot_t *slots,
+                                const uint32_t *chunk_indices, uint32_t n)
+{
+    msgpack_pack_map(pk, 1);
+    kvt_pack_str(pk, "context");
+    msgpack_pack_map(pk, 2);
+    s_pack_slots(pk, slots, n);
+    kvt_pack_str(pk, "chunk_indices");
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < n; i++)
+        msgpack_pack_uint32(pk, chunk_indices[i]);
+}
+
+void kvt_lmc_pack_prepare_retrieve(msgpack_packer *pk, bool success, const kvt_lmc_slot_t *slots,
+                                   uint32_t n)
+{
+    msgpack_pack_map(pk, 3);
+    kvt_pack_str(pk, "success");
+    if (success)
+        msgpack_pack_true(pk);
+    else
+        msgpack_pack_false(pk);
+    kvt_pack_str(pk, "data");
+    msgpack_pack_bin(pk, 0); /* bin, never str: the client checks the type */
+    kvt_pack_str(pk, "context");
+    msgpack_pack_map(pk, 1);
+    s_pack_slots(pk, slots, n);
+}
+
+void kvt_lmc_pack_error(msgpack_packer *pk, const char *error_type, const char *message)
+{
+    if (!message)
+        message = "";
+    size_t n = strlen(message);
+    if (n > S_MAX_ERROR_MSG) {
+        /* back off to the start of a UTF-8 sequence (at most 3 continuation bytes) */
+        n = S_MAX_ERROR_MSG;
+        for (int k = 0; k < 3 && n > 0 && ((unsigned char)message[n] & 0xc0) == 0x80; k++)
+            n--;
+    }
+    msgpack_pack_map(pk, 2);
+    kvt_pack_str(pk, "error_type");
+    kvt_pack_str(pk, error_type ? error_type : "");
+    kvt_pack_str(pk, "message");
+    kvt_pack_strn(pk, message, n);
+}
