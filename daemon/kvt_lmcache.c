@@ -924,8 +924,14 @@ static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int n
         }
         break;
     case KVT_LMC_REGISTER_CONTEXT:
-        if ((rc = kvt_lmc_decode_ctx(S_ARG(0), &self->lim, &ctx, why, sizeof why)) == 0)
+        if ((rc = kvt_lmc_decode_ctx(S_ARG(0), &self->lim, &ctx, why, sizeof why)) == 0) {
             s_op_register(self, &ctx, r);
+        } else {
+            /* the response's `error` refuses a registration in a form every client reads */
+            kvt_log(KVT_LOG_WARN, "lmcache: registration refused: %s", why);
+            kvt_lmc_pack_register(s_value(r), self->shm_name, self->pool_size, why);
+            rc = 0;
+        }
         break;
     case KVT_LMC_UNREGISTER_CONTEXT:
         if ((rc = kvt_lmc_decode_int(S_ARG(0), false, &u, &nil, why, sizeof why)) == 0) {
