@@ -2,7 +2,7 @@
  * baseline measured in the same run and the ratio to it, judged against the targets of the
  * benchmarks issue (PASS / MISS; --quick judges nothing).
  *
- *   build/kvtier-bench [--quick] [--json FILE] [--daemon PATH] [--redis PATH]
+ *   build/kvtier-bench [--quick] [--json FILE] [--daemon PATH] [--redis PATH] [--only CASES]
  *
  * DESIGN: the benchmark owns everything it measures. It makes a private run dir (mkdtemp),
  * spawns build/kvtierd there (ipc only, --http "", --l2 none unless the case needs L2, --l1-size
@@ -20,7 +20,11 @@
  *   6 LOOKUP p99 while 16x4 MiB GETs run in another thread, and while a slow L2
  *     (mock:latency_ms=20) loads prefetches, vs the idle p99 of the same daemon;
  *   7 LOOKUP cost at 10k/100k/1M objects of 4 KiB and daemon RSS minus shared memory per
- *     object.
+ *     object;
+ *   8 one prompt of 16 chunks of 1 MiB stored and loaded through the LMCache door
+ *     (--lmcache-listen: lookup, prepare/commit_store, lookup, prepare/commit_retrieve,
+ *     end_session, from a DEALER speaking LMCache's wire) vs the same through protocol v1
+ *     (LOOKUP, RESERVE, COMMIT, LOOKUP, ACQUIRE, RELEASE), p50 of the whole sequence.
  * --quick is a smoke mode (< 20 s): small counts, same code paths, no verdicts. */
 #include "kvtier.h"
 
@@ -29,6 +33,7 @@
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
 #include <jansson.h>
+#include <msgpack.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
@@ -286,9 +291,10 @@ static kvtier_t *s_connect(const daemon_t *d, const char *instance, int timeout_
     return c;
 }
 
-/* Starts kvtierd on its own dir under the run dir; waits (<= 90 s) until it answers HELLO. */
-static bool s_daemon_start(daemon_t *d, const char *name, const char *l1_size, const char *l2,
-                           const char *hwm, const char *lwm)
+/* Starts kvtierd on its own dir under the run dir; waits (<= 90 s) until it answers HELLO.
+ * extra: NULL, or more arguments (NULL-terminated, at most 8) appended to its command line. */
+static bool s_daemon_start_ex(daemon_t *d, const char *name, const char *l1_size, const char *l2,
+                              const char *hwm, const char *lwm, const char *const *extra)
 {
     snprintf(d->dir, sizeof d->dir, "%s/%s", s_opt.run_dir, name);
     mkdir(d->dir, 0700);
@@ -323,6 +329,8 @@ static bool s_daemon_start(daemon_t *d, const char *name, const char *l1_size, c
         argv[n++] = "--low-watermark";
         argv[n++] = (char *)lwm;
     }
+    for (int i = 0; extra && extra[i] && i < 8; i++)
+        argv[n++] = (char *)extra[i];
     argv[n] = NULL;
     d->pid = s_spawn(argv, log);
     double deadline = s_now() + 90;
@@ -345,6 +353,12 @@ static bool s_daemon_start(daemon_t *d, const char *name, const char *l1_size, c
     d->pid = 0;
     s_nerr++;
     return false;
+}
+
+static bool s_daemon_start(daemon_t *d, const char *name, const char *l1_size, const char *l2,
+                           const char *hwm, const char *lwm)
+{
+    return s_daemon_start_ex(d, name, l1_size, l2, hwm, lwm, NULL);
 }
 
 static void s_daemon_stop(daemon_t *d)
@@ -1284,13 +1298,704 @@ static void s_case_scale(void)
     s_daemon_stop(&d);
 }
 
+/* ---- case 8: one prompt through the LMCache door vs protocol v1 --------------------------- */
+
+/* 16 chunks of 256 tokens; the registered layout [2, 8 layers, 256 tokens, 128] bfloat16 makes
+ * one chunk 2 * 8 * 256 * 128 * 2 = 1 MiB. */
+#define C8_CHUNKS 16
+#define C8_TOKENS 256
+#define C8_LAYERS 8
+#define C8_HIDDEN 128
+#define C8_OBJ MiB
+#define C8_MODEL "bench8-model"
+#define C8_NS "bench8"
+#define C8_CLEAR_EVERY 4 /* iterations (both doors) between clears, which are not timed */
+
+/* LMCache wire op ids (LMCACHE_MP.md §2.1; protocol/kvt_lmc.h) */
+enum {
+    LMC_LOOKUP = 8,
+    LMC_QUERY_PREFETCH_STATUS = 9,
+    LMC_END_SESSION = 13,
+    LMC_REGISTER = 14,
+    LMC_PREPARE_STORE = 16,
+    LMC_COMMIT_STORE = 17,
+    LMC_PREPARE_RETRIEVE = 18,
+    LMC_COMMIT_RETRIEVE = 19,
+    LMC_CLEAR = 20,
+};
+
+/* One LMCache client: a DEALER with the options LMCache's client sets, a uid counter from 0,
+ * and the frames of the request being built, back to back in one buffer. */
+typedef struct {
+    void *ctx, *sock;
+    uint64_t uid;
+    int op;
+    msgpack_sbuffer buf;
+    msgpack_packer pk;
+    size_t cut[8]; /* end offset of each frame in buf */
+    int nframes;
+    char uidb[9], opb[9]; /* the uid and op frames sent, to check the echo */
+    size_t uidlen, oplen;
+    msgpack_unpacked val;
+} s_lmc_t;
+
+static bool s_lmc_open(s_lmc_t *l, const char *endpoint)
+{
+    memset(l, 0, sizeof *l);
+    msgpack_sbuffer_init(&l->buf);
+    msgpack_packer_init(&l->pk, &l->buf, msgpack_sbuffer_write);
+    msgpack_unpacked_init(&l->val);
+    l->ctx = zmq_ctx_new();
+    l->sock = l->ctx ? zmq_socket(l->ctx, ZMQ_DEALER) : NULL;
+    if (!l->sock)
+        return false;
+    int v = 5000, ivl = 1000, linger = 0, rcv = CALL_TIMEOUT_MS;
+    zmq_setsockopt(l->sock, ZMQ_CONNECT_TIMEOUT, &v, sizeof v);
+    zmq_setsockopt(l->sock, ZMQ_RECONNECT_IVL_MAX, &ivl, sizeof ivl);
+    zmq_setsockopt(l->sock, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(l->sock, ZMQ_RCVTIMEO, &rcv, sizeof rcv);
+    return zmq_connect(l->sock, endpoint) == 0;
+}
+
+static void s_lmc_close(s_lmc_t *l)
+{
+    if (l->sock)
+        zmq_close(l->sock);
+    if (l->ctx)
+        zmq_ctx_term(l->ctx);
+    msgpack_sbuffer_destroy(&l->buf);
+    msgpack_unpacked_destroy(&l->val);
+    l->sock = l->ctx = NULL;
+}
+
+/* Starts a request: the uid frame (msgpack int) and the op frame (msgpack int). Each argument
+ * is then packed with l->pk and closed with s_lmc_arg. */
+static msgpack_packer *s_lmc_begin(s_lmc_t *l, int op)
+{
+    msgpack_sbuffer_clear(&l->buf);
+    l->nframes = 0;
+    l->op = op;
+    msgpack_pack_uint64(&l->pk, l->uid++);
+    l->cut[l->nframes++] = l->buf.size;
+    msgpack_pack_int(&l->pk, op);
+    l->cut[l->nframes++] = l->buf.size;
+    l->uidlen = l->cut[0];
+    l->oplen = l->cut[1] - l->cut[0];
+    memcpy(l->uidb, l->buf.data, l->uidlen);
+    memcpy(l->opb, l->buf.data + l->cut[0], l->oplen);
+    return &l->pk;
+}
+
+static void s_lmc_arg(s_lmc_t *l)
+{
+    l->cut[l->nframes++] = l->buf.size;
+}
+
+static void s_pack_str(msgpack_packer *pk, const char *s)
+{
+    size_t n = strlen(s);
+    msgpack_pack_str(pk, n);
+    msgpack_pack_str_body(pk, s, n);
+}
+
+/* Sends the request and reads its reply. Returns 1 with *out the value (a 3-frame reply), 0
+ * for a 2-frame reply (a None return), -1 on a failure (printed: no reply, a wrong echo, the
+ * error form). */
+static int s_lmc_call(s_lmc_t *l, const msgpack_object **out)
+{
+    for (int i = 0; i < l->nframes; i++) {
+        size_t a = i ? l->cut[i - 1] : 0;
+        if (zmq_send(l->sock, l->buf.data + a, l->cut[i] - a,
+                     i + 1 < l->nframes ? ZMQ_SNDMORE : 0) < 0) {
+            fprintf(stderr, "kvtier-bench: case 8: send of op %d: %s\n", l->op,
+                    zmq_strerror(errno));
+            return -1;
+        }
+    }
+    zmq_msg_t f[4];
+    int n = 0, more = 1;
+    bool bad = false;
+    while (more) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, l->sock, 0) < 0) {
+            fprintf(stderr, "kvtier-bench: case 8: no reply to op %d: %s\n", l->op,
+                    zmq_strerror(errno));
+            zmq_msg_close(&m);
+            for (int i = 0; i < n; i++)
+                zmq_msg_close(&f[i]);
+            return -1;
+        }
+        more = zmq_msg_more(&m);
+        if (n < 4)
+            f[n++] = m;
+        else {
+            bad = true;
+            zmq_msg_close(&m);
+        }
+    }
+    int rc = -1;
+    if (bad || n < 2 || zmq_msg_size(&f[0]) != l->uidlen ||
+        memcmp(zmq_msg_data(&f[0]), l->uidb, l->uidlen) || zmq_msg_size(&f[1]) != l->oplen ||
+        memcmp(zmq_msg_data(&f[1]), l->opb, l->oplen)) {
+        fprintf(stderr, "kvtier-bench: case 8: reply to op %d: %d frames, uid/op not echoed\n",
+                l->op, n);
+    } else if (n == 2) {
+        rc = 0;
+    } else if (n == 3) {
+        if (msgpack_unpack_next(&l->val, zmq_msg_data(&f[2]), zmq_msg_size(&f[2]), NULL) ==
+            MSGPACK_UNPACK_SUCCESS) {
+            *out = &l->val.data;
+            rc = 1;
+        } else {
+            fprintf(stderr, "kvtier-bench: case 8: reply to op %d does not decode\n", l->op);
+        }
+    } else {
+        fprintf(stderr, "kvtier-bench: case 8: op %d answered with an error: %.*s\n", l->op,
+                (int)zmq_msg_size(&f[3]), (const char *)zmq_msg_data(&f[3]));
+    }
+    for (int i = 0; i < n; i++)
+        zmq_msg_close(&f[i]);
+    return rc;
+}
+
+/* The value of `name` in a msgpack map with str keys, NULL when absent or not a map. */
+static const msgpack_object *s_mp_get(const msgpack_object *o, const char *name)
+{
+    if (!o || o->type != MSGPACK_OBJECT_MAP)
+        return NULL;
+    size_t n = strlen(name);
+    for (uint32_t i = 0; i < o->via.map.size; i++) {
+        const msgpack_object *k = &o->via.map.ptr[i].key;
+        if (k->type == MSGPACK_OBJECT_STR && k->via.str.size == n &&
+            !memcmp(k->via.str.ptr, name, n))
+            return &o->via.map.ptr[i].val;
+    }
+    return NULL;
+}
+
+static bool s_mp_uint(const msgpack_object *o, uint64_t *v)
+{
+    if (!o || o->type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+        return false;
+    *v = o->via.u64;
+    return true;
+}
+
+/* IPCCacheServerKey as msgspec encodes it: all 11 fields in declaration order. worker < 0:
+ * nil (the scheduler's lookups). */
+static void s_lmc_key(msgpack_packer *pk, const uint32_t *tokens, uint32_t ntok, int worker,
+                      uint64_t start, uint64_t end, const char *request_id)
+{
+    msgpack_pack_map(pk, 11);
+    s_pack_str(pk, "model_name");
+    s_pack_str(pk, C8_MODEL);
+    s_pack_str(pk, "world_size");
+    msgpack_pack_int(pk, 1);
+    s_pack_str(pk, "worker_id");
+    if (worker < 0)
+        msgpack_pack_nil(pk);
+    else
+        msgpack_pack_int(pk, worker);
+    s_pack_str(pk, "token_ids");
+    msgpack_pack_array(pk, ntok);
+    for (uint32_t i = 0; i < ntok; i++)
+        msgpack_pack_uint32(pk, tokens[i]);
+    s_pack_str(pk, "start");
+    msgpack_pack_uint64(pk, start);
+    s_pack_str(pk, "end");
+    msgpack_pack_uint64(pk, end);
+    s_pack_str(pk, "request_id");
+    s_pack_str(pk, request_id);
+    s_pack_str(pk, "cache_salt");
+    s_pack_str(pk, "");
+    s_pack_str(pk, "request_configs");
+    msgpack_pack_nil(pk);
+    s_pack_str(pk, "num_kv_readers");
+    msgpack_pack_int(pk, 1);
+    s_pack_str(pk, "null_chunk_mask");
+    msgpack_pack_nil(pk);
+}
+
+/* lookup(key with worker_id nil, tp_size 1) then query_prefetch_status(request_id) until it is
+ * an int (it is None while L2 loads run; this daemon has no L2). Returns the hits, -1. */
+static int64_t s_lmc_lookup(s_lmc_t *l, const uint32_t *tokens, uint32_t ntok, const char *rid)
+{
+    const msgpack_object *v = NULL;
+    s_lmc_key(s_lmc_begin(l, LMC_LOOKUP), tokens, ntok, -1, 0, ntok, rid);
+    s_lmc_arg(l);
+    msgpack_pack_int(&l->pk, 1);
+    s_lmc_arg(l);
+    if (s_lmc_call(l, &v) != 0)
+        return -1;
+    for (int tries = 0; tries < 10000; tries++) {
+        s_pack_str(s_lmc_begin(l, LMC_QUERY_PREFETCH_STATUS), rid);
+        s_lmc_arg(l);
+        int rc = s_lmc_call(l, &v);
+        uint64_t hits;
+        if (rc == 1 && s_mp_uint(v, &hits))
+            return (int64_t)hits;
+        if (rc != 0)
+            return -1;
+        usleep(100);
+    }
+    return -1;
+}
+
+/* prepare_store / prepare_retrieve / commit_store / commit_retrieve of [0, ntok) for worker 0
+ * with the key and the instance id (and commit_store's data b""). */
+static int s_lmc_xfer(s_lmc_t *l, int op, const uint32_t *tokens, uint32_t ntok,
+                      const char *rid, uint64_t instance, const msgpack_object **v)
+{
+    s_lmc_key(s_lmc_begin(l, op), tokens, ntok, 0, 0, ntok, rid);
+    s_lmc_arg(l);
+    msgpack_pack_uint64(&l->pk, instance);
+    s_lmc_arg(l);
+    if (op == LMC_COMMIT_STORE) {
+        msgpack_pack_bin(&l->pk, 0);
+        msgpack_pack_bin_body(&l->pk, "", 0);
+        s_lmc_arg(l);
+    }
+    return s_lmc_call(l, v);
+}
+
+/* The slots of a prepare reply's context: off[chunk index] for each; how many, -1 when one is
+ * malformed, not 1 MiB or outside the pool. */
+static int s_lmc_slots(const msgpack_object *ctx, uint64_t pool, uint64_t *off)
+{
+    const msgpack_object *slots = s_mp_get(ctx, "slots"), *idx = s_mp_get(ctx, "chunk_indices");
+    if (!slots || slots->type != MSGPACK_OBJECT_ARRAY || slots->via.array.size > C8_CHUNKS)
+        return -1;
+    uint32_t n = slots->via.array.size;
+    if (idx && (idx->type != MSGPACK_OBJECT_ARRAY || idx->via.array.size != n))
+        return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t o, len, c = i;
+        if (!s_mp_uint(s_mp_get(&slots->via.array.ptr[i], "offset"), &o) ||
+            !s_mp_uint(s_mp_get(&slots->via.array.ptr[i], "length"), &len) || len != C8_OBJ ||
+            o > pool || pool - o < len || (idx && !s_mp_uint(&idx->via.array.ptr[i], &c)) ||
+            c >= C8_CHUNKS)
+            return -1;
+        off[c] = o;
+    }
+    return (int)n;
+}
+
+/* phases timed within one sequence (for the per-op breakdown) */
+#define C8_PHASES 9
+static const char *const s_c8_lmc_phase[C8_PHASES] = {
+    "lookup+status", "prepare_store", "memcpy in", "commit_store", "lookup+status",
+    "prepare_retrieve", "memcpy out", "commit_retrieve", "end_session"};
+static const char *const s_c8_v1_phase[C8_PHASES] = {
+    "hash+LOOKUP", "RESERVE", "memcpy in", "COMMIT", "LOOKUP", "ACQUIRE", "memcpy out",
+    "RELEASE", "-"};
+
+static uint64_t s_ns_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* One prompt through the LMCache door; t[0..C8_PHASES] the phase boundaries (ns). */
+static bool s_c8_lmc(s_lmc_t *l, uint8_t *pool, uint64_t pool_size, uint64_t instance,
+                     const uint32_t *tokens, const char *rid, const uint8_t *src, uint8_t *dst,
+                     uint64_t *t)
+{
+    const uint32_t ntok = C8_CHUNKS * C8_TOKENS;
+    const msgpack_object *v = NULL;
+    uint64_t off[C8_CHUNKS];
+    int p = 0;
+    t[p++] = s_ns_now();
+    int64_t hits = s_lmc_lookup(l, tokens, ntok, rid);
+    t[p++] = s_ns_now();
+    if (hits != 0) {
+        fprintf(stderr, "kvtier-bench: case 8: first lookup: %lld hits, want 0\n",
+                (long long)hits);
+        return false;
+    }
+    if (s_lmc_xfer(l, LMC_PREPARE_STORE, tokens, ntok, rid, instance, &v) != 1 ||
+        s_lmc_slots(s_mp_get(v, "context"), pool_size, off) != C8_CHUNKS) {
+        fprintf(stderr, "kvtier-bench: case 8: prepare_store: not %d slots of 1 MiB\n",
+                C8_CHUNKS);
+        return false;
+    }
+    t[p++] = s_ns_now();
+    for (int i = 0; i < C8_CHUNKS; i++)
+        memcpy(pool + off[i], src + (size_t)i * C8_OBJ, C8_OBJ);
+    t[p++] = s_ns_now();
+    if (s_lmc_xfer(l, LMC_COMMIT_STORE, tokens, ntok, rid, instance, &v) != 1 ||
+        v->type != MSGPACK_OBJECT_BOOLEAN || !v->via.boolean) {
+        fprintf(stderr, "kvtier-bench: case 8: commit_store did not answer true\n");
+        return false;
+    }
+    t[p++] = s_ns_now();
+    hits = s_lmc_lookup(l, tokens, ntok, rid);
+    t[p++] = s_ns_now();
+    if (hits != C8_CHUNKS) {
+        fprintf(stderr, "kvtier-bench: case 8: second lookup: %lld hits, want %d\n",
+                (long long)hits, C8_CHUNKS);
+        return false;
+    }
+    const msgpack_object *ok = NULL;
+    if (s_lmc_xfer(l, LMC_PREPARE_RETRIEVE, tokens, ntok, rid, instance, &v) != 1 ||
+        !(ok = s_mp_get(v, "success")) || ok->type != MSGPACK_OBJECT_BOOLEAN ||
+        !ok->via.boolean || s_lmc_slots(s_mp_get(v, "context"), pool_size, off) != C8_CHUNKS) {
+        fprintf(stderr, "kvtier-bench: case 8: prepare_retrieve: not a success of %d slots\n",
+                C8_CHUNKS);
+        return false;
+    }
+    t[p++] = s_ns_now();
+    for (int i = 0; i < C8_CHUNKS; i++)
+        memcpy(dst + (size_t)i * C8_OBJ, pool + off[i], C8_OBJ);
+    t[p++] = s_ns_now();
+    if (s_lmc_xfer(l, LMC_COMMIT_RETRIEVE, tokens, ntok, rid, instance, &v) != 1 ||
+        v->type != MSGPACK_OBJECT_BOOLEAN || !v->via.boolean) {
+        fprintf(stderr, "kvtier-bench: case 8: commit_retrieve did not answer true\n");
+        return false;
+    }
+    t[p++] = s_ns_now();
+    s_pack_str(s_lmc_begin(l, LMC_END_SESSION), rid);
+    s_lmc_arg(l);
+    if (s_lmc_call(l, &v) != 0) {
+        fprintf(stderr, "kvtier-bench: case 8: end_session not acknowledged\n");
+        return false;
+    }
+    t[p++] = s_ns_now();
+    return true;
+}
+
+/* A failed libkvtier call of case 8, printed (counted once by the case). */
+static void s_c8_fail(const char *what, int rc, kvtier_t *c)
+{
+    fprintf(stderr, "kvtier-bench: case 8: %s failed: %s (%s)\n", what, kvtier_strerror(rc),
+            kvtier_last_error(c));
+}
+
+/* The same prompt through protocol v1 (libkvtier): LOOKUP, RESERVE, memcpy in, COMMIT, LOOKUP,
+ * ACQUIRE, memcpy out, RELEASE. */
+static bool s_c8_v1(kvtier_t *c, const uint32_t *tokens, const uint8_t *src, uint8_t *dst,
+                    uint64_t *t)
+{
+    key16_t keys[C8_CHUNKS];
+    kvtier_slot_t slots[C8_CHUNKS];
+    uint32_t hits = 0, got = 0;
+    uint64_t lease = 0;
+    int p = 0, rc;
+    t[p++] = s_ns_now();
+    if (kvtier_hash_tokens_local(tokens, C8_CHUNKS * C8_TOKENS, C8_TOKENS, NULL, keys) !=
+        C8_CHUNKS) {
+        fprintf(stderr, "kvtier-bench: case 8: kvtier_hash_tokens_local failed\n");
+        return false;
+    }
+    if ((rc = kvtier_lookup(c, C8_NS, NULL, (const key16_t *)keys, C8_CHUNKS, 0, &hits, NULL,
+                            NULL, NULL)) != 0 ||
+        hits != 0) {
+        s_c8_fail("lookup (case 8, want 0 hits)", rc ? rc : KVTIER_EINTERNAL, c);
+        return false;
+    }
+    t[p++] = s_ns_now();
+    if ((rc = kvtier_reserve(c, C8_NS, NULL, (const key16_t *)keys, C8_CHUNKS, NULL, C8_OBJ,
+                             slots, &got, &lease)) != 0 ||
+        got != C8_CHUNKS) {
+        s_c8_fail("reserve (case 8)", rc ? rc : KVTIER_ENOSPC, c);
+        if (lease)
+            kvtier_commit(c, lease, NULL, 0, NULL);
+        return false;
+    }
+    t[p++] = s_ns_now();
+    for (int i = 0; i < C8_CHUNKS; i++)
+        memcpy(slots[i].ptr, src + (size_t)i * C8_OBJ, C8_OBJ);
+    t[p++] = s_ns_now();
+    if ((rc = kvtier_commit(c, lease, NULL, 0, NULL)) != 0) {
+        s_c8_fail("commit (case 8)", rc, c);
+        return false;
+    }
+    t[p++] = s_ns_now();
+    if ((rc = kvtier_lookup(c, C8_NS, NULL, (const key16_t *)keys, C8_CHUNKS, 0, &hits, NULL,
+                            NULL, NULL)) != 0 ||
+        hits != C8_CHUNKS) {
+        s_c8_fail("lookup (case 8, want 16 hits)", rc ? rc : KVTIER_ENOTFOUND, c);
+        return false;
+    }
+    t[p++] = s_ns_now();
+    if ((rc = kvtier_acquire(c, C8_NS, NULL, (const key16_t *)keys, C8_CHUNKS, slots, &got,
+                             &lease)) != 0 ||
+        got != C8_CHUNKS) {
+        s_c8_fail("acquire (case 8)", rc ? rc : KVTIER_ENOTFOUND, c);
+        if (lease)
+            kvtier_release(c, lease);
+        return false;
+    }
+    t[p++] = s_ns_now();
+    for (int i = 0; i < C8_CHUNKS; i++)
+        memcpy(dst + (size_t)i * C8_OBJ, slots[i].ptr, C8_OBJ);
+    t[p++] = s_ns_now();
+    if ((rc = kvtier_release(c, lease)) != 0) {
+        s_c8_fail("release (case 8)", rc, c);
+        return false;
+    }
+    t[p++] = s_ns_now();
+    t[p] = t[p - 1]; /* no ninth phase */
+    return true;
+}
+
+/* Marks the first 8 bytes of each chunk of src (what is written) and dst (what must be
+ * overwritten by the read) with a value of this sequence. */
+static void s_c8_stamp(uint8_t *src, uint8_t *dst, uint64_t seq)
+{
+    for (int i = 0; i < C8_CHUNKS; i++) {
+        uint64_t v = s_mix(seq * C8_CHUNKS + (uint64_t)i);
+        uint64_t w = ~v;
+        memcpy(src + (size_t)i * C8_OBJ, &v, 8);
+        memcpy(dst + (size_t)i * C8_OBJ, &w, 8);
+    }
+}
+
+/* The p50 of each phase over n sequences (t: n rows of C8_PHASES + 1 boundaries), in µs. */
+static void s_c8_phases(const uint64_t *t, uint32_t n, double *p50)
+{
+    double *v = s_xmalloc(n * sizeof *v);
+    for (int ph = 0; ph < C8_PHASES; ph++) {
+        for (uint32_t i = 0; i < n; i++)
+            v[i] = (double)(t[i * (C8_PHASES + 1) + ph + 1] - t[i * (C8_PHASES + 1) + ph]) / 1e3;
+        p50[ph] = s_pct(v, n, 0.5);
+    }
+    free(v);
+}
+
+static void s_case_lmcache(void)
+{
+    s_header("case 8: one prompt of 16 x 1 MiB chunks through the LMCache door vs protocol v1");
+    uint32_t iters = s_opt.quick ? 10 : 200, warm = s_opt.quick ? 2 : 20;
+    daemon_t d = {0};
+    char lep[300];
+    snprintf(lep, sizeof lep, "ipc://%s/d8/lmcache.sock", s_opt.run_dir);
+    char chunk[16];
+    snprintf(chunk, sizeof chunk, "%d", C8_TOKENS);
+    const char *extra[] = {"--lmcache-listen", lep, "--chunk-tokens", chunk, NULL};
+    /* room for C8_CLEAR_EVERY iterations of both doors (2 x 16 MiB each), far below the
+     * watermarks: nothing is evicted */
+    if (!s_daemon_start_ex(&d, "d8", s_opt.quick ? "256M" : "512M", "none", NULL, NULL, extra))
+        return;
+    kvtier_t *c = s_connect(&d, "c8", CALL_TIMEOUT_MS);
+    s_lmc_t l;
+    bool lok = s_lmc_open(&l, lep);
+    uint8_t *pool = MAP_FAILED;
+    uint64_t pool_size = 0, instance = (s_mix((uint64_t)getpid() ^ (uint64_t)s_ns_now()) >> 2) |
+                                       (1ull << 62);
+    uint8_t *src = NULL, *dst = NULL;
+    uint32_t *tokens = NULL;
+    uint64_t *tl = NULL, *tv = NULL;
+    double *sl = NULL, *sv = NULL;
+    bool ok = c && lok;
+    if (!ok) {
+        fprintf(stderr, "kvtier-bench: case 8: cannot connect to both doors\n");
+        s_nerr++;
+        goto out;
+    }
+    /* register_kv_cache_engine_driven_context: RegisterEngineDrivenContextPayload, 13 fields in
+     * declaration order */
+    {
+        msgpack_packer *pk = s_lmc_begin(&l, LMC_REGISTER);
+        msgpack_pack_map(pk, 13);
+        s_pack_str(pk, "instance_id");
+        msgpack_pack_uint64(pk, instance);
+        s_pack_str(pk, "model_name");
+        s_pack_str(pk, C8_MODEL);
+        s_pack_str(pk, "world_size");
+        msgpack_pack_int(pk, 1);
+        s_pack_str(pk, "block_size");
+        msgpack_pack_int(pk, 16);
+        s_pack_str(pk, "num_layers");
+        msgpack_pack_int(pk, C8_LAYERS);
+        s_pack_str(pk, "hidden_dim_size");
+        msgpack_pack_int(pk, C8_HIDDEN);
+        s_pack_str(pk, "dtype_str");
+        s_pack_str(pk, "bfloat16");
+        s_pack_str(pk, "use_mla");
+        msgpack_pack_false(pk);
+        s_pack_str(pk, "num_physical_slots");
+        msgpack_pack_int(pk, C8_TOKENS);
+        s_pack_str(pk, "engine_group_infos");
+        msgpack_pack_array(pk, 0);
+        s_pack_str(pk, "group_hidden_dim_sizes");
+        msgpack_pack_nil(pk);
+        s_pack_str(pk, "group_layout_descs");
+        msgpack_pack_nil(pk);
+        s_pack_str(pk, "enable_l1_kvweave_quant");
+        msgpack_pack_false(pk);
+        s_lmc_arg(&l);
+        const msgpack_object *v = NULL, *name, *err;
+        char path[300] = "";
+        if (s_lmc_call(&l, &v) == 1 && (err = s_mp_get(v, "error")) &&
+            err->type == MSGPACK_OBJECT_NIL && (name = s_mp_get(v, "shm_name")) &&
+            name->type == MSGPACK_OBJECT_STR && name->via.str.size &&
+            name->via.str.size < 200 && s_mp_uint(s_mp_get(v, "pool_size"), &pool_size) &&
+            pool_size) {
+            const char *nm = name->via.str.ptr;
+            uint32_t nl = name->via.str.size;
+            while (nl && *nm == '/')
+                nm++, nl--;
+            snprintf(path, sizeof path, "/dev/shm/%.*s", (int)nl, nm);
+        }
+        int fd = path[0] ? open(path, O_RDWR | O_CLOEXEC) : -1;
+        if (fd >= 0) {
+            pool = mmap(NULL, pool_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            close(fd);
+        }
+        if (pool == MAP_FAILED) {
+            fprintf(stderr, "kvtier-bench: case 8: registration failed or arena %s not mapped\n",
+                    path[0] ? path : "(none)");
+            s_nerr++;
+            ok = false;
+            goto out;
+        }
+    }
+    /* both mappings of the arena populated first, as in case 2: no first-touch faults timed */
+    if (madvise(pool, pool_size, MADV_POPULATE_WRITE) != 0)
+        fprintf(stderr, "kvtier-bench: MADV_POPULATE_WRITE: %s (first touches are timed)\n",
+                strerror(errno));
+    s_prefault(c);
+    src = s_xmalloc(C8_CHUNKS * C8_OBJ);
+    dst = s_xmalloc(C8_CHUNKS * C8_OBJ);
+    for (size_t i = 0; i < C8_CHUNKS * C8_OBJ; i += 8) {
+        uint64_t v = s_mix(i);
+        memcpy(src + i, &v, 8);
+    }
+    memset(dst, 0, C8_CHUNKS * C8_OBJ);
+    tokens = s_xmalloc(C8_CHUNKS * C8_TOKENS * sizeof *tokens);
+    tl = s_xmalloc((size_t)iters * (C8_PHASES + 1) * sizeof *tl);
+    tv = s_xmalloc((size_t)iters * (C8_PHASES + 1) * sizeof *tv);
+    sl = s_xmalloc(iters * sizeof *sl);
+    sv = s_xmalloc(iters * sizeof *sv);
+    double deadline = s_now() + (s_opt.quick ? 10 : 120);
+    uint32_t done = 0;
+    for (uint32_t i = 0; i < warm + iters && ok && s_now() < deadline; i++) {
+        /* alternate which door goes first */
+        for (int k = 0; k < 2 && ok; k++) {
+            int door = (int)((i + (uint32_t)k) & 1); /* 0: LMCache, 1: v1 */
+            uint64_t seq = (uint64_t)i * 2 + (uint64_t)door;
+            for (uint32_t j = 0; j < C8_CHUNKS * C8_TOKENS; j++)
+                tokens[j] = (uint32_t)(s_mix(seq * 65536 + j + 0x8000000000ull) % 128256);
+            s_c8_stamp(src, dst, seq);
+            uint64_t tb[C8_PHASES + 1];
+            char rid[48];
+            snprintf(rid, sizeof rid, "bench8-req-%u", i);
+            ok = door == 0 ? s_c8_lmc(&l, pool, pool_size, instance, tokens, rid, src, dst, tb)
+                           : s_c8_v1(c, tokens, src, dst, tb);
+            if (ok && memcmp(dst, src, C8_CHUNKS * C8_OBJ) != 0) {
+                fprintf(stderr, "kvtier-bench: case 8: bytes read back through %s differ from "
+                                "those written\n",
+                        door == 0 ? "the LMCache door" : "protocol v1");
+                ok = false;
+            }
+            if (ok && i >= warm) {
+                memcpy((door == 0 ? tl : tv) + (size_t)(i - warm) * (C8_PHASES + 1), tb,
+                       sizeof tb);
+                (door == 0 ? sl : sv)[i - warm] = (double)(tb[C8_PHASES] - tb[0]) / 1e3;
+            }
+        }
+        if (ok && i >= warm)
+            done++;
+        if (ok && i % C8_CLEAR_EVERY == C8_CLEAR_EVERY - 1) { /* not timed */
+            s_lmc_begin(&l, LMC_CLEAR);
+            msgpack_pack_true(&l.pk);
+            s_lmc_arg(&l);
+            const msgpack_object *v = NULL;
+            int rc = kvtier_clear(c, C8_NS, NULL);
+            if (s_lmc_call(&l, &v) != 0 || rc != 0) {
+                fprintf(stderr, "kvtier-bench: case 8: clear failed\n");
+                ok = false;
+            }
+        }
+    }
+    if (!ok) {
+        s_nerr++;
+        goto out;
+    }
+    if (done < 10) {
+        fprintf(stderr, "kvtier-bench: case 8: only %u iterations in the time allowed\n", done);
+        s_nerr++;
+        goto out;
+    }
+    {
+        double pl[C8_PHASES], pv[C8_PHASES];
+        s_c8_phases(tl, done, pl);
+        s_c8_phases(tv, done, pv);
+        /* the requests alone: the sequence minus its two memcpy phases */
+        double *rl = s_xmalloc(done * sizeof *rl), *rv = s_xmalloc(done * sizeof *rv);
+        for (uint32_t i = 0; i < done; i++) {
+            const uint64_t *a = tl + (size_t)i * (C8_PHASES + 1), *b = tv + (size_t)i * (C8_PHASES + 1);
+            rl[i] = (double)((a[C8_PHASES] - a[0]) - (a[3] - a[2]) - (a[7] - a[6])) / 1e3;
+            rv[i] = (double)((b[C8_PHASES] - b[0]) - (b[3] - b[2]) - (b[7] - b[6])) / 1e3;
+        }
+        double l50 = s_pct(sl, done, 0.5), v50 = s_pct(sv, done, 0.5);
+        double l99 = s_pct(sl, done, 0.99), v99 = s_pct(sv, done, 0.99);
+        double rl50 = s_pct(rl, done, 0.5), rv50 = s_pct(rv, done, 0.5);
+        s_row(8, "LMCache door, 16x1 MiB store+load p50 (b: v1)", l50, v50, "us", l50 / v50,
+              "<= 1.2x v1", true, l50 <= 1.2 * v50);
+        s_row(8, "  p99 (b: v1 p99)", l99, v99, "us", l99 / v99, "", false, false);
+        s_row(8, "  requests only (memcpy excluded) p50 (b: v1)", rl50, rv50, "us",
+              rl50 / rv50, "", false, false);
+        printf("   LMCache door, p50 of each step (us):");
+        for (int ph = 0; ph < C8_PHASES; ph++)
+            printf(" %s %.1f%s", s_c8_lmc_phase[ph], pl[ph], ph + 1 < C8_PHASES ? "," : "\n");
+        printf("   protocol v1,   p50 of each step (us):");
+        for (int ph = 0; ph < C8_PHASES - 1; ph++)
+            printf(" %s %.1f%s", s_c8_v1_phase[ph], pv[ph], ph + 2 < C8_PHASES ? "," : "\n");
+        json_t *steps = json_object(), *jl = json_array(), *jv = json_array();
+        for (int ph = 0; ph < C8_PHASES; ph++) {
+            json_array_append_new(jl, json_pack("{s:s, s:f}", "step", s_c8_lmc_phase[ph],
+                                                "p50_us", pl[ph]));
+            if (ph < C8_PHASES - 1)
+                json_array_append_new(jv, json_pack("{s:s, s:f}", "step", s_c8_v1_phase[ph],
+                                                    "p50_us", pv[ph]));
+        }
+        json_object_set_new(steps, "lmcache", jl);
+        json_object_set_new(steps, "v1", jv);
+        json_object_set_new(steps, "iterations", json_integer(done));
+        json_object_set_new(s_json, "case8_steps", steps);
+        free(rl);
+        free(rv);
+    }
+out:
+    if (pool != MAP_FAILED)
+        munmap(pool, pool_size);
+    free(src);
+    free(dst);
+    free(tokens);
+    free(tl);
+    free(tv);
+    free(sl);
+    free(sv);
+    s_lmc_close(&l);
+    kvtier_close(&c);
+    s_daemon_stop(&d);
+}
+
 /* ---- main --------------------------------------------------------------------------------- */
 
-static void s_usage(void)
+static void s_usage(FILE *out, int status)
 {
-    fprintf(stderr, "usage: kvtier-bench [--quick] [--json FILE] [--daemon PATH] [--redis PATH] "
-                    "[--only CASES]\n");
-    exit(2);
+    fprintf(out,
+            "usage: kvtier-bench [--quick] [--json FILE] [--daemon PATH] [--redis PATH] "
+            "[--only CASES]\n"
+            "  --quick        smoke mode: small counts, no verdicts\n"
+            "  --json FILE    the results as JSON\n"
+            "  --daemon PATH  kvtierd to start (default build/kvtierd)\n"
+            "  --redis PATH   redis-server for case 3 (default /usr/bin/redis-server)\n"
+            "  --only CASES   the cases to run, e.g. 1,3,6a (6: 6a and 6b); default all:\n"
+            "    1   LOOKUP of a 64-key prefix vs a DEALER->ROUTER echo\n"
+            "    2   4 MiB RESERVE/COMMIT and ACQUIRE/RELEASE vs memcpy\n"
+            "    3   inline PUT/GET of 4 MiB vs redis-server SET/GET\n"
+            "    4   PING and LOOKUP requests/s with 1, 8, 32 clients\n"
+            "    5   store throughput with continuous eviction vs below the watermark\n"
+            "    6a  LOOKUP p99 during 16 x 4 MiB GETs vs idle\n"
+            "    6b  LOOKUP p99 during slow-L2 prefetches vs idle\n"
+            "    7   LOOKUP cost and RSS per object at 10k / 100k / 1M objects\n"
+            "    8   one prompt of 16 x 1 MiB through the LMCache door vs protocol v1\n");
+    exit(status);
 }
 
 int main(int argc, char **argv)
@@ -1308,8 +2013,10 @@ int main(int argc, char **argv)
             s_opt.redis = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc)
             s_opt.only = argv[++i];
+        else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))
+            s_usage(stdout, 0);
         else
-            s_usage();
+            s_usage(stderr, 2);
     }
     if (access(s_opt.daemon, X_OK) != 0) {
         fprintf(stderr, "kvtier-bench: %s is not executable (make build/kvtierd)\n",
@@ -1337,9 +2044,12 @@ int main(int argc, char **argv)
     printf("%-2s %-46s %10s %10s %-7s %7s  %-24s %s\n", "#", "measurement", "value", "baseline",
            "unit", "ratio", "target", "verdict");
 
-    /* daemon A: cases 1-4 and 6a, L2 none, arena for 96 x 4 MiB + 16 x 4 MiB */
+    /* daemon A: cases 1-4 and 6a, L2 none, arena for 96 x 4 MiB + 16 x 4 MiB (not started
+     * when --only names none of them nor 6b) */
     daemon_t a = {0};
-    if (s_daemon_start(&a, "dA", s_opt.quick ? "160M" : "1G", "none", NULL, NULL)) {
+    bool want_a = s_want("1") || s_want("2") || s_want("3") || s_want("4") || s_want("6a") ||
+                  s_want("6b");
+    if (want_a && s_daemon_start(&a, "dA", s_opt.quick ? "160M" : "1G", "none", NULL, NULL)) {
         kvtier_t *c = s_connect(&a, "fill", CALL_TIMEOUT_MS);
         key16_t *lk = s_keys(LOOKUP_KEYS, 1);
         if (c && s_store(c, "bench", lk, LOOKUP_KEYS, 4096, NULL, 64, NULL) == LOOKUP_KEYS) {
@@ -1367,6 +2077,8 @@ int main(int argc, char **argv)
         s_case_evict();
     if (s_want("7"))
         s_case_scale();
+    if (s_want("8"))
+        s_case_lmcache();
 
     double total = s_now() - t_start;
     printf("%d PASS, %d MISS, %d errors; %.1f s\n", s_npass, s_nmiss, s_nerr, total);
