@@ -495,9 +495,11 @@ static void s_op_lookup(kvt_lmcache_t *self, const kvt_lmc_key_t *key, s_reply_t
 {
     uint64_t end = key->end < key->ntokens ? key->end : key->ntokens;
     uint64_t nchunks = end / self->chunk;
-    if (nchunks > self->cfg->max_keys) {
-        s_error(r, S_E_TOOBIG, "lookup: %" PRIu64 " chunks exceed max_keys (%u)", nchunks,
-                self->cfg->max_keys);
+    /* one index probe per chunk and worker: bounded like one v1 request's keys */
+    if (nchunks * key->world_size > self->cfg->max_keys) {
+        s_error(r, S_E_TOOBIG,
+                "lookup: %" PRIu64 " chunks x world_size %u exceed max_keys (%u)", nchunks,
+                key->world_size, self->cfg->max_keys);
         return;
     }
     uint32_t n = (uint32_t)nchunks;
