@@ -269,7 +269,11 @@ TSAN_INTEGRATION := tests/integration/test_reliability.py \
     tests/integration/test_l1.py::test_killed_client_loses_its_leases \
     tests/integration/test_connections.py::test_unread_get_replies_pin_a_bounded_amount_then_the_connection_is_cut \
     tests/integration/test_connections.py::test_999_lookups_in_flight_with_l2_every_reply_arrives \
-    tests/integration/test_connections.py::test_more_connections_than_descriptors
+    tests/integration/test_connections.py::test_more_connections_than_descriptors \
+    tests/integration/test_lmcache.py::test_doors_serve_together \
+    tests/integration/test_lmcache.py::test_killed_worker_reservations_come_back \
+    tests/integration/test_lmcache.py::test_lookup_loads_what_only_l2_has \
+    tests/integration/test_lmcache.py::test_status_lists_contexts
 
 tsan: deps all $(TSAN_OBJ) $(TSAN_BIN) $(BUILD)/tsan/kvtierd
 	@set -e; for t in $(TSAN_BIN); do echo "== $$t"; \

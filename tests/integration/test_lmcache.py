@@ -75,8 +75,11 @@ class Door:
         self._clients, self._shms, self._v1 = [], [], []
         self.d = self.endpoint = None
 
-    def start(self, *extra, transport="ipc"):
+    def start(self, *extra, transport="ipc", l2=None):
         d = self._factory(start=False)
+        if l2:   # instead of the module's --l2 none
+            i = d.args.index("none")
+            d.args[i] = l2
         if transport == "ipc":
             ep = "ipc://" + os.path.join(d.run_dir, "lmcache.sock")
         else:
@@ -901,3 +904,30 @@ def test_status_lists_contexts(door):
     assert e["model_name"] == MODEL and e["world_size"] == 2, e
     w.c.unregister(w.iid)
     wait_until(lambda: entry() is None, timeout=3.0, what="the context to leave /status")
+
+
+@needs_door
+def test_lookup_loads_what_only_l2_has(door):
+    """Chunks written behind to L2 and then dropped from L1: the scheduler's lookup loads them
+    back (query_prefetch_status is None while the loads run), then counts and locks them, and
+    the worker's prepare_retrieve reads the bytes it stored."""
+    door.start(l2="mock:latency_ms=100")
+    w = Worker(door)
+    sched = door.client()
+    toks = tokens_of("l2", 3 * C)
+    assert w.store(toks, 0, 3 * C, "l2") == [0, 1, 2]
+
+    def l2_stored():
+        _, samples = door.d.metrics()
+        return sum(x.value for x in samples if x.name == "kvtier_l2_stored_total")
+    wait_until(lambda: l2_stored() >= 3, 10, what="write-behind of the 3 chunks to L2")
+    sched.clear(True)                                   # L1 only: L2 keeps its copies
+    assert w.retrieve(toks, 0, 3 * C) is None           # not in L1 any more
+    r = rid("l2")
+    sched.lookup(ipc_key(MODEL, 1, None, toks, 0, 3 * C, r), 1)
+    assert sched.query_prefetch_lookup_hits(r) is None  # 3 loads of 100 ms each are running
+    assert sched.query_prefetch_status(r) is None
+    assert sched.wait_prefetch_status(r, 10.0) == 3
+    assert w.retrieve(toks, 0, 3 * C) == w.expected("l2", 0, 3)
+    sched.end_session(r)
+    assert door.d.http_json("GET", "/status")["lmcache"]["lookups_loading"] == 0
