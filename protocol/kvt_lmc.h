@@ -9,9 +9,12 @@
  * up by name, unknown ones ignored, a missing one takes its default or is an error when it has
  * none; scalar types are strict (bool is not int, str is not bin).
  *
- * Every decoder first runs the bounded pre-scan of kvt_msg (depth, element counts against the
- * bytes present) and only then unpacks, so no frame can make it allocate more than the frame's
- * own size allows. Pure functions of bytes; any thread; no shared state. */
+ * The key (IPCCacheServerKey, sent six times per prompt with the whole token_ids) is decoded in
+ * one bounded pass over its bytes that reads each value in place; every other decoder first runs
+ * the bounded pre-scan of kvt_msg and only then unpacks. Both make the same checks (depth 8,
+ * each length and element count against the bytes present, the element budget), so no frame can
+ * make a decoder allocate more than the frame's own size allows. Pure functions of bytes; any
+ * thread; no shared state. */
 #ifndef KVT_LMC_H
 #define KVT_LMC_H
 

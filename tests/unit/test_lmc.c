@@ -634,6 +634,196 @@ static void test_key_limits_and_shape(void **state)
     assert_int_equal(kvt_lmc_decode_key(B("\x80"), &s_lim, &k, NULL, 0), KVT_EBADREQ);
 }
 
+/* The single-pass key decoder's own edges: every int encoding of a token, str8/16/32 names and
+ * values, wrong types inside token_ids and where scalars are expected, truncation anywhere
+ * (inside token_ids too), counts larger than the bytes, the nesting limit inside skipped
+ * values, and a malformation later in the frame winning over an earlier field fault. */
+
+static void p_raw(buf_t *b, const char *bytes, size_t n)
+{
+    msgpack_sbuffer_write(&b->sb, bytes, n);
+}
+#define P_RAW(b, lit) p_raw((b), (lit), sizeof(lit) - 1)
+
+static void test_key_single_pass(void **state)
+{
+    (void)state;
+    kvt_lmc_key_t k;
+    char err[160];
+    buf_t b;
+
+    /* every int encoding of a non-negative value is a token */
+    key_begin(&b, 1u << F_TOKENS, 1);
+    p_str(&b, "token_ids");
+    P_RAW(&b, "\x99" "\x05" "\xcc\x80" "\xcd\x01\x00" "\xce\x00\x01\x00\x00"
+              "\xcf\x00\x00\x00\x00\xff\xff\xff\xff" "\xd0\x07" "\xd1\x01\x00"
+              "\xd2\x00\x01\x00\x00" "\xd3\x00\x00\x00\x00\x00\x00\x00\x09");
+    assert_int_equal(key_decode(&b, &s_lim, &k, err, sizeof err), 0);
+    static const uint32_t want[] = {5, 128, 256, 65536, UINT32_MAX, 7, 256, 65536, 9};
+    assert_int_equal(k.ntokens, 9);
+    assert_memory_equal(k.tokens, want, sizeof want);
+    kvt_lmc_key_free(&k);
+
+    /* anything else in token_ids is refused, naming the index */
+    static const struct {
+        const char *bytes;
+        size_t len;
+    } bad_tok[] = {
+        L("\xe0"),                                 /* negative fixint */
+        L("\xd0\xff"),                             /* int8 -1 */
+        L("\xd3\xff\xff\xff\xff\xff\xff\xff\xff"), /* int64 -1 */
+        L("\xcf\x00\x00\x00\x01\x00\x00\x00\x00"), /* 2^32 */
+        L("\xca\x3f\x80\x00\x00"),                 /* float32 1.0 */
+        L("\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00"), /* float64 1.0 */
+        L("\xc0"), L("\xc3"), L("\xa1" "1"), L("\xc4\x01" "1"), L("\x90"), L("\x80"),
+        L("\xd4\x01\x02"),
+    };
+    for (size_t i = 0; i < sizeof bad_tok / sizeof bad_tok[0]; i++) {
+        key_begin(&b, 1u << F_TOKENS, 1);
+        p_str(&b, "token_ids");
+        P_RAW(&b, "\x93\x01");
+        p_raw(&b, bad_tok[i].bytes, bad_tok[i].len);
+        P_RAW(&b, "\x02");
+        assert_int_equal(key_decode(&b, &s_lim, &k, err, sizeof err), KVT_EBADREQ);
+        assert_string_equal(err, "key: token_ids[1] is not an unsigned 32-bit int");
+    }
+
+    /* str8 / str16 / str32 for field names and str values */
+    key_begin(&b, 1u << F_MODEL | 1u << F_REQ | 1u << F_SALT, 3);
+    P_RAW(&b, "\xd9\x0a" "model_name" "\xda\x00\x02" "mm");
+    P_RAW(&b, "\xda\x00\x0a" "request_id" "\xdb\x00\x00\x00\x03" "req");
+    P_RAW(&b, "\xdb\x00\x00\x00\x0a" "cache_salt" "\xd9\x01" "s");
+    assert_int_equal(key_decode(&b, &s_lim, &k, err, sizeof err), 0);
+    assert_string_equal(k.model, "mm");
+    assert_string_equal(k.request_id, "req");
+    assert_string_equal(k.salt, "s");
+    assert_int_equal(k.ntokens, 4);
+    kvt_lmc_key_free(&k);
+
+    /* a float where an int is expected */
+    static const char *const int_fields[] = {"world_size", "worker_id", "start", "end",
+                                             "num_kv_readers"};
+    static const int int_f[] = {F_WORLD, F_WORKER, F_START, F_END, F_READERS};
+    for (size_t i = 0; i < sizeof int_f / sizeof int_f[0]; i++) {
+        key_begin(&b, 1u << int_f[i], 1);
+        p_str(&b, int_fields[i]);
+        P_RAW(&b, "\xcb\x40\x00\x00\x00\x00\x00\x00\x00"); /* 2.0 */
+        assert_int_equal(key_decode(&b, &s_lim, &k, err, sizeof err), KVT_EBADREQ);
+        assert_non_null(strstr(err, int_fields[i]));
+        assert_non_null(strstr(err, "got float"));
+    }
+
+    /* truncated anywhere, in the middle of token_ids too: malformed, nothing kept */
+    key_begin(&b, 1u << F_TOKENS, 1);
+    p_str(&b, "token_ids");
+    msgpack_pack_array(&b.pk, 100);
+    for (uint32_t i = 0; i < 100; i++)
+        msgpack_pack_uint32(&b.pk, i * 1000u);
+    size_t full = b.sb.size;
+    for (size_t n = 0; n < full; n++) {
+        err[0] = '\0';
+        assert_int_equal(kvt_lmc_decode_key((const uint8_t *)b.sb.data, n, &s_lim, &k, err,
+                                            sizeof err),
+                         KVT_EBADREQ);
+        assert_true(strncmp(err, "key: ", 5) == 0);
+        assert_null(k.tokens);
+        assert_null(k.null_mask);
+    }
+    assert_int_equal(kvt_lmc_decode_key((const uint8_t *)b.sb.data, full, &s_lim, &k, err,
+                                        sizeof err),
+                     0);
+    assert_int_equal(k.ntokens, 100);
+    assert_int_equal(k.tokens[99], 99000);
+    kvt_lmc_key_free(&k);
+    p_free(&b);
+
+    /* a declared count larger than the bytes left: refused before any allocation or loop, even
+     * under limits that would admit it */
+    kvt_lmc_limits_t big = {.max_tokens = UINT32_MAX, .max_items = UINT32_MAX};
+    key_begin(&b, 1u << F_TOKENS, 1);
+    p_str(&b, "token_ids");
+    P_RAW(&b, "\xdd\x00\x00\x03\xe8" "\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a");
+    assert_int_equal(key_decode(&b, &big, &k, err, sizeof err), KVT_EBADREQ);
+    assert_string_equal(err, "key: declared 1000 elements but only 10 bytes left");
+    key_begin(&b, 1u << F_TOKENS, 1);
+    p_str(&b, "token_ids");
+    P_RAW(&b, "\xdd\xff\xff\xff\xff" "\x01\x02");
+    assert_int_equal(key_decode(&b, &big, &k, err, sizeof err), KVT_EBADREQ);
+    key_begin(&b, 1u << F_MASK, 1);
+    p_str(&b, "null_chunk_mask");
+    P_RAW(&b, "\x91\xdd\xff\xff\xff\xff\xc3");
+    assert_int_equal(key_decode(&b, &big, &k, err, sizeof err), KVT_EBADREQ);
+
+    /* nesting inside a skipped value (an unknown field, request_configs): 8 levels below the
+     * frame's map are fine, a 9th container with elements is refused */
+    static const char *const skipped[] = {"later_field", "request_configs"};
+    for (size_t s = 0; s < 2; s++) {
+        for (int depth = 6; depth <= 9; depth++) {
+            key_begin(&b, s ? 1u << F_CFG : 0, 1);
+            p_str(&b, skipped[s]);
+            for (int d = 0; d < depth; d++)
+                P_RAW(&b, "\x91");
+            P_RAW(&b, "\xc0");
+            int rc = key_decode(&b, &s_lim, &k, err, sizeof err);
+            if (depth <= 7) {
+                assert_int_equal(rc, 0);
+                kvt_lmc_key_free(&k);
+            } else {
+                assert_int_equal(rc, KVT_EBADREQ);
+                assert_string_equal(err, "key: nesting deeper than 8");
+            }
+        }
+        /* an empty container at the deepest level has no elements */
+        key_begin(&b, s ? 1u << F_CFG : 0, 1);
+        p_str(&b, skipped[s]);
+        P_RAW(&b, "\x91\x91\x91\x91\x91\x91\x91\x90");
+        assert_int_equal(key_decode(&b, &s_lim, &k, err, sizeof err), 0);
+        kvt_lmc_key_free(&k);
+    }
+
+    /* a malformation later in the frame wins over an earlier field fault, and the element
+     * budget stays too big */
+    p_init(&b);
+    msgpack_pack_map(&b.pk, F_N);
+    p_str(&b, "model_name");
+    msgpack_pack_uint64(&b.pk, 7); /* not a str */
+    for (int f = 1; f < F_N; f++)
+        key_field(&b, f);
+    P_RAW(&b, "\xc0");
+    assert_int_equal(key_decode(&b, &s_lim, &k, err, sizeof err), KVT_EBADREQ);
+    assert_string_equal(err, "key: 1 trailing bytes after the body");
+    p_init(&b);
+    msgpack_pack_map(&b.pk, F_N);
+    p_str(&b, "model_name");
+    msgpack_pack_uint64(&b.pk, 7);
+    for (int f = 1; f < F_N; f++)
+        key_field(&b, f);
+    kvt_lmc_limits_t tight = {.max_tokens = 1024, .max_items = 10};
+    assert_int_equal(key_decode(&b, &tight, &k, err, sizeof err), KVT_ETOOBIG);
+    /* a field fault inside token_ids, then a truncation after it */
+    key_begin(&b, 1u << F_TOKENS, 1);
+    p_str(&b, "token_ids");
+    P_RAW(&b, "\x93\x01\xc0\xcd\x01"); /* the third element is cut short */
+    assert_int_equal(key_decode(&b, &s_lim, &k, err, sizeof err), KVT_EBADREQ);
+    assert_string_equal(err, "key: declared length 2 exceeds the 1 bytes left");
+    /* the fields are still judged in their fixed order, whatever the map's order */
+    p_init(&b);
+    msgpack_pack_map(&b.pk, F_N);
+    for (int f = F_N - 1; f >= 0; f--) {
+        if (f == F_MASK) {
+            p_str(&b, "null_chunk_mask");
+            msgpack_pack_true(&b.pk);
+        } else if (f == F_WORLD) {
+            p_str(&b, "world_size");
+            msgpack_pack_true(&b.pk);
+        } else {
+            key_field(&b, f);
+        }
+    }
+    assert_int_equal(key_decode(&b, &s_lim, &k, err, sizeof err), KVT_EBADREQ);
+    assert_string_equal(err, "key: world_size must be an int, got bool");
+}
+
 /* ---- RegisterEngineDrivenContextPayload ---- */
 
 /* A payload as msgspec encodes the Struct: every field in order, then a later branch's extra
@@ -1226,6 +1416,7 @@ int main(void)
         cmocka_unit_test(test_key_missing_required),
         cmocka_unit_test(test_key_types_and_ranges),
         cmocka_unit_test(test_key_limits_and_shape),
+        cmocka_unit_test(test_key_single_pass),
         cmocka_unit_test(test_ctx_golden),
         cmocka_unit_test(test_ctx_fields),
         cmocka_unit_test(test_scalars),
