@@ -263,11 +263,15 @@ uint32_t kvt_accept_closed(int fd)
 {
     if (!s_accepted || fd < 0 || (uint64_t)fd >= s_fd_limit)
         return 0;
-    /* only the server thread writes s_closed */
+    /* the server thread and the LMCache door's thread both report closes (a descriptor can
+     * move from one socket's connection to the other's): each close is counted once */
     uint32_t closed = atomic_load_explicit(&s_closed[fd], memory_order_relaxed);
-    if (closed >= atomic_load_explicit(&s_accepted[fd], memory_order_acquire))
-        return 0;
-    atomic_store_explicit(&s_closed[fd], closed + 1, memory_order_relaxed);
+    do {
+        if (closed >= atomic_load_explicit(&s_accepted[fd], memory_order_acquire))
+            return 0;
+    } while (!atomic_compare_exchange_weak_explicit(&s_closed[fd], &closed, closed + 1,
+                                                    memory_order_relaxed,
+                                                    memory_order_relaxed));
     atomic_fetch_sub_explicit(&s_open, 1, memory_order_relaxed);
     return closed + 1;
 }

@@ -50,8 +50,9 @@ void kvt_accept_watch(int fd);
  * now (0: none counted). Any thread. */
 uint32_t kvt_accept_generation(int fd);
 
-/* A client connection on descriptor `fd` closed (the monitor's DISCONNECTED event; server
- * thread). Returns the generation it closed, 0 when that connection was never counted. */
+/* A client connection on descriptor `fd` closed (the monitor's DISCONNECTED event: the server
+ * thread, or the LMCache door's for its own socket). Returns the generation it closed, 0 when
+ * that connection was never counted. */
 uint32_t kvt_accept_closed(int fd);
 
 /* Client connections open now. */

@@ -27,6 +27,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -78,6 +79,7 @@ typedef struct {
 /* One request's lookup: its hit count and the read locks on the hit chunks of every worker. */
 typedef struct s_req {
     char *id;
+    uint64_t hash; /* s_req_hash(id) */
     char model[KVT_LMC_MAX_MODEL + 1];
     char salt[KVT_MAX_SALT + 1];
     uint32_t salt_len;
@@ -131,7 +133,10 @@ struct kvt_lmcache {
 
     pthread_mutex_t lock;
     kvt_u64map_t *ctxs;
-    zhashx_t *reqs;                /* request_id -> s_req_t (the age list owns them) */
+    /* requests by a keyed hash of their request_id (clients choose the ids: an unkeyed hash
+     * could be made to collide), the id compared on lookup; the age list owns them */
+    kvt_u64map_t *reqs;
+    uint64_t seed;
     s_req_t *oldest, *newest;
     uint32_t npending;
     s_wait_t *waits;
@@ -143,6 +148,7 @@ struct kvt_lmcache {
     atomic_uint_fast64_t requests[KVT_LMC_NOPS]; /* by wire id; [0]: unknown or bad op */
     atomic_uint_fast64_t errors[S_E_COUNT];
     atomic_uint_fast64_t lookup_chunks, hit_chunks, dropped;
+    atomic_size_t nctxs, nreqs; /* table sizes, for the metrics */
     bool refused_logged[KVT_LMC_NOPS];
 };
 
@@ -261,11 +267,15 @@ static bool s_range(const kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_
     return true;
 }
 
-static XXH128_hash_t s_xfer_id(bool store, const kvt_ns_t *ns, uint32_t c0, uint32_t c1,
-                               const kvt_key_t *last)
+/* The request is part of it: two requests with the same prompt prepare the same range, and
+ * one's commit must never publish what the other reserved and has not written. */
+static XXH128_hash_t s_xfer_id(bool store, const kvt_lmc_key_t *key, const kvt_ns_t *ns,
+                               uint32_t c0, uint32_t c1, const kvt_key_t *last)
 {
-    uint8_t buf[1 + KVT_MAX_NS + 4 + KVT_MAX_SALT + 8 + KVT_KEY_LEN];
-    size_t n = 0;
+    uint8_t buf[1 + KVT_MAX_NS + 4 + KVT_MAX_SALT + 8 + KVT_KEY_LEN + KVT_LMC_MAX_REQUEST + 1];
+    size_t n = 0, rlen = strlen(key->request_id);
+    memcpy(buf + n, key->request_id, rlen + 1);
+    n += rlen + 1;
     buf[n++] = store;
     memcpy(buf + n, ns->name, ns->name_len);
     n += ns->name_len;
@@ -324,6 +334,7 @@ static s_ctx_t *s_ctx(kvt_lmcache_t *self, uint64_t instance_id, const char *op)
 static void s_ctx_drop(kvt_lmcache_t *self, s_ctx_t *ctx, bool expired)
 {
     kvt_u64map_remove(self->ctxs, ctx->instance_id);
+    atomic_store(&self->nctxs, kvt_u64map_size(self->ctxs));
     kvt_l1_release_owner(self->l1, ctx->owner, expired);
     s_xfers_free(ctx);
     free(ctx);
@@ -340,6 +351,17 @@ static void s_slot(const s_ctx_t *ctx, const kvt_slot_t *s, kvt_lmc_slot_t *out)
 
 /* ---- lookups ------------------------------------------------------------------------------ */
 
+static uint64_t s_req_hash(const kvt_lmcache_t *self, const char *id)
+{
+    return XXH3_64bits_withSeed(id, strlen(id), self->seed);
+}
+
+static s_req_t *s_req_find(kvt_lmcache_t *self, const char *id)
+{
+    s_req_t *q = kvt_u64map_get(self->reqs, s_req_hash(self, id));
+    return q && strcmp(q->id, id) == 0 ? q : NULL;
+}
+
 static void s_req_release_locks(kvt_lmcache_t *self, s_req_t *q)
 {
     for (uint32_t w = 0; w < q->world; w++)
@@ -353,7 +375,7 @@ static void s_req_release_locks(kvt_lmcache_t *self, s_req_t *q)
 static void s_req_drop(kvt_lmcache_t *self, s_req_t *q)
 {
     s_req_release_locks(self, q);
-    zhashx_delete(self->reqs, q->id);
+    kvt_u64map_remove(self->reqs, q->hash);
     if (q->older)
         q->older->newer = q->newer;
     else
@@ -364,6 +386,7 @@ static void s_req_drop(kvt_lmcache_t *self, s_req_t *q)
         self->newest = q->older;
     if (q->pending)
         self->npending--;
+    atomic_store(&self->nreqs, kvt_u64map_size(self->reqs));
     free(q->id);
     free(q->keys);
     free(q->jobs);
@@ -413,12 +436,13 @@ static void s_req_progress(kvt_lmcache_t *self, s_req_t *q)
     q->keys = NULL;
 }
 
-static s_req_t *s_req_new(kvt_lmcache_t *self, const kvt_lmc_key_t *key)
+static s_req_t *s_req_new(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t world)
 {
-    s_req_t *old = zhashx_lookup(self->reqs, key->request_id);
+    uint64_t h = s_req_hash(self, key->request_id);
+    s_req_t *old = kvt_u64map_get(self->reqs, h); /* the same id (or, once in 2^64, not) */
     if (old)
         s_req_drop(self, old);
-    if (zhashx_size(self->reqs) >= self->cfg->lmcache_max_requests && self->oldest)
+    if (kvt_u64map_size(self->reqs) >= self->cfg->lmcache_max_requests && self->oldest)
         s_req_drop(self, self->oldest);
     s_req_t *q = calloc(1, sizeof *q);
     kvt_assert(q);
@@ -427,14 +451,16 @@ static s_req_t *s_req_new(kvt_lmcache_t *self, const kvt_lmc_key_t *key)
     memcpy(q->model, key->model, sizeof q->model);
     memcpy(q->salt, key->salt, sizeof q->salt);
     q->salt_len = key->salt_len;
-    q->world = key->world_size;
+    q->world = world;
     q->readers = key->num_kv_readers ? key->num_kv_readers : 1;
-    q->jobs = calloc(q->world, sizeof *q->jobs);
-    q->leases = calloc(q->world, sizeof *q->leases);
-    q->reads = calloc(q->world, sizeof *q->reads);
+    q->jobs = calloc(world ? world : 1, sizeof *q->jobs);
+    q->leases = calloc(world ? world : 1, sizeof *q->leases);
+    q->reads = calloc(world ? world : 1, sizeof *q->reads);
     kvt_assert(q->jobs && q->leases && q->reads);
     q->deadline_ms = kvt_now_ms() + self->cfg->lease_ms;
-    zhashx_insert(self->reqs, q->id, q);
+    q->hash = h;
+    kvt_u64map_set(self->reqs, h, q);
+    atomic_store(&self->nreqs, kvt_u64map_size(self->reqs));
     q->older = self->newest;
     if (self->newest)
         self->newest->newer = q;
@@ -464,8 +490,11 @@ static void s_lookup_l2(kvt_lmcache_t *self, s_req_t *q, kvt_key_t *keys, uint32
         sizes[w] = malloc((n - l1[w]) * sizeof **sizes);
         kvt_assert(sizes[w]);
         kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
+        /* backend I/O: /status must not wait for it (only this thread changes the tables) */
+        pthread_mutex_unlock(&self->lock);
         uint32_t m = kvt_l2mgr_lookup(self->l2, &ns, keys + l1[w], target - l1[w], deadline,
                                       sizes[w]);
+        pthread_mutex_lock(&self->lock);
         if (l1[w] + m < target)
             target = l1[w] + m;
     }
@@ -502,10 +531,15 @@ static void s_op_lookup(kvt_lmcache_t *self, const kvt_lmc_key_t *key, s_reply_t
                 key->world_size, self->cfg->max_keys);
         return;
     }
-    uint32_t n = (uint32_t)nchunks;
-    s_req_t *q = s_req_new(self, key);
+    /* like LMCache's server: no worker of this deployment registered, nothing to lock (this
+     * also bounds world_size, and the per-request arrays, by real registrations) */
+    bool known = false;
+    for (s_ctx_t *c = kvt_u64map_first(self->ctxs); c && !known; c = kvt_u64map_next(self->ctxs))
+        known = c->world_size == key->world_size && strcmp(c->model, key->model) == 0;
+    uint32_t n = known ? (uint32_t)nchunks : 0;
+    s_req_t *q = s_req_new(self, key, known ? key->world_size : 0);
     kvt_key_t *keys = s_hash(self, key, n);
-    uint32_t *l1 = calloc(q->world, sizeof *l1);
+    uint32_t *l1 = calloc(q->world ? q->world : 1, sizeof *l1);
     kvt_assert(l1);
     char nsbuf[KVT_MAX_NS + 1];
     uint32_t min_l1 = n;
@@ -531,7 +565,7 @@ static void s_op_lookup(kvt_lmcache_t *self, const kvt_lmc_key_t *key, s_reply_t
  * count; `consume` answers it once (later: 0), like an unknown request. */
 static void s_op_status(kvt_lmcache_t *self, const char *request_id, bool consume, s_reply_t *r)
 {
-    s_req_t *q = zhashx_lookup(self->reqs, request_id);
+    s_req_t *q = s_req_find(self, request_id);
     if (q)
         s_req_progress(self, q);
     if (q && q->pending) {
@@ -549,7 +583,7 @@ static void s_op_free_locks(kvt_lmcache_t *self, const kvt_lmc_key_t *key)
     /* vLLM frees [0, n) when it loads none of the hits, or what it computed itself; a later
      * range (start > 0) is kept until read, the session ends or the deadline: holding a lock
      * a little long is harmless, dropping one the worker still reads is a miss */
-    s_req_t *q = zhashx_lookup(self->reqs, key->request_id);
+    s_req_t *q = s_req_find(self, key->request_id);
     if (q && key->start < self->chunk)
         s_req_release_locks(self, q);
 }
@@ -558,7 +592,7 @@ static void s_op_free_locks(kvt_lmcache_t *self, const kvt_lmc_key_t *key)
  * readers up to the hits, its locks go. */
 static void s_lookup_read(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t c1)
 {
-    s_req_t *q = zhashx_lookup(self->reqs, key->request_id);
+    s_req_t *q = s_req_find(self, key->request_id);
     uint32_t w = key->worker_id;
     if (!q || !key->has_worker || q->pending || w >= q->world || c1 < q->hits || !q->leases[w])
         return;
@@ -640,7 +674,7 @@ static void s_op_prepare_store(kvt_lmcache_t *self, const kvt_lmc_key_t *key, ui
     if (lease) {
         s_xfer_t *x = calloc(1, sizeof *x);
         kvt_assert(x);
-        x->id = s_xfer_id(true, &ns, c0, c1, &keys[c1 - 1]);
+        x->id = s_xfer_id(true, key, &ns, c0, c1, &keys[c1 - 1]);
         x->store = true;
         x->lease = lease;
         x->t_ms = kvt_now_ms();
@@ -669,7 +703,7 @@ static s_xfer_t *s_commit_find(kvt_lmcache_t *self, s_ctx_t *ctx, const kvt_lmc_
     char nsbuf[KVT_MAX_NS + 1];
     kvt_ns_t ns = s_ns(key->model, key->world_size, key->worker_id, key->salt, key->salt_len,
                        nsbuf, sizeof nsbuf);
-    s_xfer_t *x = s_xfer_take(ctx, s_xfer_id(store, &ns, c0, c1, &keys[c1 - 1]), store);
+    s_xfer_t *x = s_xfer_take(ctx, s_xfer_id(store, key, &ns, c0, c1, &keys[c1 - 1]), store);
     free(keys);
     *c1_out = c1;
     return x;
@@ -745,7 +779,7 @@ static void s_op_prepare_retrieve(kvt_lmcache_t *self, const kvt_lmc_key_t *key,
     if (ok) {
         s_xfer_t *x = calloc(1, sizeof *x);
         kvt_assert(x);
-        x->id = s_xfer_id(false, &ns, c0, c1, &keys[c1 - 1]);
+        x->id = s_xfer_id(false, key, &ns, c0, c1, &keys[c1 - 1]);
         x->lease = lease;
         x->t_ms = kvt_now_ms();
         x->next = ctx->xfers;
@@ -847,6 +881,7 @@ static void s_op_register(kvt_lmcache_t *self, const kvt_lmc_ctx_t *p, s_reply_t
         ctx->owner = self->next_owner++;
         ctx->registered_ms = kvt_now_ms();
         kvt_u64map_set(self->ctxs, p->instance_id, ctx);
+        atomic_store(&self->nctxs, kvt_u64map_size(self->ctxs));
     }
     memcpy(ctx->model, p->model, sizeof ctx->model);
     memcpy(ctx->dtype, p->dtype, sizeof ctx->dtype);
@@ -906,7 +941,7 @@ static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int n
     case KVT_LMC_WAIT_PREFETCH_STATUS:
         if ((rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, sizeof why)) == 0 &&
             (rc = kvt_lmc_decode_double(S_ARG(1), &d, why, sizeof why)) == 0) {
-            s_req_t *q = zhashx_lookup(self->reqs, rid);
+            s_req_t *q = s_req_find(self, rid);
             if (q)
                 s_req_progress(self, q);
             if (q && q->pending && d > 0 && self->nwaits < S_MAX_WAITS) {
@@ -920,7 +955,7 @@ static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int n
         break;
     case KVT_LMC_END_SESSION:
         if ((rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, sizeof why)) == 0) {
-            s_req_t *q = zhashx_lookup(self->reqs, rid);
+            s_req_t *q = s_req_find(self, rid);
             if (q)
                 s_req_drop(self, q); /* its waiters, if any, are answered 0 on the next tick */
         }
@@ -969,8 +1004,10 @@ static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int n
     case KVT_LMC_CLEAR:
         if (nargs == 0 || (rc = kvt_lmc_decode_bool(S_ARG(0), &b, why, sizeof why)) == 0) {
             uint64_t removed = 0;
+            pthread_mutex_unlock(&self->lock); /* a walk of all of L1 */
             kvt_l1_clear_prefix(self->l1, (const uint8_t *)KVT_LMCACHE_NS_PREFIX,
                                 strlen(KVT_LMCACHE_NS_PREFIX), !b, &removed);
+            pthread_mutex_lock(&self->lock);
             kvt_log(KVT_LOG_INFO, "lmcache: clear(force=%s) removed %" PRIu64 " objects",
                     b ? "true" : "false", removed);
         }
@@ -1036,7 +1073,7 @@ static void s_waits_run(kvt_lmcache_t *self, bool all)
     uint64_t now = kvt_now_ms();
     for (s_wait_t **pp = &self->waits; *pp;) {
         s_wait_t *w = *pp;
-        s_req_t *q = zhashx_lookup(self->reqs, w->request_id);
+        s_req_t *q = s_req_find(self, w->request_id);
         if (q)
             s_req_progress(self, q);
         bool ready = !q || !q->pending;
@@ -1231,7 +1268,8 @@ static bool s_run(kvt_thread_t *t, void *arg)
         }
         s_monitor(self);
         for (int i = 0; i < 256 && s_recv_one(self); i++)
-            ;
+            if (i % 16 == 15 && !kvt_thread_beat(t))
+                return false;
         uint64_t now = kvt_now_ms();
         pthread_mutex_lock(&self->lock);
         if (self->nwaits)
@@ -1273,8 +1311,10 @@ kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_l1_t
     self->lim.max_items = self->lim.max_tokens + 2u * cfg->max_keys + 4096u;
     pthread_mutex_init(&self->lock, NULL);
     self->ctxs = kvt_u64map_new();
-    self->reqs = zhashx_new();
+    self->reqs = kvt_u64map_new();
     kvt_assert(self->ctxs && self->reqs);
+    if (getrandom(&self->seed, sizeof self->seed, 0) != sizeof self->seed)
+        self->seed = kvt_now_ns() ^ (uint64_t)getpid();
     self->next_owner = (UINT64_C(1) << 62) + 1; /* apart from v1's session owners */
     const char *ep = cfg->lmcache_listen;
     self->router = zsock_new(ZMQ_ROUTER);
@@ -1350,7 +1390,7 @@ void kvt_lmcache_destroy(kvt_lmcache_t **self_p)
     if (self->bound && strncmp(self->cfg->lmcache_listen, "ipc://", 6) == 0)
         unlink(self->cfg->lmcache_listen + 6);
     kvt_u64map_destroy(&self->ctxs);
-    zhashx_destroy(&self->reqs);
+    kvt_u64map_destroy(&self->reqs);
     pthread_mutex_destroy(&self->lock);
     free(self);
     *self_p = NULL;
@@ -1384,7 +1424,7 @@ json_t *kvt_lmcache_status_json(kvt_lmcache_t *self)
                            self->cfg->lmcache_listen, "shm_name", self->shm_name, "pool_size",
                            (json_int_t)self->pool_size, "chunk_tokens", (int)self->chunk,
                            "contexts", list, "contexts_total", (json_int_t)total,
-                           "requests_tracked", (json_int_t)zhashx_size(self->reqs),
+                           "requests_tracked", (json_int_t)kvt_u64map_size(self->reqs),
                            "lookups_loading", (json_int_t)self->npending, "lookup_locks",
                            (json_int_t)self->lookup_locks);
     pthread_mutex_unlock(&self->lock);
@@ -1416,10 +1456,10 @@ void kvt_lmcache_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
         s.value = (double)atomic_load(&self->errors[i]);
         emit(emit_ctx, &s);
     }
-    pthread_mutex_lock(&self->lock);
-    double contexts = (double)kvt_u64map_size(self->ctxs);
-    double tracked = (double)zhashx_size(self->reqs);
-    pthread_mutex_unlock(&self->lock);
+    /* counts kept in atomics: STATS runs this on the v1 server loop, which must never wait
+     * for the door */
+    double contexts = (double)atomic_load(&self->nctxs);
+    double tracked = (double)atomic_load(&self->nreqs);
     emit(emit_ctx, &(kvt_sample_t){.name = "lmcache_contexts",
                                    .help = "LMCache workers registered (engine-driven contexts)",
                                    .kind = KVT_METRIC_GAUGE,

@@ -434,28 +434,6 @@ class LmcClient:
 
 
 # ----------------------------------------------------------------------------------------
-# The daemon binary: does it have the door?
-
-
-def door_missing_reason(binary):
-    """None when `binary --help` lists --lmcache-listen, else a skip reason.
-
-    This check exists only while the daemon side of the LMCache door is being written on
-    another branch: once kvtierd has --lmcache-listen it never skips, and it is to be removed
-    when that branch is merged, so that a daemon losing the flag fails these tests."""
-    import subprocess
-    try:
-        cp = subprocess.run([binary, "--help"], stdin=subprocess.DEVNULL,
-                            capture_output=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return "could not run %s --help: %s" % (binary, e)
-    if b"--lmcache-listen" in cp.stdout + cp.stderr:
-        return None
-    return ("%s has no --lmcache-listen (the LMCache MP door is not in this daemon yet)"
-            % binary)
-
-
-# ----------------------------------------------------------------------------------------
 # Self-check of the encoders against the spec's example bytes (§13, §2.1, §3.1)
 
 

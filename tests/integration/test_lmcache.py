@@ -29,9 +29,9 @@ import pytest  # noqa: E402
 import zmq  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtest import daemon_path, free_port, metric_value, wait_until  # noqa: E402
+from kvtest import free_port, metric_value, wait_until  # noqa: E402
 from lmc_client import (OPS, Layout, LmcClient, RemoteError, Shm,  # noqa: E402
-                        check_slots, chunk_data, door_missing_reason, ipc_key,
+                        check_slots, chunk_data, ipc_key,
                         new_instance_id, pack, selftest, tokens_of, unpack)
 
 C = 16                                   # --chunk-tokens of every daemon here
@@ -40,11 +40,6 @@ LAY = Layout(2, 64, "float16", C)        # 8 KiB per chunk object
 # L1 alone: no L2 (a lookup is complete at once, CLEAR leaves no L2 copies behind)
 KVT_DAEMON_ARGS = ("--l2", "none", "--chunk-tokens", str(C))
 
-# This check exists only while the daemon side of the LMCache door is written on another
-# branch; it is to be removed with that merge, so that a daemon without the flag fails here.
-_BIN = daemon_path()
-_MISSING = door_missing_reason(_BIN) if _BIN else None
-needs_door = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
 REQ_METRIC = "kvtier_lmcache_requests_total"
 
@@ -243,7 +238,6 @@ def test_helper_encoders_match_spec_bytes():
 # Small ops, both transports
 
 
-@needs_door
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_small_ops(door, transport):
     door.start(transport=transport)
@@ -266,7 +260,6 @@ def test_small_ops(door, transport):
     assert c.query_prefetch_status(rid("unknown")) == 0
 
 
-@needs_door
 def test_pipelined_requests_matched_by_uid(door):
     """The client sends without waiting and matches replies by uid (they may come in any
     order); each op frame is echoed."""
@@ -294,7 +287,6 @@ def test_pipelined_requests_matched_by_uid(door):
 # Registration and the pool
 
 
-@needs_door
 def test_register_pool_and_idempotence(door):
     door.start()
     c = door.client()
@@ -318,7 +310,6 @@ def test_register_pool_and_idempotence(door):
         w.c.unregister(iid)
 
 
-@needs_door
 @pytest.mark.parametrize("layout", [
     Layout(2, 64, "float16", C), Layout(3, 128, "bfloat16", C), Layout(1, 32, "float32", C),
     Layout(4, 96, "bfloat16", C, use_mla=True)], ids=["fp16", "bf16", "fp32", "mla"])
@@ -332,7 +323,6 @@ def test_slot_layout(door, layout):
     assert w.retrieve(toks, 0, 3 * C) == w.expected("layout", 0, 3)
 
 
-@needs_door
 @pytest.mark.parametrize("bad", [{"dtype_str": "complex128"}, {"num_layers": 0},
                                  {"world_size": 0}], ids=["dtype", "layers", "world"])
 def test_register_rejects_bad_payload(door, bad):
@@ -355,7 +345,6 @@ NO_SLOTS = {"context": {"slots": [], "chunk_indices": []}}
 # Store and retrieve
 
 
-@needs_door
 def test_store_lookup_retrieve_round_trip(door):
     """The engine-driven cycle: lookup misses; prepare_store hands out slots that stay
     invisible until commit_store; then lookup hits, and another worker process (another
@@ -382,7 +371,6 @@ def test_store_lookup_retrieve_round_trip(door):
     sched.end_session(r)
 
 
-@needs_door
 def test_prepare_store_skips_stored_chunks(door):
     """Ranges advance over steps; chunk_indices are relative to start; stored chunks are left
     out; an all-cached prepare gives no slots and its commit_store is False."""
@@ -403,7 +391,6 @@ def test_prepare_store_skips_stored_chunks(door):
     assert w.retrieve(tokens_of("adv", 7 * C), 0, 7 * C) is None    # chunk 6 missing: a miss
 
 
-@needs_door
 def test_commit_store_refusals(door):
     door.start()
     w = Worker(door)
@@ -418,7 +405,6 @@ def test_commit_store_refusals(door):
     assert w.store(toks, 0, 2 * C, "cs") == [0, 1]
 
 
-@needs_door
 def test_null_chunk_mask(door):
     """Chunks whose null_chunk_mask[0][i] is true are not stored (prefix stops there)."""
     door.start()
@@ -436,7 +422,6 @@ def test_null_chunk_mask(door):
     assert w.retrieve(toks, 2 * C, 4 * C) == w.expected("null", 2, 4)
 
 
-@needs_door
 def test_unknown_instance_is_answered_in_band(door):
     """A transfer from an instance that is not registered is answered in its own reply type
     (no slots, a miss, false) rather than with an error reply, which the newest LMCache client
@@ -461,7 +446,6 @@ def test_unknown_instance_is_answered_in_band(door):
 # Lookup and prefetch status
 
 
-@needs_door
 def test_prefetch_status_semantics(door):
     door.start()
     w = Worker(door)
@@ -488,7 +472,6 @@ def test_prefetch_status_semantics(door):
     c.end_session(r)
 
 
-@needs_door
 def test_partial_prefixes_and_world_size(door):
     door.start()
     sched = door.client()
@@ -520,7 +503,6 @@ def test_partial_prefixes_and_world_size(door):
     assert hits(sched, "m-tp2", 1, toks) == 0
 
 
-@needs_door
 def test_cache_salt_isolation(door):
     door.start()
     w = Worker(door)
@@ -543,7 +525,6 @@ def test_cache_salt_isolation(door):
 # Both doors, the same objects
 
 
-@needs_door
 @pytest.mark.parametrize("salt", ["tenant-x", ""], ids=["salt", "nosalt"])
 def test_lmcache_store_seen_by_v1(door, salt):
     """What LMCache worker w stores for (M, W, S) is the v1 object in ns lmcache/M/W/w, salt S,
@@ -565,7 +546,6 @@ def test_lmcache_store_seen_by_v1(door, salt):
     assert v1.lookup(ns_of(MODEL, 1, 0), keys, salt=salt or None).hits == 0
 
 
-@needs_door
 @pytest.mark.parametrize("salt", ["tenant-y", ""], ids=["salt", "nosalt"])
 def test_v1_put_seen_by_lmcache(door, salt):
     door.start()
@@ -588,7 +568,6 @@ def test_v1_put_seen_by_lmcache(door, salt):
     assert v1.get(ns_of(MODEL, 1, 0), keys, salt=salt or None) == datas
 
 
-@needs_door
 def test_doors_serve_together(door):
     """v1 lookups keep being answered while LMCache stores go on, and each v1 lookup sees an
     LMCache chunk only after its commit_store."""
@@ -634,7 +613,6 @@ def test_doors_serve_together(door):
 # Sessions, locks, clear, unregister
 
 
-@needs_door
 def test_end_session_free_locks_and_clear(door):
     door.start()
     w = Worker(door)
@@ -664,7 +642,6 @@ def test_end_session_free_locks_and_clear(door):
     assert c.noop() == "OK"
 
 
-@needs_door
 def test_unregister(door):
     door.start()
     w = Worker(door)
@@ -693,7 +670,6 @@ def test_unregister(door):
 # Refusals
 
 
-@needs_door
 @pytest.mark.parametrize("op,nargs,mention", [
     (1, 1, "register_kv_cache"), (6, 3, "store"), (7, 3, "retrieve"),
     (29, 0, "p2p_lookup_and_lock"), (33, 0, "cb_protocol_handshake"), (99, 0, "99"),
@@ -742,7 +718,6 @@ def _malformed_cases():
     ]
 
 
-@needs_door
 @pytest.mark.parametrize("name,op,frames", _malformed_cases(), ids=[c[0] for c in
                                                                     _malformed_cases()])
 def test_malformed_requests(door, name, op, frames):
@@ -758,7 +733,6 @@ def test_malformed_requests(door, name, op, frames):
     assert c.noop() == "OK", "the door stopped serving after %s" % name
 
 
-@needs_door
 def test_stream_control_and_short_messages_get_no_reply(door):
     door.start()
     c = door.client()
@@ -776,7 +750,6 @@ def test_stream_control_and_short_messages_get_no_reply(door):
 # A worker killed with its reservations
 
 
-@needs_door
 def test_killed_worker_reservations_come_back(door):
     lease_ms = 1000
     door.start("--lease-ms", str(lease_ms))
@@ -852,7 +825,6 @@ def test_killed_worker_reservations_come_back(door):
 # Operations: /metrics and /status
 
 
-@needs_door
 def test_metrics_count_requests_by_op(door):
     door.start()
     d = door.d
@@ -884,7 +856,6 @@ def test_metrics_count_requests_by_op(door):
     assert fams[REQ_METRIC]["type"] == "counter"
 
 
-@needs_door
 def test_status_lists_contexts(door):
     door.start()
     d = door.d
@@ -906,7 +877,6 @@ def test_status_lists_contexts(door):
     wait_until(lambda: entry() is None, timeout=3.0, what="the context to leave /status")
 
 
-@needs_door
 def test_lookup_loads_what_only_l2_has(door):
     """Chunks written behind to L2 and then dropped from L1: the scheduler's lookup loads them
     back (query_prefetch_status is None while the loads run), then counts and locks them, and
@@ -931,3 +901,38 @@ def test_lookup_loads_what_only_l2_has(door):
     assert w.retrieve(toks, 0, 3 * C) == w.expected("l2", 0, 3)
     sched.end_session(r)
     assert door.d.http_json("GET", "/status")["lmcache"]["lookups_loading"] == 0
+
+
+def test_same_prompt_in_two_requests_commits_only_its_own(door):
+    """Two requests with the same prompt prepare the same chunks: the one that got the slots
+    publishes them at its commit, never at the other's (which had nothing to write)."""
+    door.start()
+    w = Worker(door)
+    sched = door.client()
+    toks = tokens_of("twin", 4 * C)
+    slots, idx = w.prepare(toks, 0, 4 * C, request_id="twin-a")
+    assert idx == [0, 1, 2, 3]
+    assert w.prepare(toks, 0, 4 * C, request_id="twin-b") == ([], [])   # being stored by a
+    assert w.commit(toks, 0, 4 * C, request_id="twin-b") is False       # nothing of b's
+    assert hits(sched, MODEL, 1, toks) == 0                              # a's not published
+    w.write(slots, idx, 0, "twin")
+    assert w.commit(toks, 0, 4 * C, request_id="twin-a") is True
+    assert hits(sched, MODEL, 1, toks) == 4
+    assert w.retrieve(toks, 0, 4 * C) == w.expected("twin", 0, 4)
+
+
+def test_lookup_of_an_unregistered_deployment_finds_nothing(door):
+    """Like LMCache's server, a lookup for a (model, world_size) no worker registered answers
+    0 hits and locks nothing, even when v1 stored the chunks; once a worker registers, they
+    are found."""
+    door.start()
+    sched = door.client()
+    v1 = door.v1()
+    toks = tokens_of("unreg-dep", 2 * C)
+    keys = v1.hash_tokens(toks)
+    datas = [chunk_data("unreg-dep", 0, i, LAY.nbytes) for i in range(2)]
+    assert v1.put(ns_of(MODEL, 1, 0), keys, datas) == 2
+    assert hits(sched, MODEL, 1, toks) == 0
+    assert hits(sched, MODEL, 1024, toks) == 0          # a huge world_size costs nothing either
+    Worker(door)
+    assert hits(sched, MODEL, 1, toks) == 2

@@ -12,17 +12,11 @@ sys.path.insert(0, _HERE)
 import pytest  # noqa: E402
 import zmq  # noqa: E402
 
-from kvtest import daemon_path  # noqa: E402
-from lmc_client import (ERROR_MARKER, Layout, door_missing_reason,  # noqa: E402
+from lmc_client import (ERROR_MARKER, Layout,  # noqa: E402
                         golden_key_bytes, ipc_key, pack, selftest, unpack)
 
 KVT_DAEMON_ARGS = ("--l2", "none", "--chunk-tokens", "256")
 
-# This check exists only while the daemon side of the LMCache door is written on another
-# branch; it is to be removed with that merge, so that a daemon without the flag fails here.
-_BIN = daemon_path()
-_MISSING = door_missing_reason(_BIN) if _BIN else None
-needs_door = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
 IID = bytes.fromhex("cf25895f0000000001")      # instance_id 0x25895f0000000001 as uint64
 IID_VALUE = 0x25895f0000000001
@@ -108,7 +102,6 @@ def recv(sock, timeout_ms=5000):
     return sock.recv_multipart()
 
 
-@needs_door
 @pytest.mark.parametrize("name,exchanges", EXCHANGES, ids=[e[0] for e in EXCHANGES])
 def test_golden_exchange(lmc_endpoint, name, exchanges):
     sock = lmc_endpoint()
@@ -118,7 +111,6 @@ def test_golden_exchange(lmc_endpoint, name, exchanges):
         assert got == rep, "%s: sent %r\n got %r\nwant %r" % (name, req, got, rep)
 
 
-@needs_door
 @pytest.mark.parametrize("op_frame,mention", [(b"\x63", "99"), (s("frobnicate"), "frobnicate"),
                                               (b"\x06", "store")], ids=["99", "name", "store"])
 def test_golden_error_reply(lmc_endpoint, op_frame, mention):
@@ -131,7 +123,6 @@ def test_golden_error_reply(lmc_endpoint, op_frame, mention):
     assert mention in err["message"], err
 
 
-@needs_door
 def test_golden_struct_replies(lmc_endpoint):
     """register, prepare_store and prepare_retrieve replies: maps with the fields in the
     declared order, in msgpack's shortest forms (the frame equals its own re-encoding)."""
