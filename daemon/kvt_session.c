@@ -90,10 +90,20 @@ struct kvt_sessions {
 
 /* ---- routing id keys (no hex formatting: hashed and compared as bytes) ---- */
 
+/* Clients choose routing ids and instance names: both tables hash them with a secret seed, so
+ * that nobody can send keys that collide (a zhashx grows its table on every lookup that meets
+ * a long chain, until the allocation fails and czmq aborts). Set once, before any thread. */
+static uint64_t s_seed;
+
 static size_t s_rid_hash(const void *key)
 {
     const s_rid_t *r = key;
-    return (size_t)XXH3_64bits(r->bytes, r->len);
+    return (size_t)XXH3_64bits_withSeed(r->bytes, r->len, s_seed);
+}
+
+static size_t s_name_hash(const void *key)
+{
+    return (size_t)XXH3_64bits_withSeed(key, strlen(key), s_seed);
 }
 
 static int s_rid_cmp(const void *a, const void *b)
@@ -364,10 +374,13 @@ kvt_sessions_t *kvt_sessions_new(const kvt_session_limits_t *lim, kvt_session_go
     self->lim = *lim;
     if (self->lim.max_instances_per_conn == 0)
         self->lim.max_instances_per_conn = 1;
+    if (!s_seed && getrandom(&s_seed, sizeof s_seed, 0) != sizeof s_seed)
+        s_seed = kvt_now_ns() ^ (uint64_t)getpid();
     self->by_instance = zhashx_new();
     self->by_rid = zhashx_new();
     kvt_assert(self->by_instance && self->by_rid);
     zhashx_set_destructor(self->by_instance, s_session_free);
+    zhashx_set_key_hasher(self->by_instance, s_name_hash);
     zhashx_set_key_hasher(self->by_rid, s_rid_hash);
     zhashx_set_key_comparator(self->by_rid, s_rid_cmp);
     zhashx_set_key_duplicator(self->by_rid, NULL); /* the key lives in the connection */
