@@ -43,7 +43,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #define S_SHARD_BITS 6
@@ -125,10 +127,15 @@ static uint64_t s_get(_Atomic uint64_t *v)
 
 /* ---- namespaces ---- */
 
+/* Namespaces and keys are the clients' choice: the namespace table (a zhashx, which grows on
+ * lookups that meet long chains) and the object index hash them under a secret seed, so that
+ * nobody can make them collide. Set once, before any thread. */
+static uint64_t s_seed;
+
 static size_t s_nskey_hash(const void *k)
 {
     const kvt_ns_t *key = k;
-    uint64_t h = XXH3_64bits_withSeed(key->name, key->name_len, key->name_len);
+    uint64_t h = XXH3_64bits_withSeed(key->name, key->name_len, s_seed ^ key->name_len);
     return (size_t)XXH3_64bits_withSeed(key->salt, key->salt_len, h);
 }
 
@@ -1084,6 +1091,8 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
     pthread_mutex_init(&self->lru_lock, NULL);
     pthread_mutex_init(&self->ns_lock, NULL);
     self->ev_wake = kvt_queue_new(1, 0, err, errlen); /* no eventfd: cannot fail */
+    if (!s_seed && getrandom(&s_seed, sizeof s_seed, 0) != sizeof s_seed)
+        s_seed = kvt_now_ns() ^ (uint64_t)getpid();
     self->ns_table = zhashx_new();
     kvt_assert(self->ns_table);
     zhashx_set_key_hasher(self->ns_table, s_nskey_hash);
