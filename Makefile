@@ -6,13 +6,14 @@ PYTHON   := /usr/bin/python3
 BUILD    := build
 # make Q= shows every compiler command
 Q        ?= @
-VERSION  := 0.1.0
+VERSION  := $(strip $(file < VERSION))
 
 PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash libsystemd hiredis
 DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev libjansson-dev \
             libmicrohttpd-dev libxxhash-dev libcmocka-dev python3-zmq python3-msgpack \
             python3-pytest python3-xxhash curl libsystemd-dev systemd libhiredis-dev \
-            redis-server iproute2 valgrind
+            redis-server iproute2 valgrind python3-venv python3-pip python3-setuptools \
+            python3-wheel python3-torch
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 # The layers and what each may include (docs/architecture.md): a folder's sources see only its
@@ -76,7 +77,7 @@ PLUGIN_ENV = KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
              KVT_L2_EXAMPLE_PLUGIN_ABI1=$(abspath $(PLUGIN_EXAMPLE_ABI1))
 
 .PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-l2 bench-smoke \
-        test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers
+        test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers pyclient bench-sglang
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE) \
@@ -93,6 +94,23 @@ deps:
 	  $$SUDO apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
 	fi
+
+# The Python client as users get it: `pip install ./client/python` into a throw-away venv
+# (--system-site-packages: it sees Debian's zmq, msgpack, xxhash, torch, pytest; --no-index:
+# no network). The Python tests run on this interpreter, against the installed copy.
+PY_SRC   := VERSION $(wildcard client/python/*.toml client/python/*.py client/python/kvtier/*.py)
+PYVENV   := $(BUILD)/pyvenv
+PYTEST   := $(abspath $(PYVENV))/bin/python
+pyclient: $(PYVENV)/.installed
+$(PYVENV)/.installed: $(PY_SRC)
+	@rm -rf $(PYVENV)
+	$(PYTHON) -m venv --system-site-packages $(PYVENV)
+	$(PYVENV)/bin/python -m pip install -q --no-build-isolation --no-index --no-cache-dir \
+	  ./client/python
+	@cd / && $(abspath $(PYVENV))/bin/python -c 'import kvtier, kvtier.sglang, sys; \
+	  sys.exit(0 if kvtier.__file__.startswith("$(abspath $(PYVENV))/") else \
+	  "kvtier imported from " + kvtier.__file__)'
+	@touch $@
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -170,12 +188,12 @@ check-layers: deps
 	echo "check-layers: every header compiles within its layer"
 
 # Integration tests run against the ASan+UBSan daemon; a sanitizer report fails the test.
-integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART)
+integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART) pyclient
 	KVT_DAEMON=$(abspath $(BUILD)/asan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
 	  KVT_MOCK_CUDART=$(if $(MOCK_CUDART),$(abspath $(MOCK_CUDART))) \
 	  KVT_CLIENT_TEST=$(abspath $(BUILD)/kvtier-client-test) \
 	  $(PLUGIN_ENV) \
-	  timeout 900 $(PYTHON) -m pytest -q -p no:cacheprovider tests/integration
+	  timeout 900 $(PYTEST) -m pytest -q -p no:cacheprovider tests/integration
 
 check-asan: unit integration
 
@@ -275,12 +293,12 @@ TSAN_INTEGRATION := tests/integration/test_reliability.py \
     tests/integration/test_lmcache.py::test_lookup_loads_what_only_l2_has \
     tests/integration/test_lmcache.py::test_status_lists_contexts
 
-tsan: deps all $(TSAN_OBJ) $(TSAN_BIN) $(BUILD)/tsan/kvtierd
+tsan: deps all $(TSAN_OBJ) $(TSAN_BIN) $(BUILD)/tsan/kvtierd pyclient
 	@set -e; for t in $(TSAN_BIN); do echo "== $$t"; \
 	  TSAN_OPTIONS="halt_on_error=1 exitcode=66 $$TSAN_OPTIONS" timeout 300 $$t; done
 	KVT_DAEMON=$(abspath $(BUILD)/tsan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
 	  TSAN_OPTIONS="halt_on_error=1 exitcode=66 suppressions=$(abspath tests/tsan.supp) \
-	  $$TSAN_OPTIONS" timeout 600 $(PYTHON) -m pytest -q -p no:cacheprovider $(TSAN_INTEGRATION)
+	  $$TSAN_OPTIONS" timeout 600 $(PYTEST) -m pytest -q -p no:cacheprovider $(TSAN_INTEGRATION)
 
 # valgrind memcheck: every unit test, built without sanitizers (ASan and valgrind exclude each
 # other) from its own objects in build/vg/. Any memcheck error, and any definite or indirect
@@ -343,10 +361,16 @@ bench-l2: deps $(BENCH_L2)
 	$(BENCH_L2) $(BENCH_L2_ARGS)
 
 # A benchmark is not a test: CI runs it only in its short smoke mode, never judging timings.
-bench-smoke: deps $(BENCH_L1) $(BENCH_L2) $(BUILD)/kvtierd $(BUILD)/kvtier-bench
+bench-smoke: deps $(BENCH_L1) $(BENCH_L2) $(BUILD)/kvtierd $(BUILD)/kvtier-bench pyclient
 	$(BENCH_L1) --quick > /dev/null
 	$(BENCH_L2) --quick > /dev/null
 	timeout 120 $(BUILD)/kvtier-bench --quick --daemon $(BUILD)/kvtierd > /dev/null
+	timeout 120 $(PYTEST) bench/sglang_bench.py --quick --daemon $(BUILD)/kvtierd > /dev/null
+
+# The SGLang HiCache backend (kvtier.sglang) against memcpy of the same pages, in one process
+# (bench/sglang_bench.py; < 1 min). BENCH_SGLANG_ARGS="--rounds 100 --json FILE".
+bench-sglang: deps $(BUILD)/kvtierd pyclient
+	timeout 600 $(PYTEST) bench/sglang_bench.py --daemon $(BUILD)/kvtierd $(BENCH_SGLANG_ARGS)
 
 clean:
 	rm -rf $(BUILD)

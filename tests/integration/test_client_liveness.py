@@ -11,14 +11,12 @@ same scenarios is in test_c_client.py."""
 
 import gc
 import os
-import sys
 import threading
 import time
 
 import pytest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(_HERE, "..", "..", "client", "python"))
 
 import kvtier  # noqa: E402
 from kvtest import PAGE, key, wait_until  # noqa: E402

@@ -9,11 +9,9 @@ is tests/unit/test_client_codes.c)."""
 
 import os
 import re
-import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.join(_HERE, "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "client", "python"))
 
 import kvtier  # noqa: E402
 from kvtier import errors  # noqa: E402

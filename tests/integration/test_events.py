@@ -3,12 +3,10 @@ evicted with the right ns, salt, keys and tier, one message per request per (ns,
 subscriber that never reads does not stall the daemon — its events are dropped and counted."""
 
 import os
-import sys
 import threading
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(_HERE, "..", "..", "client", "python"))
 
 import pytest  # noqa: E402
 import zmq  # noqa: E402

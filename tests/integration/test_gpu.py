@@ -164,9 +164,6 @@ def test_no_gpu_register_then_bye_and_silence(daemon_factory):
 @pytest.mark.skipif(have_cuda_device(), reason="a CUDA device is present: make test-gpu")
 def test_python_client_gpu_calls_without_gpu(daemon):
     """The Python client's GPU calls reach the daemon and raise the typed errors."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
-                                    "client", "python"))
     import kvtier
     with kvtier.Client(daemon.endpoint(), instance="py-gpu") as c:
         with pytest.raises(kvtier.Unavailable, match="no CUDA device"):

@@ -21,7 +21,8 @@ import pytest
 from kvtest import run_kvtierd
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-VERSION = "0.1.0"
+with open(os.path.join(REPO, "VERSION")) as _f:
+    VERSION = _f.read().strip()             # the Makefile's, and the Python package's
 
 # Everything `make install PREFIX=/usr` puts under DESTDIR (files and symlinks).
 EXPECTED_USR = {

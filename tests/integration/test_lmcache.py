@@ -22,7 +22,6 @@ import threading
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(_HERE, "..", "..", "client", "python"))
 sys.path.insert(0, _HERE)
 
 import pytest  # noqa: E402

@@ -17,7 +17,6 @@ import sys
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(_HERE, "..", "..", "client", "python"))
 sys.path.insert(0, _HERE)
 
 import pytest  # noqa: E402
@@ -213,6 +212,39 @@ def test_client_session_and_arena(daemon_factory, connect):
     assert r.get(NS, k) == [b"x" * 100] * 3
     assert r.put(NS, [key(9)], [b"remote"]) == 1
     assert c.fetch(NS, [key(9)]) == [b"remote"]
+
+
+def test_offsets_begin_and_post(daemon_factory, connect):
+    """reserve_offsets / acquire_offsets answer arena ranges (the bytes written through them
+    are the object's); the *_begin halves overlap requests; post() sends a RELEASE whose
+    reply nobody waits for, and the lease is gone."""
+    d = daemon_factory()
+    c = connect(d)
+    k = [key(i, b"off") for i in range(4)]
+    slots, lease = c.reserve_offsets(NS, k[:2], 1000)
+    assert lease and len(slots) == 2 and all(length == 1000 for _, length in slots)
+    for i, (off, length) in enumerate(slots):
+        c.arena[off:off + length] = bytes([i + 1]) * length
+    assert c.commit(lease) == 2
+    assert c.reserve_offsets(NS, k[:2], 1000) == ([None, None], 0)   # stored already
+    assert c.fetch(NS, k[:2]) == [b"\x01" * 1000, b"\x02" * 1000]
+
+    first = c.reserve_offsets_begin(NS, k[2:3], 10)
+    second = c.acquire_offsets_begin(NS, k)                     # both on the wire
+    r1 = first()
+    (off, _), = r1.slots
+    slots, rlease = second()
+    assert len(slots) == 2 and c.arena[slots[1][0]:slots[1][0] + 1] == b"\x02"
+    assert c.stats()["leases_active"] == 2
+    c.post(kvtier.RELEASE, {"lease": rlease})
+    c.arena[off:off + 10] = b"z" * 10
+    assert c.stats()["leases_active"] == 1                   # (the RELEASE went first)
+    pending = c.commit_begin(r1.lease)
+    assert pending() == 1
+    assert c.fetch(NS, k[:3])[2] == b"z" * 10
+    c.post(kvtier.RELEASE, {"lease": 424242})                # its error is never seen
+    c.ping()
+    raises(kvtier.UnknownLease, c.release, 424242)
 
 
 def test_no_daemon_times_out(tmp_path):

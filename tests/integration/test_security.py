@@ -17,7 +17,6 @@ import pytest
 import zmq
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(_HERE, "..", "..", "client", "python"))
 sys.path.insert(0, _HERE)
 
 import kvtier  # noqa: E402

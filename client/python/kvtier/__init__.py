@@ -11,25 +11,39 @@
 
 Modules: client (Client, the requests), errors (KvtierError and one subclass per wire code),
 hashing (hash_tokens, xxh3_128: keys computed locally), events (Subscriber), heartbeat (the
-thread that keeps an idle Client's instance alive).
+thread that keeps an idle Client's instance alive), sglang (KvtierHiCacheStorage, SGLang's
+HiCache storage backend; imported on demand, needs torch).
 Not thread-safe: one Client (and one Subscriber) per thread.
 """
 
 from .client import (ACQUIRE, BYE, CLEAR, COMMIT, GET, HASH_TOKENS, HELLO, LOOKUP, PING,
                      PREFETCH_STATUS, PROTO_VERSION, PUT, REGISTER_GPU, RELEASE, REMOVE,
                      RESERVE, RETRIEVE_GPU, STATS, STORE_GPU, UNREGISTER_GPU,
-                     Acquired, Client, Lookup, PrefetchStatus, Reservation)
+                     Acquired, Client, Lookup, PrefetchStatus, Reservation, Slots)
 from .errors import (BadRequest, Busy, InstanceDropped, Internal, KvtierError, LeaseExpired,
                      NoSpace, NotFound, ProtocolError, Timeout, TooLarge, Unavailable,
                      UnknownLease, UnknownType, UnsupportedVersion, error_for)
 from .events import Subscriber
 from .hashing import have_xxhash, hash_tokens, token_bytes, xxh3_128
 
-__version__ = "0.1.0"
+try:
+    from ._version import __version__       # written at build time from the repository's VERSION
+except ImportError:                         # a source checkout put on sys.path by hand
+    def _repo_version():
+        import os
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                            "VERSION")
+        try:
+            with open(path, encoding="ascii") as f:
+                return f.read().strip()
+        except OSError:
+            return "0+unknown"
+    __version__ = _repo_version()
+    del _repo_version
 
 __all__ = [
     "Client", "Subscriber", "hash_tokens", "xxh3_128", "token_bytes", "have_xxhash",
-    "Lookup", "PrefetchStatus", "Reservation", "Acquired",
+    "Lookup", "PrefetchStatus", "Reservation", "Acquired", "Slots",
     "KvtierError", "BadRequest", "UnknownType", "UnsupportedVersion", "TooLarge", "NoSpace",
     "NotFound", "LeaseExpired", "UnknownLease", "Busy", "Internal", "Unavailable",
     "InstanceDropped", "Timeout", "ProtocolError", "error_for",

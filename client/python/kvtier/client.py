@@ -48,7 +48,7 @@ from .errors import BadRequest, InstanceDropped, KvtierError, ProtocolError, Tim
     Unavailable, error_for, LeaseExpired, UnknownLease
 
 __all__ = [
-    "Client", "Lookup", "PrefetchStatus", "Reservation", "Acquired", "PROTO_VERSION",
+    "Client", "Lookup", "PrefetchStatus", "Reservation", "Acquired", "Slots", "PROTO_VERSION",
     "HELLO", "BYE", "PING", "LOOKUP", "PREFETCH_STATUS", "RESERVE", "COMMIT", "ACQUIRE",
     "RELEASE", "PUT", "GET", "REMOVE", "CLEAR", "STATS", "HASH_TOKENS",
 ]
@@ -84,6 +84,9 @@ PrefetchStatus = collections.namedtuple("PrefetchStatus", "done loaded hits")
 Reservation = collections.namedtuple("Reservation", "slots lease")
 # views: read-only memoryviews of the leading keys found in L1; lease: 0 when none found.
 Acquired = collections.namedtuple("Acquired", "views lease")
+# The same as (offset, length) pairs into .arena (None: RESERVE's "already stored"), for callers
+# that view the arena themselves (kvtier.sglang: one torch tensor over the whole mapping).
+Slots = collections.namedtuple("Slots", "slots lease")
 
 _instance_seq = itertools.count(1)
 
@@ -315,10 +318,11 @@ class Client:
 
     # -- raw requests ---------------------------------------------------------------------
 
-    def send(self, type_, body=None, data=()):
+    def send(self, type_, body=None, data=(), reply=True):
         """Sends one request [uid, type, body, *data] without waiting; returns its uid for
         recv(). body is a dict (packed with bin types) or None for {}; data are bytes-like
-        (sent zero-copy: do not modify them until the reply arrived)."""
+        (sent zero-copy: do not modify them until the reply arrived). reply=False: nobody
+        will recv() it, its reply is discarded when it turns up (post())."""
         if self._closed:
             raise ValueError("kvtier.Client is closed")
         uid = next(self._uids)
@@ -329,8 +333,14 @@ class Client:
         except zmq.Again:
             raise Timeout("request type %d not sent within %d ms (is the daemon up?)"
                           % (type_, self.timeout_ms), type_) from None
-        self._waiting[uid] = None
+        if reply:
+            self._waiting[uid] = None
         return uid
+
+    def post(self, type_, body=None):
+        """Sends a request without waiting for its reply, which is discarded (its errors are
+        not seen): a RELEASE once the bytes are read, say, costs no round trip."""
+        self.send(type_, body, reply=False)
 
     def recv(self, uid, timeout_ms=None, check=True, copy=True):
         """Waits for the reply to request `uid` (from send()). Returns (body, data): body the
@@ -411,7 +421,7 @@ class Client:
             raise Unavailable("%s needs the shared-memory arena, which this client could not "
                               "map (remote client?); use put()/get()" % what)
 
-    def _view(self, slot, writable):
+    def _range(self, slot):
         try:
             off, length = int(slot["offset"]), int(slot["length"])
         except (TypeError, KeyError, ValueError):
@@ -419,6 +429,10 @@ class Client:
         if off < 0 or length < 0 or off + length > len(self.arena):
             raise ProtocolError("slot [%d, +%d) outside the arena of %d bytes"
                                 % (off, length, len(self.arena)))
+        return off, length
+
+    def _view(self, rng, writable):
+        off, length = rng
         v = self._arena_view[off:off + length]
         if writable:
             return v
@@ -427,20 +441,24 @@ class Client:
         return ro
 
     def _views_for(self, body, writable):
+        slots, lease = self._ranges_for(body)
+        views = [None if r is None else self._view(r, writable) for r in slots]
+        if lease:
+            self._views.setdefault(lease, []).extend(v for v in views if v is not None)
+        return views, lease
+
+    def _ranges_for(self, body):
         slots = body.get("slots")
         lease = body.get("lease", 0) or 0
-        if not isinstance(slots, list):
-            raise ProtocolError("reply without slots: %r" % (body,))
         try:
-            views = [None if s is None else self._view(s, writable) for s in slots]
+            if not isinstance(slots, list):
+                raise ProtocolError("reply without slots: %r" % (body,))
+            return Slots([None if s is None else self._range(s) for s in slots], lease)
         except ProtocolError:
             if lease:
                 with contextlib.suppress(KvtierError):
                     self.call(RELEASE, {"lease": lease})
             raise
-        if lease:
-            self._views.setdefault(lease, []).extend(v for v in views if v is not None)
-        return views, lease
 
     def _drop_views(self, lease):
         for v in self._views.pop(lease, ()):
@@ -494,6 +512,51 @@ class Client:
         views, lease = self._views_for(self.call(RESERVE, body)[0], True)
         return Reservation(views, lease)
 
+    def _reserve_body(self, ns, keys, sizes, salt):
+        self._need_arena("RESERVE")
+        body = self._keyed(ns, keys, salt)
+        if isinstance(sizes, int):
+            body["size"] = sizes
+        else:
+            body["sizes"] = list(sizes)
+        return body
+
+    def reserve_offsets(self, ns, keys, sizes, salt=None):
+        """reserve() answering Slots: (offset, length) into .arena per slot instead of views
+        (None: already stored). Nothing is tracked: write through your own view of .arena
+        (re-read .arena after every call: a restarted daemon's arena replaces it), then
+        commit(lease)."""
+        return self._ranges_for(self.call(RESERVE, self._reserve_body(ns, keys, sizes,
+                                                                     salt))[0])
+
+    # The same requests in two halves, to overlap the daemon's work (and the round trip) with
+    # the caller's copies: each sends its request and returns a function that waits for the
+    # reply (at most timeout_ms) and answers as the one-call form does. The raw layer:
+    # nothing is re-established on the way (InstanceDropped reaches the caller), and each
+    # returned function must be called once, else its reply is kept until close().
+
+    def reserve_offsets_begin(self, ns, keys, sizes, salt=None):
+        uid = self.send(RESERVE, self._reserve_body(ns, keys, sizes, salt))
+        return lambda: self._ranges_for(self.recv(uid)[0])
+
+    def acquire_offsets_begin(self, ns, keys, salt=None):
+        self._need_arena("ACQUIRE")
+        uid = self.send(ACQUIRE, self._keyed(ns, keys, salt))
+        return lambda: self._ranges_for(self.recv(uid)[0])
+
+    def commit_begin(self, lease, failed=()):
+        body = {"lease": lease}
+        if failed:
+            body["failed"] = list(failed)
+        uid = self.send(COMMIT, body)
+
+        def end():
+            try:
+                return self.recv(uid)[0].get("stored", 0)
+            finally:
+                self._drop_views(lease)
+        return end
+
     def commit(self, lease, failed=()):
         """COMMIT -> stored (objects that became readable). `failed`: indices (into the
         RESERVE's keys) whose bytes could not be written; they are discarded. The write views
@@ -517,6 +580,13 @@ class Client:
         views, lease = self._views_for(self.call(ACQUIRE, self._keyed(ns, keys, salt))[0],
                                        False)
         return Acquired(views, lease)
+
+    def acquire_offsets(self, ns, keys, salt=None):
+        """acquire() answering Slots: (offset, length) into .arena of the leading keys found in
+        L1, pinned until release(lease). Read them through your own view of .arena and do not
+        write: other readers share the bytes."""
+        self._need_arena("ACQUIRE")
+        return self._ranges_for(self.call(ACQUIRE, self._keyed(ns, keys, salt))[0])
 
     def release(self, lease):
         """RELEASE: ends a read lease (ACQUIRE, LOOKUP lock) or abandons a write lease

@@ -1,0 +1,948 @@
+"""kvtier.sglang: an SGLang HiCache storage backend on kvtier (docs/integrations.md, "SGLang").
+
+SGLang loads it as a dynamic backend (storage/backend_factory.py calls
+`KvtierHiCacheStorage(storage_config, {})`, then `register_mem_pool_host(host_pool)`):
+
+    --enable-hierarchical-cache --page-size 64 --hicache-mem-layout page_first \\
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+    '{"backend_name": "kvtier", "module_path": "kvtier.sglang",
+      "class_name": "KvtierHiCacheStorage", "interface_v1": 1,
+      "endpoint": "ipc:///run/kvtier/kvtier.sock"}'
+
+Built against SGLang's HiCacheStorage as of v0.5.x (hicache_storage.py, 2025-2026): the five
+abstract methods (get, batch_get, set, batch_set, exists), batch_exists, and the zero-copy
+batch_get_v1 / batch_set_v1 that SGLang calls when the extra config says "interface_v1".
+
+Objects: one kvtier object per page, holding the page exactly as the host pool's
+get_data_page(index, flat=True) lays it out (so the v1 and the tensor paths store the same
+bytes). Keys: SGLang's page hash string -> BLAKE2b-128 of its UTF-8 bytes. Namespace:
+"<namespace>/<ranks>/<page layout>", e.g.
+"sglang/Qwen3-8B/tp0of2/mha.page_first.bfloat16.2x64x36x4x128": a TP rank's pages are its own
+heads (MLA pages are the same on every TP rank: "mla" instead), and another layout, dtype or
+page size is another namespace, so pages of different layouts never mix.
+
+Calls never raise into SGLang (its prefetch and backup threads die on an exception): a page
+that is missing, evicted, of another size or could not be moved is a miss (False / None), and
+every call ends within about `timeout_ms`. When the daemon does not answer, the backend
+reports misses at once and reconnects in the background (a warning when it goes, another when
+it is back). Connections: a small pool of kvtier.Client (each not thread-safe; SGLang calls
+from its prefetch and backup threads), each with its heartbeat, so idle periods longer than the
+daemon's lease_ms cost nothing.
+"""
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from .client import RELEASE, Client
+from .errors import KvtierError
+
+try:                                            # SGLang's base class when SGLang is installed:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base  # its factory
+except ImportError:                             # checks issubclass(cls, HiCacheStorage)
+    class _Base:                                # pylint: disable=too-few-public-methods
+        """Stand-in for sglang's HiCacheStorage when SGLang is not installed."""
+
+        def register_mem_pool_host(self, mem_pool_host):
+            self.mem_pool_host = mem_pool_host
+
+__all__ = ["KvtierHiCacheStorage", "page_key", "DEFAULTS"]
+
+log = logging.getLogger("kvtier.sglang")
+
+# The keys this backend reads from --hicache-storage-backend-extra-config (every other key is
+# SGLang's or another backend's and left alone). docs/integrations.md lists them.
+DEFAULTS = {
+    "endpoint": None,               # None: $KVTIER_ENDPOINT, else ipc:///run/kvtier/kvtier.sock
+    "namespace": None,              # None: "sglang/<model_name>"
+    "salt": None,                   # isolates tenants sharing one daemon (LOOKUP's salt)
+    "timeout_ms": 1000,             # the longest one backend call waits for the daemon
+    "reconnect_interval_ms": 1000,  # how often the background thread tries a daemon that left
+    "max_connections": 4,           # Clients in the pool (SGLang calls from 2-3 threads)
+    "heartbeat_ms": None,           # kvtier.Client's (None: lease_ms / 3)
+}
+_INTS = {"timeout_ms": 1, "reconnect_interval_ms": 10, "max_connections": 1}
+DEFAULT_ENDPOINT = "ipc:///run/kvtier/kvtier.sock"
+
+
+def page_key(page_hash):
+    """kvtier's 16-byte key of one SGLang page hash (a str, normally 64 hex digits of
+    SHA-256 chained over the prefix): BLAKE2b-128 of its UTF-8 bytes."""
+    if isinstance(page_hash, str):
+        page_hash = page_hash.encode("utf-8")
+    return hashlib.blake2b(bytes(page_hash), digest_size=16).digest()
+
+
+def _settings(storage_config):
+    extra = getattr(storage_config, "extra_config", None) or {}
+    if not isinstance(extra, dict):
+        raise ValueError("kvtier.sglang: extra_config must be a dict, not %r" % (extra,))
+    cfg = dict(DEFAULTS)
+    for k in DEFAULTS:
+        if k in extra and extra[k] is not None:
+            cfg[k] = extra[k]
+    for k, low in _INTS.items():
+        v = cfg[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError("kvtier.sglang: %s must be an integer >= %d, not %r" % (k, low, v))
+    hb = cfg["heartbeat_ms"]
+    if hb is not None and (isinstance(hb, bool) or not isinstance(hb, int) or hb < 0):
+        raise ValueError("kvtier.sglang: heartbeat_ms must be an integer >= 0, not %r" % (hb,))
+    for k in ("endpoint", "namespace", "salt"):
+        if cfg[k] is not None and (not isinstance(cfg[k], str) or not cfg[k]):
+            raise ValueError("kvtier.sglang: %s must be a non-empty string, not %r"
+                             % (k, cfg[k]))
+    if cfg["endpoint"] is None:
+        cfg["endpoint"] = os.environ.get("KVTIER_ENDPOINT") or DEFAULT_ENDPOINT
+    if cfg["namespace"] is None:
+        model = getattr(storage_config, "model_name", None) or "unnamed-model"
+        cfg["namespace"] = "sglang/" + str(model).strip("/")
+    return cfg
+
+
+def _ranks(storage_config):
+    """The rank part of the namespace: what makes one rank's pages differ from another's."""
+    def field(name, default):
+        v = getattr(storage_config, name, default)
+        return default if v is None else int(v)
+    parts = []
+    if getattr(storage_config, "is_mla_model", False):
+        parts.append("mla")               # latent KV: the same bytes on every TP rank
+    else:
+        parts.append("tp%dof%d" % (field("tp_rank", 0), field("tp_size", 1)))
+    if field("pp_size", 1) > 1:
+        parts.append("pp%dof%d" % (field("pp_rank", 0), field("pp_size", 1)))
+    if field("attn_cp_size", 1) > 1:
+        parts.append("cp%dof%d" % (field("attn_cp_rank", 0), field("attn_cp_size", 1)))
+    return ".".join(parts)
+
+
+def _guarded(miss):
+    """Whatever goes wrong in a call SGLang makes is a miss, never an exception: an exception
+    would end SGLang's prefetch or backup thread (it does not restart them). miss(keys) is the
+    call's miss value."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, keys=None, *args, **kwargs):
+            try:
+                return fn(self, keys, *args, **kwargs)
+            except Exception as e:        # noqa: BLE001
+                self._count("errors", 1)
+                self._warn_once("call:" + type(e).__name__, "%s: %s: %s (counted as a miss)"
+                                % (fn.__name__, type(e).__name__, e))
+                try:
+                    return miss(keys)
+                except Exception:         # noqa: BLE001 - keys not even a list
+                    return miss([])
+        return call
+    return wrap
+
+
+def _falses(keys):
+    return [False] * len(keys)
+
+
+def _nones(keys):
+    return [None] * len(keys)
+
+
+class _Conn:
+    """One pooled Client and a torch view of its arena (rebuilt when the Client maps another
+    arena: a restarted daemon's)."""
+
+    def __init__(self, client, gen):
+        self.client = client
+        self.gen = gen
+        self.deadline = 0.0               # of the backend call using it (monotonic s)
+        self._arena = None
+        self._tensor = None
+        self._typed = {}                  # dtype -> the arena viewed as that dtype
+        self._typed_of = None
+
+    def arena(self):
+        a = self.client.arena
+        if a is None:
+            self._arena = self._tensor = self._typed_of = None
+            self._typed = {}
+            return None
+        if a is not self._arena:
+            self._tensor = self._typed_of = None      # drop the old exports first
+            self._typed = {}
+            self._tensor = torch.frombuffer(a, dtype=torch.uint8)
+            self._arena = a
+        return self._tensor
+
+    def typed(self, dtype):
+        """The arena as a 1-D tensor of dtype (call arena() first)."""
+        if self._typed_of is not self._tensor:
+            self._typed = {}
+            self._typed_of = self._tensor
+        t = self._typed.get(dtype)
+        if t is None:
+            t = self._typed[dtype] = self._tensor.view(dtype)
+        return t
+
+    def req(self, floor_ms=1):
+        """The Client, for one request that waits what is left of the call's deadline (at
+        least floor_ms: a COMMIT or RELEASE still gets its chance after a slow copy)."""
+        self.client.timeout_ms = max(floor_ms, int((self.deadline - _now()) * 1000))
+        return self.client
+
+    def close(self):
+        self._tensor = self._arena = self._typed_of = None
+        self._typed = {}
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+class _Down(Exception):
+    """The daemon did not answer (or no connection could be had in time)."""
+
+
+class _Broken(Exception):
+    """A pipelined call failed with replies still due on its connection: it is closed (and
+    its leases go with its instance), never handed to the next call."""
+
+    def __init__(self, cause):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class KvtierHiCacheStorage(_Base):
+    """SGLang HiCacheStorage on kvtier (module docstring). Every method may be called from any
+    thread; none raises for a missing page or an absent daemon."""
+
+    def __init__(self, storage_config=None, kwargs=None):
+        self.storage_config = storage_config
+        self.cfg = _settings(storage_config)
+        self.rank_part = _ranks(storage_config)
+        self.mem_pool_host = None
+        self.ns = None                    # set by register_mem_pool_host
+        self.page_bytes = 0
+        self._page_shape = None
+        self._page_dtype = None
+        self._page_size = 0
+        self._cond = threading.Condition()
+        self._idle = []
+        self._live = 0                    # Clients made and not closed (idle + in use)
+        self._gen = 0                     # bumped when the daemon went away
+        self._down = False
+        self._closed = False
+        self._graveyard = []              # Conns to close off the caller's thread
+        self._wake = threading.Event()
+        self._thread = None
+        self._warned = set()
+        self._stats_lock = threading.Lock()
+        self._stats = dict.fromkeys(("exists_calls", "exists_hits", "get_pages", "get_hits",
+                                     "set_pages", "set_stored", "set_skipped", "errors",
+                                     "outages"), 0)
+        pool = kwargs if hasattr(kwargs, "get_data_page") else None
+        if pool is not None:             # a built-in style (storage_config, mem_pool_host) call
+            self.register_mem_pool_host(pool)
+        try:                              # say early whether the daemon is there
+            conn = self._connect(self.cfg["timeout_ms"])
+            self._put_back(conn)
+        except _Down:
+            pass
+
+    # -- SGLang's hooks ----------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host):
+        """The host KV pool the pages move to and from; fixes the namespace (its layout)."""
+        super().register_mem_pool_host(mem_pool_host)
+        self.mem_pool_host = mem_pool_host
+        page = mem_pool_host.get_data_page(0, flat=False)
+        self._page_size = int(mem_pool_host.page_size)
+        self._page_shape = tuple(page.shape)
+        self._page_dtype = page.dtype
+        self.page_bytes = page.numel() * page.element_size()
+        # Loads write straight into the page views when get_data_page(flat=False) is a view of
+        # kv_buffer (SGLang's MHA and MLA pools); else through set_from_flat_data_page.
+        self._rows = _rows_of(page)
+        self._direct = _is_view_of(page, getattr(mem_pool_host, "kv_buffer", None))
+        try:
+            page.view(self._rows, -1)
+        except RuntimeError:
+            self._direct = False
+        kind = "mla" if getattr(self.storage_config, "is_mla_model", False) else "mha"
+        layout = "%s.%s.%s.%s" % (kind, getattr(mem_pool_host, "layout", "layout"),
+                                  str(page.dtype).replace("torch.", ""),
+                                  "x".join(str(d) for d in page.shape))
+        ns = "%s/%s/%s" % (self.cfg["namespace"], self.rank_part, layout)
+        if len(ns.encode("utf-8")) > 256:  # the daemon's limit: keep the tail, hash the rest
+            tail = "/%s/%s" % (self.rank_part, layout)
+            digest = hashlib.blake2b(ns.encode("utf-8"), digest_size=8).hexdigest()
+            room = 256 - len(tail.encode("utf-8")) - len(digest) - 1
+            head = self.cfg["namespace"].encode("utf-8")[:max(room, 0)].decode("utf-8", "ignore")
+            ns = "%s~%s%s" % (head, digest, tail)
+        self.ns = ns
+        log.info("kvtier.sglang: namespace %s, pages of %d bytes, endpoint %s", ns,
+                 self.page_bytes, self.cfg["endpoint"])
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+        """Newer SGLang registers each pool by name; the KV pool is the one this backend
+        moves (hybrid models' other pools are not supported)."""
+        base = getattr(super(), "register_mem_host_pool_v2", None)
+        if base is not None:
+            base(host_pool, host_pool_name)
+        if str(getattr(host_pool_name, "value", host_pool_name)) == "kv":
+            self.register_mem_pool_host(host_pool)
+
+    @_guarded(lambda keys: 0)
+    def batch_exists(self, keys, extra_info=None):
+        """How many leading pages of `keys` kvtier has, in L1 or L2 (one LOOKUP); the L2 part
+        starts loading into L1 at once (a second LOOKUP, with prefetch) for the get to come."""
+        self._count("exists_calls", 1)
+        if not keys or self.ns is None:
+            return 0
+        hits = self._run(lambda conn, left: self._exists(conn, [page_key(k) for k in keys]),
+                         0)
+        self._count("exists_hits", hits)
+        return hits
+
+    @_guarded(lambda key: False)
+    def exists(self, key):
+        return self.batch_exists([key]) == 1
+
+    @_guarded(_falses)
+    def batch_get_v1(self, keys, host_indices, extra_info=None):
+        """Pages straight from the arena into the host pool (one copy each): a list of bool,
+        True for the leading pages found."""
+        n = len(keys)
+        if not self._fits(n, host_indices):
+            return [False] * n
+        starts = _starts(host_indices, self._page_size)
+
+        def sink(base, flats):
+            pool = self.mem_pool_host
+            if self._direct:              # into the pool's page views, runs of pages at once
+                _move(_Pages(pool, starts[base:base + len(flats)], self._page_size), flats,
+                      False, self._rows)
+            else:
+                for j in range(len(flats)):
+                    pool.set_from_flat_data_page(starts[base + j], flats.one(j))
+
+        done = self._run(lambda conn, left: self._get(conn, keys, left, sink), 0)
+        return [True] * done + [False] * (n - done)
+
+    @_guarded(_falses)
+    def batch_set_v1(self, keys, host_indices, extra_info=None):
+        """Pages of the host pool into L1 slots (one copy each; pages kvtier has already are
+        skipped): a list of bool, True for each page stored or already there."""
+        n = len(keys)
+        if not self._fits(n, host_indices):
+            return [False] * n
+        pages = _Pages(self.mem_pool_host, _starts(host_indices, self._page_size),
+                       self._page_size)
+        return self._run(lambda conn, left: self._set(conn, keys, pages), [False] * n)
+
+    @_guarded(lambda key: None)
+    def get(self, key, target_location=None, target_sizes=None):
+        got = self.batch_get([key], None if target_location is None else [target_location])
+        return got[0] if isinstance(got, list) and got else None
+
+    @_guarded(_nones)
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        """The pages as flat tensors (copied into target_locations when given, SGLang's dummy
+        flat pages), None for each page past the leading ones found."""
+        n = len(keys)
+        if self.ns is None or n == 0:
+            return [None] * n
+        out = [None] * n
+
+        def sink(base, flats):
+            for j in range(len(flats)):
+                i, src = base + j, flats.one(j)
+                dst = target_locations[i] if target_locations is not None else None
+                if dst is None or dst.numel() * dst.element_size() != self.page_bytes:
+                    dst = torch.empty(self._page_shape, dtype=self._page_dtype).flatten()
+                _bytes_of(dst).copy_(src.view(torch.uint8))
+                out[i] = dst
+
+        self._run(lambda conn, left: self._get(conn, keys, left, sink), 0)
+        return out
+
+    @_guarded(lambda key: False)
+    def set(self, key, value=None, target_location=None, target_sizes=None):
+        return self.batch_set([key], None if value is None else [value])
+
+    @_guarded(lambda keys: False)
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+        """Stores flat pages (tensors of exactly one page); True when every page is stored
+        or was already there."""
+        n = len(keys)
+        if values is None or len(values) != n:
+            self._warn_once("values", "batch_set without one value per key: nothing stored")
+            return False
+        if self.ns is None:
+            return False
+        good = []
+        for v in values:
+            size = None if v is None else v.numel() * v.element_size()
+            if size != self.page_bytes:
+                self._size_mismatch(size)
+                break                     # store the leading pages of the right size only
+            good.append(v.reshape(-1).view(self._page_dtype))
+        if len(good) < n:
+            self._count("set_pages", n - len(good))
+            if not good:
+                return False
+        done = self._run(lambda conn, left: self._set(conn, keys[:len(good)],
+                                                      _Pages(tensors=good)), [False])
+        return len(good) == n and all(done)
+
+    def clear(self):
+        """SGLang's cache flush: removes this backend's namespace (every rank sharing it)."""
+        if self.ns is None:
+            return
+        self._run(lambda conn, left: conn.req().clear(self.ns), 0)
+
+    def get_stats(self):
+        return None                       # SGLang's storage metrics want its own type
+
+    def stats(self):
+        """This backend's counters (pages asked, found, stored; outages)."""
+        with self._stats_lock:
+            return dict(self._stats, down=self._down, connections=self._live)
+
+    def close(self):
+        """Closes every connection (SGLang calls it when the backend is detached)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            conns, self._idle = self._idle, []
+            self._cond.notify_all()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for c in conns + self._graveyard:
+            c.close()
+        self._graveyard = []
+
+    # -- the moves ---------------------------------------------------------------------------
+
+    def _fits(self, n, host_indices):
+        if self.ns is None:
+            return False
+        if n == 0 or host_indices is None or len(host_indices) != n * self._page_size:
+            if n:
+                self._warn_once("indices", "host_indices of %s entries for %d pages of %d "
+                                "tokens: nothing moved" % (
+                                    None if host_indices is None else len(host_indices), n,
+                                    self._page_size))
+            return False
+        return True
+
+    def _exists(self, conn, keys):
+        r = conn.req().lookup(self.ns, keys, salt=self.cfg["salt"])
+        if r.hits > r.l1:                 # the L2 part: start loading it now
+            with contextlib.suppress(KvtierError):
+                conn.req().lookup(self.ns, keys[r.l1:r.hits], salt=self.cfg["salt"], prefetch=True)
+        return r.hits
+
+    def _get(self, conn, keys, deadline, sink):
+        """ACQUIRE the leading pages, sink(first index, [1-D tensor of the page dtype per
+        page]) them, RELEASE; when L1
+        stops short of what kvtier has, the rest is loaded from L2 (one prefetch, waited for
+        until the deadline) and acquired as it arrives. Returns how many leading pages were
+        placed."""
+        kk = [page_key(k) for k in keys]
+        n = len(kk)
+        self._count("get_pages", n)
+        done = self._acquire_pipelined(conn, kk, sink)
+        job = None
+        while done < n:
+            r = conn.req().lookup(self.ns, kk[done:], salt=self.cfg["salt"],
+                                  prefetch=job is None)
+            if job is None:
+                job = r.job               # None: no job slot now; asked again next round
+            if r.hits == 0:
+                break                     # a miss in every tier
+            if r.l1 == 0:                 # still loading (or L1 had no room: load again)
+                if _now() >= deadline:
+                    break
+                if job is not None and conn.req().prefetch_status(job).done:
+                    job = None            # what it loaded shows in the next LOOKUP
+                time.sleep(0.001)
+                continue
+            got = self._acquire_into(conn, kk[done:], done, sink)
+            if got == 0:
+                break                     # evicted between LOOKUP and ACQUIRE
+            done += got
+        self._count("get_hits", done)
+        return done
+
+    def _chunk(self, n):
+        """Pages per request when a batch is pipelined: at least 8 MiB, at most 4 chunks
+        (each request costs the caller's thread some Python as well)."""
+        per = max(1, (8 << 20) // max(1, self.page_bytes))
+        return max(per, -(-n // 4))
+
+    def _acquire_into(self, conn, kk, base, sink):
+        """One ACQUIRE of kk (pages base, base + 1, ...): sinks the leading pages found."""
+        if conn.arena() is None:          # no shared arena (a tcp endpoint): bytes inline
+            srcs = []
+            for data in conn.req().get(self.ns, kk, salt=self.cfg["salt"], copy=False):
+                if len(data) != self.page_bytes:
+                    self._size_mismatch(len(data))
+                    break
+                srcs.append(torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                            .view(self._page_dtype))
+            if srcs:
+                sink(base, _Flats(tensors=srcs))
+            return len(srcs)
+        slots, lease = conn.req().acquire_offsets(self.ns, kk, salt=self.cfg["salt"])
+        return self._sink_slots(conn, slots, lease, base, sink)
+
+    def _acquire_pipelined(self, conn, kk, sink):
+        """_acquire_into in chunks: the next chunk's ACQUIRE travels while this one's pages
+        are copied. Stops at the first page not found."""
+        n = len(kk)
+        per = self._chunk(n)
+        if n <= per or conn.arena() is None:
+            return self._acquire_into(conn, kk, 0, sink)
+        spans = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+        salt = self.cfg["salt"]
+        slots, lease = conn.req().acquire_offsets(self.ns, kk[:per], salt=salt)
+        pending = None
+        done = 0
+        try:
+            for j, (lo, hi) in enumerate(spans):
+                if j:
+                    conn.req()
+                    slots, lease = pending()
+                    pending = None
+                if j + 1 < len(spans):
+                    nlo, nhi = spans[j + 1]
+                    pending = conn.client.acquire_offsets_begin(self.ns, kk[nlo:nhi],
+                                                                salt=salt)
+                got = self._sink_slots(conn, slots, lease, lo, sink)
+                done += got
+                if got < hi - lo:
+                    break
+            if pending is not None:       # asked for past a miss: let it go
+                conn.req()
+                _, lease = pending()
+                if lease:
+                    conn.client.post(RELEASE, {"lease": lease})
+        except Exception as e:
+            raise _Broken(e) from e       # replies still due: this connection goes
+        return done
+
+    def _sink_slots(self, conn, slots, lease, base, sink):
+        try:
+            conn.arena()                  # follows a re-mapped arena
+            arena = conn.typed(self._page_dtype)
+            es = arena.element_size()
+            offs = []
+            for off, length in slots:
+                if length != self.page_bytes:
+                    self._size_mismatch(length)
+                    break
+                offs.append(off // es)
+            if offs:
+                sink(base, _Flats(arena, offs, self.page_bytes // es))
+        finally:
+            if lease:                     # the reply is not waited for: the bytes are copied
+                conn.client.post(RELEASE, {"lease": lease})
+        return len(offs)
+
+    def _set(self, conn, keys, pages):
+        """RESERVE the pages kvtier lacks, copy each from `pages` (a _Pages), COMMIT.
+        -> list of bool per key."""
+        n = len(keys)
+        self._count("set_pages", n)
+        ok = [False] * n
+        kk = [page_key(k) for k in keys[:n]]
+        salt = self.cfg["salt"]
+        if conn.arena() is None:
+            stored = conn.req().put(self.ns, kk,
+                                    [_bytes_of(pages.one(i).contiguous()).numpy()
+                                     for i in range(n)],
+                                    salt=salt)
+            self._count("set_stored", stored)
+            return [True] * n + ok[n:]
+        # In chunks, pipelined: the next chunk's RESERVE and this one's COMMIT travel while
+        # pages are copied; the COMMITs are waited for at the end.
+        per = self._chunk(n)
+        spans = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+        slots, lease = conn.req().reserve_offsets(self.ns, kk[:per], self.page_bytes,
+                                                  salt=salt)
+        pending, commits = None, []
+        try:
+            for j, (lo, hi) in enumerate(spans):
+                if j:
+                    try:
+                        conn.req()
+                        slots, lease = pending()
+                    except KvtierError as e:
+                        if e.code in ("timeout", "protocol"):
+                            raise
+                        self._warn_once(e.code, "kvtier answered %s: %s (pages not stored)"
+                                        % (e.code, e))
+                        slots, lease = [], 0
+                    pending = None
+                if j + 1 < len(spans):
+                    nlo, nhi = spans[j + 1]
+                    pending = conn.client.reserve_offsets_begin(self.ns, kk[nlo:nhi],
+                                                                self.page_bytes, salt=salt)
+                todo, failed = self._fill(conn, slots, pages, lo, ok)
+                if lease:
+                    commits.append((todo, conn.client.commit_begin(lease, failed)))
+            for todo, end in commits:
+                try:
+                    conn.req(50)
+                    self._count("set_stored", end())
+                except KvtierError as e:
+                    if e.code in ("timeout", "protocol"):
+                        raise
+                    self._warn_once(e.code, "kvtier answered %s to a COMMIT: %s" % (e.code, e))
+                    for i in todo:
+                        ok[i] = False
+        except Exception as e:
+            raise _Broken(e) from e       # replies still due, leases held: the connection goes
+        return ok
+
+    def _fill(self, conn, slots, pages, lo, ok):
+        """Copies page lo + i of `pages` into slot i of a RESERVE (None: stored already). Returns
+        (the pages copied, the slot indices whose copy failed, for COMMIT)."""
+        todo = []
+        for i, rng in enumerate(slots):
+            if rng is None:
+                ok[lo + i] = True         # stored already (by this or another rank)
+                self._count("set_skipped", 1)
+            else:
+                todo.append(lo + i)
+        if not todo:
+            return todo, []
+        conn.arena()                      # follows a re-mapped arena
+        arena = conn.typed(self._page_dtype)
+        es = arena.element_size()
+        flats = _Flats(arena, [slots[i - lo][0] // es for i in todo], self.page_bytes // es)
+        try:
+            _move(pages.select(todo), flats, True, self._rows)
+        except (RuntimeError, ValueError, TypeError) as e:
+            self._warn_once("copy", "pages could not be copied into kvtier: %s" % e)
+            return [], [i - lo for i in todo]
+        for i in todo:
+            ok[i] = True
+        return todo, []
+
+    # -- connections, deadlines, failures ------------------------------------------------------
+
+    def _run(self, op, miss):
+        """op(conn, deadline) on a pooled connection; `miss` when there is none in time, the
+        daemon does not answer (then: down, background reconnect) or anything else fails."""
+        if self._closed:
+            return miss
+        deadline = _now() + self.cfg["timeout_ms"] / 1000.0
+        try:
+            conn = self._take(deadline)
+        except _Down:
+            return miss
+        broken = False
+        try:
+            conn.deadline = deadline
+            try:
+                return op(conn, deadline)
+            except _Broken as b:
+                broken = True
+                raise b.cause from None
+        except KvtierError as e:
+            if e.code in ("timeout", "protocol"):
+                broken = True
+                self._went_down(e)
+            else:
+                self._count("errors", 1)
+                self._warn_once(e.code, "kvtier answered %s: %s (counted as a miss)"
+                                % (e.code, e))
+            return miss
+        except Exception as e:            # noqa: BLE001 - never into SGLang's threads
+            broken = True
+            self._count("errors", 1)
+            self._warn_once(type(e).__name__, "kvtier.sglang: %s: %s (counted as a miss)"
+                            % (type(e).__name__, e))
+            return miss
+        finally:
+            self._give_back(conn, broken)
+
+    def _take(self, deadline):
+        with self._cond:
+            while True:
+                if self._down or self._closed:
+                    raise _Down()
+                if self._idle:
+                    return self._idle.pop()
+                if self._live < self.cfg["max_connections"]:
+                    self._live += 1
+                    break
+                left = deadline - _now()
+                if left <= 0:
+                    self._warn_once("busy", "all %d kvtier connections busy for timeout_ms: "
+                                    "a miss" % self.cfg["max_connections"])
+                    raise _Down()
+                self._cond.wait(left)
+        try:
+            return self._connect(max(1, int((deadline - _now()) * 1000)), counted=True)
+        except _Down:
+            raise
+
+    def _connect(self, timeout_ms, counted=False):
+        """A new Client; on failure the backend is down (reconnecting in the background)."""
+        if not counted:
+            with self._cond:
+                self._live += 1
+        gen = self._gen
+        try:
+            client = Client(self.cfg["endpoint"], client="sglang", timeout_ms=timeout_ms,
+                            heartbeat_ms=self.cfg["heartbeat_ms"])
+        except Exception as e:            # noqa: BLE001 - Timeout, zmq errors, bad endpoint
+            with self._cond:
+                self._live -= 1
+            self._went_down(e)
+            raise _Down() from None
+        return _Conn(client, gen)
+
+    def _give_back(self, conn, broken):
+        if self._closed:
+            with self._cond:
+                self._live -= 1
+            conn.close()
+            return
+        with self._cond:
+            if broken or self._closed or conn.gen != self._gen:
+                self._live -= 1
+                self._graveyard.append(conn)   # closed by the reconnect thread / close()
+                if not self._down and not self._closed:
+                    self._start_thread()
+            else:
+                self._idle.append(conn)
+            self._cond.notify()
+
+    def _put_back(self, conn):
+        self._give_back(conn, False)
+
+    def _went_down(self, exc):
+        with self._cond:
+            if self._down or self._closed:
+                return
+            self._down = True
+            self._gen += 1
+            self._count("outages", 1)
+            self._graveyard.extend(self._idle)
+            self._live -= len(self._idle)
+            self._idle = []
+            self._start_thread()
+        log.warning("kvtier.sglang: the daemon at %s does not answer (%s); reporting misses "
+                    "and reconnecting every %d ms", self.cfg["endpoint"], exc,
+                    self.cfg["reconnect_interval_ms"])
+
+    def _start_thread(self):
+        """With the lock held."""
+        self._wake.set()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._reconnector, daemon=True,
+                                            name="kvtier-sglang-reconnect")
+            self._thread.start()
+
+    def _reconnector(self):
+        interval = self.cfg["reconnect_interval_ms"] / 1000.0
+        while True:
+            self._wake.clear()
+            with self._cond:
+                dead, self._graveyard = self._graveyard, []
+                closed, down = self._closed, self._down
+            for c in dead:
+                c.close()                 # BYE, at most 1 s each: never on SGLang's thread
+            if closed:
+                return
+            if not down:
+                with self._cond:
+                    if not self._graveyard and not self._down:
+                        self._thread = None
+                        return
+                continue
+            try:
+                client = Client(self.cfg["endpoint"], client="sglang",
+                                timeout_ms=self.cfg["timeout_ms"],
+                                heartbeat_ms=self.cfg["heartbeat_ms"])
+            except Exception:             # noqa: BLE001 - still away
+                self._wake.wait(interval)
+                continue
+            with self._cond:
+                if self._closed:
+                    self._graveyard.append(_Conn(client, self._gen))
+                    continue
+                self._down = False
+                self._live += 1
+                self._idle.append(_Conn(client, self._gen))
+                self._warned.clear()
+                self._cond.notify_all()
+            log.warning("kvtier.sglang: the daemon at %s answers again", self.cfg["endpoint"])
+
+    def _count(self, name, n):
+        with self._stats_lock:
+            self._stats[name] += n
+
+    def _size_mismatch(self, got):
+        self._warn_once("size", "a page of %s bytes where namespace %s holds pages of %d: "
+                        "refused (another page layout?)" % (got, self.ns, self.page_bytes))
+
+    def _warn_once(self, what, msg):
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("kvtier.sglang: %s", msg)
+
+
+def _rows_of(t):
+    """How many runs a page view is made of (K and V halves, or one per layer and K/V): the
+    product of the dims before its longest contiguous tail of dims. page.view(rows, -1) then
+    copies as `rows` contiguous runs, at memcpy speed, where torch's copy of the whole strided
+    view does not."""
+    k, expected = t.dim(), 1
+    for d in range(t.dim() - 1, -1, -1):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            break
+        expected *= t.size(d)
+        k = d
+    rows = 1
+    for n in t.shape[:k]:
+        rows *= n
+    return rows
+
+
+def _copy_page(page, flat, out, rows):
+    """page -> flat (out) or flat -> page; flat is contiguous, 1-D, of the page's dtype and
+    element count, in the order of page.flatten()."""
+    f = flat.view(rows, -1)
+    if out:
+        try:
+            f.copy_(page.view(rows, -1))
+        except RuntimeError:              # not `rows` runs after all: torch walks it
+            flat.view(page.shape).copy_(page)
+    else:
+        page.view(rows, -1).copy_(f)
+
+
+class _Flats:
+    """The arena side of one call, as 1-D tensors of the page dtype: slices of the arena (a
+    typed view of it and offsets in elements) or tensors of their own (GET's bytes)."""
+
+    def __init__(self, arena=None, offs=(), elems=0, tensors=None):
+        self.arena, self.offs, self.elems, self.tensors = arena, offs, elems, tensors
+
+    def __len__(self):
+        return len(self.tensors) if self.tensors is not None else len(self.offs)
+
+    def one(self, j):
+        if self.tensors is not None:
+            return self.tensors[j]
+        return self.arena[self.offs[j]:self.offs[j] + self.elems]
+
+    def follows(self, j):
+        """Page j starts where page j - 1 ends (in the arena)."""
+        return self.tensors is None and self.offs[j] == self.offs[j - 1] + self.elems
+
+    def run(self, j, m, rows):
+        o = self.offs[j]
+        return self.arena[o:o + m * self.elems].view(m, rows, -1)
+
+
+class _Pages:
+    """The pool side of one call: pages of the host pool by their first token slot (the v1
+    calls: views from get_data_page(flat=False)), or tensors of their own (the generic calls:
+    flat pages SGLang handed over)."""
+
+    def __init__(self, pool=None, starts=(), page_size=0, tensors=None):
+        self.pool, self.starts, self.page_size, self.tensors = pool, starts, page_size, tensors
+
+    def __len__(self):
+        return len(self.tensors) if self.tensors is not None else len(self.starts)
+
+    def one(self, k):
+        if self.tensors is not None:
+            return self.tensors[k]
+        return self.pool.get_data_page(self.starts[k], flat=False)
+
+    def select(self, ks):
+        if self.tensors is not None:
+            return _Pages(tensors=[self.tensors[k] for k in ks])
+        return _Pages(self.pool, [self.starts[k] for k in ks], self.page_size)
+
+    def follows(self, k):
+        """Page k is the page after page k - 1 in the pool."""
+        return (self.tensors is None
+                and self.starts[k] == self.starts[k - 1] + self.page_size)
+
+    def strided(self, k, m, rows):
+        """Pages k .. k + m - 1 (each following the one before) as one (m, rows, run) view,
+        or None. SGLang's pools slice one kv_buffer, so a page's view is affine in its first
+        slot: checked on the first, second and last page; torch refuses a view that leaves
+        the storage of the first."""
+        v0, v1 = self.one(k), self.one(k + 1)
+        vl = self.one(k + m - 1) if m > 2 else v1
+        es = v0.element_size()
+        step = v1.data_ptr() - v0.data_ptr()
+        if (step <= 0 or step % es or vl.data_ptr() != v0.data_ptr() + (m - 1) * step
+                or not v0.shape == v1.shape == vl.shape
+                or not v0.stride() == v1.stride() == vl.stride()):
+            return None
+        pv = v0.view(rows, -1)
+        return torch.as_strided(pv, (m, rows, pv.size(1)), (step // es, pv.stride(0), 1))
+
+
+def _move(pages, flats, out, rows):
+    """Page k of `pages` -> flats.one(k) (out) or back. A run of pages that follow each other
+    in the pool and in the arena goes as one strided copy (one torch call, not one per
+    page); a run torch refuses goes page by page."""
+    k, n = 0, len(pages)
+    while k < n:
+        m = 1
+        while k + m < n and pages.follows(k + m) and flats.follows(k + m):
+            m += 1
+        if m > 1:
+            try:
+                pool_side = pages.strided(k, m, rows)
+            except RuntimeError:
+                pool_side = None
+            if pool_side is not None:
+                flat_side = flats.run(k, m, rows)
+                if out:
+                    flat_side.copy_(pool_side)
+                else:
+                    pool_side.copy_(flat_side)
+                k += m
+                continue
+        for j in range(k, k + m):
+            page = pages.one(j)
+            _copy_page(page, flats.one(j), out, rows if page.dim() > 1 else 1)
+        k += m
+
+
+def _starts(host_indices, page_size):
+    """The first token slot of each page: host_indices[0], [page_size], ..."""
+    firsts = host_indices[::page_size]
+    return firsts.tolist() if hasattr(firsts, "tolist") else [int(i) for i in firsts]
+
+
+def _is_view_of(page, buf):
+    if not isinstance(buf, torch.Tensor) or page.device != buf.device:
+        return False
+    lo = buf.data_ptr()
+    return lo <= page.data_ptr() < lo + buf.numel() * buf.element_size()
+
+
+def _bytes_of(t):
+    """A flat uint8 view of a contiguous tensor."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _now():
+    return time.monotonic()

@@ -1,0 +1,265 @@
+"""SGLang's HiCache storage interface, for tests that cannot install SGLang: written here from
+SGLang's own definitions (python/sglang/srt/mem_cache/hicache_storage.py,
+storage/backend_factory.py, managers/cache_controller.py and the host pools of
+mem_cache/memory_pool_host.py, as of the 0.5.x releases), reduced to what a storage backend
+meets. install() puts the interface module under its real name in sys.modules, so that
+kvtier.sglang subclasses it as it would SGLang's; call it before importing kvtier.sglang.
+
+    HiCacheStorage      the abstract base (get/batch_get/set/batch_set/exists abstract;
+                        batch_exists, register_mem_pool_host and the v1 methods as SGLang's)
+    create_backend()    the factory's "dynamic" path: backend_name, module_path, class_name
+                        required; import; issubclass check; cls(storage_config, {}); then the
+                        controller's register_mem_pool_host(host_pool)
+    HostPool            an MHA or MLA host KV pool over a CPU tensor in one of SGLang's layouts
+    Controller          the controller's two ways of moving pages: zero-copy (interface_v1:
+                        batch_exists, batch_get_v1, batch_set_v1) and generic (batch_get into
+                        dummy flat pages, batch_set of get_data_page copies)
+"""
+
+import abc
+import dataclasses
+import importlib
+import sys
+import types
+from typing import Any, List, Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class HiCacheStorageConfig:
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    attn_cp_rank: int
+    attn_cp_size: int
+    is_mla_model: bool
+    enable_storage_metrics: bool
+    is_page_first_layout: bool
+    model_name: Optional[str]
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_lcm_size: Optional[int] = None
+    should_split_heads: bool = False
+    extra_config: Optional[dict] = None
+
+
+@dataclasses.dataclass
+class HiCacheStorageExtraInfo:
+    prefix_keys: Optional[List[str]] = None
+    extra_info: Optional[dict] = None
+
+
+class HiCacheStorage(abc.ABC):
+    def register_mem_pool_host(self, mem_pool_host):
+        self.mem_pool_host = mem_pool_host
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+        if not hasattr(self, "registered_pools"):
+            self.registered_pools = {}
+        self.registered_pools[host_pool_name] = host_pool
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        raise NotImplementedError
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None):
+        ...
+
+    @abc.abstractmethod
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None):
+        ...
+
+    @abc.abstractmethod
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        ...
+
+    @abc.abstractmethod
+    def batch_set(self, keys: List[str], values: Optional[Any] = None,
+                  target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        ...
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        ...
+
+    def batch_exists(self, keys: List[str],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        for i in range(len(keys)):
+            if not self.exists(keys[i]):
+                return i
+        return len(keys)
+
+    def clear(self) -> None:
+        pass
+
+    def get_stats(self):
+        return None
+
+
+MODULE = "sglang.srt.mem_cache.hicache_storage"
+
+
+def install():
+    """Registers this interface as sglang.srt.mem_cache.hicache_storage (idempotent)."""
+    if MODULE in sys.modules:
+        return sys.modules[MODULE]
+    parts = MODULE.split(".")
+    for i in range(1, len(parts)):
+        name = ".".join(parts[:i])
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = []
+            sys.modules[name] = pkg
+    mod = types.ModuleType(MODULE)
+    for name in ("HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo"):
+        setattr(mod, name, globals()[name])
+    sys.modules[MODULE] = mod
+    return mod
+
+
+def config(extra, model="test/model", tp_rank=0, tp_size=1, mla=False, page_first=True,
+           pp_rank=0, pp_size=1):
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                                pp_size=pp_size, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=page_first, model_name=model,
+                                extra_config=dict(extra))
+
+
+def create_backend(backend_name, storage_config, mem_pool_host):
+    """The factory's dynamic path, then the controller's registration of the host pool."""
+    assert backend_name == "dynamic" and storage_config.extra_config is not None
+    cfg = storage_config.extra_config
+    for field in ("backend_name", "module_path", "class_name"):
+        if field not in cfg:
+            raise ValueError("Missing required field '%s' in backend config for 'dynamic' "
+                             "backend" % field)
+    module = importlib.import_module(cfg["module_path"])
+    cls = getattr(module, cfg["class_name"])
+    if not issubclass(cls, HiCacheStorage):
+        raise TypeError("Backend class %s must inherit from HiCacheStorage" % cls)
+    backend = cls(storage_config, {})
+    backend.register_mem_pool_host(mem_pool_host)
+    return backend
+
+
+class HostPool:
+    """A host KV pool as SGLang's MHATokenToKVPoolHost / MLATokenToKVPoolHost lay it out:
+    `size` token slots in pages of `page_size`, kv_buffer in `layout`. Pages are addressed by
+    the token index of their first slot (host_indices[i * page_size])."""
+
+    def __init__(self, pages, page_size=16, layers=4, heads=2, head_dim=64,
+                 dtype=torch.bfloat16, layout="page_first", mla=False, kv_dim=96):
+        self.page_size, self.layout, self.dtype, self.mla = page_size, layout, dtype, mla
+        self.layer_num, self.head_num, self.head_dim = layers, heads, head_dim
+        self.size = pages * page_size
+        self.page_num = pages
+        L, S, P, H, D = layers, self.size, page_size, heads, head_dim
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        if mla:
+            self.kv_cache_dim = kv_dim
+            shape = {"layer_first": (L, S, 1, kv_dim), "page_first": (S, L, 1, kv_dim),
+                     "page_first_direct": (pages, L, P, 1, kv_dim)}[layout]
+            self.size_per_token = kv_dim * itemsize * L
+        else:
+            shape = {"layer_first": (2, L, S, H, D), "page_first": (2, S, L, H, D),
+                     "page_first_direct": (2, pages, L, P, H, D)}[layout]
+            self.size_per_token = H * D * L * itemsize * 2
+        self.kv_buffer = torch.zeros(shape, dtype=dtype)
+        self._free = list(range(0, self.size, page_size))
+
+    def alloc(self, need_size):
+        assert need_size % self.page_size == 0
+        n = need_size // self.page_size
+        if n > len(self._free):
+            return None
+        starts, self._free = self._free[:n], self._free[n:]
+        return torch.tensor([s + j for s in starts for j in range(self.page_size)],
+                            dtype=torch.int64)
+
+    def free(self, indices):
+        self._free.extend(int(i) for i in indices[::self.page_size])
+
+    def _page(self, index):
+        P = self.page_size
+        if self.layout == "page_first_direct":
+            i = index // P
+            return self.kv_buffer[i:i + 1] if self.mla else self.kv_buffer[:, i:i + 1]
+        if self.mla:
+            return (self.kv_buffer[:, index:index + P] if self.layout == "layer_first"
+                    else self.kv_buffer[index:index + P])
+        return (self.kv_buffer[:, :, index:index + P] if self.layout == "layer_first"
+                else self.kv_buffer[:, index:index + P])
+
+    def get_data_page(self, index, flat=True):
+        page = self._page(index)
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros(self._page(0).shape, dtype=self.dtype).flatten()
+
+    def set_from_flat_data_page(self, index, data_page):
+        page = self._page(index)
+        page.copy_(data_page.reshape(page.shape))
+
+    def fill(self, indices, seed):
+        """Random bytes into the pages of `indices` (a test's KV)."""
+        g = torch.Generator().manual_seed(seed)
+        for s in indices[::self.page_size].tolist():
+            page = self._page(s)
+            page.copy_(torch.randn(page.shape, generator=g).to(self.dtype))
+
+    def pages(self, indices):
+        return [self.get_data_page(s).clone() for s in indices[::self.page_size].tolist()]
+
+
+class Controller:
+    """How HiCacheController drives a storage backend (cache_controller.py): page hashes in,
+    host indices of len(keys) * page_size."""
+
+    def __init__(self, backend, pool, v1=True):
+        self.backend, self.pool, self.v1 = backend, pool, v1
+
+    def backup(self, keys, indices):
+        if self.v1:
+            return all(self.backend.batch_set_v1(keys, indices, HiCacheStorageExtraInfo()))
+        P = self.pool.page_size
+        values = [self.pool.get_data_page(int(indices[i * P])) for i in range(len(keys))]
+        return self.backend.batch_set(keys, values)
+
+    def hits(self, keys):
+        return self.backend.batch_exists(keys, HiCacheStorageExtraInfo())
+
+    def load(self, keys, indices):
+        """Pages loaded: the leading run of successes, as the controller counts them."""
+        P = self.pool.page_size
+        if self.v1:
+            results = self.backend.batch_get_v1(keys, indices, HiCacheStorageExtraInfo())
+            n = 0
+            for ok in results:
+                if not ok:
+                    break
+                n += 1
+            return n
+        dummies = [self.pool.get_dummy_flat_data_page() for _ in keys]
+        data = self.backend.batch_get(keys, dummies)
+        if data is None:
+            return 0
+        n = 0
+        for i, page in enumerate(data):
+            if page is None:
+                break
+            self.pool.set_from_flat_data_page(int(indices[i * P]), page)
+            n += 1
+        return n

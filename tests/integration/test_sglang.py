@@ -1,0 +1,461 @@
+"""kvtier.sglang.KvtierHiCacheStorage, loaded the way SGLang's factory loads a dynamic backend
+(module path + class name, issubclass(HiCacheStorage), cls(storage_config, {}), then
+register_mem_pool_host), driven the way HiCacheController drives it (sglang_iface.Controller:
+the zero-copy v1 calls and the generic tensor calls), over CPU torch host pools, against the
+real daemon. Also: the installed package itself (make test runs these tests on a venv where
+`pip install ./client/python` put it)."""
+
+import importlib.metadata
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sglang_iface  # noqa: E402
+from sglang_iface import Controller, HostPool, config, create_backend  # noqa: E402
+
+sglang_iface.install()                    # before kvtier.sglang binds its base class
+import kvtier  # noqa: E402
+import kvtier.sglang  # noqa: E402
+from kvtier.sglang import KvtierHiCacheStorage, page_key  # noqa: E402
+
+from kvtest import wait_until  # noqa: E402
+from test_c_client import restart_daemon  # noqa: E402
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+EXTRA = {"backend_name": "kvtier", "module_path": "kvtier.sglang",
+         "class_name": "KvtierHiCacheStorage", "interface_v1": 1}
+
+
+def hashes(n, tag="p"):
+    """Page hashes as SGLang makes them: 64 hex digits each (chained SHA-256)."""
+    import hashlib
+    out, prev = [], b""
+    for i in range(n):
+        prev = hashlib.sha256(prev + ("%s%d" % (tag, i)).encode()).digest()
+        out.append(prev.hex())
+    return out
+
+
+@pytest.fixture
+def backends():
+    made = []
+
+    def make(endpoint, pool, v1=True, **kw):
+        extra = dict(EXTRA, endpoint=endpoint, **kw.pop("extra", {}))
+        if not v1:
+            extra.pop("interface_v1")
+        b = create_backend("dynamic", config(extra, **kw), pool)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def roundtrip(backends, d, v1, n=6, **pool_kw):
+    """Backs n pages up from one pool and loads them into another (another rank's backend)."""
+    src = HostPool(pages=16, **pool_kw)
+    dst = HostPool(pages=16, **pool_kw)
+    a = Controller(backends(d.ipc, src, v1=v1, mla=pool_kw.get("mla", False)), src, v1)
+    b = Controller(backends(d.ipc, dst, v1=v1, mla=pool_kw.get("mla", False)), dst, v1)
+    keys = hashes(n)
+    si, di = src.alloc(n * src.page_size), dst.alloc(n * dst.page_size)
+    src.fill(si, seed=7)
+    assert a.backup(keys, si)
+    assert b.hits(keys) == n
+    assert b.load(keys, di) == n
+    for x, y in zip(src.pages(si), dst.pages(di)):
+        assert torch.equal(x.view(torch.uint8) if x.dtype == torch.bfloat16 else x,
+                           y.view(torch.uint8) if y.dtype == torch.bfloat16 else y)
+    return a, b, keys
+
+
+def l2_stored(d):
+    return sum(s.value for s in d.metrics()[1] if s.name == "kvtier_l2_stored_total")
+
+
+# -- the package -------------------------------------------------------------------------------
+
+def test_the_installed_package_is_imported_with_the_daemons_version():
+    """make test installs client/python into a venv: these tests import that copy."""
+    src = os.path.join(REPO, "client", "python") + os.sep
+    assert not os.path.abspath(kvtier.__file__).startswith(src), kvtier.__file__
+    with open(os.path.join(REPO, "VERSION")) as f:
+        version = f.read().strip()
+    assert kvtier.__version__ == version
+    assert importlib.metadata.version("kvtier") == version
+
+
+def test_backend_is_a_hicache_storage_with_every_abstract_method(daemon, backends):
+    b = backends(daemon.ipc, HostPool(pages=4))
+    assert isinstance(b, sglang_iface.HiCacheStorage)
+    assert type(b).__abstractmethods__ == frozenset()
+    assert b.ns.startswith("sglang/test/model/tp0of1/mha.page_first.bfloat16.2x16x4x2x64")
+
+
+def test_without_sglang_the_module_imports_and_works(daemon):
+    """SGLang absent (a plain venv): the backend still imports and moves pages."""
+    code = r"""
+import sys, torch
+import kvtier.sglang as ks
+assert "sglang.srt.mem_cache.hicache_storage" not in sys.modules
+sys.path.insert(0, %r)
+from sglang_iface import HostPool, HiCacheStorageConfig
+cfg = HiCacheStorageConfig(0, 1, 0, 1, 0, 1, False, False, True, "m",
+                           extra_config={"endpoint": %r})
+pool = HostPool(pages=4)
+b = ks.KvtierHiCacheStorage(cfg, {})
+b.register_mem_pool_host(pool)
+idx = pool.alloc(2 * pool.page_size)
+pool.fill(idx, 1)
+assert b.batch_set_v1(["a", "b"], idx) == [True, True]
+assert b.batch_exists(["a", "b", "c"]) == 2
+b.close()
+print("ok")
+""" % (os.path.dirname(os.path.abspath(__file__)), daemon.ipc)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_bad_config_is_refused_naming_the_key(daemon):
+    for bad in ({"timeout_ms": 0}, {"timeout_ms": "fast"}, {"max_connections": 0},
+                {"endpoint": ""}, {"heartbeat_ms": -1}, {"namespace": 5}):
+        key = next(iter(bad))
+        with pytest.raises(ValueError, match=key):
+            KvtierHiCacheStorage(config(dict(EXTRA, **dict({"endpoint": daemon.ipc}, **bad))), {})
+
+
+def test_page_key_is_blake2b_128_of_the_hash_string():
+    import hashlib
+    h = hashes(1)[0]
+    assert page_key(h) == hashlib.blake2b(h.encode(), digest_size=16).digest()
+    assert len(page_key("x")) == 16 and page_key("x") != page_key("y")
+
+
+# -- pages in and out -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+@pytest.mark.parametrize("v1", [True, False], ids=["v1", "generic"])
+def test_set_exists_get_byte_exact(daemon, backends, layout, v1):
+    roundtrip(backends, daemon, v1, layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_mla_pages_byte_exact(daemon, backends, layout):
+    roundtrip(backends, daemon, True, mla=True, layout=layout, dtype=torch.float16)
+
+
+def test_v1_and_generic_paths_store_the_same_bytes(daemon, backends):
+    """A page stored through batch_set_v1 reads back through batch_get, and the other way."""
+    pool, other = HostPool(pages=8), HostPool(pages=8)
+    v1 = Controller(backends(daemon.ipc, pool, v1=True), pool, True)
+    gen = Controller(backends(daemon.ipc, other, v1=False), other, False)
+    k1, k2 = hashes(3, "v1"), hashes(3, "gen")
+    i1, i2 = pool.alloc(3 * 16), other.alloc(3 * 16)
+    pool.fill(i1, 1)
+    other.fill(i2, 2)
+    assert v1.backup(k1, i1) and gen.backup(k2, i2)
+    j1, j2 = other.alloc(3 * 16), pool.alloc(3 * 16)
+    assert gen.load(k1, j1) == 3 and v1.load(k2, j2) == 3
+    assert all(torch.equal(a, b) for a, b in zip(pool.pages(i1), other.pages(j1)))
+    assert all(torch.equal(a, b) for a, b in zip(other.pages(i2), pool.pages(j2)))
+
+
+def test_single_page_calls(daemon, backends):
+    pool = HostPool(pages=4)
+    b = backends(daemon.ipc, pool, v1=False)
+    idx = pool.alloc(16)
+    pool.fill(idx, 3)
+    page = pool.get_data_page(0)
+    assert not b.exists("one") and b.get("one") is None
+    assert b.set("one", page) is True
+    assert b.exists("one")
+    got = b.get("one", pool.get_dummy_flat_data_page())
+    assert torch.equal(got, page)
+    assert torch.equal(b.get("one"), page)          # no target: a new tensor
+
+
+def test_two_ranks_share_one_copy(daemon, backends):
+    """Two data-parallel ranks (two backends, same TP rank): the second finds the first's
+    pages, and setting them again stores nothing new."""
+    a, b, keys = roundtrip(backends, daemon, True, n=5)
+    before = kvtier.Client(daemon.ipc).stats()
+    pool = b.pool
+    idx = pool.alloc(5 * 16)
+    pool.fill(idx, 99)                              # other bytes, same hashes
+    assert b.backup(keys, idx)                      # already stored: skipped, reported True
+    after = kvtier.Client(daemon.ipc).stats()
+    assert after["l1_objects"] == before["l1_objects"]
+    assert b.backend.stats()["set_skipped"] == 5
+    assert b.backend.ns == a.backend.ns
+
+
+def test_partial_hits_count_the_leading_pages(daemon, backends):
+    pool = HostPool(pages=16)
+    c = Controller(backends(daemon.ipc, pool), pool)
+    keys = hashes(8)
+    idx = pool.alloc(8 * 16)
+    pool.fill(idx, 5)
+    assert c.backup(keys[:3], idx[:3 * 16])
+    assert c.backup(keys[4:6], idx[4 * 16:6 * 16])  # a hole at page 3
+    assert c.hits(keys) == 3
+    dst = pool.alloc(8 * 16)
+    assert c.backend.batch_get_v1(keys, dst) == [True] * 3 + [False] * 5
+    assert c.hits(keys[4:]) == 2
+
+
+def test_eviction_turns_into_misses(daemon_factory, backends):
+    """No L2 and an L1 of 8 MiB: pages pushed out by newer ones are misses, not errors."""
+    d = daemon_factory("--l2", "none", "--l1-size", "8M")
+    pool = HostPool(pages=64, layers=8, heads=4, head_dim=128, page_size=16)   # 256 KiB pages
+    c = Controller(backends(d.ipc, pool), pool)
+    assert c.backend.page_bytes == 256 * 1024
+    keys = hashes(64)
+    idx = pool.alloc(64 * 16)
+    pool.fill(idx, 11)
+    for i in range(0, 64, 8):
+        c.backup(keys[i:i + 8], idx[i * 16:(i + 8) * 16])
+    assert c.hits(keys[:8]) == 0
+    assert c.backend.batch_get_v1(keys[:8], idx[:8 * 16]) == [False] * 8
+    assert c.hits(keys[-8:]) == 8
+
+
+def test_pages_only_in_l2_are_loaded_back(daemon_factory, backends):
+    """With the fs L2 (the default): pages evicted from L1 still count in batch_exists and
+    come back byte-exact through batch_get_v1 (a prefetch)."""
+    d = daemon_factory("--l1-size", "8M")
+    pool = HostPool(pages=64, layers=8, heads=4, head_dim=128, page_size=16)
+    c = Controller(backends(d.ipc, pool, extra={"timeout_ms": 5000}), pool)
+    keys = hashes(48)
+    idx = pool.alloc(48 * 16)
+    pool.fill(idx, 13)
+    want = pool.pages(idx[:8 * 16])
+    for i in range(0, 48, 8):
+        c.backup(keys[i:i + 8], idx[i * 16:(i + 8) * 16])
+        wait_until(lambda: l2_stored(d) >= i + 8, 10, what="pages written behind to L2")
+    wait_until(lambda: kvtier.Client(d.ipc).lookup(c.backend.ns, [page_key(k) for k in
+                                                                  keys[:8]]).l1 == 0, 10,
+               what="first pages out of L1")
+    assert c.hits(keys[:8]) == 8
+    dst = pool.alloc(8 * 16)
+    assert c.load(keys[:8], dst) == 8
+    assert all(torch.equal(a, b) for a, b in zip(want, pool.pages(dst)))
+
+
+# -- isolation ------------------------------------------------------------------------------------
+
+def test_layouts_never_mix(daemon, backends):
+    """Another layout, dtype or page size is another namespace: no hits across them; a page of
+    the wrong size handed to batch_set is refused, and nothing is stored."""
+    base = HostPool(pages=8)
+    c = Controller(backends(daemon.ipc, base), base)
+    keys = hashes(4)
+    idx = base.alloc(4 * 16)
+    base.fill(idx, 1)
+    assert c.backup(keys, idx)
+    for kw in ({"layout": "layer_first"}, {"dtype": torch.float16}, {"page_size": 32},
+               {"heads": 4, "head_dim": 32}):
+        other = HostPool(pages=8, **kw)
+        o = Controller(backends(daemon.ipc, other), other)
+        assert o.backend.ns != c.backend.ns
+        assert o.hits(keys) == 0
+        assert o.load(keys, other.alloc(4 * other.page_size)) == 0
+    gen = backends(daemon.ipc, base, v1=False)
+    objects = kvtier.Client(daemon.ipc).stats()["l1_objects"]
+    assert gen.batch_set(hashes(2, "w"), [torch.zeros(100), torch.zeros(100)]) is False
+    assert kvtier.Client(daemon.ipc).stats()["l1_objects"] == objects
+
+
+def test_tp_ranks_isolated_mla_shared(daemon, backends):
+    pool = HostPool(pages=8)
+    r0 = Controller(backends(daemon.ipc, pool, tp_rank=0, tp_size=2), pool)
+    r1 = Controller(backends(daemon.ipc, HostPool(pages=8), tp_rank=1, tp_size=2), pool)
+    keys = hashes(2)
+    idx = pool.alloc(2 * 16)
+    pool.fill(idx, 4)
+    assert r0.backup(keys, idx)
+    assert r1.hits(keys) == 0                       # rank 1 holds other heads
+    mpool = HostPool(pages=8, mla=True)
+    m0 = Controller(backends(daemon.ipc, mpool, tp_rank=0, tp_size=2, mla=True), mpool)
+    m1 = Controller(backends(daemon.ipc, HostPool(pages=8, mla=True), tp_rank=1, tp_size=2,
+                             mla=True), mpool)
+    midx = mpool.alloc(2 * 16)
+    mpool.fill(midx, 4)
+    assert m0.backup(keys, midx)
+    assert m1.hits(keys) == 2                       # latent KV: the same on every rank
+
+
+def test_clear_removes_only_its_namespace(daemon_factory, backends):
+    """clear() is CLEAR of the backend's namespace (L1; an L2 keeps its copies)."""
+    daemon = daemon_factory("--l2", "none")
+    p1, p2 = HostPool(pages=4), HostPool(pages=4, layout="layer_first")
+    a, b = Controller(backends(daemon.ipc, p1), p1), Controller(backends(daemon.ipc, p2), p2)
+    keys = hashes(2)
+    i1, i2 = p1.alloc(32), p2.alloc(32)
+    assert a.backup(keys, i1) and b.backup(keys, i2)
+    a.backend.clear()
+    assert a.hits(keys) == 0 and b.hits(keys) == 2
+
+
+# -- the daemon goes away, comes back, or is just idle ------------------------------------------
+
+def test_daemon_killed_and_restarted(daemon_factory, backends):
+    """Killed mid-run: calls report misses within the deadline (no exception), the backend
+    reconnects in the background, and pages are stored and found again in the new daemon."""
+    d = daemon_factory("--l2", "none")
+    pool = HostPool(pages=32)
+    c = Controller(backends(d.ipc, pool, extra={"timeout_ms": 500,
+                                                "reconnect_interval_ms": 100}), pool)
+    keys = hashes(12)
+    idx = pool.alloc(12 * 16)
+    pool.fill(idx, 21)
+    assert c.backup(keys[:4], idx[:4 * 16]) and c.hits(keys[:4]) == 4
+    d.stop(signal.SIGKILL)
+    t0 = time.monotonic()
+    assert c.hits(keys[:4]) == 0
+    assert c.backup(keys[4:8], idx[4 * 16:8 * 16]) is False
+    assert c.load(keys[:4], pool.alloc(4 * 16)) == 0
+    assert time.monotonic() - t0 < 2.0              # one timeout, then misses at once
+    assert c.backend.stats()["down"] is True
+    d2 = restart_daemon(daemon_factory, d)         # (without L2)
+    wait_until(lambda: not c.backend.stats()["down"], 10, what="reconnected")
+    assert c.hits(keys[:4]) == 0                    # the new daemon has an empty L1
+    assert c.backup(keys[4:8], idx[4 * 16:8 * 16])
+    assert c.hits(keys[4:8]) == 4
+    dst = pool.alloc(4 * 16)
+    assert c.load(keys[4:8], dst) == 4
+    assert all(torch.equal(a, b) for a, b in zip(pool.pages(idx[4 * 16:8 * 16]),
+                                                  pool.pages(dst)))
+    assert c.backend.stats()["outages"] == 1
+    d2.stop()
+
+
+def test_daemon_down_at_start(tmp_path, daemon_factory, backends):
+    """SGLang starts before kvtier: the backend loads, reports misses, and picks the daemon
+    up when it appears on its endpoint."""
+    d = daemon_factory(start=False)
+    pool = HostPool(pages=8)
+    t0 = time.monotonic()
+    c = Controller(backends(d.ipc, pool, extra={"timeout_ms": 300,
+                                                "reconnect_interval_ms": 100}), pool)
+    assert time.monotonic() - t0 < 2.0
+    keys = hashes(2)
+    idx = pool.alloc(32)
+    assert c.hits(keys) == 0 and c.backup(keys, idx) is False
+    d.start()
+    wait_until(lambda: not c.backend.stats()["down"], 10, what="connected")
+    assert c.backup(keys, idx) and c.hits(keys) == 2
+
+
+def test_idle_longer_than_lease_ms(daemon_factory, backends):
+    """The pool's Clients keep their instances alive: after an idle period of several lease_ms
+    every call works, with no outage and no error."""
+    d = daemon_factory("--lease-ms", "300")
+    pool = HostPool(pages=8)
+    c = Controller(backends(d.ipc, pool), pool)
+    keys = hashes(4)
+    idx = pool.alloc(4 * 16)
+    pool.fill(idx, 8)
+    assert c.backup(keys[:2], idx[:32])
+    time.sleep(1.2)
+    assert c.hits(keys) == 2
+    assert c.backup(keys[2:], idx[32:])
+    assert c.load(keys, pool.alloc(4 * 16)) == 4
+    st = c.backend.stats()
+    assert st["outages"] == 0 and st["errors"] == 0
+
+
+def test_threads_share_the_backend(daemon, backends):
+    """SGLang's prefetch and backup threads call one backend at once."""
+    pool = HostPool(pages=96)
+    b = backends(daemon.ipc, pool, extra={"max_connections": 2})
+    errors = []
+
+    def worker(t):
+        try:
+            c = Controller(b, pool)
+            keys = hashes(8, "t%d" % t)
+            idx = pool.alloc(8 * 16)
+            pool.fill(idx, t)
+            for _ in range(5):
+                assert c.backup(keys, idx)
+                assert c.hits(keys) == 8
+                dst = pool.alloc(8 * 16)
+                assert c.load(keys, dst) == 8
+                assert all(torch.equal(x, y) for x, y in zip(pool.pages(idx),
+                                                             pool.pages(dst)))
+                pool.free(dst)
+        except Exception as e:                      # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert b.stats()["connections"] <= 2
+
+
+def test_bad_host_indices_are_a_miss(daemon, backends):
+    pool = HostPool(pages=4)
+    b = backends(daemon.ipc, pool)
+    idx = pool.alloc(32)
+    assert b.batch_set_v1(hashes(2), idx[:20]) == [False, False]
+    assert b.batch_get_v1(hashes(2), idx[:20]) == [False, False]
+    assert b.batch_exists([]) == 0
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_scattered_and_reversed_host_pages(daemon, backends, layout):
+    """Host pages in no order (SGLang's allocator hands out whatever is free): each page still
+    lands in its own slot, byte-exact, through the page-by-page path."""
+    pool = HostPool(pages=32, layout=layout)
+    c = Controller(backends(daemon.ipc, pool), pool)
+    everything = pool.alloc(32 * 16)
+    pages = list(range(32))
+    order = pages[::-1][:8] + pages[3:20:3]             # reversed, then every third page
+    idx = torch.cat([everything[p * 16:(p + 1) * 16] for p in order])
+    pool.fill(idx, 17)
+    want = pool.pages(idx)
+    keys = hashes(len(order), "scatter")
+    assert c.backup(keys, idx)
+    pool.kv_buffer.zero_()
+    back = list(reversed(order))                        # read into other places
+    dst = torch.cat([everything[p * 16:(p + 1) * 16] for p in back])
+    assert c.load(keys, dst) == len(order)
+    assert all(torch.equal(a, b) for a, b in zip(want, pool.pages(dst)))
+
+
+def test_large_batches_go_pipelined(daemon_factory, backends):
+    """32 pages of 1 MiB: chunks of 8 MiB, the next RESERVE / ACQUIRE in flight while pages
+    are copied. Pages stored already in the middle of a chunk are skipped; a page missing in
+    the third chunk ends the leading hits there; no lease is left behind."""
+    d = daemon_factory("--l2", "none", "--l1-size", "128M")
+    kw = dict(layers=16, heads=4, head_dim=128, page_size=32)   # 2*16*32*4*128*2 = 1 MiB
+    pool = HostPool(pages=96, **kw)
+    c = Controller(backends(d.ipc, pool), pool)
+    assert c.backend.page_bytes == 1 << 20 and c.backend._chunk(32) == 8
+    keys = hashes(32, "big")
+    idx = pool.alloc(32 * 32)
+    pool.fill(idx, 23)
+    want = pool.pages(idx)
+    assert c.backup([keys[3], keys[12]], torch.cat([idx[3 * 32:4 * 32], idx[12 * 32:13 * 32]]))
+    assert c.backend.batch_set_v1(keys, idx) == [True] * 32
+    assert c.backend.stats()["set_skipped"] == 2
+    dst = pool.alloc(32 * 32)
+    assert c.load(keys, dst) == 32
+    assert all(torch.equal(a, b) for a, b in zip(want, pool.pages(dst)))
+    kvtier.Client(d.ipc).remove(c.backend.ns, [page_key(keys[19])])
+    assert c.hits(keys) == 19
+    assert c.backend.batch_get_v1(keys, dst) == [True] * 19 + [False] * 13
+    wait_until(lambda: kvtier.Client(d.ipc).stats()["leases_active"] == 0, 5,
+               what="every lease released")
