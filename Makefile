@@ -103,7 +103,7 @@ PYVENV   := $(BUILD)/pyvenv
 PYTEST   := $(abspath $(PYVENV))/bin/python
 pyclient: $(PYVENV)/.installed
 $(PYVENV)/.installed: $(PY_SRC)
-	@rm -rf $(PYVENV)
+	@rm -rf $(PYVENV) client/python/build client/python/kvtier.egg-info
 	$(PYTHON) -m venv --system-site-packages $(PYVENV)
 	$(PYVENV)/bin/python -m pip install -q --no-build-isolation --no-index --no-cache-dir \
 	  ./client/python
@@ -112,12 +112,12 @@ $(PYVENV)/.installed: $(PY_SRC)
 	  "kvtier imported from " + kvtier.__file__)'
 	@touch $@
 
-$(BUILD)/obj/%.o: %.c
+$(BUILD)/obj/%.o: %.c VERSION
 	@mkdir -p $(dir $@)
 	@echo "  CC      $<"
 	$(Q)$(CC) $(ALLCFLAGS) -MMD -MP -c $< -o $@
 
-$(BUILD)/asan/obj/%.o: %.c
+$(BUILD)/asan/obj/%.o: %.c VERSION
 	@mkdir -p $(dir $@)
 	@echo "  CC asan $<"
 	$(Q)$(CC) $(ALLCFLAGS) -O1 $(SAN) -MMD -MP -c $< -o $@
@@ -260,7 +260,7 @@ endif
 TSAN      := -fsanitize=thread -fno-omit-frame-pointer
 TSAN_OBJ  := $(call obj,$(BUILD)/tsan,$(CORE_SRC) $(DAEMON_SRC))
 
-$(BUILD)/tsan/obj/%.o: %.c
+$(BUILD)/tsan/obj/%.o: %.c VERSION
 	@mkdir -p $(dir $@)
 	@echo "  CC tsan $<"
 	$(Q)$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -MMD -MP -c $< -o $@
@@ -317,7 +317,7 @@ VALGRIND_ARGS  := --tool=memcheck --fair-sched=yes --leak-check=full \
                   --track-origins=yes --num-callers=30 --suppressions=tests/valgrind.supp \
                   --gen-suppressions=all
 
-$(BUILD)/vg/obj/%.o: %.c
+$(BUILD)/vg/obj/%.o: %.c VERSION
 	@mkdir -p $(dir $@)
 	@echo "  CC vg   $<"
 	$(Q)$(CC) $(ALLCFLAGS) -O1 -g -MMD -MP -c $< -o $@
@@ -373,7 +373,7 @@ bench-sglang: deps $(BUILD)/kvtierd pyclient
 	timeout 600 $(PYTEST) bench/sglang_bench.py --daemon $(BUILD)/kvtierd $(BENCH_SGLANG_ARGS)
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) client/python/build client/python/kvtier.egg-info client/python/kvtier/_version.py
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 

@@ -151,8 +151,9 @@ def main():
                              ("memcpy/in", t_in), ("get", t_get), ("set/generic", t_gset),
                              ("get/generic", t_gget)):
                     times[k].append(t)
-        if not torch.equal(pool.kv_buffer[:, dst_idx], pool.kv_buffer[:, src_idx]):
-            raise SystemExit("the pages read back differ from the pages stored")
+        for a_, b_ in ((src_idx, dst_idx), (gsrc_idx, gdst_idx)):
+            if not torch.equal(pool.kv_buffer[:, b_], pool.kv_buffer[:, a_]):
+                raise SystemExit("the pages read back differ from the pages stored")
         be.close()
     finally:
         proc.send_signal(signal.SIGTERM)

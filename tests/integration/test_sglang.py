@@ -127,7 +127,8 @@ print("ok")
 
 def test_bad_config_is_refused_naming_the_key(daemon):
     for bad in ({"timeout_ms": 0}, {"timeout_ms": "fast"}, {"max_connections": 0},
-                {"endpoint": ""}, {"heartbeat_ms": -1}, {"namespace": 5}):
+                {"endpoint": ""}, {"heartbeat_ms": -1}, {"namespace": 5},
+                {"shared_memory": "yes"}):
         key = next(iter(bad))
         with pytest.raises(ValueError, match=key):
             KvtierHiCacheStorage(config(dict(EXTRA, **dict({"endpoint": daemon.ipc}, **bad))), {})
@@ -170,6 +171,7 @@ def test_v1_and_generic_paths_store_the_same_bytes(daemon, backends):
 
 
 def test_single_page_calls(daemon, backends):
+    """get / set / exists, by position and by keyword (SGLang's base class names them)."""
     pool = HostPool(pages=4)
     b = backends(daemon.ipc, pool, v1=False)
     idx = pool.alloc(16)
@@ -181,6 +183,12 @@ def test_single_page_calls(daemon, backends):
     got = b.get("one", pool.get_dummy_flat_data_page())
     assert torch.equal(got, page)
     assert torch.equal(b.get("one"), page)          # no target: a new tensor
+    assert b.set(key="kw", value=page) is True
+    assert b.exists(key="kw") is True
+    assert torch.equal(b.get(key="kw", target_location=pool.get_dummy_flat_data_page()), page)
+    assert b.batch_exists(keys=["kw", "nope"]) == 1
+    assert b.batch_set_v1(keys=["kw"], host_indices=idx) == [True]
+    assert b.stats()["errors"] == 0
 
 
 def test_two_ranks_share_one_copy(daemon, backends):
@@ -365,12 +373,17 @@ def test_idle_longer_than_lease_ms(daemon_factory, backends):
     idx = pool.alloc(4 * 16)
     pool.fill(idx, 8)
     assert c.backup(keys[:2], idx[:32])
+    clients = [conn.client for conn in c.backend._idle]
+    tokens = [cl.token for cl in clients]
+    assert clients and all(cl.heartbeat_ms == 100 for cl in clients)
     time.sleep(1.2)
+    assert [cl.token for cl in clients] == tokens   # never dropped: the same instances
     assert c.hits(keys) == 2
     assert c.backup(keys[2:], idx[32:])
     assert c.load(keys, pool.alloc(4 * 16)) == 4
+    assert [cl.token for cl in clients] == tokens
     st = c.backend.stats()
-    assert st["outages"] == 0 and st["errors"] == 0
+    assert st["outages"] == 0 and st["errors"] == 0 and st["timeouts"] == 0
 
 
 def test_threads_share_the_backend(daemon, backends):
@@ -378,21 +391,21 @@ def test_threads_share_the_backend(daemon, backends):
     pool = HostPool(pages=96)
     b = backends(daemon.ipc, pool, extra={"max_connections": 2})
     errors = []
+    places = [(pool.alloc(8 * 16), pool.alloc(8 * 16)) for _ in range(4)]   # (HostPool is not
+    for t, (idx, _) in enumerate(places):                                     # thread-safe)
+        pool.fill(idx, t)
 
     def worker(t):
         try:
             c = Controller(b, pool)
             keys = hashes(8, "t%d" % t)
-            idx = pool.alloc(8 * 16)
-            pool.fill(idx, t)
+            idx, dst = places[t]
             for _ in range(5):
                 assert c.backup(keys, idx)
                 assert c.hits(keys) == 8
-                dst = pool.alloc(8 * 16)
                 assert c.load(keys, dst) == 8
                 assert all(torch.equal(x, y) for x, y in zip(pool.pages(idx),
                                                              pool.pages(dst)))
-                pool.free(dst)
         except Exception as e:                      # noqa: BLE001
             errors.append(e)
 
@@ -459,3 +472,123 @@ def test_large_batches_go_pipelined(daemon_factory, backends):
     assert c.backend.batch_get_v1(keys, dst) == [True] * 19 + [False] * 13
     wait_until(lambda: kvtier.Client(d.ipc).stats()["leases_active"] == 0, 5,
                what="every lease released")
+
+
+def test_without_shared_memory_pages_ride_put_and_get(daemon_factory, backends):
+    """"shared_memory": false (a container without the daemon's /dev/shm): PUT and GET carry
+    the pages; batch_set reports only the pages the daemon has (here L1 takes 32 of 64)."""
+    d = daemon_factory("--l2", "none", "--l1-size", "8M")
+    pool = HostPool(pages=128, layers=8, heads=4, head_dim=128)        # 256 KiB pages
+    c = Controller(backends(d.ipc, pool, extra={"shared_memory": False}), pool)
+    keys = hashes(64, "put")
+    idx = pool.alloc(64 * 16)
+    pool.fill(idx, 41)
+    ok = c.backend.batch_set_v1(keys, idx)
+    stored = kvtier.Client(d.ipc).lookup(c.backend.ns, [page_key(k) for k in keys]).hits
+    assert 0 < stored < 64 and ok == [True] * stored + [False] * (64 - stored)
+    dst = pool.alloc(stored * 16)
+    assert c.load(keys[:stored], dst) == stored
+    assert all(torch.equal(a, b) for a, b in zip(pool.pages(idx[:stored * 16]),
+                                                  pool.pages(dst)))
+    assert all(conn.client.arena is None for conn in c.backend._idle)
+
+
+def test_slow_l2_is_not_an_outage(daemon_factory, backends):
+    """Pages only a slow L2 holds (mock, 5 ms a lookup): batch_exists counts them and
+    batch_get_v1 loads them, without a timeout, an outage or a miss."""
+    d = daemon_factory("--l1-size", "16M", "--l2", "mock:latency_ms=5")
+    pool = HostPool(pages=200, layers=8, heads=4, head_dim=128)        # 256 KiB pages
+    c = Controller(backends(d.ipc, pool), pool)
+    keys = hashes(96, "slow")
+    idx = pool.alloc(96 * 16)
+    pool.fill(idx, 43)
+    for i in range(0, 96, 16):
+        assert c.backup(keys[i:i + 16], idx[i * 16:(i + 16) * 16])
+        time.sleep(0.15)                                # written behind before pushed out
+    probe = kvtier.Client(d.ipc, timeout_ms=10000)
+    first = [page_key(k) for k in keys[:32]]
+    wait_until(lambda: probe.lookup(c.backend.ns, first).l1 == 0, 10, what="pages out of L1")
+    assert c.hits(keys[:32]) == 32
+    dst = pool.alloc(32 * 16)
+    assert c.load(keys[:32], dst) == 32
+    assert all(torch.equal(a, b) for a, b in zip(pool.pages(idx[:32 * 16]), pool.pages(dst)))
+    st = c.backend.stats()
+    assert st["timeouts"] == 0 and st["outages"] == 0 and not st["down"]
+    probe.close()
+
+
+def test_stalled_daemon_then_back(daemon_factory, backends):
+    """The daemon stops answering (SIGSTOP) while two threads call: each call ends within
+    about timeout_ms, the probe finds it silent (an outage: misses at once), and after SIGCONT
+    the backend is back, and stays back (a late timeout from before does not count again)."""
+    d = daemon_factory("--l2", "none")
+    pool = HostPool(pages=16)
+    b = backends(d.ipc, pool, extra={"timeout_ms": 300, "reconnect_interval_ms": 100})
+    c = Controller(b, pool)
+    keys = hashes(2, "stall")
+    idx = pool.alloc(32)
+    assert c.backup(keys, idx)
+    d.send_signal(signal.SIGSTOP)
+    try:
+        took = []
+
+        def call():
+            t0 = time.monotonic()
+            b.batch_exists(keys)
+            took.append(time.monotonic() - t0)
+
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(took) == 2 and max(took) < 1.5, took
+        wait_until(lambda: b.stats()["down"], 5, what="the probe to give up")
+        t0 = time.monotonic()
+        assert c.hits(keys) == 0 and time.monotonic() - t0 < 0.05      # down: at once
+    finally:
+        d.send_signal(signal.SIGCONT)
+    wait_until(lambda: not b.stats()["down"], 10, what="back")
+    time.sleep(0.5)
+    st = b.stats()
+    assert not st["down"] and st["outages"] == 1, st
+    assert c.hits(keys) == 2
+
+
+def test_fp8_variants_are_other_namespaces(daemon, backends):
+    """SGLang keeps fp8 KV as uint8 in the host pool: the KV dtype (device_pool.dtype) is part
+    of the namespace, so e4m3 and e5m2 pages never mix."""
+    class Device:
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+    a, b = HostPool(pages=4, dtype=torch.uint8), HostPool(pages=4, dtype=torch.uint8)
+    a.device_pool, b.device_pool = Device("e4m3"), Device("e5m2")
+    ba, bb = backends(daemon.ipc, a), backends(daemon.ipc, b)
+    assert ba.ns != bb.ns and ".uint8-e4m3." in ba.ns and ".uint8-e5m2." in bb.ns
+    idx = a.alloc(16)
+    assert ba.batch_set_v1(["fp8"], idx) == [True]
+    assert bb.batch_exists(["fp8"]) == 0
+
+
+def test_pages_of_a_non_affine_pool_move_one_by_one(daemon, backends):
+    """A pool whose page views are not evenly spaced (pages permuted): no strided runs, each
+    page to and from its own place."""
+    class Permuted(HostPool):
+        def _page(self, index):
+            i = index // self.page_size
+            j = (i * 5) % self.page_num                 # a permutation (page_num 8)
+            return super()._page(j * self.page_size)
+
+    pool = Permuted(pages=8)
+    b = backends(daemon.ipc, pool)
+    assert b._step is None
+    c = Controller(b, pool)
+    keys = hashes(4, "perm")
+    idx = pool.alloc(4 * 16)
+    pool.fill(idx, 47)
+    want = pool.pages(idx)
+    assert c.backup(keys, idx)
+    dst = pool.alloc(4 * 16)
+    assert c.load(keys, dst) == 4
+    assert all(torch.equal(x, y) for x, y in zip(want, pool.pages(dst)))

@@ -17,17 +17,24 @@ Objects: one kvtier object per page, holding the page exactly as the host pool's
 get_data_page(index, flat=True) lays it out (so the v1 and the tensor paths store the same
 bytes). Keys: SGLang's page hash string -> BLAKE2b-128 of its UTF-8 bytes. Namespace:
 "<namespace>/<ranks>/<page layout>", e.g.
-"sglang/Qwen3-8B/tp0of2/mha.page_first.bfloat16.2x64x36x4x128": a TP rank's pages are its own
+"sglang/Qwen3-8B/tp0of2/mha.page_first.bfloat16.2x64x36x8x128": a TP rank's pages are its own
 heads (MLA pages are the same on every TP rank: "mla" instead), and another layout, dtype or
 page size is another namespace, so pages of different layouts never mix.
 
 Calls never raise into SGLang (its prefetch and backup threads die on an exception): a page
 that is missing, evicted, of another size or could not be moved is a miss (False / None), and
-every call ends within about `timeout_ms`. When the daemon does not answer, the backend
-reports misses at once and reconnects in the background (a warning when it goes, another when
-it is back). Connections: a small pool of kvtier.Client (each not thread-safe; SGLang calls
-from its prefetch and backup threads), each with its heartbeat, so idle periods longer than the
+a call waits on the daemon about `timeout_ms` at most (plus a HELLO when it opens a
+connection). A request that times out closes its connection and has the background thread
+probe the daemon; when the probe's HELLO is not answered either, the backend reports misses
+at once and reconnects in the background (a warning when it goes, another when it is back).
+Connections: a small pool of kvtier.Client (each not thread-safe; SGLang calls from its
+prefetch and backup threads), each with its heartbeat, so idle periods longer than the
 daemon's lease_ms cost nothing.
+
+Pages move with one copy each (torch copy_ of the page's contiguous runs between the pool's
+page views and one torch view of the arena); pages that follow each other in the pool and in
+the arena move in one call; a batch goes in chunks, the next chunk's request in flight while
+this one's pages are copied (docs/performance.md, "SGLang backend").
 """
 
 import contextlib
@@ -62,7 +69,9 @@ DEFAULTS = {
     "endpoint": None,               # None: $KVTIER_ENDPOINT, else ipc:///run/kvtier/kvtier.sock
     "namespace": None,              # None: "sglang/<model_name>"
     "salt": None,                   # isolates tenants sharing one daemon (LOOKUP's salt)
-    "timeout_ms": 1000,             # the longest one backend call waits for the daemon
+    "timeout_ms": 2000,             # the longest one backend call waits for the daemon
+                                    # (above the daemon's 1 s for the L2 part of a LOOKUP)
+    "shared_memory": True,          # False: pages inline in PUT / GET, not through the arena
     "reconnect_interval_ms": 1000,  # how often the background thread tries a daemon that left
     "max_connections": 4,           # Clients in the pool (SGLang calls from 2-3 threads)
     "heartbeat_ms": None,           # kvtier.Client's (None: lease_ms / 3)
@@ -94,6 +103,9 @@ def _settings(storage_config):
     hb = cfg["heartbeat_ms"]
     if hb is not None and (isinstance(hb, bool) or not isinstance(hb, int) or hb < 0):
         raise ValueError("kvtier.sglang: heartbeat_ms must be an integer >= 0, not %r" % (hb,))
+    if not isinstance(cfg["shared_memory"], bool):
+        raise ValueError("kvtier.sglang: shared_memory must be true or false, not %r"
+                         % (cfg["shared_memory"],))
     for k in ("endpoint", "namespace", "salt"):
         if cfg[k] is not None and (not isinstance(cfg[k], str) or not cfg[k]):
             raise ValueError("kvtier.sglang: %s must be a non-empty string, not %r"
@@ -101,8 +113,11 @@ def _settings(storage_config):
     if cfg["endpoint"] is None:
         cfg["endpoint"] = os.environ.get("KVTIER_ENDPOINT") or DEFAULT_ENDPOINT
     if cfg["namespace"] is None:
-        model = getattr(storage_config, "model_name", None) or "unnamed-model"
-        cfg["namespace"] = "sglang/" + str(model).strip("/")
+        model = getattr(storage_config, "model_name", None)
+        if not model:
+            log.warning("kvtier.sglang: no model_name and no namespace in the extra config: "
+                        "pages go to sglang/unnamed-model, shared with any other such server")
+        cfg["namespace"] = "sglang/" + str(model or "unnamed-model").strip("/")
     return cfg
 
 
@@ -129,13 +144,14 @@ def _guarded(miss):
     call's miss value."""
     def wrap(fn):
         @functools.wraps(fn)
-        def call(self, keys=None, *args, **kwargs):
+        def call(self, *args, **kwargs):
             try:
-                return fn(self, keys, *args, **kwargs)
+                return fn(self, *args, **kwargs)
             except Exception as e:        # noqa: BLE001
                 self._count("errors", 1)
                 self._warn_once("call:" + type(e).__name__, "%s: %s: %s (counted as a miss)"
                                 % (fn.__name__, type(e).__name__, e))
+                keys = args[0] if args else kwargs.get("keys", kwargs.get("key"))
                 try:
                     return miss(keys)
                 except Exception:         # noqa: BLE001 - keys not even a list
@@ -197,6 +213,7 @@ class _Conn:
     def close(self):
         self._tensor = self._arena = self._typed_of = None
         self._typed = {}
+        self.client.timeout_ms = 100      # its BYE (the daemon may be gone)
         with contextlib.suppress(Exception):
             self.client.close()
 
@@ -235,19 +252,22 @@ class KvtierHiCacheStorage(_Base):
         self._down = False
         self._closed = False
         self._graveyard = []              # Conns to close off the caller's thread
+        self._probe = None                # a request timed out: is the daemon there?
         self._wake = threading.Event()
         self._thread = None
+        self._rows = 1
+        self._direct = False
+        self._step = None                 # elements from one page's view to the next's
         self._warned = set()
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(("exists_calls", "exists_hits", "get_pages", "get_hits",
                                      "set_pages", "set_stored", "set_skipped", "errors",
-                                     "outages"), 0)
+                                     "timeouts", "outages"), 0)
         pool = kwargs if hasattr(kwargs, "get_data_page") else None
         if pool is not None:             # a built-in style (storage_config, mem_pool_host) call
             self.register_mem_pool_host(pool)
         try:                              # say early whether the daemon is there
-            conn = self._connect(self.cfg["timeout_ms"])
-            self._put_back(conn)
+            self._give_back(self._take(_now()), False)
         except _Down:
             pass
 
@@ -270,13 +290,20 @@ class KvtierHiCacheStorage(_Base):
             page.view(self._rows, -1)
         except RuntimeError:
             self._direct = False
+        self._step = _affine_step(mem_pool_host, page, self._page_size)
         kind = "mla" if getattr(self.storage_config, "is_mla_model", False) else "mha"
-        layout = "%s.%s.%s.%s" % (kind, getattr(mem_pool_host, "layout", "layout"),
-                                  str(page.dtype).replace("torch.", ""),
+        dtype = str(page.dtype).replace("torch.", "")
+        kv_dtype = getattr(getattr(mem_pool_host, "device_pool", None), "dtype", None)
+        if kv_dtype is not None and kv_dtype != page.dtype:   # fp8 KV is stored as uint8
+            dtype += "-" + str(kv_dtype).replace("torch.", "")
+        layout = "%s.%s.%s.%s" % (kind, getattr(mem_pool_host, "layout", "layout"), dtype,
                                   "x".join(str(d) for d in page.shape))
         ns = "%s/%s/%s" % (self.cfg["namespace"], self.rank_part, layout)
         if len(ns.encode("utf-8")) > 256:  # the daemon's limit: keep the tail, hash the rest
             tail = "/%s/%s" % (self.rank_part, layout)
+            if len(tail.encode("utf-8")) > 200:
+                raise ValueError("kvtier.sglang: the page layout part of the namespace, %r, "
+                                 "is too long" % tail)
             digest = hashlib.blake2b(ns.encode("utf-8"), digest_size=8).hexdigest()
             room = 256 - len(tail.encode("utf-8")) - len(digest) - 1
             head = self.cfg["namespace"].encode("utf-8")[:max(room, 0)].decode("utf-8", "ignore")
@@ -297,7 +324,7 @@ class KvtierHiCacheStorage(_Base):
     @_guarded(lambda keys: 0)
     def batch_exists(self, keys, extra_info=None):
         """How many leading pages of `keys` kvtier has, in L1 or L2 (one LOOKUP); the L2 part
-        starts loading into L1 at once (a second LOOKUP, with prefetch) for the get to come."""
+        starts loading into L1 at once, for the get to come."""
         self._count("exists_calls", 1)
         if not keys or self.ns is None:
             return 0
@@ -323,7 +350,7 @@ class KvtierHiCacheStorage(_Base):
             pool = self.mem_pool_host
             if self._direct:              # into the pool's page views, runs of pages at once
                 _move(_Pages(pool, starts[base:base + len(flats)], self._page_size), flats,
-                      False, self._rows)
+                      False, self._rows, self._step)
             else:
                 for j in range(len(flats)):
                     pool.set_from_flat_data_page(starts[base + j], flats.one(j))
@@ -360,7 +387,8 @@ class KvtierHiCacheStorage(_Base):
             for j in range(len(flats)):
                 i, src = base + j, flats.one(j)
                 dst = target_locations[i] if target_locations is not None else None
-                if dst is None or dst.numel() * dst.element_size() != self.page_bytes:
+                if (dst is None or not dst.is_contiguous()
+                        or dst.numel() * dst.element_size() != self.page_bytes):
                     dst = torch.empty(self._page_shape, dtype=self._page_dtype).flatten()
                 _bytes_of(dst).copy_(src.view(torch.uint8))
                 out[i] = dst
@@ -417,14 +445,16 @@ class KvtierHiCacheStorage(_Base):
             if self._closed:
                 return
             self._closed = True
-            conns, self._idle = self._idle, []
+            dead = self._idle + self._graveyard
+            self._live -= len(self._idle)
+            self._idle, self._graveyard = [], []
+            thread = self._thread
             self._cond.notify_all()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        for c in conns + self._graveyard:
+        if thread is not None:
+            thread.join(timeout=self.cfg["timeout_ms"] / 1000.0 + 2)
+        for c in dead:
             c.close()
-        self._graveyard = []
 
     # -- the moves ---------------------------------------------------------------------------
 
@@ -441,11 +471,9 @@ class KvtierHiCacheStorage(_Base):
         return True
 
     def _exists(self, conn, keys):
-        r = conn.req().lookup(self.ns, keys, salt=self.cfg["salt"])
-        if r.hits > r.l1:                 # the L2 part: start loading it now
-            with contextlib.suppress(KvtierError):
-                conn.req().lookup(self.ns, keys[r.l1:r.hits], salt=self.cfg["salt"], prefetch=True)
-        return r.hits
+        """One LOOKUP with prefetch: the L2 part of the hits starts loading into L1 now, for
+        the get SGLang makes next (a prefix all in L1 makes a job that is done at once)."""
+        return conn.req().lookup(self.ns, keys, salt=self.cfg["salt"], prefetch=True).hits
 
     def _get(self, conn, keys, deadline, sink):
         """ACQUIRE the leading pages, sink(first index, [1-D tensor of the page dtype per
@@ -458,7 +486,7 @@ class KvtierHiCacheStorage(_Base):
         self._count("get_pages", n)
         done = self._acquire_pipelined(conn, kk, sink)
         job = None
-        while done < n:
+        while done < n and _now() < deadline:
             r = conn.req().lookup(self.ns, kk[done:], salt=self.cfg["salt"],
                                   prefetch=job is None)
             if job is None:
@@ -516,7 +544,7 @@ class KvtierHiCacheStorage(_Base):
         try:
             for j, (lo, hi) in enumerate(spans):
                 if j:
-                    conn.req()
+                    conn.req(50)          # (sent a copy ago: its reply is likely here)
                     slots, lease = pending()
                     pending = None
                 if j + 1 < len(spans):
@@ -528,7 +556,7 @@ class KvtierHiCacheStorage(_Base):
                 if got < hi - lo:
                     break
             if pending is not None:       # asked for past a miss: let it go
-                conn.req()
+                conn.req(50)
                 _, lease = pending()
                 if lease:
                     conn.client.post(RELEASE, {"lease": lease})
@@ -562,13 +590,15 @@ class KvtierHiCacheStorage(_Base):
         ok = [False] * n
         kk = [page_key(k) for k in keys[:n]]
         salt = self.cfg["salt"]
-        if conn.arena() is None:
-            stored = conn.req().put(self.ns, kk,
-                                    [_bytes_of(pages.one(i).contiguous()).numpy()
-                                     for i in range(n)],
-                                    salt=salt)
-            self._count("set_stored", stored)
-            return [True] * n + ok[n:]
+        if conn.arena() is None:          # no shared arena: the bytes ride PUT
+            per = max(1, conn.client.max_message // 2 // self.page_bytes)
+            for lo in range(0, n, per):
+                hi = min(n, lo + per)
+                datas = [_bytes_of(pages.one(i).contiguous()).numpy() for i in range(lo, hi)]
+                self._count("set_stored", conn.req().put(self.ns, kk[lo:hi], datas, salt=salt))
+            # PUT stores what fits and counts only new objects: what is there says it
+            hits = conn.req().lookup(self.ns, kk, salt=salt).hits
+            return [True] * hits + ok[hits:]
         # In chunks, pipelined: the next chunk's RESERVE and this one's COMMIT travel while
         # pages are copied; the COMMITs are waited for at the end.
         per = self._chunk(n)
@@ -580,7 +610,7 @@ class KvtierHiCacheStorage(_Base):
             for j, (lo, hi) in enumerate(spans):
                 if j:
                     try:
-                        conn.req()
+                        conn.req(50)
                         slots, lease = pending()
                     except KvtierError as e:
                         if e.code in ("timeout", "protocol"):
@@ -627,7 +657,7 @@ class KvtierHiCacheStorage(_Base):
         es = arena.element_size()
         flats = _Flats(arena, [slots[i - lo][0] // es for i in todo], self.page_bytes // es)
         try:
-            _move(pages.select(todo), flats, True, self._rows)
+            _move(pages.select(todo), flats, True, self._rows, self._step)
         except (RuntimeError, ValueError, TypeError) as e:
             self._warn_once("copy", "pages could not be copied into kvtier: %s" % e)
             return [], [i - lo for i in todo]
@@ -636,10 +666,15 @@ class KvtierHiCacheStorage(_Base):
         return todo, []
 
     # -- connections, deadlines, failures ------------------------------------------------------
+    #
+    # A request that times out closes its connection (its leases go with its instance) and
+    # asks the background thread for a probe: a new connection (HELLO). If that fails too the
+    # daemon is down: calls answer misses at once until the thread reconnects. A slow answer
+    # (an L2 lookup under load) thus costs one connection, not an outage.
 
     def _run(self, op, miss):
-        """op(conn, deadline) on a pooled connection; `miss` when there is none in time, the
-        daemon does not answer (then: down, background reconnect) or anything else fails."""
+        """op(conn, deadline) on a pooled connection; `miss` when there is none, the daemon
+        does not answer in time, or anything else fails."""
         if self._closed:
             return miss
         deadline = _now() + self.cfg["timeout_ms"] / 1000.0
@@ -658,7 +693,8 @@ class KvtierHiCacheStorage(_Base):
         except KvtierError as e:
             if e.code in ("timeout", "protocol"):
                 broken = True
-                self._went_down(e)
+                self._count("timeouts", 1)
+                self._suspect(conn.gen, e)
             else:
                 self._count("errors", 1)
                 self._warn_once(e.code, "kvtier answered %s: %s (counted as a miss)"
@@ -667,13 +703,16 @@ class KvtierHiCacheStorage(_Base):
         except Exception as e:            # noqa: BLE001 - never into SGLang's threads
             broken = True
             self._count("errors", 1)
-            self._warn_once(type(e).__name__, "kvtier.sglang: %s: %s (counted as a miss)"
+            self._warn_once(type(e).__name__, "%s: %s (counted as a miss)"
                             % (type(e).__name__, e))
             return miss
         finally:
             self._give_back(conn, broken)
 
     def _take(self, deadline):
+        """An idle connection, or a new one while fewer than max_connections are open (its
+        HELLO waits up to timeout_ms); _Down when the daemon is down or none frees up in
+        time."""
         with self._cond:
             while True:
                 if self._down or self._closed:
@@ -682,64 +721,68 @@ class KvtierHiCacheStorage(_Base):
                     return self._idle.pop()
                 if self._live < self.cfg["max_connections"]:
                     self._live += 1
+                    gen = self._gen
                     break
                 left = deadline - _now()
                 if left <= 0:
-                    self._warn_once("busy", "all %d kvtier connections busy for timeout_ms: "
-                                    "a miss" % self.cfg["max_connections"])
+                    self._warn_once("busy", "all %d kvtier connections stayed busy for "
+                                    "timeout_ms: a miss" % self.cfg["max_connections"])
                     raise _Down()
                 self._cond.wait(left)
         try:
-            return self._connect(max(1, int((deadline - _now()) * 1000)), counted=True)
-        except _Down:
-            raise
-
-    def _connect(self, timeout_ms, counted=False):
-        """A new Client; on failure the backend is down (reconnecting in the background)."""
-        if not counted:
-            with self._cond:
-                self._live += 1
-        gen = self._gen
-        try:
-            client = Client(self.cfg["endpoint"], client="sglang", timeout_ms=timeout_ms,
-                            heartbeat_ms=self.cfg["heartbeat_ms"])
-        except Exception as e:            # noqa: BLE001 - Timeout, zmq errors, bad endpoint
+            return _Conn(self._new_client(), gen)
+        except Exception as e:            # noqa: BLE001 - Timeout, zmq errors
             with self._cond:
                 self._live -= 1
-            self._went_down(e)
+                self._cond.notify()
+            self._mark_down(gen, e)
             raise _Down() from None
-        return _Conn(client, gen)
+
+    def _new_client(self):
+        return Client(self.cfg["endpoint"], client="sglang", timeout_ms=self.cfg["timeout_ms"],
+                      map_arena=self.cfg["shared_memory"], heartbeat_ms=self.cfg["heartbeat_ms"])
 
     def _give_back(self, conn, broken):
-        if self._closed:
-            with self._cond:
-                self._live -= 1
-            conn.close()
-            return
         with self._cond:
-            if broken or self._closed or conn.gen != self._gen:
+            if self._closed:
                 self._live -= 1
-                self._graveyard.append(conn)   # closed by the reconnect thread / close()
-                if not self._down and not self._closed:
-                    self._start_thread()
+                closing = True
+            elif broken or conn.gen != self._gen:
+                self._live -= 1
+                self._graveyard.append(conn)      # closed by the background thread
+                self._start_thread()
+                closing = False
             else:
                 self._idle.append(conn)
+                closing = False
             self._cond.notify()
+        if closing:
+            conn.close()                  # close() ran meanwhile: BYE, at most 100 ms
 
-    def _put_back(self, conn):
-        self._give_back(conn, False)
-
-    def _went_down(self, exc):
+    def _suspect(self, gen, exc):
+        """A request timed out on a connection of generation gen: probe the daemon."""
         with self._cond:
-            if self._down or self._closed:
+            if self._down or self._closed or gen != self._gen:
+                return
+            self._probe = exc
+            self._start_thread()
+
+    def _mark_down(self, gen, exc):
+        """The daemon did not answer a HELLO: misses at once until it answers again. Only for
+        connections of the current generation (a late timeout from before a reconnection
+        says nothing about the daemon now)."""
+        with self._cond:
+            if self._down or self._closed or gen != self._gen:
                 return
             self._down = True
+            self._probe = None
             self._gen += 1
-            self._count("outages", 1)
             self._graveyard.extend(self._idle)
             self._live -= len(self._idle)
             self._idle = []
+            self._cond.notify_all()       # waiters for a connection miss at once
             self._start_thread()
+        self._count("outages", 1)
         log.warning("kvtier.sglang: the daemon at %s does not answer (%s); reporting misses "
                     "and reconnecting every %d ms", self.cfg["endpoint"], exc,
                     self.cfg["reconnect_interval_ms"])
@@ -748,44 +791,66 @@ class KvtierHiCacheStorage(_Base):
         """With the lock held."""
         self._wake.set()
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._reconnector, daemon=True,
-                                            name="kvtier-sglang-reconnect")
+            self._thread = threading.Thread(target=self._background, daemon=True,
+                                            name="kvtier-sglang")
             self._thread.start()
 
-    def _reconnector(self):
+    def _background(self):
+        """Probes, reconnects, and closes dead connections (their BYE never on SGLang's
+        threads). Ends when there is nothing left to do."""
         interval = self.cfg["reconnect_interval_ms"] / 1000.0
         while True:
             self._wake.clear()
             with self._cond:
-                dead, self._graveyard = self._graveyard, []
-                closed, down = self._closed, self._down
-            for c in dead:
-                c.close()                 # BYE, at most 1 s each: never on SGLang's thread
-            if closed:
-                return
-            if not down:
+                if self._closed:
+                    dead, self._graveyard = self._graveyard, []
+                    self._thread = None
+                    break
+                gen, down, probe = self._gen, self._down, self._probe
+            if down or probe is not None:
+                try:
+                    client = self._new_client()
+                except Exception as e:    # noqa: BLE001 - not answering
+                    client, failure = None, e
                 with self._cond:
-                    if not self._graveyard and not self._down:
-                        self._thread = None
-                        return
-                continue
-            try:
-                client = Client(self.cfg["endpoint"], client="sglang",
-                                timeout_ms=self.cfg["timeout_ms"],
-                                heartbeat_ms=self.cfg["heartbeat_ms"])
-            except Exception:             # noqa: BLE001 - still away
-                self._wake.wait(interval)
-                continue
+                    if client is not None and not self._down and (
+                            self._live >= self.cfg["max_connections"]):
+                        self._probe = None        # it answered; the pool is full
+                        self._graveyard.append(_Conn(client, self._gen))
+                        client, back = None, False
+                        down = True               # (not a failure: no mark_down below)
+                    elif client is not None and not self._closed:
+                        self._idle.append(_Conn(client, self._gen))
+                        self._live += 1
+                        self._probe = None
+                        back, self._down = self._down, False
+                        if back:
+                            self._warned.clear()
+                        self._cond.notify_all()
+                    else:
+                        back = False
+                if client is not None and self._closed:
+                    _Conn(client, gen).close()
+                if client is None and not down:
+                    self._mark_down(gen, failure)
+                elif back:
+                    log.warning("kvtier.sglang: the daemon at %s answers again",
+                                self.cfg["endpoint"])
+            with self._cond:
+                dead, self._graveyard = self._graveyard, []
+            for c in dead:
+                c.close()
             with self._cond:
                 if self._closed:
-                    self._graveyard.append(_Conn(client, self._gen))
                     continue
-                self._down = False
-                self._live += 1
-                self._idle.append(_Conn(client, self._gen))
-                self._warned.clear()
-                self._cond.notify_all()
-            log.warning("kvtier.sglang: the daemon at %s answers again", self.cfg["endpoint"])
+                if not self._down and self._probe is None and not self._graveyard:
+                    self._thread = None
+                    return
+                down = self._down
+            if down:
+                self._wake.wait(interval)
+        for c in dead:
+            c.close()
 
     def _count(self, name, n):
         with self._stats_lock:
@@ -881,35 +946,27 @@ class _Pages:
         return (self.tensors is None
                 and self.starts[k] == self.starts[k - 1] + self.page_size)
 
-    def strided(self, k, m, rows):
-        """Pages k .. k + m - 1 (each following the one before) as one (m, rows, run) view,
-        or None. SGLang's pools slice one kv_buffer, so a page's view is affine in its first
-        slot: checked on the first, second and last page; torch refuses a view that leaves
-        the storage of the first."""
-        v0, v1 = self.one(k), self.one(k + 1)
-        vl = self.one(k + m - 1) if m > 2 else v1
-        es = v0.element_size()
-        step = v1.data_ptr() - v0.data_ptr()
-        if (step <= 0 or step % es or vl.data_ptr() != v0.data_ptr() + (m - 1) * step
-                or not v0.shape == v1.shape == vl.shape
-                or not v0.stride() == v1.stride() == vl.stride()):
-            return None
-        pv = v0.view(rows, -1)
-        return torch.as_strided(pv, (m, rows, pv.size(1)), (step // es, pv.stride(0), 1))
+    def strided(self, k, m, rows, step):
+        """Pages k .. k + m - 1 (each following the one before) as one (m, rows, run) view:
+        the first page's view, stepped by `step` elements (_affine_step); torch refuses a
+        view that leaves the storage of the first."""
+        pv = self.one(k).view(rows, -1)
+        return torch.as_strided(pv, (m, rows, pv.size(1)), (step, pv.stride(0), 1))
 
 
-def _move(pages, flats, out, rows):
-    """Page k of `pages` -> flats.one(k) (out) or back. A run of pages that follow each other
-    in the pool and in the arena goes as one strided copy (one torch call, not one per
-    page); a run torch refuses goes page by page."""
+def _move(pages, flats, out, rows, step=None):
+    """Page k of `pages` -> flats.one(k) (out) or back. With `step` (the pool's pages are
+    affine, _affine_step), a run of pages that follow each other in the pool and in the
+    arena goes as one strided copy (one torch call, not one per page); a run torch refuses
+    goes page by page."""
     k, n = 0, len(pages)
     while k < n:
         m = 1
-        while k + m < n and pages.follows(k + m) and flats.follows(k + m):
+        while (step and k + m < n and pages.follows(k + m) and flats.follows(k + m)):
             m += 1
         if m > 1:
             try:
-                pool_side = pages.strided(k, m, rows)
+                pool_side = pages.strided(k, m, rows, step)
             except RuntimeError:
                 pool_side = None
             if pool_side is not None:
@@ -924,6 +981,28 @@ def _move(pages, flats, out, rows):
             page = pages.one(j)
             _copy_page(page, flats.one(j), out, rows if page.dim() > 1 else 1)
         k += m
+
+
+def _affine_step(pool, page0, page_size):
+    """The distance in elements from one page's view to the next's when the pool's page
+    views are affine in their first slot (SGLang's pools slice one kv_buffer), checked on
+    pages 0, 1, 2, the middle one and the last; else None (pages then move one by one)."""
+    pages = int(getattr(pool, "size", 0) or 0) // page_size
+    if pages < 3:
+        return None
+    try:
+        es, p0 = page0.element_size(), page0.data_ptr()
+        step = pool.get_data_page(page_size, flat=False).data_ptr() - p0
+        if step <= 0 or step % es:
+            return None
+        for i in (2, pages // 2, pages - 1):
+            v = pool.get_data_page(i * page_size, flat=False)
+            if (v.data_ptr() != p0 + i * step or v.shape != page0.shape
+                    or v.stride() != page0.stride()):
+                return None
+        return step // es
+    except Exception:                     # noqa: BLE001 - any surprise: no runs
+        return None
 
 
 def _starts(host_indices, page_size):
