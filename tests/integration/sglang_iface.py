@@ -6,7 +6,8 @@ meets. install() puts the interface module under its real name in sys.modules, s
 kvtier.sglang subclasses it as it would SGLang's; call it before importing kvtier.sglang.
 
     HiCacheStorage      the abstract base (get/batch_get/set/batch_set/exists abstract;
-                        batch_exists, register_mem_pool_host and the v1 methods as SGLang's)
+                        batch_exists, register_mem_pool_host, the v1 methods and the hybrid
+                        pools' v2 methods as SGLang's; PoolName, PoolTransfer, ...)
     create_backend()    the factory's "dynamic" path: backend_name, module_path, class_name
                         required; import; issubclass check; cls(storage_config, {}); then the
                         controller's register_mem_pool_host(host_pool)
@@ -18,6 +19,7 @@ kvtier.sglang subclasses it as it would SGLang's; call it before importing kvtie
 
 import abc
 import dataclasses
+import enum
 import importlib
 import sys
 import types
@@ -49,6 +51,38 @@ class HiCacheStorageConfig:
 class HiCacheStorageExtraInfo:
     prefix_keys: Optional[List[str]] = None
     extra_info: Optional[dict] = None
+
+
+class PoolName(str, enum.Enum):
+    KV = "kv"
+    MAMBA = "mamba"
+    SWA = "swa"
+    INDEXER = "indexer"
+
+    def __str__(self):
+        return self.value
+
+
+class PoolHitPolicy(str, enum.Enum):
+    ALL_PAGES = "all_pages"
+    TRAILING_PAGES = "trailing_pages"
+
+
+@dataclasses.dataclass
+class PoolTransfer:
+    name: PoolName
+    host_indices: Optional[torch.Tensor] = None
+    device_indices: Optional[torch.Tensor] = None
+    keys: Optional[List[str]] = None
+    hit_policy: PoolHitPolicy = PoolHitPolicy.ALL_PAGES
+    nodes_to_load: Optional[List[Any]] = None
+    indices_from_pool: Optional[PoolName] = None
+
+
+@dataclasses.dataclass
+class PoolTransferResult:
+    kv_hit_pages: int
+    extra_pool_hit_pages: dict
 
 
 class HiCacheStorage(abc.ABC):
@@ -100,6 +134,15 @@ class HiCacheStorage(abc.ABC):
                 return i
         return len(keys)
 
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        raise NotImplementedError()
+
+    def batch_get_v2(self, transfers, extra_info=None):
+        raise NotImplementedError()
+
+    def batch_set_v2(self, transfers, extra_info=None):
+        raise NotImplementedError()
+
     def clear(self) -> None:
         pass
 
@@ -122,7 +165,8 @@ def install():
             pkg.__path__ = []
             sys.modules[name] = pkg
     mod = types.ModuleType(MODULE)
-    for name in ("HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo"):
+    for name in ("HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo",
+                 "PoolName", "PoolHitPolicy", "PoolTransfer", "PoolTransferResult"):
         setattr(mod, name, globals()[name])
     sys.modules[MODULE] = mod
     return mod

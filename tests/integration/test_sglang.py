@@ -592,3 +592,30 @@ def test_pages_of_a_non_affine_pool_move_one_by_one(daemon, backends):
     dst = pool.alloc(4 * 16)
     assert c.load(keys, dst) == 4
     assert all(torch.equal(x, y) for x, y in zip(want, pool.pages(dst)))
+
+
+def test_hybrid_v2_calls_serve_kv_and_never_raise(daemon, backends):
+    """Newer SGLang's *_v2 calls (hybrid models' extra pools): a KV transfer is served like v1;
+    an extra pool (Mamba here) is not stored, so nothing is a hit, and nothing raises (the
+    base class's NotImplementedError would end SGLang's prefetch thread)."""
+    from sglang_iface import PoolName, PoolHitPolicy, PoolTransfer, PoolTransferResult
+    pool = HostPool(pages=8)
+    b = backends(daemon.ipc, pool)
+    b.register_mem_host_pool_v2(pool, PoolName.KV)
+    keys = hashes(3, "v2")
+    idx = pool.alloc(3 * 16)
+    pool.fill(idx, 53)
+    mamba = PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([0]), keys=[keys[-1]],
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    kv = PoolTransfer(PoolName.KV, host_indices=idx, keys=keys)
+    assert b.batch_set_v2([kv, mamba]) == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
+    r = b.batch_exists_v2(keys, [kv])
+    assert isinstance(r, PoolTransferResult) and r.kv_hit_pages == 3
+    r = b.batch_exists_v2(keys, [kv, mamba])
+    assert r.kv_hit_pages == 0 and r.extra_pool_hit_pages == {}
+    dst = pool.alloc(3 * 16)
+    got = b.batch_get_v2([PoolTransfer(PoolName.KV, host_indices=dst, keys=keys), mamba])
+    assert got == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
+    assert all(torch.equal(x, y) for x, y in zip(pool.pages(idx), pool.pages(dst)))
+    assert b.batch_get_v2([None]) == {}                  # garbage: a miss, not an exception
+    assert b.stats()["errors"] == 1

@@ -10,8 +10,9 @@ SGLang loads it as a dynamic backend (storage/backend_factory.py calls
       "endpoint": "ipc:///run/kvtier/kvtier.sock"}'
 
 Built against SGLang's HiCacheStorage as of v0.5.x (hicache_storage.py, 2025-2026): the five
-abstract methods (get, batch_get, set, batch_set, exists), batch_exists, and the zero-copy
-batch_get_v1 / batch_set_v1 that SGLang calls when the extra config says "interface_v1".
+abstract methods (get, batch_get, set, batch_set, exists), batch_exists, the zero-copy
+batch_get_v1 / batch_set_v1 that SGLang calls when the extra config says "interface_v1", and
+the hybrid models' *_v2 calls (the KV pool served, extra pools answered as misses).
 
 Objects: one kvtier object per page, holding the page exactly as the host pool's
 get_data_page(index, flat=True) lays it out (so the v1 and the tensor paths store the same
@@ -44,6 +45,7 @@ import logging
 import os
 import threading
 import time
+import types
 
 import torch
 
@@ -158,6 +160,24 @@ def _guarded(miss):
                     return miss([])
         return call
     return wrap
+
+
+def _pool_name(transfer):
+    name = getattr(transfer, "name", None)
+    return str(getattr(name, "value", name))
+
+
+def _transfer_result(kv_hits):
+    """SGLang's PoolTransferResult(kv_hit_pages, extra_pool_hit_pages)."""
+    try:
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+    except ImportError:                   # (v2 is only called by an SGLang that has it)
+        return types.SimpleNamespace(kv_hit_pages=kv_hits, extra_pool_hit_pages={})
+    return PoolTransferResult(kv_hits, {})
+
+
+def _transfer_misses(transfers):
+    return {t.name: [False] * len(t.keys or ()) for t in transfers}
 
 
 def _falses(keys):
@@ -424,6 +444,36 @@ class KvtierHiCacheStorage(_Base):
         done = self._run(lambda conn, left: self._set(conn, keys[:len(good)],
                                                       _Pages(tensors=good)), [False])
         return len(good) == n and all(done)
+
+    # Hybrid models (newer SGLang): extra host pools (Mamba states, SWA windows, DSA indexer,
+    # DeepSeek-V4 compressed KV) move through the *_v2 calls. Only the KV pool is stored here:
+    # with extra pools nothing counts as a hit (a page is usable only with its side pools),
+    # so such a model runs with this tier unused rather than with SGLang's prefetch or backup
+    # thread ended by the base class's NotImplementedError. A KV transfer is served as v1.
+
+    @_guarded(lambda keys: _transfer_result(0))
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        """SGLang's PoolTransferResult: the KV hits when no extra pool is asked for, else 0."""
+        extra = [t for t in (pool_transfers or ()) if _pool_name(t) != "kv"]
+        if not extra:
+            return _transfer_result(self.batch_exists(keys, extra_info))
+        self._warn_once("v2", "extra host pools (%s) are not stored by kvtier: no hits for "
+                        "this hybrid model" % ", ".join(sorted({_pool_name(t) for t in extra})))
+        return _transfer_result(0)
+
+    @_guarded(lambda transfers: _transfer_misses(transfers))
+    def batch_get_v2(self, transfers, extra_info=None):
+        """{pool name: [bool per key]}: KV transfers as batch_get_v1, others all False."""
+        return {t.name: (self.batch_get_v1(t.keys, t.host_indices, extra_info)
+                         if _pool_name(t) == "kv" else [False] * len(t.keys or ()))
+                for t in transfers}
+
+    @_guarded(lambda transfers: _transfer_misses(transfers))
+    def batch_set_v2(self, transfers, extra_info=None):
+        """{pool name: [bool per key]}: KV transfers as batch_set_v1, others all False."""
+        return {t.name: (self.batch_set_v1(t.keys, t.host_indices, extra_info)
+                         if _pool_name(t) == "kv" else [False] * len(t.keys or ()))
+                for t in transfers}
 
     def clear(self):
         """SGLang's cache flush: removes this backend's namespace (every rank sharing it)."""
