@@ -153,7 +153,8 @@ def _guarded(miss):
                 self._count("errors", 1)
                 self._warn_once("call:" + type(e).__name__, "%s: %s: %s (counted as a miss)"
                                 % (fn.__name__, type(e).__name__, e))
-                keys = args[0] if args else kwargs.get("keys", kwargs.get("key"))
+                keys = args[0] if args else next(
+                    (kwargs[k] for k in ("keys", "key", "transfers") if k in kwargs), None)
                 try:
                     return miss(keys)
                 except Exception:         # noqa: BLE001 - keys not even a list
@@ -177,7 +178,12 @@ def _transfer_result(kv_hits):
 
 
 def _transfer_misses(transfers):
-    return {t.name: [False] * len(t.keys or ()) for t in transfers}
+    out = {}
+    for t in transfers:
+        name = getattr(t, "name", None)
+        if name is not None:
+            out[name] = [False] * len(getattr(t, "keys", None) or ())
+    return out
 
 
 def _falses(keys):
@@ -287,7 +293,7 @@ class KvtierHiCacheStorage(_Base):
         if pool is not None:             # a built-in style (storage_config, mem_pool_host) call
             self.register_mem_pool_host(pool)
         try:                              # say early whether the daemon is there
-            self._give_back(self._take(_now()), False)
+            self._give_back(self._take(_now() + self.cfg["timeout_ms"] / 1000.0), False)
         except _Down:
             pass
 
@@ -779,18 +785,33 @@ class KvtierHiCacheStorage(_Base):
                                     "timeout_ms: a miss" % self.cfg["max_connections"])
                     raise _Down()
                 self._cond.wait(left)
+        full = self.cfg["timeout_ms"]
+        wait_ms = min(full, int((deadline - _now()) * 1000))
         try:
-            return _Conn(self._new_client(), gen)
+            if wait_ms < min(full, 100):
+                raise _Down()             # no time left to open a connection: a miss
+            return _Conn(self._new_client(wait_ms), gen)
         except Exception as e:            # noqa: BLE001 - Timeout, zmq errors
             with self._cond:
                 self._live -= 1
                 self._cond.notify()
-            self._mark_down(gen, e)
+            if isinstance(e, _Down):
+                raise
+            if wait_ms >= full - 5:
+                self._mark_down(gen, e)   # a HELLO unanswered for timeout_ms: down
+            else:
+                self._suspect(gen, e)     # a shorter wait says less: probe
             raise _Down() from None
 
-    def _new_client(self):
-        return Client(self.cfg["endpoint"], client="sglang", timeout_ms=self.cfg["timeout_ms"],
-                      map_arena=self.cfg["shared_memory"], heartbeat_ms=self.cfg["heartbeat_ms"])
+    def _new_client(self, timeout_ms=None):
+        """A Client; its HELLO waits timeout_ms (default the configured), its requests then
+        the configured timeout_ms."""
+        full = self.cfg["timeout_ms"]
+        client = Client(self.cfg["endpoint"], client="sglang",
+                        timeout_ms=timeout_ms or full, map_arena=self.cfg["shared_memory"],
+                        heartbeat_ms=self.cfg["heartbeat_ms"])
+        client.timeout_ms = full
+        return client
 
     def _give_back(self, conn, broken):
         with self._cond:
@@ -862,28 +883,29 @@ class KvtierHiCacheStorage(_Base):
                     client = self._new_client()
                 except Exception as e:    # noqa: BLE001 - not answering
                     client, failure = None, e
+                stray = None              # a new Client nobody takes: closed here, once
                 with self._cond:
-                    if client is not None and not self._down and (
-                            self._live >= self.cfg["max_connections"]):
+                    if client is None:
+                        outcome = "failed"
+                    elif self._closed:
+                        stray, outcome = client, "closed"
+                    elif not self._down and self._live >= self.cfg["max_connections"]:
                         self._probe = None        # it answered; the pool is full
-                        self._graveyard.append(_Conn(client, self._gen))
-                        client, back = None, False
-                        down = True               # (not a failure: no mark_down below)
-                    elif client is not None and not self._closed:
+                        stray, outcome = client, "answered"
+                    else:
                         self._idle.append(_Conn(client, self._gen))
                         self._live += 1
                         self._probe = None
-                        back, self._down = self._down, False
-                        if back:
+                        outcome = "back" if self._down else "answered"
+                        self._down = False
+                        if outcome == "back":
                             self._warned.clear()
                         self._cond.notify_all()
-                    else:
-                        back = False
-                if client is not None and self._closed:
-                    _Conn(client, gen).close()
-                if client is None and not down:
+                if stray is not None:
+                    _Conn(stray, gen).close()
+                if outcome == "failed" and not down:
                     self._mark_down(gen, failure)
-                elif back:
+                elif outcome == "back":
                     log.warning("kvtier.sglang: the daemon at %s answers again",
                                 self.cfg["endpoint"])
             with self._cond:
