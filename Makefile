@@ -12,8 +12,10 @@ PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash libsystemd hi
 DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev libjansson-dev \
             libmicrohttpd-dev libxxhash-dev libcmocka-dev python3-zmq python3-msgpack \
             python3-pytest python3-xxhash curl libsystemd-dev systemd libhiredis-dev \
-            redis-server iproute2 valgrind python3-venv python3-pip python3-setuptools \
-            python3-wheel python3-torch
+            redis-server iproute2 valgrind
+# What the Python package and its tests need besides (not `make run`): venv, pip and setuptools
+# to install it, CPU torch for kvtier.sglang and its tests.
+DEB_PY_PKGS := python3-venv python3-pip python3-setuptools python3-wheel python3-torch
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 # The layers and what each may include (docs/architecture.md): a folder's sources see only its
@@ -77,23 +79,27 @@ PLUGIN_ENV = KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
              KVT_L2_EXAMPLE_PLUGIN_ABI1=$(abspath $(PLUGIN_EXAMPLE_ABI1))
 
 .PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-l2 bench-smoke \
-        test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers pyclient bench-sglang
+        test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers pyclient bench-sglang \
+        deps-py
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE) \
      $(PLUGIN_EXAMPLE_ABI1)
 
 # Installs what is missing, once; nothing when every package is present.
-deps:
-	@missing=""; for p in $(DEB_PKGS); do \
+install_missing = @missing=""; for p in $(1); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
 	done; \
 	if [ -n "$$missing" ]; then \
-	  echo "deps: installing$$missing"; \
+	  echo "$@: installing$$missing"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
 	fi
+deps:
+	$(call install_missing,$(DEB_PKGS))
+deps-py: deps
+	$(call install_missing,$(DEB_PY_PKGS))
 
 # The Python client as users get it: `pip install ./client/python` into a throw-away venv
 # (--system-site-packages: it sees Debian's zmq, msgpack, xxhash, torch, pytest; --no-index:
@@ -101,8 +107,8 @@ deps:
 PY_SRC   := VERSION $(wildcard client/python/*.toml client/python/*.py client/python/kvtier/*.py)
 PYVENV   := $(BUILD)/pyvenv
 PYTEST   := $(abspath $(PYVENV))/bin/python
-pyclient: $(PYVENV)/.installed
-$(PYVENV)/.installed: $(PY_SRC)
+pyclient: deps-py $(PYVENV)/.installed
+$(PYVENV)/.installed: $(PY_SRC) | deps-py
 	@rm -rf $(PYVENV) client/python/build client/python/kvtier.egg-info
 	$(PYTHON) -m venv --system-site-packages $(PYVENV)
 	$(PYVENV)/bin/python -m pip install -q --no-build-isolation --no-index --no-cache-dir \
