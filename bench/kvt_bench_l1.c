@@ -318,7 +318,7 @@ static void s_bench_l1(const opts_t *o)
     bool huge = json_is_true(json_object_get(status, "huge_pages"));
     json_decref(status);
     printf("\nL1 tier (kvt_l1), %s arena (%s, %s), created in %.2f s, objects of %u B\n",
-           o->l1_size, pinned ? "mlocked" : "not mlocked", huge ? "THP requested" : "4 KiB pages",
+           o->l1_size, pinned ? "mlocked" : "not mlocked", huge ? "2 MiB pages" : "4 KiB pages",
            create_s, OBJ_SIZE);
 
     l1_ctx_t c = {.l1 = l1, .keys = keys};

@@ -26,7 +26,12 @@
  * name and token), remaps the arena if the daemon announced another, re-registers the GPU
  * layouts it keeps copies of, hands the new token to the heartbeat, and the call is sent once
  * more (s_retried: not COMMIT/RELEASE, whose lease is gone). Lock order: s_hb_t.lock is a leaf;
- * s_ctx_lock is never held with it. */
+ * s_ctx_lock is never held with it.
+ *
+ * Faulting the arena in (KVTIER_MAP_POPULATE): lazily by default (each page on first touch),
+ * all at once with MAP_POPULATE ("1"), or by a thread of its own ("background", s_prefault_t)
+ * that walks the mapping in chunks with MADV_POPULATE_WRITE while the caller goes on; the only
+ * thing it shares is an atomic stop flag, and it is joined before the mapping is unmapped. */
 #include "kvtier.h"
 
 #include "kvtier_curve.h"
@@ -58,6 +63,7 @@ _Static_assert(KVTIER_KEY_LEN == KVT_KEY_LEN, "kvtier.h and the protocol disagre
 _Static_assert(KVTIER_KEY_LEN == KVT_HASH_KEY_LEN, "kvtier.h and kvt_hash disagree on keys");
 
 typedef struct s_hb s_hb_t;
+typedef struct s_prefault s_prefault_t;
 
 /* A REGISTER_GPU the caller made, kept to be said again when the instance is re-established. */
 typedef struct {
@@ -82,6 +88,7 @@ struct kvtier {
     char *arena_path;         /* the shm.path HELLO announced last (NULL: none) ... */
     uint64_t arena_announced; /* ... and its shm.size: a restarted daemon announces another */
     char arena_why[384]; /* why arena is NULL: the message of a local KVT_EUNAVAIL */
+    s_prefault_t *prefault; /* the background fault-in of the arena, NULL when none runs */
     char error[256];
     uint64_t spin_ns; /* busy-poll for a reply this long before sleeping (0: never) */
     s_hb_t *hb;       /* NULL when disabled (KVTIER_HEARTBEAT_MS=0) */
@@ -715,6 +722,90 @@ static uint64_t s_uint(const msgpack_object *o)
     return o && o->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? o->via.u64 : 0;
 }
 
+/* ---- faulting the arena in ---- */
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels answer EINVAL: pages are touched */
+#endif
+#define S_PREFAULT_CHUNK (16u << 20) /* the stop flag is read this often */
+
+struct s_prefault {
+    char *base;
+    size_t size;
+    atomic_bool stop;
+    pid_t pid; /* the process whose thread it is: a forked child has none to join */
+    pthread_t thread;
+};
+
+typedef enum { S_MAP_LAZY, S_MAP_POPULATE, S_MAP_BACKGROUND } s_map_mode_t;
+
+/* KVTIER_MAP_POPULATE: "1" (or "true"), "background", anything else lazy. */
+static s_map_mode_t s_map_mode(void)
+{
+    const char *v = getenv("KVTIER_MAP_POPULATE");
+    if (!v)
+        return S_MAP_LAZY;
+    if (strcmp(v, "1") == 0 || strcmp(v, "true") == 0)
+        return S_MAP_POPULATE;
+    return strcmp(v, "background") == 0 ? S_MAP_BACKGROUND : S_MAP_LAZY;
+}
+
+static void *s_prefault_run(void *arg)
+{
+    s_prefault_t *pf = arg;
+    for (size_t off = 0; off < pf->size && !atomic_load(&pf->stop); off += S_PREFAULT_CHUNK) {
+        size_t len = pf->size - off < S_PREFAULT_CHUNK ? pf->size - off : S_PREFAULT_CHUNK;
+        if (madvise(pf->base + off, len, MADV_POPULATE_WRITE) != 0)
+            for (size_t p = 0; p < len; p += 4096) /* a read maps the page as well */
+                (void)*(volatile const char *)(pf->base + off + p);
+    }
+    return NULL;
+}
+
+/* Starts the background fault-in; without a thread the mapping simply stays lazy. */
+static s_prefault_t *s_prefault_start(void *base, size_t size)
+{
+    s_prefault_t *pf = calloc(1, sizeof *pf);
+    if (!pf)
+        return NULL;
+    pf->base = base;
+    pf->size = size;
+    pf->pid = getpid();
+    atomic_init(&pf->stop, false);
+    sigset_t all, old;
+    sigfillset(&all); /* the caller's signals stay on the caller's threads */
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = pthread_create(&pf->thread, NULL, s_prefault_run, pf);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        free(pf);
+        return NULL;
+    }
+    return pf;
+}
+
+static void s_prefault_stop(s_prefault_t **pf_p)
+{
+    s_prefault_t *pf = *pf_p;
+    if (!pf)
+        return;
+    atomic_store(&pf->stop, true);
+    if (pf->pid == getpid())
+        pthread_join(pf->thread, NULL);
+    free(pf);
+    *pf_p = NULL;
+}
+
+/* Unmaps the arena, after the thread faulting it in (if any) has stopped. */
+static void s_unmap_arena(kvtier_t *self)
+{
+    s_prefault_stop(&self->prefault);
+    if (self->arena)
+        munmap(self->arena, self->arena_size);
+    self->arena = NULL;
+    self->arena_size = 0;
+}
+
 /* Maps `size` bytes of the arena file. Failure is not an error of connect: a client on another
  * host has no such file, and PUT/GET still work for it. The reason is kept for the
  * KVT_EUNAVAIL that RESERVE and ACQUIRE then answer. */
@@ -731,12 +822,16 @@ static void s_map_arena(kvtier_t *self, const char *file, uint64_t size)
         /* a mapping past the end of the file would SIGBUS on the first touch */
         why = "the file is smaller than the size HELLO announced";
     if (!why) {
-        void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        s_map_mode_t mode = s_map_mode();
+        void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE,
+                       MAP_SHARED | (mode == S_MAP_POPULATE ? MAP_POPULATE : 0), fd, 0);
         if (p == MAP_FAILED) {
             why = strerror(errno);
         } else {
             self->arena = p;
             self->arena_size = (size_t)size;
+            if (mode == S_MAP_BACKGROUND)
+                self->prefault = s_prefault_start(p, (size_t)size);
         }
     }
     if (fd >= 0)
@@ -761,10 +856,7 @@ static void s_follow_arena(kvtier_t *self, const msgpack_object *hello)
         strlen(self->arena_path) == path->via.str.size &&
         memcmp(self->arena_path, path->via.str.ptr, path->via.str.size) == 0)
         return;
-    if (self->arena)
-        munmap(self->arena, self->arena_size);
-    self->arena = NULL;
-    self->arena_size = 0;
+    s_unmap_arena(self);
     free(self->arena_path);
     self->arena_path = NULL;
     self->arena_announced = 0;
@@ -1405,8 +1497,7 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
     }
     return self;
 fail:
-    if (self->arena)
-        munmap(self->arena, self->arena_size);
+    s_unmap_arena(self);
     free(self->arena_path);
     if (self->sock)
         zmq_close(self->sock);
@@ -1425,8 +1516,7 @@ void kvtier_close(kvtier_t **self_p)
     /* a child forked after connect inherited the parent's instance: it is not its to end */
     if (self->pid == getpid())
         s_bye(self);
-    if (self->arena)
-        munmap(self->arena, self->arena_size);
+    s_unmap_arena(self);
     free(self->arena_path);
     for (uint32_t i = 0; i < self->ngpu; i++)
         free(self->gpu[i].body);

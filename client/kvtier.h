@@ -19,6 +19,11 @@
  * long as the process lives and the handle is open: a lease the caller forgets is held until
  * kvtier_close, not lease_ms.
  *
+ * The arena HELLO names is mapped at connect (and again after a daemon restart) lazily: each
+ * page faults in on first touch. KVTIER_MAP_POPULATE=1 maps it with MAP_POPULATE;
+ * KVTIER_MAP_POPULATE=background faults it in from a thread of the handle's own, joined before
+ * the arena is unmapped (docs/protocol.md, "The shared-memory data path").
+ *
  * If the instance was dropped anyway (heartbeat disabled, the process stopped, the daemon
  * restarted), libkvtier re-establishes it transparently — when a call answers instance_dropped
  * (KVTIER_ENOINST), or before the next call when the heartbeat found it gone: it says HELLO

@@ -75,6 +75,7 @@ static int s_check_nonempty(const char *v, char *why, size_t whylen);
 static int s_check_l2(const char *v, char *why, size_t whylen);
 static int s_check_log_level(const char *v, char *why, size_t whylen);
 static int s_check_fault_mode(const char *v, char *why, size_t whylen);
+static int s_check_hugepages(const char *v, char *why, size_t whylen);
 
 static const char *const s_endpoint_starts[] = {"ipc://", "tcp://", NULL};
 static const char *const s_l2_starts[] = {"fs:", "redis:", "mock:", "plugin:", "none", NULL};
@@ -182,6 +183,13 @@ static const s_opt_t s_options[] = {
           "L1 bytes one client instance may hold under leases (0: no limit)"),
     S_BOOLEAN("l1_checksum", "--l1-checksum", "KVTIER_L1_CHECKSUM", l1_checksum, "false", 0,
               "checksum L1 objects at COMMIT; GET and write-behind skip damaged ones"),
+    S_STR("l1.hugepages", "--l1-hugepages", "KVTIER_L1_HUGEPAGES", l1_hugepages, "auto", 0,
+          s_check_hugepages, "MODE",
+          "L1 arena on 2 MiB pages: auto (hugetlbfs when it has the pages), on (or refuse to "
+          "start), off"),
+    S_STR("l1.hugepages_dir", "--l1-hugepages-dir", "KVTIER_L1_HUGEPAGES_DIR", l1_hugepages_dir,
+          "", 0, NULL, "DIR",
+          "hugetlbfs mount for the arena; \"\": the first one with 2 MiB pages in /proc/mounts"),
     S_STR("shm_group", "--shm-group", "KVTIER_SHM_GROUP", shm_group, "", 0, NULL, "GROUP",
           "group that may map the L1 arena (mode 0660); \"\" keeps it 0600"),
     S_BOOLEAN("allow_insecure_remote", "--allow-insecure-remote", "KVTIER_ALLOW_INSECURE_REMOTE",
@@ -590,6 +598,14 @@ static int s_check_fault_mode(const char *v, char *why, size_t whylen)
     if (strcmp(v, "stall") == 0 || strcmp(v, "exit") == 0)
         return 0;
     return s_fail(why, whylen, "'%s' is not one of stall, exit", s_show(v, shown, sizeof shown));
+}
+
+static int s_check_hugepages(const char *v, char *why, size_t whylen)
+{
+    char shown[S_SHOW_LEN + 1];
+    if (strcmp(v, "auto") == 0 || strcmp(v, "on") == 0 || strcmp(v, "off") == 0)
+        return 0;
+    return s_fail(why, whylen, "'%s' is not one of auto, on, off", s_show(v, shown, sizeof shown));
 }
 
 /* --------------------------------------------------------------------------- value parsing */
@@ -1225,6 +1241,11 @@ int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen)
     for (int i = 0; i < self->n_l2 && self->n_l2 > 1; i++)
         if (strcmp(self->l2[i], "none") == 0)
             return s_fail(err, errlen, "l2: none cannot be combined with other adapters");
+    /* LMCache clients open the arena by its POSIX shm name, which a hugetlbfs file has not */
+    if (strcmp(self->l1_hugepages, "on") == 0 && self->lmcache_listen[0])
+        return s_fail(err, errlen,
+                      "l1.hugepages: on cannot be combined with lmcache.listen (LMCache clients "
+                      "open the arena by name in /dev/shm, which has no reserved huge pages)");
     gid_t gid;
     if (kvt_config_shm_gid(self, &gid) < 0)
         return s_fail(err, errlen, "shm_group: no group named '%s' on this system",

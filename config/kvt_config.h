@@ -50,6 +50,10 @@ typedef struct kvt_config {
     uint64_t max_leased_bytes;
     /* XXH3-64 of every L1 object at COMMIT, checked by GET and before write-behind */
     bool l1_checksum;
+    /* the arena on 2 MiB pages: "auto" (hugetlbfs when a mount has enough free pages, else
+     * /dev/shm), "on" (hugetlbfs or refuse to start), "off" (/dev/shm, no THP request) */
+    char *l1_hugepages;
+    char *l1_hugepages_dir; /* hugetlbfs mount, "" for the first 2 MiB one in /proc/mounts */
     char *shm_group; /* group allowed to map the arena (0660), "" for owner only (0600) */
     bool allow_insecure_remote;
     /* CURVE on every tcp:// listen endpoint (both set, or neither): the daemon's secret

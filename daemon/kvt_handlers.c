@@ -63,11 +63,13 @@ static int s_hello(kvt_rq_t *c)
     msgpack_packer *pk = &c->pk;
     kvt_pack_ok(pk, 7);
     kvt_pack_str(pk, "shm");
-    msgpack_pack_map(pk, 2);
+    msgpack_pack_map(pk, 3);
     kvt_pack_str(pk, "path");
     kvt_pack_str(pk, kvt_l1_shm_path(c->svc->l1));
     kvt_pack_str(pk, "size");
     msgpack_pack_uint64(pk, kvt_l1_capacity(c->svc->l1));
+    kvt_pack_str(pk, "page_size");
+    msgpack_pack_uint64(pk, kvt_l1_page_size(c->svc->l1));
     kvt_pack_str(pk, "version");
     msgpack_pack_uint32(pk, KVT_PROTO_VERSION);
     kvt_pack_str(pk, "server");

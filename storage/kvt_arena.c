@@ -1,13 +1,20 @@
 /* DESIGN: created once by the main thread at start-up, destroyed at shutdown; in between the
  * mapping never changes, so every thread may use base/size without a lock.
  *
- * The segment name is "kvtier-<run-dir hash>-<64 random bits>-<pid>". Clients learn it from
- * HELLO, so it need not be guessable: /dev/shm is shared by every local user, and a name another
- * user can predict is a name they can take first (the daemon would not start). It is created
- * with O_CREAT|O_EXCL|O_NOFOLLOW, so a file or symlink someone else made is never opened; a taken
- * name means another random one. The run-dir hash and the pid let a later daemon of the same run
- * directory find the segments whose daemon died; it removes only regular files of its own uid in
- * exactly this form (a root daemon could unlink anybody's file in the sticky /dev/shm). */
+ * The segment name is "kvtier-<run-dir hash>-<64 random bits>-<pid>", in /dev/shm or in a
+ * hugetlbfs mount. Clients learn it from HELLO, so it need not be guessable: both directories
+ * may be shared by every local user, and a name another user can predict is a name they can take
+ * first (the daemon would not start). It is created with O_CREAT|O_EXCL|O_NOFOLLOW, so a file or
+ * symlink someone else made is never opened; a taken name means another random one. The run-dir
+ * hash and the pid let a later daemon of the same run directory find the segments whose daemon
+ * died; it removes only regular files of its own uid in exactly this form (a root daemon could
+ * unlink anybody's file in a sticky directory).
+ *
+ * Where (l1.hugepages): "auto" takes hugetlbfs when a 2 MiB mount exists and the pool has the
+ * free pages l1_size needs, else /dev/shm; "on" refuses to start without them, saying why;
+ * "off" is /dev/shm without a THP request. A page table of 4 KiB entries costs every client
+ * process 2 MiB per GiB mapped and one fault per 4 KiB on first touch; 2 MiB pages cut both by
+ * 512. */
 #include "kvt_arena.h"
 
 #include "kvt_error.h"
@@ -17,6 +24,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <mntent.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +33,7 @@
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -32,14 +41,23 @@
 #define S_SHM_DIR "/dev/shm"
 #define S_RAND_HEX 16  /* hex digits of the random part of a name */
 #define S_NAME_TRIES 8 /* random names tried before giving up (one taken is already unlikely) */
+#define S_HUGE (2ull << 20)
+#define S_SMALL 4096ull
+#define S_HUGETLBFS_MAGIC 0x958458f6
+#define S_POOL "/sys/kernel/mm/hugepages/hugepages-2048kB/"
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels answer EINVAL */
+#endif
 
 struct kvt_arena {
-    char name[96];  /* shm_open name, "/kvtier-<hash>-<random>-<pid>" */
-    char path[112]; /* S_SHM_DIR + name */
+    char path[PATH_MAX + 64]; /* directory + "/kvtier-<hash>-<random>-<pid>" */
     void *base;
     uint64_t size;
+    uint64_t page_size;
     bool pinned;
-    bool huge;
+    bool hugetlb;
+    bool unlink;    /* path is ours: unlink it on failure and at destroy */
+    char pages[80]; /* for the log: "2 MiB pages, hugetlbfs", "4 KiB pages, THP requested" */
 };
 
 /* The pid in a segment name "<prefix><16 hex>-<pid>", or 0 when the name is not in that form. */
@@ -57,9 +75,9 @@ static long s_name_pid(const char *name, size_t plen)
 
 /* Removes segments of this run dir whose daemon is gone (a crash leaves them behind, holding
  * memory until someone unlinks them): regular files of our own uid named in our form only. */
-static void s_remove_stale(const char *prefix)
+static void s_remove_stale(const char *dir, const char *prefix)
 {
-    DIR *d = opendir(S_SHM_DIR);
+    DIR *d = opendir(dir);
     if (!d)
         return;
     size_t plen = strlen(prefix);
@@ -76,17 +94,15 @@ static void s_remove_stale(const char *prefix)
             continue;
         if (kill((pid_t)pid, 0) == 0 || errno != ESRCH)
             continue; /* still alive, or not ours to judge */
-        char name[NAME_MAX + 2];
-        snprintf(name, sizeof name, "/%s", e->d_name);
-        if (shm_unlink(name) == 0)
-            kvt_log(KVT_LOG_WARN, "l1: removed shared memory %s%s left by a stopped daemon",
-                    S_SHM_DIR, name);
+        if (unlinkat(dirfd(d), e->d_name, 0) == 0)
+            kvt_log(KVT_LOG_WARN, "l1: removed shared memory %s/%s left by a stopped daemon", dir,
+                    e->d_name);
     }
     closedir(d);
 }
 
 /* Creates a new segment under a fresh random name; the fd, or -1 with errno. */
-static int s_create(kvt_arena_t *self, const char *prefix)
+static int s_create(kvt_arena_t *self, const char *dir, const char *prefix)
 {
     for (int i = 0; i < S_NAME_TRIES; i++) {
         uint64_t r;
@@ -95,10 +111,12 @@ static int s_create(kvt_arena_t *self, const char *prefix)
             ;
         if (n != (ssize_t)sizeof r)
             return -1;
-        snprintf(self->name, sizeof self->name, "/%s%0*llx-%d", prefix, S_RAND_HEX,
+        snprintf(self->path, sizeof self->path, "%s/%s%0*llx-%d", dir, prefix, S_RAND_HEX,
                  (unsigned long long)r, (int)getpid());
-        snprintf(self->path, sizeof self->path, "%s%s", S_SHM_DIR, self->name);
-        int fd = shm_open(self->name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        /* what shm_open does for /dev/shm, for any directory */
+        int fd = open(self->path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd >= 0)
+            self->unlink = true;
         if (fd >= 0 || errno != EEXIST)
             return fd;
         kvt_log(KVT_LOG_WARN, "l1: %s exists already (made by someone else?): trying another name",
@@ -107,92 +125,313 @@ static int s_create(kvt_arena_t *self, const char *prefix)
     return -1;
 }
 
-kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
+/* A number from a one-line sysfs file, or 0. */
+static uint64_t s_read_u64(const char *file)
 {
-    kvt_arena_t *self = calloc(1, sizeof *self);
-    kvt_assert(self);
-    self->base = MAP_FAILED;
-    self->size = cfg->l1_size;
-    int fd = -1;
+    FILE *f = fopen(file, "re");
+    unsigned long long v = 0;
+    if (f) {
+        if (fscanf(f, "%llu", &v) != 1)
+            v = 0;
+        fclose(f);
+    }
+    return v;
+}
 
-    char real[PATH_MAX];
-    const char *dir = realpath(cfg->run_dir, real) ? real : cfg->run_dir;
-    char prefix[48];
-    snprintf(prefix, sizeof prefix, "kvtier-%016llx-",
-             (unsigned long long)XXH3_64bits(dir, strlen(dir)));
-    s_remove_stale(prefix);
-    fd = s_create(self, prefix);
-    if (fd < 0) {
-        snprintf(err, errlen, "l1: cannot create shared memory %s/%s...: %s", S_SHM_DIR, prefix,
-                 strerror(errno));
-        goto fail_nounlink;
+/* A hugetlbfs mount whose pages are 2 MiB. */
+static bool s_is_huge_mount(const char *dir, struct statfs *st)
+{
+    return statfs(dir, st) == 0 && (unsigned long)st->f_type == S_HUGETLBFS_MAGIC &&
+           (uint64_t)st->f_bsize == S_HUGE;
+}
+
+/* Picks the hugetlbfs directory for `size` bytes into dir: 0, or KVT_EUNAVAIL with the reason
+ * in why (a sentence that can follow "l1.hugepages is on but"). */
+static int s_pick_hugetlbfs(const kvt_config_t *cfg, uint64_t size, char *dir, size_t dirlen,
+                            char *why, size_t whylen)
+{
+    struct statfs st;
+    if (cfg->lmcache_listen[0]) {
+        snprintf(why, whylen, "lmcache.listen needs the arena in /dev/shm");
+        return KVT_EUNAVAIL;
     }
-    gid_t gid;
-    int grc = kvt_config_shm_gid(cfg, &gid);
-    if (grc < 0) {
-        snprintf(err, errlen, "shm_group: no group '%s'", cfg->shm_group);
-        goto fail;
-    }
-    if (grc == 0) {
-        if (fchown(fd, (uid_t)-1, gid) != 0 || fchmod(fd, 0660) != 0) {
-            snprintf(err, errlen, "shm_group: cannot give %s to group %s: %s", self->path,
-                     cfg->shm_group, strerror(errno));
-            goto fail;
+    if (cfg->l1_hugepages_dir[0]) {
+        if (!s_is_huge_mount(cfg->l1_hugepages_dir, &st)) {
+            snprintf(why, whylen,
+                     "l1.hugepages_dir %.300s is not a hugetlbfs mount with 2 MiB pages",
+                     cfg->l1_hugepages_dir);
+            return KVT_EUNAVAIL;
+        }
+        snprintf(dir, dirlen, "%s", cfg->l1_hugepages_dir);
+    } else {
+        bool found = false;
+        FILE *m = setmntent("/proc/mounts", "re");
+        struct mntent *e;
+        while (m && !found && (e = getmntent(m)) != NULL)
+            if (strcmp(e->mnt_type, "hugetlbfs") == 0 && s_is_huge_mount(e->mnt_dir, &st) &&
+                strlen(e->mnt_dir) < dirlen) {
+                snprintf(dir, dirlen, "%s", e->mnt_dir);
+                found = true;
+            }
+        if (m)
+            endmntent(m);
+        if (!found) {
+            snprintf(why, whylen,
+                     "no hugetlbfs with 2 MiB pages is mounted (mount -t hugetlbfs -o pagesize=2M "
+                     "none /dev/hugepages, or set l1.hugepages_dir)");
+            return KVT_EUNAVAIL;
         }
     }
-    /* reserve the tmpfs space now: a short /dev/shm fails here, not later with SIGBUS */
+    /* free pages not promised to other mappings already; a mount with size= has its own cap */
+    uint64_t need = size / S_HUGE;
+    uint64_t nr = s_read_u64(S_POOL "nr_hugepages");
+    uint64_t free_pages = s_read_u64(S_POOL "free_hugepages");
+    uint64_t resv = s_read_u64(S_POOL "resv_hugepages");
+    uint64_t avail = free_pages > resv ? free_pages - resv : 0;
+    if (st.f_blocks > 0 && (uint64_t)st.f_bavail < avail)
+        avail = (uint64_t)st.f_bavail;
+    if (avail < need) {
+        snprintf(why, whylen,
+                 "%.300s has %llu free 2 MiB pages and the arena needs %llu (reserve them: sysctl "
+                 "vm.nr_hugepages=%llu, or hugepages=N on the kernel command line)",
+                 dir, (unsigned long long)avail, (unsigned long long)need,
+                 (unsigned long long)(nr + need - avail));
+        return KVT_EUNAVAIL;
+    }
+    return 0;
+}
+
+/* From /proc/self/smaps, the mapping at base: its kernel page size and how much of it is
+ * mapped by PMD (transparent huge pages), both in bytes. 0 when it cannot be read. */
+static int s_smaps(const void *base, uint64_t *page, uint64_t *pmd)
+{
+    FILE *f = fopen("/proc/self/smaps", "re");
+    if (!f)
+        return -1;
+    char want[32], line[512];
+    snprintf(want, sizeof want, "%lx-", (unsigned long)(uintptr_t)base);
+    bool in = false;
+    int rc = -1;
+    *page = *pmd = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long long kb;
+        if (!in) {
+            in = strncmp(line, want, strlen(want)) == 0;
+            continue;
+        }
+        if (sscanf(line, "KernelPageSize: %llu kB", &kb) == 1) {
+            *page = kb << 10;
+            rc = 0;
+        } else if (sscanf(line, "ShmemPmdMapped: %llu kB", &kb) == 1 ||
+                   sscanf(line, "FilePmdMapped: %llu kB", &kb) == 1) {
+            *pmd += kb << 10;
+        } else if (strncmp(line, "VmFlags:", 8) == 0) {
+            break; /* the last field of a mapping */
+        }
+    }
+    fclose(f);
+    return rc;
+}
+
+/* The hugetlbfs half: ftruncate (fallocate may be unsupported) and a populated mapping, which
+ * fails with ENOMEM when the pool cannot reserve the pages. */
+static int s_map_hugetlbfs(kvt_arena_t *self, int fd, const char *dir, char *why, size_t whylen)
+{
+    if (ftruncate(fd, (off_t)self->size) != 0) {
+        snprintf(why, whylen, "cannot size %.300s: %s", self->path, strerror(errno));
+        return KVT_EUNAVAIL;
+    }
+    self->base = mmap(NULL, self->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (self->base == MAP_FAILED) {
+        snprintf(why, whylen,
+                 "cannot reserve %llu 2 MiB pages in %.300s: %s (taken by another "
+                 "process since they were counted?)",
+                 (unsigned long long)(self->size / S_HUGE), dir, strerror(errno));
+        return KVT_EUNAVAIL;
+    }
+    /* hugetlb pages are never swapped; mlock() would skip them and yet charge them against
+     * RLIMIT_MEMLOCK, so a memlock limit below the arena would fail for nothing */
+    self->pinned = true;
+    self->hugetlb = true;
+    uint64_t page = 0, pmd = 0;
+    self->page_size = s_smaps(self->base, &page, &pmd) == 0 && page ? page : S_HUGE;
+    snprintf(self->pages, sizeof self->pages, "%llu %s pages, hugetlbfs",
+             (unsigned long long)(self->page_size >= S_HUGE ? self->page_size >> 20
+                                                            : self->page_size >> 10),
+             self->page_size >= S_HUGE ? "MiB" : "KiB");
+    return 0;
+}
+
+/* Faults every page in now, so start-up pays for it and not the first request. */
+static void s_populate(void *base, uint64_t size)
+{
+    if (madvise(base, size, MADV_POPULATE_WRITE) == 0)
+        return;
+    for (uint64_t off = 0; off < size; off += S_SMALL)
+        (void)*(volatile const char *)((const char *)base + off);
+}
+
+/* The /dev/shm half: the whole size reserved (a short /dev/shm fails here, not later with
+ * SIGBUS), THP asked for before the first fault (after it, the pages are already small). */
+static int s_map_shm(kvt_arena_t *self, const kvt_config_t *cfg, int fd, char *err, size_t errlen)
+{
     int rc = posix_fallocate(fd, 0, (off_t)self->size);
     if (rc != 0) {
         snprintf(err, errlen,
                  "l1: cannot reserve %llu bytes in %s: %s (is /dev/shm large enough? see "
                  "docs/operations.md)",
                  (unsigned long long)self->size, S_SHM_DIR, strerror(rc));
-        goto fail;
+        return KVT_ENOSPC;
     }
-    self->base = mmap(NULL, self->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    bool thp = strcmp(cfg->l1_hugepages, "off") != 0;
+    self->base = mmap(NULL, self->size, PROT_READ | PROT_WRITE,
+                      MAP_SHARED | (thp ? 0 : MAP_POPULATE), fd, 0);
     if (self->base == MAP_FAILED) {
         snprintf(err, errlen, "l1: cannot map %llu bytes: %s", (unsigned long long)self->size,
                  strerror(errno));
-        goto fail;
+        return KVT_ENOMEM;
     }
-    close(fd);
-    fd = -1;
-    self->huge = madvise(self->base, self->size, MADV_HUGEPAGE) == 0;
+    thp = thp && madvise(self->base, self->size, MADV_HUGEPAGE) == 0;
+    if (thp)
+        s_populate(self->base, self->size);
+    /* shmem_enabled decides whether the request is granted: read back what the kernel did */
+    uint64_t page = 0, pmd = 0;
+    bool known = s_smaps(self->base, &page, &pmd) == 0;
+    self->page_size = known && pmd >= self->size ? S_HUGE : S_SMALL;
+    if (self->page_size == S_HUGE)
+        snprintf(self->pages, sizeof self->pages, "2 MiB pages, transparent huge pages");
+    else if (thp && pmd)
+        snprintf(self->pages, sizeof self->pages, "4 KiB pages, THP requested (%llu MiB granted)",
+                 (unsigned long long)(pmd >> 20));
+    else
+        snprintf(self->pages, sizeof self->pages, "4 KiB pages%s", thp ? ", THP requested" : "");
+    return 0;
+}
+
+/* mlock, or the reason it failed: KVT_ENOMEM with err set unless allow_unpinned. */
+static int s_pin(kvt_arena_t *self, const kvt_config_t *cfg, char *err, size_t errlen)
+{
     /* the raw system call: sanitizer runtimes intercept mlock() and turn it into a no-op, and a
      * test build must pin (and fail to pin) exactly like the release build */
     if (syscall(SYS_mlock, self->base, (size_t)self->size) == 0) {
         self->pinned = true;
-    } else {
-        int e = errno;
-        struct rlimit rl = {0, 0};
-        getrlimit(RLIMIT_MEMLOCK, &rl);
-        char limit[32];
-        if (rl.rlim_cur == RLIM_INFINITY)
-            snprintf(limit, sizeof limit, "unlimited");
-        else
-            snprintf(limit, sizeof limit, "%llu", (unsigned long long)rl.rlim_cur);
-        if (!cfg->allow_unpinned) {
-            snprintf(err, errlen,
-                     "l1: cannot mlock %llu bytes (%s; RLIMIT_MEMLOCK is %s): raise the memlock "
-                     "limit (LimitMEMLOCK=infinity, ulimit -l) or start with --allow-unpinned",
-                     (unsigned long long)self->size, strerror(e), limit);
-            goto fail;
-        }
-        kvt_log(KVT_LOG_WARN,
-                "l1: running unpinned: mlock of %llu bytes failed (%s; RLIMIT_MEMLOCK is %s)",
-                (unsigned long long)self->size, strerror(e), limit);
+        return 0;
     }
-    kvt_log(KVT_LOG_INFO, "l1: %llu bytes of shared memory at %s (%s, %s)",
-            (unsigned long long)self->size, self->path, self->pinned ? "pinned" : "unpinned",
-            self->huge ? "huge pages requested" : "4 KiB pages");
-    return self;
-fail:
-    shm_unlink(self->name);
-fail_nounlink:
-    if (fd >= 0)
-        close(fd);
+    int e = errno;
+    struct rlimit rl = {0, 0};
+    getrlimit(RLIMIT_MEMLOCK, &rl);
+    char limit[32];
+    if (rl.rlim_cur == RLIM_INFINITY)
+        snprintf(limit, sizeof limit, "unlimited");
+    else
+        snprintf(limit, sizeof limit, "%llu", (unsigned long long)rl.rlim_cur);
+    if (!cfg->allow_unpinned) {
+        snprintf(err, errlen,
+                 "l1: cannot mlock %llu bytes (%s; RLIMIT_MEMLOCK is %s): raise the memlock "
+                 "limit (LimitMEMLOCK=infinity, ulimit -l) or start with --allow-unpinned",
+                 (unsigned long long)self->size, strerror(e), limit);
+        return KVT_ENOMEM;
+    }
+    kvt_log(KVT_LOG_WARN,
+            "l1: running unpinned: mlock of %llu bytes failed (%s; RLIMIT_MEMLOCK is %s)",
+            (unsigned long long)self->size, strerror(e), limit);
+    return 0;
+}
+
+/* Gives the segment to shm_group (mode 0660) when one is configured. */
+static int s_share(const kvt_arena_t *self, const kvt_config_t *cfg, int fd, char *err,
+                   size_t errlen)
+{
+    gid_t gid;
+    int grc = kvt_config_shm_gid(cfg, &gid);
+    if (grc < 0) {
+        snprintf(err, errlen, "shm_group: no group '%s'", cfg->shm_group);
+        return KVT_EINVAL;
+    }
+    if (grc == 0 && (fchown(fd, (uid_t)-1, gid) != 0 || fchmod(fd, 0660) != 0)) {
+        snprintf(err, errlen, "shm_group: cannot give %s to group %s: %s", self->path,
+                 cfg->shm_group, strerror(errno));
+        return KVT_EIO;
+    }
+    return 0;
+}
+
+/* Drops a half-made segment: the mapping, the descriptor, the file. */
+static void s_undo(kvt_arena_t *self, int *fd)
+{
     if (self->base != MAP_FAILED)
         munmap(self->base, self->size);
+    self->base = MAP_FAILED;
+    if (*fd >= 0)
+        close(*fd);
+    *fd = -1;
+    if (self->unlink)
+        unlink(self->path);
+    self->unlink = false;
+}
+
+kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
+{
+    kvt_arena_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->base = MAP_FAILED;
+    int fd = -1;
+
+    char real[PATH_MAX];
+    const char *rdir = realpath(cfg->run_dir, real) ? real : cfg->run_dir;
+    char prefix[48];
+    snprintf(prefix, sizeof prefix, "kvtier-%016llx-",
+             (unsigned long long)XXH3_64bits(rdir, strlen(rdir)));
+
+    /* hugetlbfs first, unless off; every reason not to use it is a sentence for the log */
+    char hdir[PATH_MAX] = "", why[KVT_ERR_LEN * 2] = "";
+    bool want = strcmp(cfg->l1_hugepages, "off") != 0;
+    bool must = strcmp(cfg->l1_hugepages, "on") == 0;
+    uint64_t hsize = (cfg->l1_size + S_HUGE - 1) / S_HUGE * S_HUGE;
+    if (want && s_pick_hugetlbfs(cfg, hsize, hdir, sizeof hdir, why, sizeof why) == 0) {
+        self->size = hsize;
+        s_remove_stale(hdir, prefix);
+        fd = s_create(self, hdir, prefix);
+        if (fd < 0)
+            snprintf(why, sizeof why, "cannot create %.300s/%s...: %s", hdir, prefix,
+                     strerror(errno));
+        else if (s_share(self, cfg, fd, err, errlen) != 0)
+            goto fail;
+        else if (s_map_hugetlbfs(self, fd, hdir, why, sizeof why) == 0)
+            why[0] = '\0';
+        if (why[0])
+            s_undo(self, &fd);
+    }
+    if (why[0] && must) {
+        snprintf(err, errlen, "l1.hugepages is on but %s", why);
+        goto fail;
+    }
+    if (self->base == MAP_FAILED) {
+        if (why[0])
+            kvt_log(KVT_LOG_INFO, "l1: the arena goes to %s: %s", S_SHM_DIR, why);
+        self->size = cfg->l1_size;
+        s_remove_stale(S_SHM_DIR, prefix);
+        fd = s_create(self, S_SHM_DIR, prefix);
+        if (fd < 0) {
+            snprintf(err, errlen, "l1: cannot create shared memory %s/%s...: %s", S_SHM_DIR, prefix,
+                     strerror(errno));
+            goto fail;
+        }
+        if (s_share(self, cfg, fd, err, errlen) != 0 ||
+            s_map_shm(self, cfg, fd, err, errlen) != 0 || s_pin(self, cfg, err, errlen) != 0)
+            goto fail;
+    }
+    close(fd);
+    fd = -1;
+    if (self->size != cfg->l1_size)
+        kvt_log(KVT_LOG_INFO, "l1: l1_size %llu rounded up to %llu, a multiple of the page size",
+                (unsigned long long)cfg->l1_size, (unsigned long long)self->size);
+    kvt_log(KVT_LOG_INFO, "l1: %llu bytes of shared memory at %s (%s, %s)",
+            (unsigned long long)self->size, self->path, self->pinned ? "pinned" : "unpinned",
+            self->pages);
+    return self;
+fail:
+    s_undo(self, &fd);
     free(self);
     return NULL;
 }
@@ -203,7 +442,7 @@ void kvt_arena_destroy(kvt_arena_t **self_p)
         return;
     kvt_arena_t *self = *self_p;
     munmap(self->base, self->size);
-    shm_unlink(self->name);
+    unlink(self->path);
     free(self);
     *self_p = NULL;
 }
@@ -228,7 +467,12 @@ bool kvt_arena_pinned(const kvt_arena_t *self)
     return self->pinned;
 }
 
+uint64_t kvt_arena_page_size(const kvt_arena_t *self)
+{
+    return self->page_size;
+}
+
 bool kvt_arena_huge(const kvt_arena_t *self)
 {
-    return self->huge;
+    return self->page_size >= S_HUGE;
 }

@@ -1,11 +1,16 @@
 /* kvt_arena: the L1 shared-memory segment that clients map.
  *
- * A POSIX shared-memory object (/dev/shm/kvtier-<run-dir hash>-<random>-<pid>: not guessable by
- * other local users, created exclusively, never a file someone else made), mode 0600, or 0660
- * owned by `shm_group`; space reserved with fallocate (a full /dev/shm fails at start, not later
- * with SIGBUS), mapped MAP_SHARED with MAP_POPULATE, transparent huge pages requested with
- * madvise(MADV_HUGEPAGE), and mlock()ed unless allow_unpinned lets it start unpinned. Segments
- * left by crashed daemons of the same run dir and user are removed at start. No CUDA context is
+ * A file named kvtier-<run-dir hash>-<random>-<pid> (not guessable by other local users,
+ * created exclusively, never a file someone else made), mode 0600, or 0660 owned by
+ * `shm_group`, in one of two places (l1.hugepages):
+ * - a hugetlbfs mount (2 MiB pages from the kernel's reserved pool): sized with ftruncate and
+ *   rounded up to 2 MiB, mapped MAP_SHARED|MAP_POPULATE (the pages are reserved at mmap, so a
+ *   short pool fails at start, not later with SIGBUS); never swapped, so not mlock()ed;
+ * - /dev/shm (a POSIX shared-memory object): space reserved with fallocate, transparent huge
+ *   pages requested with madvise(MADV_HUGEPAGE) unless l1.hugepages is off, pre-faulted, and
+ *   mlock()ed unless allow_unpinned lets it start unpinned.
+ * The page size the mapping really got is read back from /proc/self/smaps. Segments left by
+ * crashed daemons of the same run dir and user are removed at start. No CUDA context is
  * created here. Created and destroyed by the main thread; the mapping is read-only state
  * afterwards. */
 #ifndef KVT_ARENA_H
@@ -31,7 +36,14 @@ uint64_t kvt_arena_size(const kvt_arena_t *self);
 /* The path clients open and mmap (reported by HELLO as shm.path). */
 const char *kvt_arena_path(const kvt_arena_t *self);
 
+/* Locked in memory: mlock()ed, or on hugetlbfs pages, which are never swapped. */
 bool kvt_arena_pinned(const kvt_arena_t *self);
-bool kvt_arena_huge(const kvt_arena_t *self); /* THP requested successfully */
+
+/* The page size the kernel maps the arena with: 2097152 on hugetlbfs, or in /dev/shm when
+ * transparent huge pages cover all of it; 4096 otherwise. */
+uint64_t kvt_arena_page_size(const kvt_arena_t *self);
+
+/* The arena really is on 2 MiB (or larger) pages. */
+bool kvt_arena_huge(const kvt_arena_t *self);
 
 #endif

@@ -1140,6 +1140,11 @@ const char *kvt_l1_shm_path(const kvt_l1_t *self)
     return kvt_arena_path(self->arena);
 }
 
+uint64_t kvt_l1_page_size(const kvt_l1_t *self)
+{
+    return kvt_arena_page_size(self->arena);
+}
+
 uint64_t kvt_l1_capacity(const kvt_l1_t *self)
 {
     return self->capacity;
@@ -1194,6 +1199,9 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
          KVT_METRIC_GAUGE, (double)s_get(&self->l2_pending_objects)},
         {"l1_pinned", "1 when the L1 arena is locked in memory.", KVT_METRIC_GAUGE,
          kvt_arena_pinned(self->arena) ? 1.0 : 0.0},
+        {"l1_page_size_bytes",
+         "Page size the kernel maps the L1 arena with: 2097152 on huge pages, else 4096.",
+         KVT_METRIC_GAUGE, (double)kvt_arena_page_size(self->arena)},
         {"l1_corrupt_total",
          "Objects whose bytes no longer matched their COMMIT checksum (l1_checksum): removed.",
          KVT_METRIC_COUNTER, (double)s_get(&self->corrupt)},
@@ -1214,7 +1222,7 @@ json_t *kvt_l1_status_json(kvt_l1_t *self)
     kvt_alloc_stats(self->alloc, &st);
     kvt_l1_counts_t c;
     kvt_l1_counts(self, &c);
-    return json_pack("{s:s,s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:I,s:I,s:b,s:b,s:I,s:I,s:I}",
+    return json_pack("{s:s,s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:I,s:I,s:b,s:b,s:I,s:I,s:I,s:I}",
                      "shm_path", kvt_arena_path(self->arena), "capacity", (json_int_t)st.capacity,
                      "used", (json_int_t)st.used, "free", (json_int_t)st.free, "largest_free",
                      (json_int_t)st.largest_free, "fragmentation", st.fragmentation, "objects",
@@ -1222,6 +1230,7 @@ json_t *kvt_l1_status_json(kvt_l1_t *self)
                      (json_int_t)c.evictions, "leases_active", (json_int_t)c.leases_active,
                      "leases_expired", (json_int_t)c.leases_expired, "pinned",
                      kvt_arena_pinned(self->arena), "huge_pages", kvt_arena_huge(self->arena),
+                     "page_size", (json_int_t)kvt_arena_page_size(self->arena),
                      "high_watermark_bytes", (json_int_t)self->high_bytes, "low_watermark_bytes",
                      (json_int_t)self->low_bytes, "corrupt", (json_int_t)s_get(&self->corrupt));
 }

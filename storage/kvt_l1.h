@@ -62,6 +62,8 @@ int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup);
 void kvt_l1_stop(kvt_l1_t *self);
 
 const char *kvt_l1_shm_path(const kvt_l1_t *self);
+/* The arena's page size in bytes (4096, or 2097152 on huge pages): HELLO's shm.page_size. */
+uint64_t kvt_l1_page_size(const kvt_l1_t *self);
 uint64_t kvt_l1_capacity(const kvt_l1_t *self);
 void *kvt_l1_base(const kvt_l1_t *self);
 
@@ -177,7 +179,7 @@ void kvt_l1_owner_limit_error(kvt_l1_t *self, uint64_t owner, char *err, size_t 
 /* Metrics source: kvtier_l1_* and kvtier_leases_*. */
 void kvt_l1_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
 
-/* {shm_path, capacity, used, objects, pinned, huge_pages, ...} for /status. */
+/* {shm_path, capacity, used, objects, pinned, huge_pages, page_size, ...} for /status. */
 json_t *kvt_l1_status_json(kvt_l1_t *self);
 
 typedef struct {

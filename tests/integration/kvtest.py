@@ -383,8 +383,9 @@ class Daemon:
     """One kvtierd process on its own temp dir, ports and zmq context.
 
     Default command line: --run-dir TMP/run --data-dir TMP/data --listen ipc://TMP/run/kvtier.sock
-    --listen tcp://127.0.0.1:PORT --http 127.0.0.1:PORT2 --l1-size 64M --log-level debug, then
-    `extra_args`. Pass `args` to replace the whole command line (argv[1:]) instead. `prefix`
+    --listen tcp://127.0.0.1:PORT --http 127.0.0.1:PORT2 --l1-size 64M --log-level debug
+    --l1-hugepages off (the arena in /dev/shm whatever hugetlbfs the machine has mounted;
+    test_hugepages.py asks for huge pages), then `extra_args`. Pass `args` to replace the whole command line (argv[1:]) instead. `prefix`
     is a command the daemon runs under (e.g. ["prlimit", "--memlock=1048576"]); it must exec the
     daemon in the same process. stdout and stderr go to TMP/stdout.log and TMP/stderr.log.
     """
@@ -426,7 +427,8 @@ class Daemon:
     def default_args(self):
         return ["--run-dir", self.run_dir, "--data-dir", self.data_dir,
                 "--listen", self.ipc, "--listen", self.tcp,
-                "--http", self.http_addr, "--l1-size", "64M", "--log-level", "debug"]
+                "--http", self.http_addr, "--l1-size", "64M", "--log-level", "debug",
+                "--l1-hugepages", "off"]
 
     @property
     def argv(self):

@@ -2,7 +2,10 @@
  * owned by this user, mapped read-write at its base (bytes written through the mapping are in
  * the file), pinned when mlock allows it and otherwise only with allow_unpinned (as far as this
  * machine lets a test see both); two arenas have different paths; destroy
- * unlinks the segment and accepts NULL. */
+ * unlinks the segment and accepts NULL. l1.hugepages: off gives 4 KiB pages in /dev/shm and
+ * says so; on with a directory that is not a 2 MiB hugetlbfs refuses, naming it, and auto
+ * with one falls back to /dev/shm. (Real hugetlbfs arenas, which need root and reserved pages,
+ * are tested by tests/integration/test_hugepages.py.) */
 #include "kvt_arena.h"
 #include "kvt_config.h"
 #include "kvt_error.h"
@@ -38,6 +41,8 @@ static void test_segment(void **state)
     (void)state;
     kvt_config_t *cfg = s_cfg("4M", "true");
     char err[KVT_ERR_LEN] = "";
+    /* /dev/shm whatever hugetlbfs this machine has mounted */
+    assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
     kvt_arena_t *a = kvt_arena_new(cfg, err, sizeof err);
     if (!a)
         fail_msg("kvt_arena_new: %s", err);
@@ -62,6 +67,8 @@ static void test_segment(void **state)
     assert_memory_equal(back, "kvtier", 6);
     close(fd);
     print_message("pinned: %d, huge pages: %d\n", kvt_arena_pinned(a), kvt_arena_huge(a));
+    assert_int_equal(kvt_arena_page_size(a), 4096); /* off: no THP request */
+    assert_false(kvt_arena_huge(a));
 
     char *saved = strdup(path);
     kvt_arena_destroy(&a);
@@ -104,12 +111,40 @@ static void test_pinning(void **state)
     assert_true(pinned == lockable);
 }
 
+static void test_hugepages_modes(void **state)
+{
+    (void)state;
+    char err[KVT_ERR_LEN * 2] = "";
+    char dir[] = "/tmp/kvt-arena-XXXXXX"; /* a directory, not a hugetlbfs mount */
+    assert_non_null(mkdtemp(dir));
+    kvt_config_t *cfg = s_cfg("3M", "true");
+    assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "on", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "l1.hugepages_dir", dir, false, err, sizeof err), 0);
+    kvt_arena_t *a = kvt_arena_new(cfg, err, sizeof err);
+    assert_null(a);
+    char want[KVT_ERR_LEN];
+    snprintf(want, sizeof want,
+             "l1.hugepages is on but l1.hugepages_dir %s is not a hugetlbfs mount with 2 MiB pages",
+             dir);
+    assert_string_equal(err, want);
+    assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "auto", false, err, sizeof err), 0);
+    a = kvt_arena_new(cfg, err, sizeof err);
+    assert_non_null(a);
+    assert_non_null(strstr(kvt_arena_path(a), "/dev/shm/kvtier-"));
+    assert_int_equal(kvt_arena_size(a), 3u << 20); /* /dev/shm: l1_size as given */
+    assert_true(kvt_arena_page_size(a) == 4096 || kvt_arena_page_size(a) == (2u << 20));
+    kvt_arena_destroy(&a);
+    kvt_config_destroy(&cfg);
+    assert_int_equal(rmdir(dir), 0); /* nothing was left in it */
+}
+
 int main(void)
 {
     kvt_log_set_level(KVT_LOG_ERROR);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_segment),
         cmocka_unit_test(test_pinning),
+        cmocka_unit_test(test_hugepages_modes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

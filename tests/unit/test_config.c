@@ -155,6 +155,8 @@ static void test_defaults(void **state)
     assert_false(c->allow_insecure_remote);
     assert_string_equal(c->debug_fault_thread, "");
     assert_string_equal(c->debug_fault_mode, "stall");
+    assert_string_equal(c->l1_hugepages, "auto");
+    assert_string_equal(c->l1_hugepages_dir, "");
     assert_int_equal(c->debug_fault_after_ms, 0);
     assert_int_equal(c->debug_fault_for_ms, 0);
     s_finish_ok(c);
@@ -285,6 +287,10 @@ static void test_set_values(void **state)
     assert_string_equal(c->http, "");
     s_set_ok(c, "http", "[::1]:9090");
     s_set_ok(c, "events", "tcp://127.0.0.1:5556");
+    s_set_ok(c, "l1.hugepages", "off");
+    assert_string_equal(c->l1_hugepages, "off");
+    s_set_ok(c, "l1.hugepages_dir", "/dev/hugepages");
+    assert_string_equal(c->l1_hugepages_dir, "/dev/hugepages");
     s_set_ok(c, "debug.fault_mode", "exit");
     assert_string_equal(c->debug_fault_mode, "exit");
     s_set_ok(c, "debug.fault_after_ms", "4294967295");
@@ -326,6 +332,7 @@ static void test_set_errors(void **state)
                 "allow_unpinned: 'maybe' is not a boolean (use true or false)");
     s_set_fails("log_level", "verbose",
                 "log_level: 'verbose' is not one of error, warn, info, debug");
+    s_set_fails("l1.hugepages", "yes", "l1.hugepages: 'yes' is not one of auto, on, off");
     s_set_fails("debug.fault_mode", "crash", "debug.fault_mode: 'crash' is not one of stall, exit");
     s_set_fails("http", "localhost",
                 "http: 'localhost' is not ADDR:PORT with a port in 1-65535 (use \"\" to disable "

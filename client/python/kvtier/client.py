@@ -28,6 +28,10 @@ leases died with the instance), registers the GPU layouts again, and sends the r
 more — except COMMIT and RELEASE (their lease is gone: LeaseExpired / UnknownLease) and
 UNREGISTER_GPU (the registration is gone too: it returns). send()/recv() are the raw layer:
 they never re-establish (InstanceDropped reaches the caller; hello() re-establishes).
+
+Faulting the arena in (KVTIER_MAP_POPULATE, docs/protocol.md): lazily by default (each page
+on first touch), all at once when it is mapped ("1": MAP_POPULATE), or by a daemon thread that
+walks the mapping in chunks ("background") and is stopped and joined before it is unmapped.
 """
 
 import collections
@@ -35,6 +39,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import threading
 import time
 import weakref
 
@@ -54,6 +59,27 @@ __all__ = [
 ]
 
 PROTO_VERSION = 1
+
+_MAP_POPULATE = 0x8000          # Linux, for Pythons older than 3.10
+_MADV_POPULATE_WRITE = 23       # Linux 5.14; older kernels answer EINVAL: pages are read
+_PREFAULT_CHUNK = 8 << 20       # madvise holds the GIL: the caller's threads wait this long
+
+
+def _prefault(arena, stop):
+    """Faults the arena mapping in, chunk by chunk, until done or stopped (KVTIER_MAP_POPULATE
+    =background). A mapping closed under it ends it (ValueError), never a crash."""
+    try:
+        for off in range(0, len(arena), _PREFAULT_CHUNK):
+            if stop.is_set():
+                return
+            n = min(_PREFAULT_CHUNK, len(arena) - off)
+            try:
+                arena.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE), off, n)
+            except OSError:
+                for p in range(off, off + n, 4096):
+                    arena[p]
+    except ValueError:
+        return
 
 HELLO = 1
 BYE = 2
@@ -145,6 +171,7 @@ class Client:
         self.heartbeat_ms = 0
         self._arena_view = None
         self._arena_at = None       # (shm.path, shm.size) HELLO announced last
+        self._prefault = None       # (thread, stop event) faulting the arena in, or None
         self._want_arena = map_arena
         self._uids = itertools.count(1)
         self._waiting = {}          # uid -> reply frames (or None while still outstanding)
@@ -251,6 +278,12 @@ class Client:
         """Releases every view and the arena. If the caller still holds views derived from it
         (slices of a released view, numpy arrays), the mapping stays until those are gone."""
         self._drop_all_views()
+        if self._prefault is not None:
+            thread, stop = self._prefault
+            self._prefault = None
+            stop.set()
+            if thread.ident is not None and self._pid == os.getpid():
+                thread.join()
         if self._arena_view is not None:
             with contextlib.suppress(BufferError):
                 self._arena_view.release()
@@ -269,11 +302,21 @@ class Client:
             with open(shm["path"], "r+b") as f:      # mmap keeps its own dup of the fd
                 if os.fstat(f.fileno()).st_size < shm["size"]:
                     return                             # not the daemon's arena (another host)
-                self.arena = mmap.mmap(f.fileno(), shm["size"])
+                mode = os.environ.get("KVTIER_MAP_POPULATE", "0")
+                flags = mmap.MAP_SHARED
+                if mode in ("1", "true"):
+                    flags |= getattr(mmap, "MAP_POPULATE", _MAP_POPULATE)
+                self.arena = mmap.mmap(f.fileno(), shm["size"], flags=flags)
         except OSError:
             self.arena = None
             return
         self._arena_view = memoryview(self.arena)
+        if mode == "background":
+            stop = threading.Event()
+            thread = threading.Thread(target=_prefault, args=(self.arena, stop),
+                                      name="kvtier-prefault", daemon=True)
+            thread.start()
+            self._prefault = (thread, stop)
 
     def bye(self):
         """Says BYE: the daemon releases every lease of this instance at once. Returns how
