@@ -755,9 +755,12 @@ static void *s_prefault_run(void *arg)
     s_prefault_t *pf = arg;
     for (size_t off = 0; off < pf->size && !atomic_load(&pf->stop); off += S_PREFAULT_CHUNK) {
         size_t len = pf->size - off < S_PREFAULT_CHUNK ? pf->size - off : S_PREFAULT_CHUNK;
-        if (madvise(pf->base + off, len, MADV_POPULATE_WRITE) != 0)
-            for (size_t p = 0; p < len; p += 4096) /* a read maps the page as well */
-                (void)*(volatile const char *)(pf->base + off + p);
+        if (madvise(pf->base + off, len, MADV_POPULATE_WRITE) == 0)
+            continue;
+        if (errno != EINVAL) /* not an old kernel: touching would only turn it into SIGBUS */
+            break;
+        for (size_t p = 0; p < len; p += 4096) /* a read maps the page as well */
+            (void)*(volatile const char *)(pf->base + off + p);
     }
     return NULL;
 }

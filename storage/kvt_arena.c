@@ -145,10 +145,10 @@ static bool s_is_huge_mount(const char *dir, struct statfs *st)
            (uint64_t)st->f_bsize == S_HUGE;
 }
 
-/* Picks the hugetlbfs directory for `size` bytes into dir: 0, or KVT_EUNAVAIL with the reason
- * in why (a sentence that can follow "l1.hugepages is on but"). */
-static int s_pick_hugetlbfs(const kvt_config_t *cfg, uint64_t size, char *dir, size_t dirlen,
-                            char *why, size_t whylen)
+/* The hugetlbfs directory into dir: 0, or KVT_EUNAVAIL with the reason in why (a sentence that
+ * can follow "l1.hugepages is on but"). */
+static int s_find_hugetlbfs(const kvt_config_t *cfg, char *dir, size_t dirlen, char *why,
+                            size_t whylen)
 {
     struct statfs st;
     if (cfg->lmcache_listen[0]) {
@@ -181,6 +181,18 @@ static int s_pick_hugetlbfs(const kvt_config_t *cfg, uint64_t size, char *dir, s
                      "none /dev/hugepages, or set l1.hugepages_dir)");
             return KVT_EUNAVAIL;
         }
+    }
+    return 0;
+}
+
+/* Whether dir's pool has the pages for `size` bytes: 0, or KVT_EUNAVAIL with the reason. Called
+ * after the stale files of crashed daemons were removed from dir (they hold pages). */
+static int s_hugetlbfs_room(const char *dir, uint64_t size, char *why, size_t whylen)
+{
+    struct statfs st;
+    if (statfs(dir, &st) != 0) {
+        snprintf(why, whylen, "%.300s: %s", dir, strerror(errno));
+        return KVT_EUNAVAIL;
     }
     /* free pages not promised to other mappings already; a mount with size= has its own cap */
     uint64_t need = size / S_HUGE;
@@ -262,20 +274,33 @@ static int s_map_hugetlbfs(kvt_arena_t *self, int fd, const char *dir, char *why
     return 0;
 }
 
-/* Faults every page in now, so start-up pays for it and not the first request. */
-static void s_populate(void *base, uint64_t size)
-{
-    if (madvise(base, size, MADV_POPULATE_WRITE) == 0)
-        return;
-    for (uint64_t off = 0; off < size; off += S_SMALL)
-        (void)*(volatile const char *)((const char *)base + off);
-}
-
-/* The /dev/shm half: the whole size reserved (a short /dev/shm fails here, not later with
- * SIGBUS), THP asked for before the first fault (after it, the pages are already small). */
+/* The /dev/shm half. THP is asked for (madvise) before the first page is allocated (fallocate
+ * first would allocate them small), then every page is faulted in (start-up pays, not the first
+ * request), which is also where a short /dev/shm fails (an error, not a later SIGBUS). Whether
+ * the pages are huge is the /dev/shm mount's huge= option's decision: read back from smaps. */
 static int s_map_shm(kvt_arena_t *self, const kvt_config_t *cfg, int fd, char *err, size_t errlen)
 {
-    int rc = posix_fallocate(fd, 0, (off_t)self->size);
+    if (ftruncate(fd, (off_t)self->size) != 0) {
+        snprintf(err, errlen, "l1: cannot size %s: %s", self->path, strerror(errno));
+        return KVT_ENOSPC;
+    }
+    self->base = mmap(NULL, self->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (self->base == MAP_FAILED) {
+        snprintf(err, errlen, "l1: cannot map %llu bytes: %s", (unsigned long long)self->size,
+                 strerror(errno));
+        return KVT_ENOMEM;
+    }
+    bool thp = strcmp(cfg->l1_hugepages, "off") != 0 &&
+               madvise(self->base, self->size, MADV_HUGEPAGE) == 0;
+    int rc = 0;
+    if (madvise(self->base, self->size, MADV_POPULATE_WRITE) != 0) {
+        rc = errno;
+        if (rc == EINVAL) { /* before Linux 5.14: reserve, then touch every page */
+            rc = posix_fallocate(fd, 0, (off_t)self->size);
+            for (uint64_t off = 0; rc == 0 && off < self->size; off += S_SMALL)
+                ((volatile char *)self->base)[off] = 0;
+        }
+    }
     if (rc != 0) {
         snprintf(err, errlen,
                  "l1: cannot reserve %llu bytes in %s: %s (is /dev/shm large enough? see "
@@ -283,18 +308,6 @@ static int s_map_shm(kvt_arena_t *self, const kvt_config_t *cfg, int fd, char *e
                  (unsigned long long)self->size, S_SHM_DIR, strerror(rc));
         return KVT_ENOSPC;
     }
-    bool thp = strcmp(cfg->l1_hugepages, "off") != 0;
-    self->base = mmap(NULL, self->size, PROT_READ | PROT_WRITE,
-                      MAP_SHARED | (thp ? 0 : MAP_POPULATE), fd, 0);
-    if (self->base == MAP_FAILED) {
-        snprintf(err, errlen, "l1: cannot map %llu bytes: %s", (unsigned long long)self->size,
-                 strerror(errno));
-        return KVT_ENOMEM;
-    }
-    thp = thp && madvise(self->base, self->size, MADV_HUGEPAGE) == 0;
-    if (thp)
-        s_populate(self->base, self->size);
-    /* shmem_enabled decides whether the request is granted: read back what the kernel did */
     uint64_t page = 0, pmd = 0;
     bool known = s_smaps(self->base, &page, &pmd) == 0;
     self->page_size = known && pmd >= self->size ? S_HUGE : S_SMALL;
@@ -388,19 +401,24 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
     bool want = strcmp(cfg->l1_hugepages, "off") != 0;
     bool must = strcmp(cfg->l1_hugepages, "on") == 0;
     uint64_t hsize = (cfg->l1_size + S_HUGE - 1) / S_HUGE * S_HUGE;
-    if (want && s_pick_hugetlbfs(cfg, hsize, hdir, sizeof hdir, why, sizeof why) == 0) {
-        self->size = hsize;
+    /* segments of crashed daemons of this run dir go first, wherever they are: they hold
+     * memory (in hugetlbfs, the very pages about to be counted) */
+    s_remove_stale(S_SHM_DIR, prefix);
+    if (want && s_find_hugetlbfs(cfg, hdir, sizeof hdir, why, sizeof why) == 0) {
         s_remove_stale(hdir, prefix);
-        fd = s_create(self, hdir, prefix);
-        if (fd < 0)
-            snprintf(why, sizeof why, "cannot create %.300s/%s...: %s", hdir, prefix,
-                     strerror(errno));
-        else if (s_share(self, cfg, fd, err, errlen) != 0)
-            goto fail;
-        else if (s_map_hugetlbfs(self, fd, hdir, why, sizeof why) == 0)
-            why[0] = '\0';
-        if (why[0])
-            s_undo(self, &fd);
+        if (s_hugetlbfs_room(hdir, hsize, why, sizeof why) == 0) {
+            self->size = hsize;
+            fd = s_create(self, hdir, prefix);
+            if (fd < 0)
+                snprintf(why, sizeof why, "cannot create %.300s/%s...: %s", hdir, prefix,
+                         strerror(errno));
+            else if (s_share(self, cfg, fd, err, errlen) != 0)
+                goto fail;
+            else if (s_map_hugetlbfs(self, fd, hdir, why, sizeof why) == 0)
+                why[0] = '\0';
+            if (why[0])
+                s_undo(self, &fd);
+        }
     }
     if (why[0] && must) {
         snprintf(err, errlen, "l1.hugepages is on but %s", why);
@@ -410,7 +428,6 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
         if (why[0])
             kvt_log(KVT_LOG_INFO, "l1: the arena goes to %s: %s", S_SHM_DIR, why);
         self->size = cfg->l1_size;
-        s_remove_stale(S_SHM_DIR, prefix);
         fd = s_create(self, S_SHM_DIR, prefix);
         if (fd < 0) {
             snprintf(err, errlen, "l1: cannot create shared memory %s/%s...: %s", S_SHM_DIR, prefix,

@@ -175,3 +175,22 @@ def test_short_pool_on_refuses_auto_falls_back(daemon_factory, hugetlbfs):
     assert "4 KiB pages" in _arena_line(d)
     with kvtier.Client(d.ipc) as c:
         assert c.info["shm"]["page_size"] == 4096
+
+
+def test_killed_daemon_leaves_no_pages_behind_the_next_start(daemon_factory, hugetlbfs):
+    """SIGKILL leaves the hugetlbfs file holding its pages; the next daemon of the same run dir
+    removes it before counting free pages, so `on` starts again on the same pool."""
+    import signal
+    d = daemon_factory("--l1-size", str(ARENA), "--l1-hugepages", "on",
+                       "--l1-hugepages-dir", hugetlbfs)
+    stale = _status_l1(d)["shm_path"]
+    d.stop(signal.SIGKILL)
+    assert os.path.exists(stale) and _read_int(FREE) < ARENA // HUGE
+    d2 = daemon_factory(start=False)
+    d2.args = ["--run-dir", d.run_dir, "--data-dir", d2.data_dir, "--listen", d2.ipc,
+               "--http", d2.http_addr, "--l2", "none", "--l1-size", str(ARENA),
+               "--l1-hugepages", "on", "--l1-hugepages-dir", hugetlbfs]
+    d2.start()
+    l1 = _status_l1(d2)
+    assert l1["huge_pages"] is True and l1["shm_path"] != stale
+    assert not os.path.exists(stale)

@@ -43,6 +43,7 @@ static kvt_l1_t *s_l1_new(const char *size, kvt_config_t **cfg_out)
     assert_non_null(cfg);
     assert_int_equal(kvt_config_set(cfg, "l1_size", size, false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
     kvt_l1_t *l1 = kvt_l1_new(cfg, err, sizeof err);
     if (!l1)
         fail_msg("kvt_l1_new: %s", err);
@@ -1164,6 +1165,7 @@ static void s_fx_with(fx_t *fx, const char *name, const char *value)
     fx->cfg = kvt_config_new();
     assert_int_equal(kvt_config_set(fx->cfg, "l1_size", "16M", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(fx->cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(fx->cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
     if (kvt_config_set(fx->cfg, name, value, false, err, sizeof err) != 0)
         fail_msg("%s", err);
     fx->l1 = kvt_l1_new(fx->cfg, err, sizeof err);

@@ -36,6 +36,7 @@ walks the mapping in chunks ("background") and is stopped and joined before it i
 
 import collections
 import contextlib
+import errno
 import itertools
 import mmap
 import os
@@ -75,7 +76,9 @@ def _prefault(arena, stop):
             n = min(_PREFAULT_CHUNK, len(arena) - off)
             try:
                 arena.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE), off, n)
-            except OSError:
+            except OSError as e:
+                if e.errno != errno.EINVAL:   # not an old kernel: touching would be SIGBUS
+                    return
                 for p in range(off, off + n, 4096):
                     arena[p]
     except ValueError:
