@@ -68,8 +68,8 @@ UNIT_SRC   := $(wildcard tests/unit/test_*.c)
 obj = $(patsubst %.c,$(1)/obj/%.o,$(2))
 
 CORE_OBJ   := $(call obj,$(BUILD),$(CORE_SRC) $(DAEMON_SRC))
-CLIENT_OBJ := $(call obj,$(BUILD),$(CLIENT_SRC) common/kvt_error.c protocol/kvt_msg.c \
-                protocol/kvt_proto.c protocol/kvt_hash.c)
+CLIENT_OBJ := $(call obj,$(BUILD),$(CLIENT_SRC) common/kvt_error.c common/kvt_ring.c \
+                protocol/kvt_msg.c protocol/kvt_proto.c protocol/kvt_hash.c)
 CLIENT_LIBS = $(shell pkg-config --libs libzmq msgpack jansson libxxhash 2>/dev/null)
 ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))
 UNIT_BIN   := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(UNIT_SRC))
@@ -79,8 +79,8 @@ PLUGIN_ENV = KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
              KVT_L2_EXAMPLE_PLUGIN_ABI1=$(abspath $(PLUGIN_EXAMPLE_ABI1))
 
 .PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-l2 bench-huge \
-        bench-smoke test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers pyclient \
-        bench-sglang deps-py
+        bench-ring bench-smoke test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers \
+        pyclient bench-sglang deps-py
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE) \
@@ -276,7 +276,7 @@ $(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS) -lcmocka
 
 TSAN_UNIT := test_l1_concurrent test_lease test_l2_conformance test_l2_fs test_l2mgr test_reqstats \
-             test_queue test_workers
+             test_queue test_workers test_ring
 TSAN_BIN  := $(addprefix $(BUILD)/tsan/tests/,$(TSAN_UNIT))
 
 $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
@@ -378,12 +378,25 @@ $(BENCH_HUGE): bench/kvt_bench_huge.c $(CORE_OBJ)
 bench-huge: deps $(BENCH_HUGE)
 	$(BENCH_HUGE) $(BENCH_HUGE_ARGS)
 
+# Request/reply round trips between two processes over a pair of shared-memory rings
+# (common/kvt_ring.c, issue 17's fast path, not yet wired) against a bare ZMQ ipc echo of the
+# same 64-key LOOKUP frames, same run (bench/kvt_bench_ring.c; < 30 s). `--quick`: smoke run.
+BENCH_RING      := $(BUILD)/kvt-bench-ring
+BENCH_RING_ARGS ?= --json $(BUILD)/bench-ring.json
+
+$(BENCH_RING): bench/kvt_bench_ring.c $(CORE_OBJ)
+	$(CC) $(ALLCFLAGS) -o $@ $^ $(LIBS)
+
+bench-ring: deps $(BENCH_RING)
+	timeout 300 $(BENCH_RING) $(BENCH_RING_ARGS)
+
 # A benchmark is not a test: CI runs it only in its short smoke mode, never judging timings.
-bench-smoke: deps $(BENCH_L1) $(BENCH_L2) $(BENCH_HUGE) $(BUILD)/kvtierd $(BUILD)/kvtier-bench \
-             pyclient
+bench-smoke: deps $(BENCH_L1) $(BENCH_L2) $(BENCH_HUGE) $(BENCH_RING) $(BUILD)/kvtierd \
+             $(BUILD)/kvtier-bench pyclient
 	$(BENCH_L1) --quick > /dev/null
 	$(BENCH_L2) --quick > /dev/null
 	$(BENCH_HUGE) --quick > /dev/null
+	timeout 120 $(BENCH_RING) --quick > /dev/null
 	timeout 120 $(BUILD)/kvtier-bench --quick --daemon $(BUILD)/kvtierd > /dev/null
 	timeout 120 $(PYTEST) bench/sglang_bench.py --quick --daemon $(BUILD)/kvtierd > /dev/null
 
@@ -494,20 +507,22 @@ $(BENCH): bench/kvtier_bench.c $(BUILD)/libkvtier.a
 	$(CC) $(ALLCFLAGS) -O2 -o $@ $^ $(CLIENT_LIBS) \
 	  $(shell pkg-config --libs libczmq hiredis 2>/dev/null) -lpthread
 
-bench: deps $(BUILD)/kvtierd $(BENCH) $(BENCH_HUGE)
+bench: deps $(BUILD)/kvtierd $(BENCH) $(BENCH_HUGE) $(BENCH_RING)
 	timeout 600 $(BENCH) --daemon $(BUILD)/kvtierd $(BENCH_ARGS)
 	timeout 120 $(BENCH_HUGE) $(BENCH_HUGE_ARGS)
+	timeout 300 $(BENCH_RING) $(BENCH_RING_ARGS)
 
 # ---- fuzzing ------------------------------------------------------------------------------
 # libFuzzer harnesses (tests/fuzz/), built with clang and ASan+UBSan from the sources they
 # need (not the gcc objects): fuzz_decode drives the request decoder (kvt_msg_decode,
 # kvt_msg_prescan, kvt_msg_read_uint), fuzz_config the JSON config loader and its
 # --print-config round trip, fuzz_lmc the LMCache MP wire's decoders and error encoder
-# (kvt_lmc_*). `make fuzz` runs each for FUZZ_SECONDS on a fresh copy of its seed corpus in
+# (kvt_lmc_*), fuzz_ring the shared-memory ring's consumer and producer against a hostile
+# peer (kvt_ring_*). `make fuzz` runs each for FUZZ_SECONDS on a fresh copy of its seed corpus in
 # build/fuzz/ (the repo's corpus is never written); any crash, leak, timeout or sanitizer
 # report fails it, the input left in build/fuzz/artifacts/. `make fuzz-smoke` is the CI run
-# (60 s each). Seeds: tests/fuzz/corpus/; decode and lmc seeds come from
-# tests/fuzz/gen_corpus.py.
+# (60 s each, fuzz_ring 30 s: its input space is small). Seeds: tests/fuzz/corpus/; decode, lmc
+# and ring seeds come from tests/fuzz/gen_corpus.py.
 FUZZ_CC       ?= clang
 FUZZ_SECONDS  ?= 60
 FUZZ_DEB_PKGS := clang libclang-rt-14-dev
@@ -515,7 +530,7 @@ FUZZ_DIR      := $(BUILD)/fuzz
 FUZZ_SAN      := -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
                  -fno-omit-frame-pointer -g -O1
 FUZZ_CFLAGS    = -std=gnu11 $(WARN) -D_GNU_SOURCE -DKVT_VERSION='"$(VERSION)"' $(INC) $(FUZZ_SAN)
-FUZZ_RUN_ARGS  = -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
+FUZZ_RUN_ARGS  = -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
                  -print_final_stats=1
 FUZZ_DECODE_SRC := tests/fuzz/fuzz_decode.c protocol/kvt_msg.c protocol/kvt_proto.c \
                    common/kvt_error.c common/kvt_log.c
@@ -523,7 +538,11 @@ FUZZ_CONFIG_SRC := tests/fuzz/fuzz_config.c config/kvt_config.c common/kvt_error
                    common/kvt_size.c
 FUZZ_LMC_SRC    := tests/fuzz/fuzz_lmc.c protocol/kvt_lmc.c protocol/kvt_msg.c protocol/kvt_proto.c \
                    common/kvt_error.c common/kvt_log.c
-FUZZ_BINS     := $(FUZZ_DIR)/fuzz_decode $(FUZZ_DIR)/fuzz_config $(FUZZ_DIR)/fuzz_lmc
+FUZZ_RING_SRC   := tests/fuzz/fuzz_ring.c common/kvt_ring.c common/kvt_error.c
+FUZZ_TARGETS  := decode config lmc ring
+FUZZ_BINS     := $(addprefix $(FUZZ_DIR)/fuzz_,$(FUZZ_TARGETS))
+# Seconds per target: FUZZ_SECONDS, except where FUZZ_SECONDS_<target> says otherwise.
+FUZZ_SECONDS_ring ?= $(FUZZ_SECONDS)
 
 .PHONY: fuzz fuzz-smoke fuzz-build fuzz-deps
 
@@ -549,6 +568,10 @@ $(FUZZ_DIR)/fuzz_lmc: $(FUZZ_LMC_SRC) $(wildcard common/*.h protocol/*.h)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(shell pkg-config --cflags msgpack 2>/dev/null) -o $@ \
 	  $(FUZZ_LMC_SRC) $(shell pkg-config --libs msgpack 2>/dev/null)
 
+$(FUZZ_DIR)/fuzz_ring: $(FUZZ_RING_SRC) common/kvt_ring.h common/kvt_error.h
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $(FUZZ_RING_SRC)
+
 $(FUZZ_DIR)/fuzz_config: $(FUZZ_CONFIG_SRC) $(wildcard common/*.h config/*.h)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(shell pkg-config --cflags jansson 2>/dev/null) -o $@ \
@@ -559,11 +582,12 @@ fuzz-build: fuzz-deps
 
 # Each run starts from a fresh copy of the seeds; libFuzzer exits non-zero on any finding.
 fuzz: fuzz-build
-	@set -e; mkdir -p $(FUZZ_DIR)/artifacts; for t in decode config lmc; do \
+	@set -e; mkdir -p $(FUZZ_DIR)/artifacts; for t in $(FUZZ_TARGETS); do \
 	  rm -rf $(FUZZ_DIR)/corpus-$$t; mkdir -p $(FUZZ_DIR)/corpus-$$t; \
 	  cp tests/fuzz/corpus/$$t/* $(FUZZ_DIR)/corpus-$$t/; \
-	  echo "== fuzz_$$t ($(FUZZ_SECONDS) s)"; \
-	  $(FUZZ_DIR)/fuzz_$$t $(FUZZ_RUN_ARGS) -dict=tests/fuzz/$$t.dict \
+	  secs=$(FUZZ_SECONDS); [ $$t != ring ] || secs=$(FUZZ_SECONDS_ring); \
+	  echo "== fuzz_$$t ($$secs s)"; \
+	  $(FUZZ_DIR)/fuzz_$$t $(FUZZ_RUN_ARGS) -max_total_time=$$secs -dict=tests/fuzz/$$t.dict \
 	    -artifact_prefix=$(abspath $(FUZZ_DIR))/artifacts/$$t- $(FUZZ_DIR)/corpus-$$t \
 	    > $(FUZZ_DIR)/fuzz_$$t.log 2>&1 || { tail -n 60 $(FUZZ_DIR)/fuzz_$$t.log; \
 	    echo "fuzz_$$t: FAILED (log: $(FUZZ_DIR)/fuzz_$$t.log, input: $(FUZZ_DIR)/artifacts/)"; \
@@ -572,4 +596,4 @@ fuzz: fuzz-build
 	done
 
 fuzz-smoke:
-	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=60
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=60 FUZZ_SECONDS_ring=30

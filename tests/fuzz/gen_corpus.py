@@ -1,7 +1,9 @@
 #!/usr/bin/python3
 """Regenerates the msgpack seeds of tests/fuzz/corpus/: decode/ (one byte of request type, then a
-protocol v1 body, protocol/kvt_proto.h) and lmc/ (one selector byte of fuzz_lmc.c, then an
-LMCache MP frame as msgspec encodes it: structs as maps with every field, in declaration order).
+protocol v1 body, protocol/kvt_proto.h), lmc/ (one selector byte of fuzz_lmc.c, then an
+LMCache MP frame as msgspec encodes it: structs as maps with every field, in declaration order)
+and ring/ (fuzz_ring.c: a selector byte, a shared-memory ring's region, then a program of
+operations; the layout is common/kvt_ring.h's).
 Needs Debian's python3-msgpack: /usr/bin/python3 gen_corpus.py"""
 import os
 import struct
@@ -11,6 +13,7 @@ import msgpack
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "decode")
 LMC_OUT = os.path.join(HERE, "corpus", "lmc")
+RING_OUT = os.path.join(HERE, "corpus", "ring")
 K1 = bytes(range(16))
 K2 = bytes(range(16, 32))
 H1 = bytes(range(64))
@@ -130,6 +133,90 @@ def lmc():
         f.write(bytes([T_KEY]) + msgpack.packb(lmc_key(), use_bin_type=True)[:-7])
 
 
+# ---- ring (common/kvt_ring.h) ----
+RING_MAGIC = 0x31474E495254564B  # "KVTRING1"
+RING_HDR = 384
+OFF_HEAD, OFF_PROD_WAIT, OFF_PROD_CLOSED = 128, 136, 140
+OFF_TAIL, OFF_CONS_WAIT, OFF_CONS_CLOSED = 256, 264, 268
+# fuzz_ring.c's operations (low 3 bits) and poke fields
+OP_POP, OP_POP_SMALL, OP_WAIT0, OP_POKE, OP_PUSH, OP_PWAIT, OP_CLOSE, OP_WAIT1US = range(8)
+F_HEAD, F_TAIL, F_PROD_WAIT, F_CONS_WAIT, F_PROD_CLOSED, F_CONS_CLOSED, F_MAGIC, F_CAP = range(8)
+F_NEAR, F_DATA = 0x40, 0x80
+
+
+def ring_payload(frames):
+    """A message payload: u32 count, then per frame u32 length + bytes."""
+    return struct.pack("<I", len(frames)) + b"".join(
+        struct.pack("<I", len(f)) + f for f in frames)
+
+
+def ring_image(cap, records=(), tail=0, kinds=None, lens=None, closed=(0, 0)):
+    """A region whose consumer is at `tail` with `records` (payloads) waiting after it;
+    kinds/lens override a record's header fields (hostile seeds)."""
+    data = bytearray(cap)
+    pos = tail
+    for i, rec in enumerate(records):
+        kind = kinds[i] if kinds else 1
+        ln = lens[i] if lens else len(rec)
+        raw = struct.pack("<II", ln, kind) + rec + b"\0" * (-len(rec) % 8)
+        for j, b in enumerate(raw):
+            data[(pos + j) % cap] = b
+        pos += len(raw)
+    hdr = bytearray(RING_HDR)
+    struct.pack_into("<QIII", hdr, 0, RING_MAGIC, 1, RING_HDR, cap)
+    struct.pack_into("<Q", hdr, OFF_HEAD, pos)
+    struct.pack_into("<Q", hdr, OFF_TAIL, tail)
+    struct.pack_into("<I", hdr, OFF_PROD_CLOSED, closed[0])
+    struct.pack_into("<I", hdr, OFF_CONS_CLOSED, closed[1])
+    return bytes(hdr) + bytes(data)
+
+
+def sel(cap, raw=False):
+    return bytes([{64: 0, 128: 1, 256: 2, 512: 3}[cap] | (4 if raw else 0)])
+
+
+def poke(field, value):
+    return bytes([OP_POKE, field]) + struct.pack("<Q", value % 2**64)
+
+
+def push(*lens):
+    return bytes([OP_PUSH, len(lens)] + list(lens))
+
+
+LOOKUP_REQ = [msgpack.packb(7), msgpack.packb(4),
+              msgpack.packb({"ns": "m", "keys": [K1, K2]}, use_bin_type=True)]
+REPLY = [msgpack.packb(7), msgpack.packb(4),
+         msgpack.packb({"ok": True, "hits": 2, "l1": 2})]
+
+RING_SEEDS = {
+    "empty": (256, ring_image(256), bytes([OP_POP, OP_WAIT0]) + push(8, 1, 40) + bytes([OP_POP])),
+    "two_requests": (256, ring_image(256, [ring_payload(LOOKUP_REQ), ring_payload(REPLY)]),
+                     bytes([OP_POP, OP_POP, OP_POP, OP_WAIT1US])),
+    "wrapped": (64, ring_image(64, [ring_payload([b"x" * 20])], tail=64 * 5 + 48),
+                bytes([OP_POP_SMALL, 10, OP_POP, OP_POP])),
+    "hostile_head": (128, ring_image(128, [ring_payload(REPLY)]),
+                     poke(F_HEAD | F_NEAR, 8) + bytes([OP_POP, OP_POP])),
+    "hostile_tail": (128, ring_image(128, [ring_payload(REPLY)]),
+                     push(30) + poke(F_TAIL, 2**64 - 8) + push(1) + bytes([OP_PWAIT, 4])),
+    "record_kind": (256, ring_image(256, [ring_payload(REPLY)], kinds=[2]), bytes([OP_POP])),
+    "record_len": (256, ring_image(256, [ring_payload(REPLY)], lens=[1000]), bytes([OP_POP])),
+    "closed": (256, ring_image(256, [ring_payload(REPLY)], closed=(1, 0)),
+               bytes([OP_POP, OP_POP, OP_WAIT1US, OP_CLOSE, 1]) + push(3)),
+    "cycle": (512, ring_image(512), (push(200, 100) + bytes([OP_POP]) + poke(F_CONS_WAIT, 1)
+                                     + poke(F_PROD_WAIT, 7)) * 6
+              + poke(F_DATA, 2**40) + bytes([5]) + bytes([OP_POP])),
+    "raw": (64, b"KVTRING1" + bytes(range(200)), bytes([OP_POP, OP_POP])),
+}
+
+
+def ring():
+    os.makedirs(RING_OUT, exist_ok=True)
+    for name, (cap, image, prog) in RING_SEEDS.items():
+        with open(os.path.join(RING_OUT, name), "wb") as f:
+            f.write(sel(cap, raw=(name == "raw")) + image[:RING_HDR + cap] + prog)
+
+
 if __name__ == "__main__":
     main()
     lmc()
+    ring()
