@@ -549,12 +549,7 @@ class Client:
         key. Each slot is a writable memoryview of exactly the size asked for, or None (already
         stored: do not write); there may be fewer slots than keys (the longest prefix that
         fits). Write the bytes, then commit(lease). NoSpace when not even the first fits."""
-        self._need_arena("RESERVE")
-        body = self._keyed(ns, keys, salt)
-        if isinstance(sizes, int):
-            body["size"] = sizes
-        else:
-            body["sizes"] = list(sizes)
+        body = self._reserve_body(ns, keys, sizes, salt)
         views, lease = self._views_for(self.call(RESERVE, body)[0], True)
         return Reservation(views, lease)
 
