@@ -39,6 +39,7 @@
 #include "kvt_hash.h"
 #include "kvt_msg.h"
 #include "kvt_proto.h"
+#include "kvt_ring.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -2345,4 +2346,68 @@ int kvtier_hash_tokens(kvtier_t *self, const uint32_t *tokens, size_t ntokens,
         *nkeys = (uint32_t)want;
     s_reply_free(&r);
     return rc;
+}
+
+/* ---- the fast-path ring for other languages (thin wrappers over common/kvt_ring) ---- */
+
+struct kvtier_ring {
+    kvt_ring_t *ring;
+};
+
+kvtier_ring_t *kvtier_ring_attach(void *region, size_t size, uint32_t capacity, int producer,
+                                  char *err, size_t errlen)
+{
+    char why[160] = "";
+    kvt_ring_t *r = region ? kvt_ring_new(region, size, capacity,
+                                          producer ? KVT_RING_PRODUCER : KVT_RING_CONSUMER, why,
+                                          sizeof why)
+                           : NULL;
+    kvtier_ring_t *self = r ? malloc(sizeof *self) : NULL;
+    if (!self) {
+        if (err && errlen)
+            snprintf(err, errlen, "%s", !region ? "no region" : r ? "out of memory" : why);
+        kvt_ring_destroy(&r);
+        return NULL;
+    }
+    self->ring = r;
+    return self;
+}
+
+void kvtier_ring_detach(kvtier_ring_t *self)
+{
+    if (!self)
+        return;
+    kvt_ring_destroy(&self->ring);
+    free(self);
+}
+
+size_t kvtier_ring_max_payload(const kvtier_ring_t *self)
+{
+    return kvt_ring_max_payload(self->ring);
+}
+
+int kvtier_ring_push(kvtier_ring_t *self, const void *const *frames, const size_t *lens,
+                     uint32_t n)
+{
+    kvt_ring_iov_t iov[16];
+    if (n > 16 || (n && (!frames || !lens)))
+        return KVT_EINVAL;
+    for (uint32_t i = 0; i < n; i++)
+        iov[i] = (kvt_ring_iov_t){frames[i], lens[i]};
+    return kvt_ring_push(self->ring, iov, n);
+}
+
+int kvtier_ring_pop(kvtier_ring_t *self, void *buf, size_t cap, size_t *len)
+{
+    return kvt_ring_pop(self->ring, buf, cap, len);
+}
+
+int kvtier_ring_wait(kvtier_ring_t *self, size_t need, int64_t timeout_ns)
+{
+    return kvt_ring_wait(self->ring, need, timeout_ns);
+}
+
+void kvtier_ring_close(kvtier_ring_t *self)
+{
+    kvt_ring_close(self->ring);
 }

@@ -293,6 +293,42 @@ int kvtier_retrieve_gpu(kvtier_t *self, const char *ns, const char *salt, uint32
 int kvtier_call(kvtier_t *self, uint32_t type, const void *body, size_t len, void **reply_body,
                 size_t *reply_len);
 
+/* ---- the fast-path ring, for clients in other languages ----
+ * libkvtier speaks the fast path itself (docs/protocol.md "Fast path"); these calls give a
+ * client written in another language (the Python client, through ctypes) the same ring code.
+ * A kvtier_ring_t is one side of one ring in a region of the mapped arena that HELLO's
+ * `fastpath` reply names; codes are KVTIER_E*. One thread per handle. */
+typedef struct kvtier_ring kvtier_ring_t;
+
+/* Attaches as the producer (producer != 0: the request ring) or the consumer (the reply ring)
+ * of the ring of `capacity` data bytes at region[0..size). NULL with a sentence in err. */
+kvtier_ring_t *kvtier_ring_attach(void *region, size_t size, uint32_t capacity, int producer,
+                                  char *err, size_t errlen);
+
+/* Detaches (does not close; see kvtier_ring_close). Accepts NULL. */
+void kvtier_ring_detach(kvtier_ring_t *ring);
+
+/* Largest message payload one record may carry. */
+size_t kvtier_ring_max_payload(const kvtier_ring_t *ring);
+
+/* Producer: pushes one message of n frames. 0; KVTIER_EBUSY (no room now); KVTIER_ETOOBIG
+ * (never fits); KVTIER_EUNAVAIL (the daemon closed the ring); KVTIER_EBADREQ (malformed). */
+int kvtier_ring_push(kvtier_ring_t *ring, const void *const *frames, const size_t *lens,
+                     uint32_t n);
+
+/* Consumer: copies the next message payload into buf[0..cap); 0 with *len set;
+ * KVTIER_EBUSY (empty); KVTIER_EUNAVAIL (empty and closed); KVTIER_ETOOBIG (*len says how
+ * long); KVTIER_EBADREQ. The payload is u32 count, then per frame u32 length + bytes. */
+int kvtier_ring_pop(kvtier_ring_t *ring, void *buf, size_t cap, size_t *len);
+
+/* Waits (spin, then futex) until a record can be popped (consumer) or `need` payload bytes
+ * fit (producer), for at most timeout_ns (< 0: no limit). 0; KVTIER_ETIMEDOUT;
+ * KVTIER_EUNAVAIL; KVTIER_EBADREQ; KVTIER_ETOOBIG. */
+int kvtier_ring_wait(kvtier_ring_t *ring, size_t need, int64_t timeout_ns);
+
+/* Closes this side (the daemon's calls on its side then answer that the client has gone). */
+void kvtier_ring_close(kvtier_ring_t *ring);
+
 /* The server's message (or a local one) for the last failed call; "" after a success. */
 const char *kvtier_last_error(const kvtier_t *self);
 

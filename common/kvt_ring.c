@@ -525,6 +525,28 @@ int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
     return rc < 0 ? rc : 0;
 }
 
+int kvt_ring_arm(kvt_ring_t *self, size_t need, uint32_t **word)
+{
+    s_check(self && self->tag == S_TAG && word);
+    _Atomic uint32_t *w =
+        self->role == KVT_RING_CONSUMER ? &self->hdr->cons_wait : &self->hdr->prod_wait;
+    atomic_store_explicit(w, 1, memory_order_seq_cst);
+    atomic_thread_fence(memory_order_seq_cst);
+    *word = (uint32_t *)w;
+    int rc = s_ready(self, need);
+    if (rc == 0)
+        self->st.sleeps++;
+    return rc;
+}
+
+void kvt_ring_disarm(kvt_ring_t *self)
+{
+    s_check(self && self->tag == S_TAG);
+    _Atomic uint32_t *w =
+        self->role == KVT_RING_CONSUMER ? &self->hdr->cons_wait : &self->hdr->prod_wait;
+    atomic_store_explicit(w, 0, memory_order_relaxed);
+}
+
 void kvt_ring_close(kvt_ring_t *self)
 {
     s_check(self && self->tag == S_TAG);

@@ -126,6 +126,16 @@ int kvt_ring_parse(const uint8_t *buf, size_t len, kvt_ring_frame_t *frames, uin
  * fit. */
 int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns);
 
+/* For a thread that waits on many rings at once (the daemon's futex_waitv): declares that
+ * this side is about to sleep (its wait word := 1, then a full fence) and looks at the ring
+ * once more. 1 when the side can go on now (do not sleep; call kvt_ring_disarm); 0 when the
+ * caller may sleep on *word while it still holds 1 (the peer clears it and wakes it after
+ * making progress); a negative code as kvt_ring_wait. `need` as kvt_ring_wait. */
+int kvt_ring_arm(kvt_ring_t *self, size_t need, uint32_t **word);
+
+/* Ends what kvt_ring_arm started (the wait word := 0). */
+void kvt_ring_disarm(kvt_ring_t *self);
+
 /* Closes this side: the peer's calls answer KVT_EUNAVAIL (a consumer once it has taken what
  * was pushed before) and a sleeping peer is woken. Idempotent. */
 void kvt_ring_close(kvt_ring_t *self);
