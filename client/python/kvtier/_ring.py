@@ -1,0 +1,255 @@
+"""The fast path's ring pair (docs/protocol.md "Fast path"), through libkvtier's kvtier_ring_*.
+
+The rings are C (common/kvt_ring): they need real atomics, fences and futexes, so this module
+never touches a ring's bytes itself; it loads libkvtier.so with ctypes and calls its thin
+wrappers. Where the library is not found (or predates the wrappers) the fast path is simply
+unavailable: library() answers None and `why` says why; nothing raises.
+
+The library: KVTIER_LIBRARY (a path) when set, else "libkvtier.so.0" from the dynamic loader's
+path, else whatever ctypes.util.find_library("kvtier") finds.
+
+A Pair is one client's two rings inside its mapping of the arena: the request ring (this
+client is its producer) and the reply ring (its consumer). It holds ctypes views of both
+regions, which are exports of the mmap: the mapping cannot be closed while a Pair points into
+it (mmap.close() raises BufferError), so the Client drops the Pair (drop()) before unmapping.
+Only the Client's thread uses a Pair (a ring handle is single-threaded).
+"""
+
+import ctypes
+import ctypes.util
+import os
+import struct
+import threading
+
+__all__ = ["library", "why", "Pair", "RingError", "EBADREQ", "ETOOBIG", "EBUSY", "EUNAVAIL",
+           "ETIMEDOUT", "EINVAL", "HDR_SIZE"]
+
+# KVTIER_E* (client/kvtier.h)
+EBADREQ = -1
+ETOOBIG = -4
+EBUSY = -9
+EUNAVAIL = -11
+ETIMEDOUT = -14
+EINVAL = -15
+
+HDR_SIZE = 384                  # KVT_RING_HDR_SIZE: a region is the header + capacity bytes
+_MAX_FRAMES = 16                # kvtier_ring_push takes at most this many frames
+_NAMES = {EBADREQ: "malformed ring", ETOOBIG: "too large", EBUSY: "busy",
+          EUNAVAIL: "closed by the daemon", ETIMEDOUT: "timed out", EINVAL: "invalid argument"}
+
+_lock = threading.Lock()
+_lib = None
+_tried = False
+why = "not loaded yet"          # why the fast path is unavailable ("" once loaded)
+
+
+class RingError(Exception):
+    """A kvtier_ring_* call failed: .rc is the KVTIER_E* code."""
+
+    def __init__(self, rc, what):
+        super().__init__("%s: %s (%d)" % (what, _NAMES.get(rc, "error"), rc))
+        self.rc = rc
+
+
+def _bind(lib):
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    lib.kvtier_ring_attach.argtypes = [vp, sz, ctypes.c_uint32, ctypes.c_int, ctypes.c_char_p,
+                                       sz]
+    lib.kvtier_ring_attach.restype = vp
+    lib.kvtier_ring_detach.argtypes = [vp]
+    lib.kvtier_ring_detach.restype = None
+    lib.kvtier_ring_max_payload.argtypes = [vp]
+    lib.kvtier_ring_max_payload.restype = sz
+    lib.kvtier_ring_push.argtypes = [vp, ctypes.POINTER(ctypes.c_char_p),
+                                     ctypes.POINTER(sz), ctypes.c_uint32]
+    lib.kvtier_ring_push.restype = ctypes.c_int
+    lib.kvtier_ring_pop.argtypes = [vp, vp, sz, ctypes.POINTER(sz)]
+    lib.kvtier_ring_pop.restype = ctypes.c_int
+    lib.kvtier_ring_wait.argtypes = [vp, sz, ctypes.c_int64]
+    lib.kvtier_ring_wait.restype = ctypes.c_int
+    lib.kvtier_ring_close.argtypes = [vp]
+    lib.kvtier_ring_close.restype = None
+    return lib
+
+
+def _load():
+    path = os.environ.get("KVTIER_LIBRARY")
+    if path:
+        names = [path]                       # asked for this one: no other
+    else:
+        names = ["libkvtier.so.0"]
+        found = ctypes.util.find_library("kvtier")
+        if found and found not in names:
+            names.append(found)
+    errors = []
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)          # CDLL: the GIL is released during each call
+        except OSError as e:
+            errors.append("%s: %s" % (name, e))
+            continue
+        try:
+            return _bind(lib), ""
+        except AttributeError as e:          # an older libkvtier without the ring calls
+            errors.append("%s: %s" % (name, e))
+    return None, "libkvtier not usable (%s)" % "; ".join(errors)
+
+
+def library():
+    """libkvtier (a ctypes.CDLL with the ring calls bound), loaded once per process; None
+    when it cannot be found or lacks the ring calls (then `why` says why)."""
+    global _lib, _tried, why
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            _lib, why = _load()
+            _tried = True
+    return _lib
+
+
+def msg_size(frames):
+    """The payload bytes a message of these frames takes (kvt_ring_msg_size)."""
+    return 4 + 4 * len(frames) + sum(len(f) for f in frames)
+
+
+class Frame:
+    """One frame of a reply popped from the ring, shaped like the zmq.Frame the ZMQ path gives
+    Client._decode: .bytes (a bytes copy) and .buffer (a zero-copy memoryview of that copy)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    @property
+    def bytes(self):
+        return self.buffer.tobytes()
+
+
+def parse(payload):
+    """A popped payload (bytes: u32 count, then per frame u32 length + bytes, little-endian)
+    -> list of Frame over it. ValueError when it is not exactly that."""
+    n = len(payload)
+    if n < 4:
+        raise ValueError("ring payload of %d bytes" % n)
+    count = struct.unpack_from("<I", payload, 0)[0]
+    if count > (n - 4) // 4:
+        raise ValueError("ring payload says %d frames in %d bytes" % (count, n))
+    mv = memoryview(payload)
+    frames = []
+    pos = 4
+    for _ in range(count):
+        if pos + 4 > n:
+            raise ValueError("ring payload truncated at frame %d" % len(frames))
+        length = struct.unpack_from("<I", payload, pos)[0]
+        pos += 4
+        if length > n - pos:
+            raise ValueError("ring frame of %d bytes past the payload's end" % length)
+        frames.append(Frame(mv[pos:pos + length]))
+        pos += length
+    if pos != n:
+        raise ValueError("%d trailing bytes after the ring payload's frames" % (n - pos))
+    return frames
+
+
+class Pair:
+    """The request ring (producer) and the reply ring (consumer) of one HELLO's `fastpath`
+    offer, in `arena` (a writable mmap). Raises RingError / ValueError when the offer does not
+    describe rings inside the mapping (the Client then stays on ZMQ)."""
+
+    def __init__(self, lib, arena, request, reply, capacity):
+        self._lib = lib
+        self._req = self._rep = None
+        self._views = []
+        capacity = int(capacity)
+        region = HDR_SIZE + capacity
+        for off in (request, reply):
+            if not isinstance(off, int) or off < 0 or off % 8 or off + region > len(arena):
+                raise ValueError("fastpath ring at %r (+%d) is not inside the %d-byte mapping"
+                                 % (off, region, len(arena)))
+        if abs(request - reply) < region:
+            raise ValueError("fastpath rings at %d and %d overlap" % (request, reply))
+        try:
+            # exports of the mmap: it cannot be closed under the rings (drop() releases them)
+            self._views = [(ctypes.c_char * region).from_buffer(arena, off)
+                           for off in (request, reply)]
+            self._req = self._attach(self._views[0], region, capacity, 1)
+            self._rep = self._attach(self._views[1], region, capacity, 0)
+        except BaseException:
+            self.drop(close=False)
+            raise
+        self.capacity = capacity
+        self.request_offset = request
+        self.reply_offset = reply
+        self.max_payload = min(lib.kvtier_ring_max_payload(self._req),
+                               lib.kvtier_ring_max_payload(self._rep))
+        self._buf = ctypes.create_string_buffer(max(8, self.max_payload))
+        self._len = ctypes.c_size_t(0)
+        self._ptrs = (ctypes.c_char_p * _MAX_FRAMES)()
+        self._lens = (ctypes.c_size_t * _MAX_FRAMES)()
+
+    def _attach(self, view, size, capacity, producer):
+        err = ctypes.create_string_buffer(200)
+        h = self._lib.kvtier_ring_attach(ctypes.addressof(view), size, capacity, producer, err,
+                                         len(err))
+        if not h:
+            raise ValueError("attaching the %s ring: %s"
+                             % ("request" if producer else "reply",
+                                err.value.decode("utf-8", "replace") or "failed"))
+        return h
+
+    def fits(self, frames):
+        return len(frames) <= _MAX_FRAMES and msg_size(frames) <= self.max_payload
+
+    def push(self, frames):
+        """Pushes one message (a list of bytes); 0 or a KVTIER_E* code (EBUSY: full now)."""
+        n = len(frames)
+        ptrs, lens = self._ptrs, self._lens
+        for i, f in enumerate(frames):
+            ptrs[i] = f                       # a pointer to the bytes' own buffer: no copy
+            lens[i] = len(f)
+        try:
+            return self._lib.kvtier_ring_push(self._req, ptrs, lens, n)
+        finally:
+            for i in range(n):
+                ptrs[i] = None                # let the frames go
+
+    def wait_room(self, need, timeout_ns):
+        """Producer: waits until `need` payload bytes fit; 0 or a KVTIER_E* code."""
+        return self._lib.kvtier_ring_wait(self._req, need, int(timeout_ns))
+
+    def wait_reply(self, timeout_ns):
+        """Consumer: waits until a reply can be popped; 0 or a KVTIER_E* code."""
+        return self._lib.kvtier_ring_wait(self._rep, 0, int(timeout_ns))
+
+    def pop(self):
+        """(rc, payload): the next reply's payload as bytes (a copy) when rc is 0; rc EBUSY
+        when there is none now, another KVTIER_E* code when the ring is closed or broken."""
+        rc = self._lib.kvtier_ring_pop(self._rep, self._buf, len(self._buf),
+                                       ctypes.byref(self._len))
+        if rc:
+            return rc, None
+        n = self._len.value
+        if n > len(self._buf):
+            return EBADREQ, None
+        return 0, ctypes.string_at(self._buf, n)
+
+    @property
+    def attached(self):
+        return self._req is not None
+
+    def drop(self, close):
+        """Ends the pair: close=True first closes both of this client's sides (the daemon
+        then drops the pair); close=False only detaches (the daemon closed it, or it is broken:
+        its region may already be someone else's). Releases the exports of the mapping.
+        Idempotent."""
+        lib = self._lib
+        for h in (self._req, self._rep):
+            if h:
+                if close:
+                    lib.kvtier_ring_close(h)
+                lib.kvtier_ring_detach(h)
+        self._req = self._rep = None
+        views, self._views = self._views, []
+        del views                             # the last references: the mmap is free again
