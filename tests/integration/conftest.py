@@ -16,6 +16,14 @@ Fixtures:
   redis_factory(port=None, password=None) -> a started RedisServer (a private redis-server on
                   127.0.0.1); skips the test when redis-server is not installed
 
+Transport of the Python clients (kvtier.Client) and libkvtier: by default what the clients
+do by default (the shared-memory fast path when the daemon offers it); `--kvt-transport zmq`
+or KVT_TRANSPORT=zmq sets KVTIER_FASTPATH=0 for the whole run (clients in worker processes
+inherit it), `--kvt-transport fastpath` / KVT_TRANSPORT=fastpath insists on the fast path
+(the run stops at once when the Python client cannot load libkvtier). KVTIER_LIBRARY, which
+the Python client loads the ring code from, defaults to the build's libkvtier.so (next to
+KVT_DAEMON, or build/libkvtier.so of this checkout).
+
 A module attribute KVT_DAEMON_ARGS (a tuple of flags) goes before the extra arguments of every
 daemon that daemon_factory, daemon and shared_daemon start for that module: the L1-only suites
 set ("--l2", "none"), since the default fs L2 changes what LOOKUP, CLEAR and eviction show.
@@ -31,6 +39,59 @@ import pytest
 from kvtest import Daemon, RedisServer, cli_path, daemon_path, redis_server_path, sanitizer_report
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(os.path.dirname(_HERE))
+TRANSPORTS = ("fastpath", "zmq")
+
+
+def _libkvtier_path():
+    """The build's libkvtier.so: beside KVT_DAEMON (build/, or build/ above build/asan/), else
+    build/libkvtier.so of this checkout; None when there is none."""
+    dirs = []
+    daemon = daemon_path()
+    if daemon:
+        dirs += [os.path.dirname(daemon), os.path.dirname(os.path.dirname(daemon))]
+    dirs.append(os.path.join(_REPO, "build"))
+    for d in dirs:
+        p = os.path.join(d, "libkvtier.so")
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kvt-transport", choices=TRANSPORTS,
+                     default=os.environ.get("KVT_TRANSPORT") or None,
+                     help="the clients' transport: fastpath (the shared-memory rings) or zmq "
+                          "(KVTIER_FASTPATH=0); default: KVT_TRANSPORT, else the clients' "
+                          "default")
+
+
+def pytest_configure(config):
+    if not os.environ.get("KVTIER_LIBRARY"):
+        lib = _libkvtier_path()
+        if lib:
+            os.environ["KVTIER_LIBRARY"] = lib
+    transport = config.getoption("--kvt-transport")
+    if transport not in (None,) + TRANSPORTS:
+        raise pytest.UsageError("KVT_TRANSPORT=%s: use one of %s" % (transport,
+                                                                     ", ".join(TRANSPORTS)))
+    if transport == "zmq":
+        os.environ["KVTIER_FASTPATH"] = "0"
+    elif transport == "fastpath":
+        os.environ.pop("KVTIER_FASTPATH", None)
+        try:
+            from kvtier import _ring
+        except ImportError as e:
+            raise pytest.UsageError("--kvt-transport fastpath: kvtier does not import: %s" % e)
+        if _ring.library() is None:
+            raise pytest.UsageError("--kvt-transport fastpath: %s (set KVTIER_LIBRARY)"
+                                    % _ring.why)
+
+
+def pytest_report_header(config):
+    return "kvtier transport: %s (KVTIER_FASTPATH=%s, KVTIER_LIBRARY=%s)" % (
+        config.getoption("--kvt-transport") or "default",
+        os.environ.get("KVTIER_FASTPATH", ""), os.environ.get("KVTIER_LIBRARY", ""))
 
 
 def _skip_reason():

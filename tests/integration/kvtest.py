@@ -917,6 +917,14 @@ class Arena:
         self.close()
 
 
+def mapped_len_ok(client, size):
+    """Whether a kvtier.Client mapped the arena of `size` L1 bytes: exactly that, or up to
+    HELLO's shm.map_size when the Client maps the fast path's rings too."""
+    shm = client.info["shm"]
+    return client.arena is not None and shm["size"] == size and \
+        len(client.arena) in (size, shm.get("map_size", size))
+
+
 def payload(seed, length):
     """length pseudo-random bytes, the same for the same seed in every process."""
     return random.Random(seed).randbytes(length)

@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import zmq  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtest import MiB, key, payload, wait_until  # noqa: E402
+from kvtest import MiB, key, mapped_len_ok, payload, wait_until  # noqa: E402
 
 NS = "py-client/llama-kv-v1"
 CAP = 64 * MiB            # the Daemon helper's default --l1-size
@@ -170,7 +170,7 @@ def test_client_session_and_arena(daemon_factory, connect):
     assert c.info["ok"] is True and c.info["version"] == kvtier.PROTO_VERSION
     assert (c.chunk_tokens, c.lease_ms, c.max_message) == (64, 4000, c.info["max_message"])
     assert c.instance.startswith("pytest-py-%d-" % os.getpid())
-    assert c.arena is not None and len(c.arena) == c.info["shm"]["size"] == CAP
+    assert mapped_len_ok(c, CAP)
     other = connect(d, client="pytest-py")
     assert other.instance != c.instance, "default instance names must differ per Client"
     c.ping()
@@ -502,7 +502,7 @@ def test_lease_expired(daemon_factory, connect):
 def test_lookup_fast_while_256mib_of_get_in_flight(daemon_factory, connect):
     d = daemon_factory("--l1-size", "512M")
     c = connect(d)
-    assert len(c.arena) == 512 * MiB
+    assert mapped_len_ok(c, 512 * MiB)
     n, size = 64, 4 * MiB
     keys = [key(i, b"load") for i in range(n)]
     shas = []

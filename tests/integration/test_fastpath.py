@@ -1,0 +1,461 @@
+"""The shared-memory fast path (issue 17, docs/protocol.md "Fast path") through the Python
+client: HELLO's ring pair, requests and replies over it byte-exact, the switches that keep a
+client on ZMQ (KVTIER_FASTPATH=0, fastpath=False, a daemon with fastpath.enabled false), 32
+clients at once, and what must not hurt the daemon or the other clients: a client SIGKILLed
+in the middle of its requests, a client that scribbles over its own request ring, an instance
+dropped for silence (re-HELLO gives a new pair), and replies nobody waits for (post()).
+
+The daemon's side is read from GET /status "fastpath" {enabled, rings_max, rings_open,
+ring_bytes, requests, dropped: {reason: n}}. These tests ask for the fast path whatever
+KVT_TRANSPORT says (they are about it); they need libkvtier.so (KVTIER_LIBRARY, set by
+conftest.py from the build).
+
+The SIGKILL victim runs in a separate process: this file doubles as its script
+(`python3 test_fastpath.py looper JSON-ARGS`)."""
+
+import ctypes
+import json
+import os
+import platform
+import random
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+
+import pytest  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier import _ring  # noqa: E402
+from kvtest import PAGE, key, metric_value, payload, wait_until  # noqa: E402
+
+NS = "fastpath/kv-v1"
+KVT_DAEMON_ARGS = ("--l2", "none")
+
+# kvt_ring.h: the documented header layout
+OFF_HEAD = 128
+OFF_TAIL = 256
+OFF_CONS_WAIT = 264
+HDR_SIZE = 384
+
+
+@pytest.fixture(autouse=True)
+def _fastpath_on(monkeypatch):
+    monkeypatch.delenv("KVTIER_FASTPATH", raising=False)
+    if _ring.library() is None:
+        pytest.skip("the fast path needs libkvtier.so: %s (set KVTIER_LIBRARY)" % _ring.why)
+
+
+@pytest.fixture
+def clients():
+    """clients(daemon, **Client kwargs) -> kvtier.Client; closed at teardown, before the
+    daemon stops."""
+    made = []
+
+    def make(d, **kw):
+        kw.setdefault("context", d.ctx)
+        kw.setdefault("client", "pytest-fastpath")
+        c = kvtier.Client(d.ipc, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def fp_status(d):
+    st = d.http_json("GET", "/status")
+    assert isinstance(st.get("fastpath"), dict), "/status has no fastpath section: %r" % (
+        sorted(st),)
+    return st["fastpath"]
+
+
+def wait_rings_open(d, n, timeout, what=None):
+    return wait_until(lambda: fp_status(d)["rings_open"] == n and fp_status(d), timeout,
+                      what=what or "/status fastpath.rings_open == %d" % n)
+
+
+def dropped_total(st):
+    return sum(st.get("dropped", {}).values())
+
+
+def roundtrip(c, tag, n=3, size=3 * PAGE + 123):
+    """LOOKUP (miss) / RESERVE / write / COMMIT / LOOKUP (hits) / ACQUIRE (byte-exact) /
+    RELEASE on `c`, with keys of its own (`tag`)."""
+    keys = [key(i, tag) for i in range(n)]
+    datas = [payload("%r-%d" % (tag, i), size + i) for i in range(n)]
+    assert c.lookup(NS, keys).hits == 0
+    slots, lease = c.reserve(NS, keys, [len(x) for x in datas])
+    assert lease and len(slots) == n and None not in slots
+    for s, x in zip(slots, datas):
+        s[:] = x
+    assert c.commit(lease) == n
+    lk = c.lookup(NS, keys)
+    assert (lk.hits, lk.l1) == (n, n)
+    views, lease = c.acquire(NS, keys)
+    try:
+        assert [bytes(v) for v in views] == datas
+    finally:
+        c.release(lease)
+    return keys, datas
+
+
+# ----------------------------------------------------------------------------------------
+# The pair and the switches
+
+
+def test_default_client_gets_a_pair_and_is_byte_exact(daemon_factory, clients):
+    d = daemon_factory()
+    before = fp_status(d)
+    assert before["enabled"] is True and before["rings_open"] == 0
+    assert before["rings_max"] >= 1 and before["ring_bytes"] >= 4096
+    c = clients(d)
+    assert c.fastpath is True, c.fastpath_why
+    assert c.fastpath_why == ""
+    offer = c.info["fastpath"]
+    shm = c.info["shm"]
+    assert set(offer) >= {"request", "reply", "capacity"}
+    assert offer["capacity"] == before["ring_bytes"]
+    region = HDR_SIZE + offer["capacity"]
+    for off in (offer["request"], offer["reply"]):
+        assert off % 4096 == 0 and off >= shm["size"] and off + region <= shm["map_size"]
+    assert abs(offer["request"] - offer["reply"]) >= region
+    assert len(c.arena) == shm["map_size"] >= shm["size"]
+    st = fp_status(d)
+    assert st["rings_open"] == 1
+    requests = st["requests"]
+
+    roundtrip(c, b"seq")
+    c.ping()
+    assert isinstance(c.stats(), dict)
+    st = fp_status(d)
+    assert st["requests"] >= requests + 8, "the requests did not go over the ring: %r" % st
+    assert c.fastpath is True
+
+    # the pipelined halves and the raw layer over the ring too
+    keys = [key(i, b"half") for i in range(2)]
+    end = c.reserve_offsets_begin(NS, keys, PAGE)
+    slots, lease = end()
+    for off, length in slots:
+        c.arena[off:off + length] = b"h" * length
+    assert c.commit_begin(lease)() == 2
+    u1 = c.send(kvtier.LOOKUP, {"ns": NS, "keys": keys})
+    u2 = c.send(kvtier.PING, {"instance": c.instance})
+    assert c.recv(u2)[0]["ok"] is True
+    assert c.recv(u1)[0]["hits"] == 2
+    assert c.fetch(NS, keys) == [b"h" * PAGE] * 2
+
+    # object bytes stay on ZMQ: PUT / GET work beside the ring
+    assert c.put(NS, [key(9, b"inline")], [b"i" * 100]) == 1
+    assert c.get(NS, [key(9, b"inline")]) == [b"i" * 100]
+    assert c.fastpath is True
+
+    c.close()
+    wait_rings_open(d, 0, 5, "the pair to be closed with the client")
+
+
+def test_fastpath_metrics(daemon_factory, clients):
+    d = daemon_factory()
+    c = clients(d)
+    assert c.fastpath
+    c.ping()
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_fastpath_rings") == 1
+    assert metric_value(samples, "kvtier_fastpath_requests_total") >= 1
+
+
+@pytest.mark.parametrize("how", ["env", "keyword"])
+def test_zmq_when_the_client_says_so(daemon_factory, clients, monkeypatch, how):
+    d = daemon_factory()
+    if how == "env":
+        monkeypatch.setenv("KVTIER_FASTPATH", "0")
+        c = clients(d)
+    else:
+        c = clients(d, fastpath=False)
+    assert c.fastpath is False
+    assert "fastpath" not in c.info
+    assert len(c.arena) == c.info["shm"]["size"]      # the rings are not mapped
+    requests = fp_status(d)["requests"]
+    roundtrip(c, b"zmq-" + how.encode())
+    st = fp_status(d)
+    assert st["rings_open"] == 0 and st["requests"] == requests
+    # another client of the same process still gets its pair
+    monkeypatch.delenv("KVTIER_FASTPATH", raising=False)
+    other = clients(d)
+    assert other.fastpath is True
+    roundtrip(other, b"zmq-other-" + how.encode())
+
+
+def test_daemon_with_the_fast_path_disabled_declines(daemon_factory, clients):
+    d = daemon_factory("--fastpath-enabled", "false")
+    assert fp_status(d)["enabled"] is False
+    c = clients(d)
+    assert c.fastpath is False and "fastpath" not in c.info
+    assert "declined" in c.fastpath_why
+    roundtrip(c, b"declined")
+    c.hello()                                           # asks again: declined again
+    assert c.fastpath is False
+    c.ping()
+    st = fp_status(d)
+    assert st["rings_open"] == 0 and st["requests"] == 0
+
+
+def test_more_clients_than_rings_fall_back(daemon_factory, clients):
+    d = daemon_factory("--fastpath-rings", "2")
+    cs = [clients(d, heartbeat_ms=0) for _ in range(3)]
+    assert [c.fastpath for c in cs] == [True, True, False]
+    for i, c in enumerate(cs):
+        roundtrip(c, b"few-%d" % i)
+    cs[0].close()
+    wait_rings_open(d, 1, 5)
+    cs[2].hello()                                       # a slot is free again
+    assert cs[2].fastpath is True
+    roundtrip(cs[2], b"few-again")
+
+
+# ----------------------------------------------------------------------------------------
+# Many clients
+
+
+def test_32_concurrent_clients(daemon_factory, clients):
+    d = daemon_factory("--l1-size", "256M")
+    n, rounds = 32, 15
+    cs = [clients(d, instance="fp-many-%d" % i) for i in range(n)]
+    assert all(c.fastpath for c in cs), [c.fastpath_why for c in cs]
+    assert fp_status(d)["rings_open"] == n
+    errors = []
+    start = threading.Barrier(n)
+
+    def work(i, c):
+        try:
+            start.wait(10)
+            for r in range(rounds):
+                keys = [key(r * 4 + j, b"m%02d" % i) for j in range(4)]
+                datas = [payload("%d-%d-%d" % (i, r, j), PAGE * (1 + (i + j) % 3) + j)
+                         for j in range(4)]
+                slots, lease = c.reserve(NS, keys, [len(x) for x in datas])
+                assert None not in slots and len(slots) == 4
+                for s, x in zip(slots, datas):
+                    s[:] = x
+                assert c.commit(lease) == 4
+                views, lease = c.acquire(NS, keys)
+                got = [bytes(v) for v in views]
+                c.release(lease)
+                assert got == datas, "client %d round %d: bytes differ" % (i, r)
+            assert c.fastpath, c.fastpath_why
+        except BaseException as e:   # noqa: BLE001 - reported below
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(i, c), daemon=True)
+               for i, c in enumerate(cs)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.1, 90 - (time.monotonic() - t0)))
+    assert not [t for t in threads if t.is_alive()], "clients still busy after 90 s"
+    assert not errors, errors
+    st = fp_status(d)
+    assert st["rings_open"] == n and dropped_total(st) == 0, st
+    assert st["requests"] >= n * rounds * 4
+
+
+# ----------------------------------------------------------------------------------------
+# Clients that go wrong
+
+
+def _looper(a):
+    """A client that says it is ready, then loops RESERVE / COMMIT / LOOKUP until killed."""
+    c = kvtier.Client(a["endpoint"], client="fp-looper", instance=a["instance"])
+    print(json.dumps({"fastpath": c.fastpath, "why": c.fastpath_why}), flush=True)
+    i = 0
+    while True:
+        k = [key(i, a["tag"].encode())]
+        slots, lease = c.reserve(NS, k, PAGE)
+        if lease:
+            slots[0][:] = b"L" * PAGE
+            c.commit(lease)
+        c.lookup(NS, k)
+        i += 1
+
+
+def _spawn_looper(d, instance):
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "looper",
+                          json.dumps({"endpoint": d.ipc, "instance": instance,
+                                      "tag": instance[-6:]})],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    fd = p.stdout.fileno()
+    r, _, _ = select.select([fd], [], [], 15)
+    line = os.read(fd, 4096) if r else b""
+    if not line:
+        p.kill()
+        p.wait(10)
+        raise AssertionError("looper did not start: %s" % p.stderr.read()[-3000:])
+    return p, json.loads(line.decode().splitlines()[0])
+
+
+def test_sigkilled_clients_leave_no_ring_behind(daemon_factory, clients):
+    lease_ms = 1000
+    d = daemon_factory("--lease-ms", str(lease_ms))
+    survivor = clients(d, instance="fp-survivor")
+    assert survivor.fastpath
+    for round_ in range(3):
+        p, hello = _spawn_looper(d, "fp-victim-%d" % round_)
+        try:
+            assert hello["fastpath"] is True, hello
+            wait_rings_open(d, 2, 5)
+            base = fp_status(d)["requests"]
+            wait_until(lambda: fp_status(d)["requests"] > base + 50, 10,
+                       what="the looper's requests over its ring")
+        finally:
+            p.kill()
+            p.wait(10)
+            p.stdout.close()
+            p.stderr.close()
+        assert d.alive()
+        status, _, _ = d.http("GET", "/healthz")
+        assert status == 200
+        # gone with its connection, or at the latest with its instance (lease_ms of silence)
+        wait_rings_open(d, 1, lease_ms / 1000 * 3 + 5,
+                        "the killed client's pair to be dropped (round %d)" % round_)
+        roundtrip(survivor, b"surv-%d" % round_)
+        assert survivor.fastpath
+    assert d.alive()
+
+
+def _futex_wake(addr):
+    """FUTEX_WAKE (shared) on the word at addr: wakes the daemon's thread if it sleeps on it.
+    Best effort: unknown architectures skip it (the daemon still looks at its rings)."""
+    nr = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+    if nr is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.syscall(ctypes.c_long(nr), ctypes.c_void_p(addr), ctypes.c_int(1),
+                 ctypes.c_int(0x7fffffff), None, None, ctypes.c_int(0))
+
+
+def _scribble(c, how, rnd):
+    """Writes garbage into c's request ring through its own mapping of the arena."""
+    off = c.info["fastpath"]["request"]
+    cap = c.info["fastpath"]["capacity"]
+    a = c.arena
+    if how == "random":
+        # random bytes over head, tail and the first records
+        a[off + OFF_HEAD:off + OFF_HEAD + 8] = rnd.randbytes(8)
+        a[off + OFF_TAIL:off + OFF_TAIL + 8] = rnd.randbytes(8)
+        a[off + HDR_SIZE:off + HDR_SIZE + 4096] = rnd.randbytes(4096)
+    else:
+        # a plausible head over a record the daemon cannot accept (kind 7, a huge length)
+        tail = struct.unpack_from("<Q", a, off + OFF_TAIL)[0]
+        pos = off + HDR_SIZE + (tail & (cap - 1))
+        struct.pack_into("<II", a, pos, 0xfffffff0, 7)
+        struct.pack_into("<Q", a, off + OFF_HEAD, tail + 64)
+    view = ctypes.c_char.from_buffer(a, off + OFF_CONS_WAIT)
+    try:
+        _futex_wake(ctypes.addressof(view))
+    finally:
+        del view
+
+
+@pytest.mark.parametrize("how", ["record", "random"])
+def test_hostile_request_ring(daemon_factory, clients, how):
+    d = daemon_factory()
+    good = clients(d, instance="fp-good")
+    bad = clients(d, instance="fp-bad", timeout_ms=2000)
+    assert good.fastpath and bad.fastpath
+    roundtrip(good, b"good-before")
+    roundtrip(bad, b"bad-before")
+    dropped = dropped_total(fp_status(d))
+    rnd = random.Random(how)
+    _scribble(bad, how, rnd)
+    if how == "record":
+        # the daemon finds it malformed and drops that pair alone
+        st = wait_until(lambda: dropped_total(fp_status(d)) > dropped and fp_status(d), 5,
+                        what="the daemon to drop the malformed ring")
+        assert any("malform" in r for r in st["dropped"]), st
+        assert st["rings_open"] == 1
+    assert d.alive()
+    roundtrip(good, b"good-after")
+    assert good.fastpath is True
+    # the hostile client: each call works (over ZMQ once the pair is gone) or fails typed
+    ok = 0
+    for i in range(20):
+        try:
+            bad.ping()
+            bad.lookup(NS, [key(i, b"bad")])
+            ok += 1
+        except kvtier.KvtierError:
+            pass
+    assert d.alive()
+    if how == "record":
+        assert bad.fastpath is False and ok == 20, (bad.fastpath_why, ok)
+        roundtrip(bad, b"bad-after")
+    roundtrip(good, b"good-end")
+    bad.close()
+    wait_rings_open(d, 1, 5, "only the good client's pair")
+    assert good.fastpath is True
+
+
+def test_instance_dropped_then_rehello_gets_a_new_pair(daemon_factory, clients):
+    lease_ms = 600
+    d = daemon_factory("--lease-ms", str(lease_ms))
+    c = clients(d, instance="fp-idle", heartbeat_ms=0)
+    assert c.fastpath
+    roundtrip(c, b"idle-1")
+    # silent past lease_ms: the daemon drops the instance and its pair
+    wait_rings_open(d, 0, lease_ms / 1000 * 3 + 5, "the idle instance's pair to be dropped")
+    # the next call finds the ring closed, goes over ZMQ, answers instance_dropped, says
+    # HELLO again (asking again) and runs on the new pair
+    c.ping()
+    assert c.fastpath is True, c.fastpath_why
+    assert fp_status(d)["rings_open"] == 1
+    requests = fp_status(d)["requests"]
+    roundtrip(c, b"idle-2")
+    assert fp_status(d)["requests"] >= requests + 6
+    # an explicit hello() trades the pair for a new one
+    c.hello()
+    assert c.fastpath is True
+    wait_rings_open(d, 1, 5)
+    roundtrip(c, b"idle-3")
+
+
+def test_post_replies_are_skipped(daemon_factory, clients):
+    d = daemon_factory()
+    c = clients(d)
+    assert c.fastpath
+    cap = c.info["fastpath"]["capacity"]
+    # more unclaimed replies than the reply ring holds
+    n = max(4000, cap // 16)
+    for _ in range(n):
+        c.post(kvtier.PING, {"instance": c.instance})
+    keys, datas = roundtrip(c, b"posted")
+    assert c.fastpath is True, c.fastpath_why
+    slots, lease = c.acquire_offsets(NS, keys)
+    c.post(kvtier.RELEASE, {"lease": lease})
+    assert c.fetch(NS, keys) == datas
+    st = fp_status(d)
+    assert st["rings_open"] == 1 and dropped_total(st) == 0, st
+    assert st["requests"] >= n
+
+
+def test_arena_mapping_outlives_no_ring(daemon_factory, clients):
+    """close() drops the pair before unmapping: no export of the mapping is left behind."""
+    d = daemon_factory()
+    c = clients(d)
+    assert c.fastpath
+    arena = c.arena
+    c.close()
+    assert c.arena is None and c.fastpath is False
+    assert arena.closed
+
+
+if __name__ == "__main__":
+    role, arg = sys.argv[1], json.loads(sys.argv[2])
+    {"looper": _looper}[role](arg)
