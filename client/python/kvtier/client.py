@@ -145,6 +145,10 @@ _RESENDABLE = frozenset({PING, PREFETCH_STATUS, STATS, HASH_TOKENS})
 # fit at this rate go over ZMQ, so their reply never outgrows the ring.
 _SLOT_REPLY_BYTES = 40
 _REPLY_SLACK = 256
+# The daemon closes a pair whose client leaves more than 256 replies unread: before pushing
+# while this many ring requests are outstanding, replies already there are taken (kept for
+# their recv()), as those of post() and of timed-out calls always are.
+_DRAIN_OUTSTANDING = 64
 _WAIT_SLICE_MS = 200            # ring waits in slices: Ctrl-C is seen between two
 _LOST = object()                # _waiting[uid]: sent on a ring pair that has gone
 
@@ -516,7 +520,7 @@ class Client:
         uid = next(self._uids)
         frames = [_pack(uid), _pack(type_), _pack({} if body is None else body)]
         if self._ring is not None and ring_ok and not data and type_ not in _ZMQ_ONLY:
-            if self._ring_orphans:
+            if self._ring_orphans or len(self._ring_uids) >= _DRAIN_OUTSTANDING:
                 self._ring_drain()
             ring = self._ring
             if ring is not None and ring.fits(frames) and self._reply_fits(body, ring):
@@ -591,8 +595,8 @@ class Client:
 
     def _ring_drain(self):
         """Takes the replies waiting on the ring without waiting: those of post() and of
-        timed-out calls must not fill it up."""
-        while self._ring is not None and self._ring_orphans:
+        timed-out calls are dropped, those of outstanding requests kept for their recv()."""
+        while self._ring is not None:
             rc, payload = self._ring.pop()
             if rc == _ring.EBUSY:
                 return
