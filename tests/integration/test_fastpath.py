@@ -230,6 +230,37 @@ def test_more_clients_than_rings_fall_back(daemon_factory, clients):
     roundtrip(cs[2], b"few-again")
 
 
+def test_what_does_not_fit_a_ring_goes_over_zmq(daemon_factory, clients):
+    d = daemon_factory()
+    c = clients(d)
+    assert c.fastpath and c.info["fastpath"]["capacity"] == 65536
+
+    def ring_requests(fn):
+        before = fp_status(d)["requests"]
+        out = fn()
+        return fp_status(d)["requests"] - before, out
+
+    few = [key(i, "fit") for i in range(1000)]             # 18 KB: the ring
+    n, lk = ring_requests(lambda: c.lookup(NS, few))
+    assert n == 1 and lk.hits == 0
+    many = [key(i, "big") for i in range(5000)]            # 90 KB: the socket
+    n, lk = ring_requests(lambda: c.lookup(NS, many))
+    assert n == 0 and lk.hits == 0
+    # 2,500 keys fit a request record, but their 2,500 slots might not fit a reply record
+    n, (slots, lease) = ring_requests(lambda: c.reserve(NS, many[:2500], 4096))
+    assert n == 0 and len(slots) == 2500 and None not in slots
+    for i, s in enumerate(slots):
+        s[:] = i.to_bytes(4, "little") * 1024
+    n, stored = ring_requests(lambda: c.commit(lease))
+    assert n == 1 and stored == 2500
+    n, got = ring_requests(lambda: c.fetch(NS, many[:2500]))
+    assert n == 1, "ACQUIRE of 2,500 over the socket, RELEASE over the ring"
+    assert got == [i.to_bytes(4, "little") * 1024 for i in range(2500)]
+    n, found = ring_requests(lambda: c.get(NS, many[:3]))
+    assert n == 0 and found == [i.to_bytes(4, "little") * 1024 for i in range(3)]
+    assert c.fastpath is True
+
+
 # ----------------------------------------------------------------------------------------
 # Many clients
 

@@ -253,3 +253,11 @@ class Pair:
         self._req = self._rep = None
         views, self._views = self._views, []
         del views                             # the last references: the mmap is free again
+
+    def __del__(self):
+        # a Client collected without close(): free the handles (detaching never touches the
+        # region; the daemon closes the pair with the connection or the instance)
+        try:
+            self.drop(close=False)
+        except Exception:                     # noqa: BLE001 - interpreter shutdown
+            pass

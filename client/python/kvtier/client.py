@@ -142,8 +142,10 @@ _ZMQ_ONLY = frozenset({HELLO, BYE, PUT, GET})
 # large for the ring): they change nothing and pin nothing, so running twice is harmless.
 _RESENDABLE = frozenset({PING, PREFETCH_STATUS, STATS, HASH_TOKENS})
 # A reply slot {offset, length} takes at most 33 bytes: RESERVE / ACQUIRE of more keys than
-# fit at this rate go over ZMQ, so their reply never outgrows the ring.
-_SLOT_REPLY_BYTES = 40
+# fit at this rate go over ZMQ, so their reply never outgrows the ring (the daemon would
+# answer too_large after having run the request).
+_SLOTTED = frozenset({RESERVE, ACQUIRE})
+_SLOT_REPLY_BYTES = 33
 _REPLY_SLACK = 256
 # The daemon closes a pair whose client leaves more than 256 replies unread: before pushing
 # while this many ring requests are outstanding, replies already there are taken (kept for
@@ -523,7 +525,8 @@ class Client:
             if self._ring_orphans or len(self._ring_uids) >= _DRAIN_OUTSTANDING:
                 self._ring_drain()
             ring = self._ring
-            if ring is not None and ring.fits(frames) and self._reply_fits(body, ring):
+            if ring is not None and ring.fits(frames) and \
+                    (type_ not in _SLOTTED or self._reply_fits(body, ring)):
                 if self._ring_push(ring, frames, type_):
                     if reply:
                         self._waiting[uid] = None
@@ -543,8 +546,8 @@ class Client:
 
     @staticmethod
     def _reply_fits(body, ring):
-        """A request naming n keys may be answered with n slots: over ZMQ when those could
-        outgrow a ring record."""
+        """RESERVE / ACQUIRE of n keys may be answered with n slots: over ZMQ when those
+        could outgrow a ring record."""
         keys = body.get("keys") if isinstance(body, dict) else None
         if not isinstance(keys, list):
             return True
