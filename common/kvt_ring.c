@@ -54,7 +54,8 @@ typedef struct {
     uint32_t version;
     uint32_t hdr_size;
     uint32_t capacity;
-    uint8_t pad0[128 - 20];
+    _Atomic uint32_t epoch; /* bumped by each format: a handle of an earlier use is closed */
+    uint8_t pad0[128 - 24];
     _Atomic uint64_t head;
     _Atomic uint32_t prod_wait;
     _Atomic uint32_t prod_closed;
@@ -69,6 +70,7 @@ _Static_assert(sizeof(s_hdr_t) == KVT_RING_HDR_SIZE, "ring header size");
 _Static_assert(offsetof(s_hdr_t, version) == KVT_RING_OFF_VERSION, "layout");
 _Static_assert(offsetof(s_hdr_t, hdr_size) == KVT_RING_OFF_HDR_SIZE, "layout");
 _Static_assert(offsetof(s_hdr_t, capacity) == KVT_RING_OFF_CAPACITY, "layout");
+_Static_assert(offsetof(s_hdr_t, epoch) == KVT_RING_OFF_EPOCH, "layout");
 _Static_assert(offsetof(s_hdr_t, head) == KVT_RING_OFF_HEAD, "layout");
 _Static_assert(offsetof(s_hdr_t, prod_wait) == KVT_RING_OFF_PROD_WAIT, "layout");
 _Static_assert(offsetof(s_hdr_t, prod_closed) == KVT_RING_OFF_PROD_CLOSED, "layout");
@@ -87,6 +89,7 @@ struct kvt_ring {
     uint64_t cap;  /* ours, from attach time */
     uint64_t mask;
     uint64_t pos; /* ours: head (producer) or tail (consumer); never read back */
+    uint32_t epoch; /* the region's epoch at attach */
     uint32_t spin_max;
     bool broken;
     kvt_ring_stats_t st;
@@ -177,7 +180,11 @@ int kvt_ring_format(void *region, size_t size, uint32_t capacity)
         size < kvt_ring_region_size(capacity))
         return KVT_EINVAL;
     s_hdr_t *h = region;
+    /* a region used before (the daemon hands ring slots to one client after another) gets a
+     * new epoch: a handle still attached from the last use finds its ring closed */
+    uint32_t epoch = h->magic == KVT_RING_MAGIC ? atomic_load(&h->epoch) + 1 : 1;
     memset(h, 0, sizeof *h);
+    atomic_init(&h->epoch, epoch);
     h->magic = KVT_RING_MAGIC;
     h->version = KVT_RING_VERSION;
     h->hdr_size = KVT_RING_HDR_SIZE;
@@ -237,6 +244,7 @@ kvt_ring_t *kvt_ring_new(void *region, size_t size, uint32_t capacity, kvt_ring_
     self->cap = capacity;
     self->mask = capacity - 1;
     self->pos = role == KVT_RING_PRODUCER ? head : tail;
+    self->epoch = atomic_load_explicit(&h->epoch, memory_order_acquire);
     self->spin_max = S_DEFAULT_SPIN;
     self->st.spin = S_DEFAULT_SPIN;
     return self;
@@ -286,11 +294,13 @@ static int s_free(kvt_ring_t *self, uint64_t *free_bytes)
     return 0;
 }
 
+/* The peer closed its side, or the region was formatted again for another use. */
 static bool s_peer_closed(const kvt_ring_t *self)
 {
     _Atomic uint32_t *w =
         self->role == KVT_RING_PRODUCER ? &self->hdr->cons_closed : &self->hdr->prod_closed;
-    return atomic_load_explicit(w, memory_order_acquire) != 0;
+    return atomic_load_explicit(w, memory_order_acquire) != 0 ||
+           atomic_load_explicit(&self->hdr->epoch, memory_order_relaxed) != self->epoch;
 }
 
 /* Bytes of the record carrying a payload of n bytes. */
@@ -306,6 +316,8 @@ static int s_ready(kvt_ring_t *self, size_t need)
     if (self->broken)
         return KVT_EBADREQ;
     int rc;
+    if (atomic_load_explicit(&self->hdr->epoch, memory_order_relaxed) != self->epoch)
+        return KVT_EUNAVAIL; /* formatted again: nothing of this use is left */
     if (self->role == KVT_RING_CONSUMER) {
         uint64_t avail;
         if ((rc = s_avail(self, &avail)))

@@ -36,6 +36,7 @@
 #define KVT_RING_OFF_VERSION 8u
 #define KVT_RING_OFF_HDR_SIZE 12u
 #define KVT_RING_OFF_CAPACITY 16u
+#define KVT_RING_OFF_EPOCH 20u        /* u32, bumped by each kvt_ring_format of the region */
 #define KVT_RING_OFF_HEAD 128u        /* u64, bytes ever produced; written by the producer */
 #define KVT_RING_OFF_PROD_WAIT 136u   /* u32 futex word: the producer sleeps for space */
 #define KVT_RING_OFF_PROD_CLOSED 140u /* u32: the producer has gone */

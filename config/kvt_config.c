@@ -16,6 +16,7 @@
 
 #include "kvt_error.h"
 #include "kvt_log.h"
+#include "kvt_ring.h"
 #include "kvt_size.h"
 
 #include <ctype.h>
@@ -211,6 +212,17 @@ static const s_opt_t s_options[] = {
     S_NUM("lmcache.max_requests", "--lmcache-max-requests", "KVTIER_LMCACHE_MAX_REQUESTS",
           S_UINT32, lmcache_max_requests, 16, 1048576, "16384", 0, "N",
           "LMCache requests whose lookup state is kept at once (the oldest goes first)"),
+    S_BOOLEAN("fastpath.enabled", "--fastpath-enabled", "KVTIER_FASTPATH_ENABLED",
+              fastpath_enabled, "true", 0,
+              "offer same-machine clients a request/reply ring pair in shared memory at HELLO"),
+    S_NUM("fastpath.rings", "--fastpath-rings", "KVTIER_FASTPATH_RINGS", S_UINT32, fastpath_rings,
+          1, 127, "64", 0, "N", "fast-path ring pairs open at once; past it HELLO offers none"),
+    S_NUM("fastpath.ring_bytes", "--fastpath-ring-bytes", "KVTIER_FASTPATH_RING_BYTES", S_SIZE,
+          fastpath_ring_bytes, 4 * S_K, 16 * S_M, "64K", 0, "SIZE",
+          "data bytes of each fast-path ring (a power of two); larger messages go over ZMQ"),
+    S_NUM("fastpath.spin_us", "--fastpath-spin-us", "KVTIER_FASTPATH_SPIN_US", S_UINT32,
+          fastpath_spin_us, 0, 10000, "50", 0, "US",
+          "the fast-path thread polls this long after its last request before it sleeps"),
     S_STR("debug.fault_thread", "--debug-fault-thread", "KVTIER_DEBUG_FAULT_THREAD",
           debug_fault_thread, "", S_HIDDEN, NULL, "NAME", "test: thread to fault, \"\" for none"),
     S_STR("debug.fault_mode", "--debug-fault-mode", "KVTIER_DEBUG_FAULT_MODE", debug_fault_mode,
@@ -1246,6 +1258,9 @@ int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen)
         return s_fail(err, errlen,
                       "l1.hugepages: on cannot be combined with lmcache.listen (LMCache clients "
                       "open the arena by name in /dev/shm, which has no reserved huge pages)");
+    if (self->fastpath_ring_bytes & (self->fastpath_ring_bytes - 1))
+        return s_fail(err, errlen, "fastpath.ring_bytes: must be a power of two (%llu is not)",
+                      (unsigned long long)self->fastpath_ring_bytes);
     gid_t gid;
     if (kvt_config_shm_gid(self, &gid) < 0)
         return s_fail(err, errlen, "shm_group: no group named '%s' on this system",
@@ -1528,4 +1543,19 @@ void kvt_config_usage(void *out)
         fprintf(f, "  %-32s %s [env %s, default %s]\n", left, o->help, o->env,
                 def && *def ? def : "\"\"");
     }
+}
+
+uint64_t kvt_config_fastpath_pair_bytes(const kvt_config_t *self)
+{
+    uint64_t ring = KVT_RING_HDR_SIZE + self->fastpath_ring_bytes; /* kvt_ring_region_size */
+    return (2 * ring + 4095) / 4096 * 4096;
+}
+
+uint64_t kvt_config_fastpath_bytes(const kvt_config_t *self)
+{
+    /* whole 2 MiB pages, so that on hugetlbfs the objects' part (what clients that do not use
+     * the fast path map) ends at a huge page boundary too */
+    uint64_t huge = 2u << 20;
+    uint64_t n = self->fastpath_rings * kvt_config_fastpath_pair_bytes(self);
+    return self->fastpath_enabled ? (n + huge - 1) / huge * huge : 0;
 }

@@ -68,6 +68,13 @@ typedef struct kvt_config {
     char *lmcache_listen;
     uint32_t lmcache_reap_timeout_s;
     uint32_t lmcache_max_requests;
+    /* the same-machine fast path (daemon/kvt_fastpath): ring pairs offered at HELLO, at most
+     * fastpath_rings at once, each ring fastpath_ring_bytes (a power of two) of the arena's
+     * tail; the fast-path thread spins fastpath_spin_us after its last request before sleeping */
+    bool fastpath_enabled;
+    uint32_t fastpath_rings;
+    uint64_t fastpath_ring_bytes;
+    uint32_t fastpath_spin_us;
     /* hidden test knobs (never in --print-config unless set): make a supervised thread stall
      * or exit, to test the supervisor and /readyz */
     char *debug_fault_thread; /* thread name, "" for none */
@@ -132,5 +139,12 @@ void kvt_config_usage(void *out);
 /* The group of shm_group (a name or a number): 0 and *gid; 1 when shm_group is empty;
  * KVT_EINVAL when no such group exists. */
 int kvt_config_shm_gid(const kvt_config_t *self, gid_t *gid);
+
+/* Bytes of the arena's tail that hold the fast path's ring pairs (0 when it is disabled): a
+ * multiple of 2 MiB, after the L1 objects. */
+uint64_t kvt_config_fastpath_bytes(const kvt_config_t *self);
+
+/* Bytes of one ring pair in that tail (page-rounded). */
+uint64_t kvt_config_fastpath_pair_bytes(const kvt_config_t *self);
 
 #endif

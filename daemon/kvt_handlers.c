@@ -60,16 +60,32 @@ static int s_hello(kvt_rq_t *c)
     free(token);
     if (rc)
         return rc;
+    /* a client that mapped the arena may ask for a ring pair; none free: it stays on ZMQ */
+    kvt_fastpath_offer_t offer;
+    bool offered = (c->req.present & KVT_F_FASTPATH) && c->req.fastpath && c->svc->fastpath &&
+                   c->conn && kvt_fastpath_open(c->svc->fastpath, c->conn, c->owner, &offer) == 0;
     msgpack_packer *pk = &c->pk;
-    kvt_pack_ok(pk, 7);
+    kvt_pack_ok(pk, offered ? 8 : 7);
     kvt_pack_str(pk, "shm");
-    msgpack_pack_map(pk, 3);
+    msgpack_pack_map(pk, 4);
     kvt_pack_str(pk, "path");
     kvt_pack_str(pk, kvt_l1_shm_path(c->svc->l1));
     kvt_pack_str(pk, "size");
     msgpack_pack_uint64(pk, kvt_l1_capacity(c->svc->l1));
+    kvt_pack_str(pk, "map_size");
+    msgpack_pack_uint64(pk, kvt_l1_map_size(c->svc->l1));
     kvt_pack_str(pk, "page_size");
     msgpack_pack_uint64(pk, kvt_l1_page_size(c->svc->l1));
+    if (offered) {
+        kvt_pack_str(pk, "fastpath");
+        msgpack_pack_map(pk, 3);
+        kvt_pack_str(pk, "request");
+        msgpack_pack_uint64(pk, offer.request);
+        kvt_pack_str(pk, "reply");
+        msgpack_pack_uint64(pk, offer.reply);
+        kvt_pack_str(pk, "capacity");
+        msgpack_pack_uint32(pk, offer.capacity);
+    }
     kvt_pack_str(pk, "version");
     msgpack_pack_uint32(pk, KVT_PROTO_VERSION);
     kvt_pack_str(pk, "server");

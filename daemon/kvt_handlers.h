@@ -10,6 +10,7 @@
 #define KVT_HANDLERS_H
 
 #include "kvt_config.h"
+#include "kvt_fastpath.h"
 #include "kvt_gpu.h"
 #include "kvt_l1.h"
 #include "kvt_l2mgr.h"
@@ -31,6 +32,7 @@ typedef struct {
     kvt_l2mgr_t *l2; /* NULL or no adapters: no L2 */
     kvt_prefetch_t *prefetch;
     kvt_gpu_t *gpu; /* the GPU path (CUDA loaded on first use) */
+    kvt_fastpath_t *fastpath; /* NULL: fastpath.enabled is false */
 } kvt_services_t;
 
 /* What a LOOKUP's inline part (L1, server thread) leaves to its part on the lookup pool (L2). */
@@ -49,6 +51,7 @@ typedef struct kvt_rq {
     uint32_t ndata, data_cap;
     uint64_t type;
     kvt_conn_t *conn; /* the connection it came on (a reference) */
+    kvt_fastpath_ref_t ring; /* the fast-path ring pair it came through; .slot 0: the socket */
     uint64_t owner;   /* the instance the connection acts for, 0 when none */
     uint64_t t0_ns;
     kvt_req_t req;

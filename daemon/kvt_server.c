@@ -17,6 +17,7 @@
 #include "kvt_accept.h"
 #include "kvt_curve.h"
 #include "kvt_error.h"
+#include "kvt_fastpath.h"
 #include "kvt_handlers.h"
 #include "kvt_instance.h"
 #include "kvt_log.h"
@@ -30,6 +31,7 @@
 
 #include <czmq.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -61,6 +63,9 @@ struct kvt_server {
     kvt_limits_t lim;
     uint64_t next_sweep_ms;
     int nbound; /* cfg->listen[0..nbound) are bound: their ipc files are ours to remove */
+    /* held by this loop while it works and by the fastpath thread while it handles a ring
+     * request: sessions, leases, the spare request and the rings see one thread at a time */
+    pthread_mutex_t lock;
 };
 
 static kvt_errrep_t s_rep_bad = KVT_ERRREP_INIT(10000);
@@ -177,6 +182,43 @@ static s_reply_t *s_reply_new(kvt_server_t *self, kvt_rq_t *rq, zmq_msg_t *frame
     return r;
 }
 
+/* A fast-path request's reply [uid, type, body, out...] goes into its reply ring (GET's data
+ * frames copied in; its read lease is released with the request). A reply the ring can never
+ * hold is answered too_large instead, so the client is not left waiting. */
+static void s_reply_ring(kvt_server_t *self, kvt_rq_t *rq, const uint8_t *type, size_t tlen)
+{
+    kvt_ring_iov_t stack_iov[8];
+    uint32_t n = 3 + rq->nout;
+    kvt_ring_iov_t *iov = n <= 8 ? stack_iov : malloc(n * sizeof *iov);
+    kvt_assert(iov);
+    iov[0] = (kvt_ring_iov_t){zmq_msg_data(&rq->uid), zmq_msg_size(&rq->uid)};
+    iov[1] = (kvt_ring_iov_t){type, tlen};
+    iov[2] = (kvt_ring_iov_t){rq->sbuf.data, rq->sbuf.size};
+    uint8_t *base = kvt_l1_base(self->svc.l1);
+    for (uint32_t i = 0; i < rq->nout; i++)
+        iov[3 + i] = (kvt_ring_iov_t){base + rq->out[i].offset, rq->out[i].length};
+    int rc = kvt_fastpath_reply(self->svc.fastpath, rq->ring, iov, n);
+    if (rc == KVT_ETOOBIG) {
+        size_t want = kvt_ring_msg_size(iov, n);
+        msgpack_sbuffer_clear(&rq->sbuf);
+        char msg[200];
+        snprintf(msg, sizeof msg,
+                 "%s: a reply of %zu bytes does not fit in the fast-path ring (fastpath.ring_bytes "
+                 "%llu): send it over the socket",
+                 kvt_proto_name(rq->type), want,
+                 (unsigned long long)self->cfg->fastpath_ring_bytes);
+        kvt_pack_error(&rq->pk, KVT_ETOOBIG, msg);
+        iov[2] = (kvt_ring_iov_t){rq->sbuf.data, rq->sbuf.size};
+        rq->rc = KVT_ETOOBIG;
+        rc = kvt_fastpath_reply(self->svc.fastpath, rq->ring, iov, 3);
+    }
+    if (rc)
+        kvt_reqstats_reply_failed(self->stats);
+    if (iov != stack_iov)
+        free(iov);
+    rq->nout = 0;
+}
+
 /* Sends the reply [rid, uid, type, body, out...], counts the request and frees it. The ROUTER
  * queues without a limit (ZMQ_SNDHWM 0), so a send fails only when the client connection is
  * gone; what a connection may leave unread is bounded per connection instead (kvt_session). */
@@ -198,6 +240,12 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
     msgpack_packer tpk;
     msgpack_packer_init(&tpk, &tbuf, msgpack_sbuffer_write);
     msgpack_pack_uint64(&tpk, rq->type);
+    if (rq->ring.slot) {
+        s_reply_ring(self, rq, typebuf, tbuf.size);
+        kvt_reqstats_request(self->stats, rq->type, rq->rc, kvt_now_ns() - rq->t0_ns);
+        s_rq_free(self, rq);
+        return;
+    }
     uint32_t nframes = 1 + rq->nout;
     zmq_msg_t stack_frames[8];
     zmq_msg_t *frames = nframes <= 8 ? stack_frames : malloc(nframes * sizeof *frames);
@@ -400,6 +448,65 @@ static void s_handle_message(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
     s_finish(self, rq);
 }
 
+/* A request from a fast-path ring (fastpath thread, lock held): its frames are copied into
+ * libzmq messages and it runs exactly as one from the socket, acting for the connection that
+ * asked for the ring. A record that is not a message closes the ring. */
+static void s_ring_request(void *ctx, kvt_fastpath_ref_t ref, kvt_conn_t *conn,
+                           const uint8_t *payload, size_t len)
+{
+    kvt_server_t *self = ctx;
+    kvt_ring_frame_t stack_fr[8], *fr = stack_fr;
+    uint32_t count = 0, n = 0;
+    if (len >= 4)
+        memcpy(&count, payload, 4);
+    if (count > 8 && count <= len / 4) /* each frame takes 4 bytes at least */
+        fr = malloc(count * sizeof *fr);
+    kvt_assert(fr);
+    if (kvt_ring_parse(payload, len, fr, count > 8 && fr != stack_fr ? count : 8, &n) != 0) {
+        kvt_reqstats_dropped(self->stats);
+        kvt_fastpath_reject(self->svc.fastpath, ref,
+                            "a record that is not a message (u32 count, u32 length + bytes ...)");
+        if (fr != stack_fr)
+            free(fr);
+        return;
+    }
+    kvt_rq_t *rq = s_rq_new(self);
+    rq->ring = ref;
+    rq->t0_ns = kvt_now_ns();
+    s_msg_t m = {.parts = 0};
+    zmq_msg_init(&m.type);
+    for (uint32_t i = 0; i < n; i++) {
+        zmq_msg_t *part = s_part_slot(self, rq, &m, i);
+        m.total += fr[i].len;
+        m.parts++;
+        if (!part)
+            continue;
+        zmq_msg_close(part);
+        kvt_assert(zmq_msg_init_size(part, fr[i].len) == 0);
+        if (fr[i].len)
+            memcpy(zmq_msg_data(part), fr[i].ptr, fr[i].len);
+    }
+    if (fr != stack_fr)
+        free(fr);
+    uint64_t uidv;
+    if (m.parts < 1 ||
+        kvt_msg_read_uint(zmq_msg_data(&rq->uid), zmq_msg_size(&rq->uid), &uidv) != 0) {
+        kvt_reqstats_dropped(self->stats);
+        kvt_errrep_report(&s_rep_bad, KVT_LOG_WARN,
+                          "dropped a fast-path message whose first frame is not a msgpack uint uid");
+        s_rq_free(self, rq);
+        zmq_msg_close(&m.type);
+        return;
+    }
+    kvt_sessions_touch(self->svc.sessions, conn, kvt_now_ms());
+    rq->conn = kvt_conn_ref(conn);
+    rq->owner = kvt_conn_owner(conn);
+    rq->rc = s_prepare(self, rq, &m);
+    if (!(rq->rc == 0 && s_dispatch(self, rq)))
+        s_finish(self, rq);
+    zmq_msg_close(&m.type);
+}
+
 /* Reads and handles up to S_BATCH waiting messages. */
 static void s_intake(kvt_server_t *self, volatile sig_atomic_t *stop)
 {
@@ -433,6 +540,7 @@ static uint64_t s_on_gone(void *ctx, uint64_t owner, bool expired)
 {
     kvt_server_t *self = ctx;
     kvt_gpu_owner_gone(self->svc.gpu, owner); /* never blocks: closing is the gpu's thread's */
+    kvt_fastpath_owner_gone(self->svc.fastpath, owner, expired);
     return kvt_l1_release_owner(self->svc.l1, owner, expired);
 }
 
@@ -526,6 +634,13 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
                                  .max_reply_backlog = cfg->max_reply_backlog};
     self->svc.sessions = kvt_sessions_new(&slim, s_on_gone, self);
     kvt_metrics_add_source(metrics, kvt_sessions_metrics_source, self->svc.sessions);
+    pthread_mutex_init(&self->lock, NULL);
+    /* the rings live in the arena's tail, past the objects */
+    self->svc.fastpath = kvt_fastpath_new(cfg, (uint8_t *)kvt_l1_base(l1) + kvt_l1_capacity(l1),
+                                          kvt_l1_capacity(l1), &self->lock, self->svc.sessions,
+                                          s_ring_request, self);
+    if (self->svc.fastpath)
+        kvt_metrics_add_source(metrics, kvt_fastpath_metrics_source, self->svc.fastpath);
     self->svc.l2 = l2;
     self->svc.prefetch = prefetch;
     self->svc.gpu = kvt_gpu_new(l1); /* touches no CUDA until a GPU request */
@@ -576,6 +691,10 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
                 self->curve && strncmp(ep, "tcp://", 6) == 0 ? " (CURVE)" : "");
     }
     self->beat = kvt_sup_register(sup, "server", 1000);
+    if (self->svc.fastpath && kvt_fastpath_start(self->svc.fastpath, sup) != 0) {
+        snprintf(err, errlen, "cannot start the fastpath thread");
+        goto fail;
+    }
     return self;
 fail:
     kvt_server_destroy(&self);
@@ -587,6 +706,7 @@ void kvt_server_destroy(kvt_server_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvt_server_t *self = *self_p;
+    kvt_fastpath_stop(self->svc.fastpath); /* no ring request runs from here on */
     if (self->workers) {
         s_collect(self); /* kvt_server_run drained; this only catches a failed start */
         kvt_workers_destroy(&self->workers);
@@ -607,7 +727,9 @@ void kvt_server_destroy(kvt_server_t **self_p)
     for (int i = 0; i < self->nbound; i++)
         if (strncmp(self->cfg->listen[i], "ipc://", 6) == 0)
             unlink(self->cfg->listen[i] + 6);
+    kvt_fastpath_destroy(&self->svc.fastpath); /* its slots hold connections */
     kvt_sessions_destroy(&self->svc.sessions);
+    pthread_mutex_destroy(&self->lock);
     free(self);
     *self_p = NULL;
 }
@@ -664,12 +786,17 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
             rc = KVT_EINTERNAL;
             break;
         }
+        pthread_mutex_lock(&self->lock);
         s_monitor(self);
         s_intake(self, stop);
         s_collect(self);
         s_periodic(self);
+        pthread_mutex_unlock(&self->lock);
     }
+    kvt_fastpath_stop(self->svc.fastpath); /* ring requests end; their pooled jobs drain */
+    pthread_mutex_lock(&self->lock);
     s_drain(self);
+    pthread_mutex_unlock(&self->lock);
     kvt_sup_thread_exit(self->beat, rc == 0);
     return rc;
 }
@@ -694,5 +821,6 @@ json_t *kvt_server_status_json(kvt_server_t *self)
     json_decref(clients);
     json_object_set_new(json_object_get(st, "connections"), "open",
                         json_integer((json_int_t)kvt_accept_open()));
+    json_object_set_new(st, "fastpath", kvt_fastpath_json(self->svc.fastpath));
     return st;
 }

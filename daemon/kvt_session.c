@@ -48,6 +48,7 @@ struct kvt_conn {
     uint32_t gen; /* its connection's generation on fd */
     uint64_t id;
     bool cut;
+    _Atomic bool retired; /* out of the tables: its connection is gone */
     uint64_t last_ms;
     s_session_t **inst; /* instances it acts for; the last one is current */
     uint32_t ninst;
@@ -248,6 +249,7 @@ void kvt_conn_unref(kvt_conn_t **c_p)
  * another one); lock held. Its instances stay until they expire or are joined again. */
 static void s_conn_retire(kvt_sessions_t *self, kvt_conn_t *c)
 {
+    atomic_store_explicit(&c->retired, true, memory_order_relaxed);
     while (c->ninst)
         s_unlink(c, c->inst[0]);
     if (c->fd >= 0 && (size_t)c->fd < self->nfd && self->by_fd[c->fd] == c)
@@ -272,6 +274,16 @@ static void s_by_fd_set(kvt_sessions_t *self, int fd, kvt_conn_t *c)
         self->nfd = n;
     }
     self->by_fd[fd] = c;
+}
+
+/* A request arrived for c: it and its instances are alive (lock held). */
+static void s_touch(kvt_conn_t *c, uint64_t now_ms)
+{
+    c->last_ms = now_ms;
+    for (uint32_t i = 0; i < c->ninst; i++) {
+        c->inst[i]->last_seen_ms = now_ms;
+        c->inst[i]->requests++;
+    }
 }
 
 kvt_conn_t *kvt_sessions_conn(kvt_sessions_t *self, const uint8_t *rid, size_t rid_len, int fd,
@@ -302,14 +314,22 @@ kvt_conn_t *kvt_sessions_conn(kvt_sessions_t *self, const uint8_t *rid, size_t r
         s_by_fd_set(self, fd, c);
         atomic_fetch_add_explicit(&self->conns, 1, memory_order_relaxed);
     }
-    c->last_ms = now_ms;
-    for (uint32_t i = 0; i < c->ninst; i++) {
-        c->inst[i]->last_seen_ms = now_ms;
-        c->inst[i]->requests++;
-    }
+    s_touch(c, now_ms);
     kvt_conn_ref(c);
     pthread_mutex_unlock(&self->lock);
     return c;
+}
+
+void kvt_sessions_touch(kvt_sessions_t *self, kvt_conn_t *c, uint64_t now_ms)
+{
+    pthread_mutex_lock(&self->lock);
+    s_touch(c, now_ms);
+    pthread_mutex_unlock(&self->lock);
+}
+
+bool kvt_conn_retired(const kvt_conn_t *c)
+{
+    return atomic_load_explicit(&c->retired, memory_order_relaxed);
 }
 
 uint64_t kvt_conn_owner(const kvt_conn_t *c)

@@ -66,6 +66,13 @@ void kvt_sessions_destroy(kvt_sessions_t **self_p);
 kvt_conn_t *kvt_sessions_conn(kvt_sessions_t *self, const uint8_t *rid, size_t rid_len, int fd,
                               uint32_t gen, uint64_t now_ms);
 
+/* A request on connection c that did not come through the socket (the fast path's rings act
+ * for the connection that asked for them): renews its instances as kvt_sessions_conn does. */
+void kvt_sessions_touch(kvt_sessions_t *self, kvt_conn_t *c, uint64_t now_ms);
+
+/* The connection is gone (out of the tables); references may outlive it. Any thread. */
+bool kvt_conn_retired(const kvt_conn_t *c);
+
 kvt_conn_t *kvt_conn_ref(kvt_conn_t *c);
 void kvt_conn_unref(kvt_conn_t **c_p);
 

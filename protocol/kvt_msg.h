@@ -44,6 +44,7 @@ typedef struct kvt_req {
     uint32_t nsizes;
     uint64_t size;
     bool lock, prefetch;
+    bool fastpath; /* HELLO: the client asks for a fast-path ring pair */
     uint64_t job, lease, chunk_tokens;
     uint64_t *failed;
     uint32_t nfailed;

@@ -46,7 +46,8 @@
     XX(DTYPE, "dtype", STR)                                                                    \
     XX(BLOCK_IDS, "block_ids", UINTS)                                                          \
     XX(EVENT, "event", BIN)                                                                    \
-    XX(TOKEN, "token", STR)
+    XX(TOKEN, "token", STR)                                                                    \
+    XX(FASTPATH, "fastpath", BOOL)
 
 typedef enum {
 #define KVT_XX(f, name, kind) KVT_FI_##f,
@@ -80,7 +81,8 @@ typedef enum {
 /* XX(id, NAME, "name", run class, required fields, optional fields, max body bytes (0 = the
  * configured max_message)) */
 #define KVT_REQ_MAP(XX)                                                                        \
-    XX(1, HELLO, "hello", INLINE, KVT_F_VERSION | KVT_F_CLIENT | KVT_F_INSTANCE, KVT_F_TOKEN,  \
+    XX(1, HELLO, "hello", INLINE, KVT_F_VERSION | KVT_F_CLIENT | KVT_F_INSTANCE,               \
+       KVT_F_TOKEN | KVT_F_FASTPATH,                                                           \
        65536)                                                                                  \
     XX(2, BYE, "bye", INLINE, KVT_F_INSTANCE, KVT_NONE, 65536)                                 \
     XX(3, PING, "ping", INLINE, KVT_NONE, KVT_F_INSTANCE, 65536)                               \

@@ -400,7 +400,9 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
     char hdir[PATH_MAX] = "", why[KVT_ERR_LEN * 2] = "";
     bool want = strcmp(cfg->l1_hugepages, "off") != 0;
     bool must = strcmp(cfg->l1_hugepages, "on") == 0;
-    uint64_t hsize = (cfg->l1_size + S_HUGE - 1) / S_HUGE * S_HUGE;
+    /* L1's objects, then the fast path's rings (kvt_l1 splits them) */
+    uint64_t want_size = cfg->l1_size + kvt_config_fastpath_bytes(cfg);
+    uint64_t hsize = (want_size + S_HUGE - 1) / S_HUGE * S_HUGE;
     /* segments of crashed daemons of this run dir go first, wherever they are: they hold
      * memory (in hugetlbfs, the very pages about to be counted) */
     s_remove_stale(S_SHM_DIR, prefix);
@@ -427,7 +429,7 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
     if (self->base == MAP_FAILED) {
         if (why[0])
             kvt_log(KVT_LOG_INFO, "l1: the arena goes to %s: %s", S_SHM_DIR, why);
-        self->size = cfg->l1_size;
+        self->size = want_size;
         fd = s_create(self, S_SHM_DIR, prefix);
         if (fd < 0) {
             snprintf(err, errlen, "l1: cannot create shared memory %s/%s...: %s", S_SHM_DIR, prefix,
@@ -440,9 +442,9 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
     }
     close(fd);
     fd = -1;
-    if (self->size != cfg->l1_size)
+    if (self->size != want_size)
         kvt_log(KVT_LOG_INFO, "l1: l1_size %llu rounded up to %llu, a multiple of the page size",
-                (unsigned long long)cfg->l1_size, (unsigned long long)self->size);
+                (unsigned long long)want_size, (unsigned long long)self->size);
     kvt_log(KVT_LOG_INFO, "l1: %llu bytes of shared memory at %s (%s, %s)",
             (unsigned long long)self->size, self->path, self->pinned ? "pinned" : "unpinned",
             self->pages);

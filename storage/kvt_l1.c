@@ -1076,7 +1076,9 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
     kvt_assert(self);
     self->cfg = cfg;
     self->arena = arena;
-    self->capacity = kvt_arena_size(arena) / KVT_PAGE * KVT_PAGE;
+    /* the arena's tail past the objects holds the fast path's rings (kvt_l1_map_size) */
+    self->capacity =
+        (kvt_arena_size(arena) - kvt_config_fastpath_bytes(cfg)) / KVT_PAGE * KVT_PAGE;
     self->alloc = kvt_alloc_new(self->capacity);
     self->leases = kvt_leases_new();
     kvt_assert(self->alloc);
@@ -1143,6 +1145,11 @@ const char *kvt_l1_shm_path(const kvt_l1_t *self)
 uint64_t kvt_l1_page_size(const kvt_l1_t *self)
 {
     return kvt_arena_page_size(self->arena);
+}
+
+uint64_t kvt_l1_map_size(const kvt_l1_t *self)
+{
+    return kvt_arena_size(self->arena);
 }
 
 uint64_t kvt_l1_capacity(const kvt_l1_t *self)

@@ -30,7 +30,8 @@ POOL = "/proc/sys/vm/nr_hugepages"
 FREE = "/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages"
 ARENA = 32 * MiB                  # what the tests put on huge pages
 PAGES = ARENA // HUGE + 2         # the pool reserved: the arena and a little slack
-KVT_DAEMON_ARGS = ("--l2", "none")
+# the arena alone (test_fast_path_on_2m_pages adds the fast path's rings to it)
+KVT_DAEMON_ARGS = ("--l2", "none", "--fastpath-enabled=false")
 
 
 def _read_int(path):
@@ -147,7 +148,8 @@ def test_on_puts_the_arena_on_2m_pages(daemon_factory, hugetlbfs, monkeypatch):
     for mode in ("0", "1", "background"):
         monkeypatch.setenv("KVTIER_MAP_POPULATE", mode)
         with kvtier.Client(d.ipc) as c:
-            assert c.info["shm"] == {"path": l1["shm_path"], "size": ARENA, "page_size": HUGE}
+            assert c.info["shm"] == {"path": l1["shm_path"], "size": ARENA, "map_size": ARENA,
+                                     "page_size": HUGE}
             assert c.arena is not None and len(c.arena) == ARENA
             ns = "huge-%s" % mode
             r = c.reserve(ns, keys, size)
@@ -208,8 +210,8 @@ def test_killed_daemon_leaves_no_pages_behind_the_next_start(daemon_factory, hug
     assert os.path.exists(stale) and _read_int(FREE) < ARENA // HUGE
     d2 = daemon_factory(start=False)
     d2.args = ["--run-dir", d.run_dir, "--data-dir", d2.data_dir, "--listen", d2.ipc,
-               "--http", d2.http_addr, "--l2", "none", "--l1-size", str(ARENA),
-               "--l1-hugepages", "on", "--l1-hugepages-dir", hugetlbfs]
+               "--http", d2.http_addr, "--l2", "none", "--fastpath-enabled=false",
+               "--l1-size", str(ARENA), "--l1-hugepages", "on", "--l1-hugepages-dir", hugetlbfs]
     d2.start()
     l1 = _status_l1(d2)
     assert l1["huge_pages"] is True and l1["shm_path"] != stale

@@ -392,7 +392,9 @@ static void test_hostile_words(void **state)
     s_open(&r, S_CAP);
     uint8_t buf[S_CAP] = {9}, out[S_CAP];
     size_t len;
-    memset(r.region, 0xff, KVT_RING_OFF_HEAD); /* magic, version, capacity: all garbage */
+    /* magic, version, capacity and the padding: all garbage (the epoch is test_reformat's) */
+    memset(r.region, 0xff, KVT_RING_OFF_EPOCH);
+    memset(r.region + KVT_RING_OFF_EPOCH + 4, 0xff, KVT_RING_OFF_HEAD - KVT_RING_OFF_EPOCH - 4);
     s_put32(r.region, KVT_RING_OFF_PROD_WAIT, 0xffffffffu);
     s_put32(r.region, KVT_RING_OFF_CONS_WAIT, 0x12345678u);
     for (int i = 0; i < 100; i++) {
@@ -421,6 +423,69 @@ static void test_hostile_words(void **state)
     assert_int_equal(kvt_ring_wait(r.cons, 0, -1), KVT_EUNAVAIL);
     assert_false(kvt_ring_broken(r.cons));
     assert_false(kvt_ring_broken(r.prod));
+    s_close(&r);
+}
+
+/* The daemon formats a ring slot again for its next client: handles still attached from the
+ * last use (a client resumed after its pair was reclaimed) find it closed, whatever the new
+ * indices are, and the new handles work. */
+static void test_reformat_closes_old_handles(void **state)
+{
+    (void)state;
+    s_ring_t r;
+    s_open(&r, S_CAP);
+    uint8_t buf[64] = {1}, out[S_CAP];
+    size_t len;
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(s_push1(r.prod, buf, 40), 0);
+    assert_int_equal(kvt_ring_pop(r.cons, out, sizeof out, &len), 0);
+    uint32_t epoch;
+    memcpy(&epoch, r.region + KVT_RING_OFF_EPOCH, 4);
+    assert_int_equal(kvt_ring_format(r.region, r.size, S_CAP), 0);
+    uint32_t epoch2;
+    memcpy(&epoch2, r.region + KVT_RING_OFF_EPOCH, 4);
+    assert_int_equal(epoch2, epoch + 1);
+    assert_int_equal(s_push1(r.prod, buf, 8), KVT_EUNAVAIL);
+    assert_int_equal(kvt_ring_wait(r.prod, 8, -1), KVT_EUNAVAIL);
+    assert_int_equal(kvt_ring_pop(r.cons, out, sizeof out, &len), KVT_EUNAVAIL);
+    assert_int_equal(kvt_ring_wait(r.cons, 0, -1), KVT_EUNAVAIL);
+    assert_false(kvt_ring_broken(r.cons));
+    char err[160];
+    kvt_ring_t *p2 = kvt_ring_new(r.region, r.size, S_CAP, KVT_RING_PRODUCER, err, sizeof err);
+    kvt_ring_t *c2 = kvt_ring_new(r.region, r.size, S_CAP, KVT_RING_CONSUMER, err, sizeof err);
+    assert_non_null(p2);
+    assert_non_null(c2);
+    assert_int_equal(s_push1(p2, buf, 8), 0);
+    assert_int_equal(kvt_ring_pop(c2, out, sizeof out, &len), 0);
+    assert_int_equal(len, 16);
+    kvt_ring_destroy(&p2);
+    kvt_ring_destroy(&c2);
+    s_close(&r);
+}
+
+/* kvt_ring_arm: a side that would sleep sees data that came before, and one that armed is
+ * woken through its word by the peer's next push. */
+static void test_arm(void **state)
+{
+    (void)state;
+    s_ring_t r;
+    s_open(&r, S_CAP);
+    uint8_t buf[64] = {1}, out[S_CAP];
+    size_t len;
+    uint32_t *word = NULL;
+    assert_int_equal(kvt_ring_arm(r.cons, 0, &word), 0); /* empty: may sleep */
+    assert_non_null(word);
+    assert_int_equal(*word, 1u);
+    assert_int_equal(s_push1(r.prod, buf, 8), 0); /* clears the word (and wakes) */
+    assert_int_equal(*word, 0u);
+    kvt_ring_disarm(r.cons);
+    assert_int_equal(kvt_ring_arm(r.cons, 0, &word), 1); /* data: do not sleep */
+    kvt_ring_disarm(r.cons);
+    assert_int_equal(*word, 0u);
+    assert_int_equal(kvt_ring_pop(r.cons, out, sizeof out, &len), 0);
+    kvt_ring_close(r.prod);
+    assert_int_equal(kvt_ring_arm(r.cons, 0, &word), KVT_EUNAVAIL);
+    kvt_ring_disarm(r.cons);
     s_close(&r);
 }
 
@@ -702,6 +767,8 @@ int main(void)
         cmocka_unit_test(test_parse),
         cmocka_unit_test(test_hostile_values),
         cmocka_unit_test(test_hostile_words),
+        cmocka_unit_test(test_reformat_closes_old_handles),
+        cmocka_unit_test(test_arm),
         cmocka_unit_test(test_timeout),
         cmocka_unit_test(test_threads_sleeping),
         cmocka_unit_test(test_threads_spinning),

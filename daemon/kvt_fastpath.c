@@ -1,0 +1,562 @@
+/* DESIGN: a fixed table of slots over the arena's tail; one thread. The thread takes the server
+ * lock, sweeps every open slot (connection gone? held replies to flush? up to S_POP_BATCH
+ * requests, each handed to the server), and lets it go. While requests keep coming it sweeps
+ * again at once; after fastpath.spin_us without one it arms every request ring (kvt_ring_arm:
+ * wait word 1, fence, look again) and sleeps in one futex_waitv on all their words plus a
+ * private doorbell (rung when a slot opens, a reply is held, or on stop), for at most the
+ * supervisor's idle interval, or 1 ms while replies are held. A client's push clears the word
+ * it finds armed and wakes the thread; an idle daemon makes one wake-up per idle interval.
+ *
+ * A slot whose instance goes while its own request runs (BYE, a HELLO asking again) closes
+ * after that request's reply is pushed, so those replies still reach the client. */
+#include "kvt_fastpath.h"
+
+#include "kvt_error.h"
+#include "kvt_log.h"
+#include "kvt_thread.h"
+
+#include <errno.h>
+#include <linux/futex.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define S_MAX_SLOTS 127       /* futex_waitv takes 128 words: one is the doorbell */
+#define S_POP_BATCH 32        /* requests of one slot per sweep, so one client cannot starve */
+#define S_QUARANTINE_MS 100   /* a closed slot rests this long before it is formatted again */
+#define S_HELD_MAX 256        /* replies held for a full reply ring, then the slot closes */
+#define S_HELD_POLL_NS 1000000 /* sleep while replies are held: they are flushed this often */
+#define S_BEAT_NS 10000000    /* beat at most every 10 ms while busy */
+
+#ifndef FUTEX_32
+#define FUTEX_32 2
+struct futex_waitv {
+    uint64_t val;
+    uint64_t uaddr;
+    uint32_t flags;
+    uint32_t __reserved;
+};
+#endif
+#ifndef SYS_futex_waitv
+#define SYS_futex_waitv 449
+#endif
+
+typedef enum {
+    S_DROP_BYE,
+    S_DROP_EXPIRED,
+    S_DROP_DISCONNECTED,
+    S_DROP_REHELLO,
+    S_DROP_MALFORMED,
+    S_DROP_CLIENT_CLOSED,
+    S_DROP_BACKLOG,
+    S_DROP_SHUTDOWN,
+    S_DROP_REASONS
+} s_drop_t;
+
+static const char *const s_drop_names[S_DROP_REASONS] = {
+    "bye", "expired", "disconnected", "rehello", "malformed", "client_closed", "reply_backlog",
+    "shutdown"};
+
+/* A reply that found the reply ring full: its frames, copied. */
+typedef struct s_held {
+    struct s_held *next;
+    uint32_t nframes;
+    size_t bytes;
+    kvt_ring_iov_t frames[];
+} s_held_t;
+
+typedef struct {
+    bool open;
+    bool closing;      /* close once the request being handled is answered */
+    s_drop_t closing_why;
+    uint32_t gen;      /* bumped at each close: replies to an earlier use are dropped */
+    uint64_t freed_ms; /* when it closed (0: never used) */
+    uint8_t *req_region, *rep_region;
+    kvt_ring_t *req, *rep; /* the daemon's sides: consumer, producer */
+    bool armed;
+    kvt_conn_t *conn; /* a reference */
+    uint64_t owner;
+    s_held_t *held, *held_tail;
+    uint32_t nheld;
+    uint64_t held_bytes;
+} s_slot_t;
+
+struct kvt_fastpath {
+    const kvt_config_t *cfg;
+    uint8_t *tail;
+    uint64_t tail_off, pair_bytes, ring_region;
+    uint32_t cap, nslots;
+    uint64_t held_bytes_max;
+    uint64_t spin_ns;
+    pthread_mutex_t *lock;
+    kvt_sessions_t *sessions;
+    kvt_fastpath_request_fn fn;
+    void *ctx;
+    s_slot_t slots[S_MAX_SLOTS];
+    int current; /* the slot whose request is being handled, -1 */
+    uint8_t *buf; /* a popped request (kvt_ring_max_payload bytes) */
+    size_t buflen;
+    kvt_thread_t *thread;
+    _Atomic uint32_t doorbell;
+    _Atomic bool stop;
+    bool no_waitv; /* the kernel lacks futex_waitv: doorbell sleeps of S_HELD_POLL_NS */
+    _Atomic uint64_t open_count, requests, declined, dropped[S_DROP_REASONS];
+};
+
+static uint64_t s_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline void s_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
+
+static void s_ring_bell(kvt_fastpath_t *self)
+{
+    atomic_fetch_add_explicit(&self->doorbell, 1, memory_order_release);
+    (void)syscall(SYS_futex, (uint32_t *)&self->doorbell, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+/* ---- slots ---- */
+
+static void s_free_held(s_slot_t *s)
+{
+    while (s->held) {
+        s_held_t *h = s->held;
+        s->held = h->next;
+        free(h);
+    }
+    s->held_tail = NULL;
+    s->nheld = 0;
+    s->held_bytes = 0;
+}
+
+/* Closes both daemon sides (the client's calls answer unavailable and it goes back to ZMQ)
+ * and frees the slot for a later HELLO (lock held). */
+static void s_close(kvt_fastpath_t *self, s_slot_t *s, s_drop_t why)
+{
+    if (!s->open)
+        return;
+    kvt_ring_close(s->req);
+    kvt_ring_close(s->rep);
+    kvt_ring_destroy(&s->req);
+    kvt_ring_destroy(&s->rep);
+    s_free_held(s);
+    kvt_conn_unref(&s->conn);
+    s->open = s->closing = s->armed = false;
+    s->gen++;
+    s->freed_ms = kvt_now_ms();
+    atomic_fetch_sub_explicit(&self->open_count, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&self->dropped[why], 1, memory_order_relaxed);
+    kvt_log(why == S_DROP_MALFORMED || why == S_DROP_BACKLOG ? KVT_LOG_WARN : KVT_LOG_DEBUG,
+            "fastpath: ring pair %ld of owner %llu closed (%s)", (long)(s - self->slots),
+            (unsigned long long)s->owner, s_drop_names[why]);
+}
+
+/* Closes now, or after the request being handled is answered when it is this slot's. */
+static void s_close_soon(kvt_fastpath_t *self, s_slot_t *s, s_drop_t why)
+{
+    if (self->current == (int)(s - self->slots)) {
+        s->closing = true;
+        s->closing_why = why;
+    } else {
+        s_close(self, s, why);
+    }
+}
+
+static s_slot_t *s_slot_of(kvt_fastpath_t *self, kvt_fastpath_ref_t ref)
+{
+    if (ref.slot == 0 || ref.slot > self->nslots)
+        return NULL;
+    s_slot_t *s = &self->slots[ref.slot - 1];
+    return s->open && s->gen == ref.gen ? s : NULL;
+}
+
+/* Pushes held replies while the ring has room: 0, or the ring's error. */
+static int s_flush(s_slot_t *s)
+{
+    while (s->held) {
+        s_held_t *h = s->held;
+        int rc = kvt_ring_push(s->rep, h->frames, h->nframes);
+        if (rc == KVT_EBUSY)
+            return 0;
+        if (rc)
+            return rc;
+        s->held = h->next;
+        if (!s->held)
+            s->held_tail = NULL;
+        s->nheld--;
+        s->held_bytes -= h->bytes;
+        free(h);
+    }
+    return 0;
+}
+
+static s_drop_t s_ring_error(int rc)
+{
+    return rc == KVT_EUNAVAIL ? S_DROP_CLIENT_CLOSED : S_DROP_MALFORMED;
+}
+
+/* ---- the thread ---- */
+
+/* One sweep (lock held): how many requests were handled. *held: replies wait for room. */
+static uint32_t s_sweep(kvt_fastpath_t *self, bool *held)
+{
+    uint32_t n = 0;
+    *held = false;
+    for (uint32_t i = 0; i < self->nslots; i++) {
+        s_slot_t *s = &self->slots[i];
+        if (!s->open)
+            continue;
+        if (kvt_conn_retired(s->conn)) {
+            s_close(self, s, S_DROP_DISCONNECTED);
+            continue;
+        }
+        int rc = s_flush(s);
+        if (rc) {
+            s_close(self, s, s_ring_error(rc));
+            continue;
+        }
+        for (uint32_t k = 0; k < S_POP_BATCH && s->open; k++) {
+            size_t len = 0;
+            rc = kvt_ring_pop(s->req, self->buf, self->buflen, &len);
+            if (rc == KVT_EBUSY)
+                break;
+            if (rc) {
+                if (rc != KVT_EUNAVAIL)
+                    kvt_log(KVT_LOG_WARN, "fastpath: request ring %u of owner %llu: %s", i,
+                            (unsigned long long)s->owner, kvt_ring_why(s->req));
+                s_close(self, s, s_ring_error(rc));
+                break;
+            }
+            n++;
+            atomic_fetch_add_explicit(&self->requests, 1, memory_order_relaxed);
+            kvt_fastpath_ref_t ref = {i + 1, s->gen};
+            self->current = (int)i;
+            self->fn(self->ctx, ref, s->conn, self->buf, len);
+            self->current = -1;
+            if (s->closing)
+                s_close(self, s, s->closing_why);
+        }
+        if (s->open && s->held)
+            *held = true;
+    }
+    return n;
+}
+
+/* Sleeps until a request ring has a record, the doorbell rings or the timeout passes. */
+static void s_sleep(kvt_fastpath_t *self, int64_t timeout_ns)
+{
+    struct futex_waitv wv[S_MAX_SLOTS + 1];
+    uint32_t n = 0;
+    memset(wv, 0, sizeof wv);
+    uint32_t bell = atomic_load_explicit(&self->doorbell, memory_order_acquire);
+    wv[n].val = bell;
+    wv[n].uaddr = (uint64_t)(uintptr_t)&self->doorbell;
+    wv[n++].flags = FUTEX_32 | FUTEX_PRIVATE_FLAG;
+    bool ready = false;
+    pthread_mutex_lock(self->lock);
+    for (uint32_t i = 0; i < self->nslots && !ready; i++) {
+        s_slot_t *s = &self->slots[i];
+        if (!s->open)
+            continue;
+        uint32_t *word = NULL;
+        int rc = kvt_ring_arm(s->req, 0, &word);
+        s->armed = true;
+        if (rc != 0) /* a record, or an error the next sweep deals with */
+            ready = true;
+        else { /* a shared futex: the client wakes it through its own mapping of the arena */
+            wv[n].val = 1;
+            wv[n].uaddr = (uint64_t)(uintptr_t)word;
+            wv[n++].flags = FUTEX_32;
+        }
+    }
+    pthread_mutex_unlock(self->lock);
+    if (!ready && !atomic_load_explicit(&self->stop, memory_order_acquire)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t at = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec +
+                      (uint64_t)timeout_ns;
+        ts.tv_sec = (time_t)(at / 1000000000u);
+        ts.tv_nsec = (long)(at % 1000000000u);
+        if (!self->no_waitv &&
+            syscall(SYS_futex_waitv, wv, n, 0, &ts, CLOCK_MONOTONIC) < 0 && errno == ENOSYS) {
+            self->no_waitv = true;
+            kvt_log(KVT_LOG_WARN, "fastpath: the kernel has no futex_waitv (Linux 5.16+): the "
+                                  "fast-path thread polls its rings every millisecond when idle");
+        }
+        if (self->no_waitv) {
+            struct timespec rel = {0, S_HELD_POLL_NS};
+            (void)syscall(SYS_futex, (uint32_t *)&self->doorbell, FUTEX_WAIT_PRIVATE, bell, &rel,
+                          NULL, 0);
+        }
+    }
+    pthread_mutex_lock(self->lock);
+    for (uint32_t i = 0; i < self->nslots; i++) {
+        s_slot_t *s = &self->slots[i];
+        if (s->open && s->armed)
+            kvt_ring_disarm(s->req);
+        s->armed = false;
+    }
+    pthread_mutex_unlock(self->lock);
+}
+
+static bool s_run(kvt_thread_t *t, void *arg)
+{
+    kvt_fastpath_t *self = arg;
+    uint64_t last_work = 0, last_beat = 0;
+    while (!atomic_load_explicit(&self->stop, memory_order_acquire)) {
+        uint64_t now = s_now_ns();
+        if (now - last_beat >= S_BEAT_NS) {
+            if (!kvt_thread_beat(t))
+                return false;
+            last_beat = now;
+        }
+        bool held;
+        pthread_mutex_lock(self->lock);
+        uint32_t n = s_sweep(self, &held);
+        pthread_mutex_unlock(self->lock);
+        if (n) {
+            last_work = s_now_ns();
+            continue;
+        }
+        if (s_now_ns() - last_work < self->spin_ns) {
+            for (int i = 0; i < 32; i++)
+                s_relax();
+            continue;
+        }
+        int64_t idle = held ? S_HELD_POLL_NS : kvt_thread_idle_ms(t) * 1000000;
+        s_sleep(self, idle);
+        last_beat = 0; /* a sleep may have been long: beat before the next sweep */
+    }
+    return true;
+}
+
+/* ---- API ---- */
+
+kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_t tail_offset,
+                                 pthread_mutex_t *lock, kvt_sessions_t *sessions,
+                                 kvt_fastpath_request_fn fn, void *ctx)
+{
+    if (!cfg->fastpath_enabled)
+        return NULL;
+    kvt_fastpath_t *self = calloc(1, sizeof *self);
+    kvt_assert(self);
+    self->cfg = cfg;
+    self->tail = tail;
+    self->tail_off = tail_offset;
+    self->cap = (uint32_t)cfg->fastpath_ring_bytes;
+    self->ring_region = kvt_ring_region_size(self->cap);
+    self->pair_bytes = kvt_config_fastpath_pair_bytes(cfg);
+    self->nslots = cfg->fastpath_rings < S_MAX_SLOTS ? cfg->fastpath_rings : S_MAX_SLOTS;
+    self->held_bytes_max = 4 * (uint64_t)self->cap;
+    self->spin_ns = (uint64_t)cfg->fastpath_spin_us * 1000u;
+    self->lock = lock;
+    self->sessions = sessions;
+    self->fn = fn;
+    self->ctx = ctx;
+    self->current = -1;
+    self->buflen = self->cap - KVT_RING_REC_HDR; /* kvt_ring_max_payload */
+    self->buf = malloc(self->buflen);
+    kvt_assert(self->buf);
+    for (uint32_t i = 0; i < self->nslots; i++) {
+        s_slot_t *s = &self->slots[i];
+        s->req_region = tail + (uint64_t)i * self->pair_bytes;
+        s->rep_region = s->req_region + self->ring_region;
+    }
+    return self;
+}
+
+int kvt_fastpath_start(kvt_fastpath_t *self, kvt_sup_t *sup)
+{
+    self->thread = kvt_thread_start(sup, "fastpath", 2000, s_run, self);
+    if (!self->thread)
+        return KVT_EINTERNAL;
+    kvt_log(KVT_LOG_INFO, "fastpath: %u ring pairs of 2 x %u bytes at arena offset %llu",
+            self->nslots, self->cap, (unsigned long long)self->tail_off);
+    return 0;
+}
+
+void kvt_fastpath_stop(kvt_fastpath_t *self)
+{
+    if (!self || !self->thread)
+        return;
+    atomic_store_explicit(&self->stop, true, memory_order_release);
+    s_ring_bell(self);
+    kvt_thread_join(&self->thread);
+}
+
+void kvt_fastpath_destroy(kvt_fastpath_t **self_p)
+{
+    if (!self_p || !*self_p)
+        return;
+    kvt_fastpath_t *self = *self_p;
+    kvt_fastpath_stop(self);
+    for (uint32_t i = 0; i < self->nslots; i++)
+        s_close(self, &self->slots[i], S_DROP_SHUTDOWN);
+    free(self->buf);
+    free(self);
+    *self_p = NULL;
+}
+
+int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
+                      kvt_fastpath_offer_t *offer)
+{
+    uint64_t now = kvt_now_ms();
+    s_slot_t *pick = NULL;
+    for (uint32_t i = 0; i < self->nslots; i++) {
+        s_slot_t *s = &self->slots[i];
+        if (s->open && s->conn == conn && !s->closing)
+            s_close_soon(self, s, S_DROP_REHELLO);
+        else if (!s->open && (s->freed_ms == 0 || now - s->freed_ms >= S_QUARANTINE_MS) &&
+                 (!pick || s->freed_ms < pick->freed_ms))
+            pick = s; /* the one that rested longest */
+    }
+    if (!pick) {
+        atomic_fetch_add_explicit(&self->declined, 1, memory_order_relaxed);
+        return KVT_EBUSY;
+    }
+    char err[160];
+    if (kvt_ring_format(pick->req_region, self->ring_region, self->cap) != 0 ||
+        kvt_ring_format(pick->rep_region, self->ring_region, self->cap) != 0 ||
+        !(pick->req = kvt_ring_new(pick->req_region, self->ring_region, self->cap,
+                                   KVT_RING_CONSUMER, err, sizeof err)) ||
+        !(pick->rep = kvt_ring_new(pick->rep_region, self->ring_region, self->cap,
+                                   KVT_RING_PRODUCER, err, sizeof err))) {
+        kvt_ring_destroy(&pick->req); /* cannot happen: the regions are ours and aligned */
+        atomic_fetch_add_explicit(&self->declined, 1, memory_order_relaxed);
+        return KVT_EINTERNAL;
+    }
+    pick->open = true;
+    pick->closing = false;
+    pick->conn = kvt_conn_ref(conn);
+    pick->owner = owner;
+    atomic_fetch_add_explicit(&self->open_count, 1, memory_order_relaxed);
+    uint64_t off = self->tail_off + (uint64_t)(pick->req_region - self->tail);
+    *offer = (kvt_fastpath_offer_t){off, off + self->ring_region, self->cap};
+    s_ring_bell(self); /* a sleeping thread adds the new ring to its wait */
+    return 0;
+}
+
+int kvt_fastpath_reply(kvt_fastpath_t *self, kvt_fastpath_ref_t ref, const kvt_ring_iov_t *frames,
+                       uint32_t nframes)
+{
+    s_slot_t *s = s_slot_of(self, ref);
+    if (!s)
+        return KVT_EUNAVAIL;
+    size_t plen = kvt_ring_msg_size(frames, nframes);
+    if (plen == SIZE_MAX || plen > kvt_ring_max_payload(s->rep))
+        return KVT_ETOOBIG;
+    int rc = s->held ? KVT_EBUSY : kvt_ring_push(s->rep, frames, nframes);
+    if (rc == 0)
+        return 0;
+    if (rc != KVT_EBUSY) {
+        s_close_soon(self, s, s_ring_error(rc));
+        return KVT_EUNAVAIL;
+    }
+    /* the client has not read its earlier replies yet: hold this one, within bounds */
+    if (s->nheld >= S_HELD_MAX || s->held_bytes + plen > self->held_bytes_max) {
+        s_close_soon(self, s, S_DROP_BACKLOG);
+        return KVT_EUNAVAIL;
+    }
+    size_t total = sizeof(s_held_t) + nframes * sizeof(kvt_ring_iov_t);
+    for (uint32_t i = 0; i < nframes; i++)
+        total += frames[i].len;
+    s_held_t *h = malloc(total);
+    kvt_assert(h);
+    h->next = NULL;
+    h->nframes = nframes;
+    h->bytes = plen;
+    uint8_t *p = (uint8_t *)&h->frames[nframes];
+    for (uint32_t i = 0; i < nframes; i++) {
+        if (frames[i].len)
+            memcpy(p, frames[i].ptr, frames[i].len);
+        h->frames[i] = (kvt_ring_iov_t){p, frames[i].len};
+        p += frames[i].len;
+    }
+    if (s->held_tail)
+        s->held_tail->next = h;
+    else
+        s->held = h;
+    s->held_tail = h;
+    s->nheld++;
+    s->held_bytes += plen;
+    s_ring_bell(self); /* the thread flushes held replies every millisecond */
+    return 0;
+}
+
+void kvt_fastpath_reject(kvt_fastpath_t *self, kvt_fastpath_ref_t ref, const char *why)
+{
+    s_slot_t *s = s_slot_of(self, ref);
+    if (!s)
+        return;
+    kvt_log(KVT_LOG_WARN, "fastpath: ring %u of owner %llu: %s", ref.slot - 1,
+            (unsigned long long)s->owner, why);
+    s_close_soon(self, s, S_DROP_MALFORMED);
+}
+
+void kvt_fastpath_owner_gone(kvt_fastpath_t *self, uint64_t owner, bool expired)
+{
+    if (!self)
+        return;
+    for (uint32_t i = 0; i < self->nslots; i++) {
+        s_slot_t *s = &self->slots[i];
+        if (s->open && s->owner == owner)
+            s_close_soon(self, s, expired ? S_DROP_EXPIRED : S_DROP_BYE);
+    }
+}
+
+json_t *kvt_fastpath_json(kvt_fastpath_t *self)
+{
+    json_t *dropped = json_object();
+    for (int i = 0; i < S_DROP_REASONS; i++)
+        json_object_set_new(dropped, s_drop_names[i],
+                            json_integer(self ? (json_int_t)atomic_load(&self->dropped[i]) : 0));
+    return json_pack(
+        "{s:b,s:I,s:I,s:I,s:I,s:I,s:o}", "enabled", self != NULL, "rings_max",
+        (json_int_t)(self ? self->nslots : 0), "rings_open",
+        (json_int_t)(self ? atomic_load(&self->open_count) : 0), "ring_bytes",
+        (json_int_t)(self ? self->cap : 0), "requests",
+        (json_int_t)(self ? atomic_load(&self->requests) : 0), "declined",
+        (json_int_t)(self ? atomic_load(&self->declined) : 0), "dropped", dropped);
+}
+
+void kvt_fastpath_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+{
+    kvt_fastpath_t *self = ctx;
+    kvt_sample_t s = {.name = "fastpath_rings",
+                      .help = "Fast-path ring pairs open (clients using the shared-memory path).",
+                      .kind = KVT_METRIC_GAUGE,
+                      .value = (double)atomic_load(&self->open_count)};
+    emit(emit_ctx, &s);
+    s = (kvt_sample_t){.name = "fastpath_requests_total",
+                       .help = "Requests that came through fast-path rings.",
+                       .kind = KVT_METRIC_COUNTER,
+                       .value = (double)atomic_load(&self->requests)};
+    emit(emit_ctx, &s);
+    s = (kvt_sample_t){.name = "fastpath_declined_total",
+                       .help = "HELLOs that asked for a ring pair when none was free.",
+                       .kind = KVT_METRIC_COUNTER,
+                       .value = (double)atomic_load(&self->declined)};
+    emit(emit_ctx, &s);
+    for (int i = 0; i < S_DROP_REASONS; i++) {
+        s = (kvt_sample_t){.name = "fastpath_dropped_total",
+                           .help = "Fast-path ring pairs closed, by reason.",
+                           .kind = KVT_METRIC_COUNTER,
+                           .label = "reason",
+                           .label_value = s_drop_names[i],
+                           .value = (double)atomic_load(&self->dropped[i])};
+        emit(emit_ctx, &s);
+    }
+}

@@ -1,0 +1,95 @@
+/* kvt_fastpath: the same-machine fast path (issue 17) — ring pairs in the arena's tail, offered
+ * at HELLO, and the `fastpath` thread that serves them (docs/protocol.md "Fast path").
+ *
+ * The arena's tail past the L1 objects holds fastpath.rings slots; a slot is a request ring
+ * (the client produces, the daemon consumes) and a reply ring (the daemon produces). A slot
+ * belongs to the connection whose HELLO asked for it and acts for that connection: its
+ * requests renew the connection's instances and take leases for them, exactly as if they had
+ * come through the socket. The thread pops each request into its own copy and hands it to the
+ * server (kvt_fastpath_request_fn), which decodes and runs it like a ZMQ message and answers
+ * through kvt_fastpath_reply.
+ *
+ * Locking: everything that touches the slots runs under the server's lock (`lock`, given at
+ * kvt_fastpath_new): the server loop holds it while it works, the fastpath thread while it
+ * pops and handles, so session, lease and reply code keeps one thread at a time whichever
+ * transport a request came on. The thread sleeps without it (futex_waitv over the request
+ * rings' wait words and a doorbell). /status and metrics read atomics only.
+ *
+ * Reclaim: a slot is closed (both daemon sides, so the client falls back to ZMQ) on BYE or
+ * silence of its instance, its connection's close, a new HELLO asking again, a malformed ring,
+ * the client closing its side, a reply backlog past its bound, and shutdown. A closed slot is
+ * formatted again (a new epoch: a stale client handle finds it closed) only after a quarantine. */
+#ifndef KVT_FASTPATH_H
+#define KVT_FASTPATH_H
+
+#include "kvt_config.h"
+#include "kvt_metrics.h"
+#include "kvt_ring.h"
+#include "kvt_session.h"
+#include "kvt_supervisor.h"
+
+#include <jansson.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct kvt_fastpath kvt_fastpath_t;
+
+/* Which slot (and which use of it) a request came from; replies name it. */
+typedef struct {
+    uint32_t slot; /* 1-based; 0: not a fast-path request */
+    uint32_t gen;
+} kvt_fastpath_ref_t;
+
+/* One request popped from a ring: called on the fastpath thread with the server lock held.
+ * `payload` is the thread's copy of the record (valid during the call); `conn` is the slot's
+ * connection (borrowed). The callee answers with kvt_fastpath_reply, now or later. */
+typedef void (*kvt_fastpath_request_fn)(void *ctx, kvt_fastpath_ref_t ref, kvt_conn_t *conn,
+                                        const uint8_t *payload, size_t len);
+
+/* `tail` is the arena's tail (kvt_config_fastpath_bytes(cfg) bytes at arena offset
+ * `tail_offset`, as clients see it). NULL when the fast path is disabled. */
+kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_t tail_offset,
+                                 pthread_mutex_t *lock, kvt_sessions_t *sessions,
+                                 kvt_fastpath_request_fn fn, void *ctx);
+
+/* Starts the fastpath thread (supervised as "fastpath"). 0 or KVT_EINTERNAL. */
+int kvt_fastpath_start(kvt_fastpath_t *self, kvt_sup_t *sup);
+
+/* Joins the thread and closes every slot (clients fall back to ZMQ). Not under the lock. */
+void kvt_fastpath_stop(kvt_fastpath_t *self);
+
+void kvt_fastpath_destroy(kvt_fastpath_t **self_p);
+
+/* What HELLO offers: arena offsets of the two rings and their capacity. */
+typedef struct {
+    uint64_t request, reply;
+    uint32_t capacity;
+} kvt_fastpath_offer_t;
+
+/* HELLO with fastpath: true on `conn` acting for `owner` (lock held): closes the connection's
+ * previous slot and opens a fresh one. 0 and *offer; KVT_EBUSY when no slot is free. */
+int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
+                      kvt_fastpath_offer_t *offer);
+
+/* Answers a request of slot `ref` with the reply frames (lock held). 0 (pushed, or held in
+ * the slot's bounded backlog); KVT_ETOOBIG when the reply can never fit the ring (answer with
+ * a smaller error reply instead); KVT_EUNAVAIL when the slot is gone (the reply is dropped). */
+int kvt_fastpath_reply(kvt_fastpath_t *self, kvt_fastpath_ref_t ref, const kvt_ring_iov_t *frames,
+                       uint32_t nframes);
+
+/* Closes the slot of a request whose payload is not a message (lock held). */
+void kvt_fastpath_reject(kvt_fastpath_t *self, kvt_fastpath_ref_t ref, const char *why);
+
+/* The instance `owner` said BYE or was dropped (lock held): its slots close. */
+void kvt_fastpath_owner_gone(kvt_fastpath_t *self, uint64_t owner, bool expired);
+
+/* {enabled, rings_max, rings_open, ring_bytes, requests, declined, dropped: {reason: n}}. Any
+ * thread; accepts NULL (the fast path disabled). */
+json_t *kvt_fastpath_json(kvt_fastpath_t *self);
+
+/* Metrics source: kvtier_fastpath_rings, kvtier_fastpath_requests_total,
+ * kvtier_fastpath_declined_total, kvtier_fastpath_dropped_total{reason}. */
+void kvt_fastpath_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
+
+#endif
