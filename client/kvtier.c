@@ -115,7 +115,6 @@ struct kvtier {
     uint32_t ngpu, gpu_cap;
     /* the fast path: both NULL, or the pair the last HELLO offered (see DESIGN) */
     bool fastpath_on;      /* KVTIER_FASTPATH is not "0": HELLO asks for a pair */
-    bool offer_unused;     /* the last HELLO's offer could not be attached: give it back */
     kvt_ring_t *req_ring;  /* producer of the request ring */
     kvt_ring_t *rep_ring;  /* consumer of the reply ring */
     unsigned ring_gen;     /* s_fork_gen when attached */
@@ -1203,7 +1202,8 @@ static void s_apply_hello(kvtier_t *self, const msgpack_object *body)
     }
     s_follow_arena(self, body);
     const msgpack_object *offer = s_get(body, "fastpath");
-    self->offer_unused = offer && !(self->fastpath_on && s_pair_attach(self, offer));
+    if (offer && self->fastpath_on)
+        s_pair_attach(self, offer); /* an offer that does not check out: the socket serves */
 }
 
 /* HELLO {version, client, instance, token?, fastpath?}: token joins an instance that exists;
@@ -1246,23 +1246,6 @@ static int s_hello(kvtier_t *self, const char *token, bool fastpath, s_reply_t *
     int rc = s_call_once(self, KVT_REQ_HELLO, sb.data, sb.size, NULL, NULL, 0, S_DATA_NONE, r);
     msgpack_sbuffer_destroy(&sb);
     return rc;
-}
-
-/* A pair offered that this handle could not attach (the arena did not map here, the offer did
- * not check out) would hold one of the daemon's rings until BYE: a HELLO that does not ask
- * gives it back (the daemon drops a connection's pair at its next HELLO). Best effort. */
-static void s_give_back(kvtier_t *self)
-{
-    if (!self->offer_unused)
-        return;
-    self->offer_unused = false;
-    s_reply_t r;
-    s_reply_init(&r);
-    if (s_hello(self, self->token, false, &r) == 0)
-        s_apply_hello(self, &r.up.data);
-    s_reply_free(&r);
-    self->offer_unused = false;
-    self->error[0] = '\0';
 }
 
 /* BYE, best effort: an instance that is not told expires after lease_ms anyway. */
@@ -1745,7 +1728,6 @@ static int s_reestablish(kvtier_t *self)
     }
     s_apply_hello(self, &r.up.data);
     s_reply_free(&r);
-    s_give_back(self);
     bool same = self->token[0] && strcmp(self->token, before) == 0;
     s_hb_publish(self);
     for (uint32_t i = 0; !same && i < self->ngpu; i++)
@@ -1823,7 +1805,6 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
     }
     s_apply_hello(self, &r.up.data);
     s_reply_free(&r);
-    s_give_back(self);
     if (s_hb_start(self, endpoint, curve, err, errlen) != 0) {
         s_bye(self);
         goto fail;

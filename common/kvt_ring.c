@@ -563,6 +563,10 @@ void kvt_ring_close(kvt_ring_t *self)
 {
     s_check(self && self->tag == S_TAG);
     s_hdr_t *h = self->hdr;
+    /* formatted again since attach: the region is another client's now (the daemon reuses a
+     * closed slot after a quarantine), and its flags are not this handle's to set */
+    if (atomic_load_explicit(&h->epoch, memory_order_acquire) != self->epoch)
+        return;
     _Atomic uint32_t *mine = self->role == KVT_RING_PRODUCER ? &h->prod_closed : &h->cons_closed;
     _Atomic uint32_t *peer_word = self->role == KVT_RING_PRODUCER ? &h->cons_wait : &h->prod_wait;
     atomic_store_explicit(mine, 1, memory_order_release);

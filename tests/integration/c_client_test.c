@@ -33,7 +33,8 @@
  *                  with byte-exact data, kvtier_release_async, and requests that go over the
  *                  socket in between (GET, a LOOKUP too big for a ring record); the pair stays
  *   fastpath-redo  KVTIER_HEARTBEAT_MS=0: the instance is dropped (pause "idle") and the daemon
- *                  closes the pair; the next call falls back, says HELLO again and gets a new pair
+ *                  closes the pair; the next calls fall back to the socket, the first that answers
+ *                  instance_dropped says HELLO again and gets a new pair
  *   fastpath-fake  against the fake daemon of tests/integration/fastpath_fake.py: ordering of a
  *                  posted RELEASE before a socket request, fork, timeouts and stale replies, the
  *                  daemon closing the pair idle or in flight, re-HELLOs; the pauses ("fork",
@@ -1029,9 +1030,12 @@ static int s_fastpath_redo(kvtier_t *c)
     S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after connect");
     S_CHECK(s_roundtrip(c, 0x51, 0x5a) == 0, "round trip before the drop");
     s_pause("idle");
+    /* a LOOKUP needs no instance: it goes over the socket (the pair is closed) and is answered */
     S_OK(c, kvtier_lookup(c, S_NS "-live", NULL, (s_keys_t)keys, 1, 0, &hits, NULL, NULL, NULL));
-    S_CHECK(kvtier_fastpath_active(c) == 1, "no new pair after the re-HELLO");
+    S_CHECK(kvtier_fastpath_active(c) == 0, "the closed pair is still attached");
+    /* RESERVE answers instance_dropped: HELLO again, which asks again, and the retry */
     S_CHECK(s_roundtrip(c, 0x52, 0xa5) == 0, "round trip after the drop");
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no new pair after the re-HELLO");
     S_CHECK(kvtier_fastpath_active(c) == 1, "the new pair was dropped");
     printf("fastpath-redo: a new pair after the drop (hits %u)\n", hits);
 out:
