@@ -11,7 +11,12 @@
  * queue, so replies may leave out of order (the uid matches them). Replies go out with
  * ZMQ_DONTWAIT and ROUTER_MANDATORY: a client that vanished or stopped reading costs a
  * counter, never a blocked loop. On stop, intake ends and the jobs in flight are finished and
- * answered (bounded wait) before the socket closes. */
+ * answered (bounded wait) before the socket closes.
+ *
+ * Requests from the fast path's rings (kvt_fastpath) run through the same prepare / dispatch /
+ * finish on the fastpath thread; the loop holds `lock` while it works (not while it polls) and
+ * the fastpath thread while it handles, so the request path stays single-threaded. Only this
+ * thread touches the socket: a ring request's reply goes back into its ring. */
 #include "kvt_server.h"
 
 #include "kvt_accept.h"

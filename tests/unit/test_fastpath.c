@@ -1,0 +1,492 @@
+/* Unit tests of daemon/kvt_fastpath.c with its real thread: a "server" callback that answers
+ * each request under the lock the module was given, client sides attached to the offered
+ * regions as a client would. Covered: offers and their offsets, round trips while the thread
+ * sleeps (futex_waitv wake-ups) and spins, the per-slot order of replies, a new HELLO closing
+ * the old pair and a BYE coming through the ring closing its own pair after its reply, owner
+ * gone, a retired connection, the client closing its side, a malformed record and a hostile
+ * index, the held-reply bound, the quarantine and the epoch of a reused slot, no slot free
+ * (declined), replies to a closed slot, status and metrics, and stop with clients attached.
+ * Also in the TSan unit set (the thread against the test's thread under the lock). */
+#include "kvt_config.h"
+#include "kvt_error.h"
+#include "kvt_fastpath.h"
+#include "kvt_ring.h"
+#include "kvt_session.h"
+
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#define S_RING 4096u
+#define S_RINGS 3u
+
+typedef struct {
+    kvt_fastpath_t *fp;
+    _Atomic int calls;
+    bool hold;           /* do not answer (the client stops reading, the test holds replies) */
+    kvt_fastpath_ref_t last;
+    int bye_on;          /* a request whose first frame is "bye": owner_gone from inside */
+    uint64_t owner;
+    kvt_conn_t *reopen_conn; /* a request "hello": reopen on this connection from inside */
+    kvt_fastpath_offer_t reopened;
+} srv_t;
+
+typedef struct {
+    kvt_config_t *cfg;
+    uint8_t *tail;
+    size_t tail_size;
+    pthread_mutex_t lock;
+    kvt_sessions_t *sessions;
+    srv_t srv;
+    kvt_fastpath_t *fp;
+} fx_t;
+
+/* The server's side: echoes the request's frames back as the reply (under the lock). */
+static void s_request(void *ctx, kvt_fastpath_ref_t ref, kvt_conn_t *conn, const uint8_t *p,
+                      size_t len)
+{
+    (void)conn;
+    srv_t *s = ctx;
+    atomic_fetch_add(&s->calls, 1);
+    s->last = ref;
+    kvt_ring_frame_t fr[8];
+    uint32_t n = 0;
+    if (kvt_ring_parse(p, len, fr, 8, &n) != 0) {
+        kvt_fastpath_reject(s->fp, ref, "not frames");
+        return;
+    }
+    if (n >= 1 && fr[0].len == 3 && memcmp(fr[0].ptr, "bye", 3) == 0)
+        kvt_fastpath_owner_gone(s->fp, s->owner, false);
+    if (n >= 1 && fr[0].len == 5 && memcmp(fr[0].ptr, "hello", 5) == 0)
+        assert_int_equal(kvt_fastpath_open(s->fp, s->reopen_conn, s->owner, &s->reopened), 0);
+    if (s->hold)
+        return;
+    kvt_ring_iov_t iov[8];
+    for (uint32_t i = 0; i < n; i++)
+        iov[i] = (kvt_ring_iov_t){fr[i].ptr, fr[i].len};
+    int rc = kvt_fastpath_reply(s->fp, ref, iov, n);
+    assert_true(rc == 0 || rc == KVT_EUNAVAIL);
+}
+
+static int s_setup(void **state)
+{
+    fx_t *f = calloc(1, sizeof *f);
+    assert_non_null(f);
+    char err[256];
+    f->cfg = kvt_config_new();
+    assert_non_null(f->cfg);
+    char rings[16], bytes[16];
+    snprintf(rings, sizeof rings, "%u", S_RINGS);
+    snprintf(bytes, sizeof bytes, "%u", S_RING);
+    assert_int_equal(kvt_config_set(f->cfg, "fastpath.rings", rings, false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(f->cfg, "fastpath.ring_bytes", bytes, false, err, sizeof err),
+                     0);
+    assert_int_equal(kvt_config_set(f->cfg, "fastpath.spin_us", "20", false, err, sizeof err), 0);
+    f->tail_size = kvt_config_fastpath_bytes(f->cfg);
+    assert_int_equal(f->tail_size, 2u << 20);
+    f->tail = aligned_alloc(4096, f->tail_size);
+    assert_non_null(f->tail);
+    memset(f->tail, 0x5a, f->tail_size);
+    pthread_mutex_init(&f->lock, NULL);
+    kvt_session_limits_t lim = {.lease_ms = 60000,
+                                .max_instances = 16,
+                                .max_instances_per_conn = 4,
+                                .reply_timeout_ms = 5000,
+                                .max_reply_backlog = 1 << 20};
+    f->sessions = kvt_sessions_new(&lim, NULL, NULL);
+    f->fp = kvt_fastpath_new(f->cfg, f->tail, 1u << 30, &f->lock, f->sessions, s_request,
+                             &f->srv);
+    assert_non_null(f->fp);
+    f->srv.fp = f->fp;
+    assert_int_equal(kvt_fastpath_start(f->fp, NULL), 0);
+    *state = f;
+    return 0;
+}
+
+static int s_teardown(void **state)
+{
+    fx_t *f = *state;
+    kvt_fastpath_destroy(&f->fp);
+    kvt_sessions_destroy(&f->sessions);
+    pthread_mutex_destroy(&f->lock);
+    free(f->tail);
+    kvt_config_destroy(&f->cfg);
+    free(f);
+    return 0;
+}
+
+/* A client's view of an offered pair. */
+typedef struct {
+    kvt_ring_t *req, *rep;
+    uint8_t buf[S_RING];
+} cli_t;
+
+static void s_attach(fx_t *f, const kvt_fastpath_offer_t *o, cli_t *c)
+{
+    char err[160];
+    uint64_t base = 1u << 30;
+    assert_int_equal(o->capacity, S_RING);
+    assert_true(o->request >= base && o->reply == o->request + kvt_ring_region_size(S_RING));
+    assert_int_equal(o->request % 4096, 0);
+    assert_true(o->reply + kvt_ring_region_size(S_RING) <= base + f->tail_size);
+    size_t rs = kvt_ring_region_size(S_RING);
+    c->req = kvt_ring_new(f->tail + (o->request - base), rs, S_RING, KVT_RING_PRODUCER, err,
+                          sizeof err);
+    c->rep = kvt_ring_new(f->tail + (o->reply - base), rs, S_RING, KVT_RING_CONSUMER, err,
+                          sizeof err);
+    assert_non_null(c->req);
+    assert_non_null(c->rep);
+}
+
+static void s_detach(cli_t *c)
+{
+    kvt_ring_destroy(&c->req);
+    kvt_ring_destroy(&c->rep);
+}
+
+static int s_send(cli_t *c, const char *msg)
+{
+    kvt_ring_iov_t iov[2] = {{msg, strlen(msg)}, {"x", 1}};
+    return kvt_ring_push(c->req, iov, 2);
+}
+
+/* Waits for one reply and checks it echoes `msg`; returns the ring's code. */
+static int s_expect(cli_t *c, const char *msg)
+{
+    int rc = kvt_ring_wait(c->rep, 0, 2000000000LL);
+    if (rc)
+        return rc;
+    size_t len = 0;
+    if ((rc = kvt_ring_pop(c->rep, c->buf, sizeof c->buf, &len)) != 0)
+        return rc;
+    kvt_ring_frame_t fr[4];
+    uint32_t n = 0;
+    assert_int_equal(kvt_ring_parse(c->buf, len, fr, 4, &n), 0);
+    assert_int_equal(n, 2);
+    assert_int_equal(fr[0].len, strlen(msg));
+    assert_memory_equal(fr[0].ptr, msg, fr[0].len);
+    return 0;
+}
+
+static kvt_conn_t *s_conn(fx_t *f, const char *rid, int fd)
+{
+    return kvt_sessions_conn(f->sessions, (const uint8_t *)rid, strlen(rid), fd, 1, 1000);
+}
+
+static int s_open(fx_t *f, kvt_conn_t *c, uint64_t owner, kvt_fastpath_offer_t *o)
+{
+    pthread_mutex_lock(&f->lock);
+    int rc = kvt_fastpath_open(f->fp, c, owner, o);
+    pthread_mutex_unlock(&f->lock);
+    return rc;
+}
+
+static json_int_t s_status(fx_t *f, const char *key, const char *sub)
+{
+    json_t *j = kvt_fastpath_json(f->fp);
+    json_t *v = json_object_get(j, key);
+    if (sub)
+        v = json_object_get(v, sub);
+    json_int_t r = json_integer_value(v);
+    json_decref(j);
+    return r;
+}
+
+static void s_wait_status(fx_t *f, const char *key, const char *sub, json_int_t want)
+{
+    for (int i = 0; i < 400 && s_status(f, key, sub) != want; i++)
+        usleep(5000);
+    assert_int_equal(s_status(f, key, sub), want);
+}
+
+static void test_round_trips_sleeping_and_spinning(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c = s_conn(f, "a", 10);
+    kvt_fastpath_offer_t o;
+    assert_int_equal(s_open(f, c, 7, &o), 0);
+    cli_t cl;
+    s_attach(f, &o, &cl);
+    assert_int_equal(s_status(f, "rings_open", NULL), 1);
+    /* back to back: the thread spins between them */
+    char msg[32];
+    for (int i = 0; i < 200; i++) {
+        snprintf(msg, sizeof msg, "m%d", i);
+        assert_int_equal(s_send(&cl, msg), 0);
+        assert_int_equal(s_expect(&cl, msg), 0);
+    }
+    /* a pipeline of 10, answered in order */
+    for (int i = 0; i < 10; i++) {
+        snprintf(msg, sizeof msg, "p%d", i);
+        assert_int_equal(s_send(&cl, msg), 0);
+    }
+    for (int i = 0; i < 10; i++) {
+        snprintf(msg, sizeof msg, "p%d", i);
+        assert_int_equal(s_expect(&cl, msg), 0);
+    }
+    /* after idle gaps longer than the spin: the thread sleeps and a push wakes it */
+    for (int i = 0; i < 5; i++) {
+        usleep(30000);
+        snprintf(msg, sizeof msg, "s%d", i);
+        assert_int_equal(s_send(&cl, msg), 0);
+        assert_int_equal(s_expect(&cl, msg), 0);
+    }
+    assert_int_equal(s_status(f, "requests", NULL), 215);
+    s_detach(&cl);
+    kvt_conn_unref(&c);
+}
+
+static void test_rehello_and_bye_through_the_ring(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c = s_conn(f, "b", 11);
+    kvt_fastpath_offer_t o1, o2;
+    assert_int_equal(s_open(f, c, 8, &o1), 0);
+    cli_t c1, c2;
+    s_attach(f, &o1, &c1);
+    /* a second HELLO on the socket: a new pair, the old one closed at once */
+    assert_int_equal(s_open(f, c, 8, &o2), 0);
+    assert_true(o2.request != o1.request);
+    s_attach(f, &o2, &c2);
+    assert_int_equal(s_send(&c1, "old"), KVT_EUNAVAIL);
+    assert_int_equal(s_status(f, "dropped", "rehello"), 1);
+    assert_int_equal(s_status(f, "rings_open", NULL), 1);
+    /* a HELLO through the ring itself: its reply still comes back on that ring */
+    pthread_mutex_lock(&f->lock);
+    f->srv.owner = 8;
+    f->srv.reopen_conn = c;
+    pthread_mutex_unlock(&f->lock);
+    assert_int_equal(s_send(&c2, "hello"), 0);
+    assert_int_equal(s_expect(&c2, "hello"), 0);
+    assert_int_equal(kvt_ring_wait(c2.rep, 0, 1000000000LL), KVT_EUNAVAIL); /* then it closed */
+    assert_int_equal(s_send(&c2, "after"), KVT_EUNAVAIL);
+    pthread_mutex_lock(&f->lock);
+    kvt_fastpath_offer_t o3 = f->srv.reopened;
+    pthread_mutex_unlock(&f->lock);
+    cli_t c3;
+    s_attach(f, &o3, &c3);
+    /* BYE through the ring: its reply comes, then the pair closes */
+    assert_int_equal(s_send(&c3, "bye"), 0);
+    assert_int_equal(s_expect(&c3, "bye"), 0);
+    assert_int_equal(kvt_ring_wait(c3.rep, 0, 1000000000LL), KVT_EUNAVAIL);
+    assert_int_equal(s_status(f, "dropped", "bye"), 1);
+    assert_int_equal(s_status(f, "rings_open", NULL), 0);
+    s_detach(&c1);
+    s_detach(&c2);
+    s_detach(&c3);
+    kvt_conn_unref(&c);
+}
+
+static void test_reclaim_reasons(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c1 = s_conn(f, "c1", 12), *c2 = s_conn(f, "c2", 13), *c3 = s_conn(f, "c3", 14);
+    kvt_fastpath_offer_t o1, o2, o3, o4;
+    assert_int_equal(s_open(f, c1, 21, &o1), 0);
+    assert_int_equal(s_open(f, c2, 22, &o2), 0);
+    assert_int_equal(s_open(f, c3, 23, &o3), 0);
+    /* all three slots taken: the fourth is declined */
+    kvt_conn_t *c4 = s_conn(f, "c4", 15);
+    assert_int_equal(s_open(f, c4, 24, &o4), KVT_EBUSY);
+    assert_int_equal(s_status(f, "declined", NULL), 1);
+    cli_t a, b, d;
+    s_attach(f, &o1, &a);
+    s_attach(f, &o2, &b);
+    s_attach(f, &o3, &d);
+    /* owner gone (silence) */
+    pthread_mutex_lock(&f->lock);
+    kvt_fastpath_owner_gone(f->fp, 21, true);
+    pthread_mutex_unlock(&f->lock);
+    assert_int_equal(kvt_ring_wait(a.rep, 0, 1000000000LL), KVT_EUNAVAIL);
+    assert_int_equal(s_status(f, "dropped", "expired"), 1);
+    /* the connection closes (the monitor's report retires it) */
+    kvt_sessions_on_disconnect(f->sessions, 13, 1);
+    assert_true(kvt_conn_retired(c2));
+    s_wait_status(f, "dropped", "disconnected", 1);
+    assert_int_equal(s_send(&b, "late"), KVT_EUNAVAIL);
+    /* the client closes its side */
+    kvt_ring_close(d.req);
+    s_wait_status(f, "dropped", "client_closed", 1);
+    s_wait_status(f, "rings_open", NULL, 0);
+    /* a slot rests 100 ms before it is handed out again, then with a new epoch */
+    usleep(150000);
+    assert_int_equal(s_open(f, c4, 24, &o4), 0);
+    assert_int_equal(s_send(&a, "stale"), KVT_EUNAVAIL);
+    assert_int_equal(kvt_ring_wait(d.rep, 0, 0), KVT_EUNAVAIL);
+    cli_t e;
+    s_attach(f, &o4, &e);
+    assert_int_equal(s_send(&e, "fresh"), 0);
+    assert_int_equal(s_expect(&e, "fresh"), 0);
+    s_detach(&a);
+    s_detach(&b);
+    s_detach(&d);
+    s_detach(&e);
+    kvt_conn_unref(&c1);
+    kvt_conn_unref(&c2);
+    kvt_conn_unref(&c3);
+    kvt_conn_unref(&c4);
+}
+
+static void test_hostile_client(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c = s_conn(f, "h", 16), *g = s_conn(f, "g", 17);
+    kvt_fastpath_offer_t o, og;
+    assert_int_equal(s_open(f, c, 31, &o), 0);
+    assert_int_equal(s_open(f, g, 32, &og), 0);
+    cli_t h, good;
+    s_attach(f, &o, &h);
+    s_attach(f, &og, &good);
+    /* a record that is not a list of frames (written by hand, as a hostile client would):
+     * the server's parse rejects it and the pair closes */
+    uint64_t base = 1u << 30;
+    uint8_t *hdr = f->tail + (o.request - base);
+    uint32_t rec[4] = {8, KVT_RING_KIND_MSG, 0x7fffffffu, 5}; /* count 2^31 - 1 */
+    memcpy(hdr + KVT_RING_HDR_SIZE, rec, sizeof rec);
+    uint64_t head = 16;
+    __atomic_store_n((uint64_t *)(hdr + KVT_RING_OFF_HEAD), head, __ATOMIC_RELEASE);
+    s_wait_status(f, "dropped", "malformed", 1);
+    /* a second pair of the same client: an impossible head index */
+    kvt_fastpath_offer_t o2;
+    usleep(150000);
+    assert_int_equal(s_open(f, c, 31, &o2), 0);
+    hdr = f->tail + (o2.request - base);
+    __atomic_store_n((uint64_t *)(hdr + KVT_RING_OFF_HEAD), 0x7777777777777777ull,
+                     __ATOMIC_RELEASE); /* no wake: the thread's idle sweep finds it */
+    s_wait_status(f, "dropped", "malformed", 2);
+    /* the other client never noticed */
+    assert_int_equal(s_send(&good, "fine"), 0);
+    assert_int_equal(s_expect(&good, "fine"), 0);
+    s_detach(&h);
+    s_detach(&good);
+    kvt_conn_unref(&c);
+    kvt_conn_unref(&g);
+}
+
+static void test_held_replies_are_bounded(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c = s_conn(f, "r", 18);
+    kvt_fastpath_offer_t o;
+    assert_int_equal(s_open(f, c, 41, &o), 0);
+    cli_t cl;
+    s_attach(f, &o, &cl);
+    /* the client sends and never reads: replies fill the ring, then the backlog, then the
+     * pair closes; the thread never blocks */
+    char msg[200];
+    memset(msg, 'q', sizeof msg - 1);
+    msg[sizeof msg - 1] = '\0';
+    int sent = 0;
+    for (int i = 0; i < 2000 && s_status(f, "dropped", "reply_backlog") == 0; i++) {
+        int rc = s_send(&cl, msg);
+        if (rc == KVT_EBUSY) {
+            usleep(1000);
+            continue;
+        }
+        if (rc == KVT_EUNAVAIL)
+            break;
+        assert_int_equal(rc, 0);
+        sent++;
+    }
+    s_wait_status(f, "dropped", "reply_backlog", 1);
+    assert_true(sent > 20);
+    /* what was pushed before the close is still the client's to read, then unavailable */
+    int got = 0;
+    while (s_expect(&cl, msg) == 0)
+        got++;
+    assert_true(got >= 18 && got < sent);
+    s_detach(&cl);
+    kvt_conn_unref(&c);
+}
+
+static void test_reply_to_a_closed_slot_and_stop(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c = s_conn(f, "z", 19);
+    kvt_fastpath_offer_t o;
+    assert_int_equal(s_open(f, c, 51, &o), 0);
+    cli_t cl;
+    s_attach(f, &o, &cl);
+    pthread_mutex_lock(&f->lock);
+    f->srv.hold = true; /* answered later, as a pooled request would be */
+    pthread_mutex_unlock(&f->lock);
+    assert_int_equal(s_send(&cl, "later"), 0);
+    for (int i = 0; i < 400 && atomic_load(&f->srv.calls) == 0; i++)
+        usleep(5000);
+    pthread_mutex_lock(&f->lock);
+    kvt_fastpath_ref_t ref = f->srv.last;
+    kvt_ring_iov_t iov[2] = {{"later", 5}, {"x", 1}};
+    assert_int_equal(kvt_fastpath_reply(f->fp, ref, iov, 2), 0);
+    /* too large for the ring: the caller answers something smaller instead */
+    static uint8_t big[S_RING];
+    kvt_ring_iov_t bigv = {big, sizeof big};
+    assert_int_equal(kvt_fastpath_reply(f->fp, ref, &bigv, 1), KVT_ETOOBIG);
+    kvt_fastpath_owner_gone(f->fp, 51, false);
+    assert_int_equal(kvt_fastpath_reply(f->fp, ref, iov, 2), KVT_EUNAVAIL); /* slot gone */
+    f->srv.hold = false;
+    pthread_mutex_unlock(&f->lock);
+    assert_int_equal(s_expect(&cl, "later"), 0);
+    assert_int_equal(kvt_ring_wait(cl.rep, 0, 0), KVT_EUNAVAIL);
+    /* metrics name every reason */
+    s_detach(&cl);
+    kvt_conn_unref(&c);
+    /* stop with a client attached: its next push finds the ring closed */
+    kvt_conn_t *c2 = s_conn(f, "y", 20);
+    usleep(150000);
+    assert_int_equal(s_open(f, c2, 52, &o), 0);
+    s_attach(f, &o, &cl);
+    kvt_fastpath_destroy(&f->fp);
+    assert_int_equal(s_send(&cl, "gone"), KVT_EUNAVAIL);
+    s_detach(&cl);
+    kvt_conn_unref(&c2);
+}
+
+static void s_count(void *ctx, const kvt_sample_t *s)
+{
+    int *n = ctx;
+    if (strcmp(s->name, "fastpath_dropped_total") == 0)
+        (*n)++;
+}
+
+static void test_metrics(void **state)
+{
+    fx_t *f = *state;
+    int n = 0;
+    kvt_fastpath_metrics_source(f->fp, s_count, &n);
+    assert_int_equal(n, 8);
+    json_t *j = kvt_fastpath_json(f->fp);
+    assert_true(json_is_true(json_object_get(j, "enabled")));
+    assert_int_equal(json_integer_value(json_object_get(j, "rings_max")), S_RINGS);
+    assert_int_equal(json_integer_value(json_object_get(j, "ring_bytes")), S_RING);
+    json_decref(j);
+    j = kvt_fastpath_json(NULL); /* fast path off */
+    assert_true(json_is_false(json_object_get(j, "enabled")));
+    json_decref(j);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_round_trips_sleeping_and_spinning, s_setup,
+                                        s_teardown),
+        cmocka_unit_test_setup_teardown(test_rehello_and_bye_through_the_ring, s_setup,
+                                        s_teardown),
+        cmocka_unit_test_setup_teardown(test_reclaim_reasons, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_hostile_client, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_held_replies_are_bounded, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_reply_to_a_closed_slot_and_stop, s_setup,
+                                        s_teardown),
+        cmocka_unit_test_setup_teardown(test_metrics, s_setup, s_teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
