@@ -44,10 +44,11 @@
  * independently, so a request posted on the ring (kvtier_release_async) is confirmed by a ring
  * reply before anything goes over the socket (s_ring_settle): the next call sees it done, as
  * on one socket. The pair is dropped (our sides closed, the handles freed) before every HELLO
- * and BYE (the daemon drops it at either and may format a new one in the same place), before
- * the arena is unmapped, and when the daemon closes it (KVT_EUNAVAIL) or the ring turns out
- * malformed; calls then use the socket until a later HELLO brings a new pair. A child forked
- * after connect never touches the pair (the region is shared with its parent): s_fork_gen. */
+ * and BYE (the daemon replaces or reclaims it then), before the arena is unmapped, when the
+ * daemon closes it (KVT_EUNAVAIL), when the ring turns out malformed, and when a wait times
+ * out and the arena file is gone (a dead daemon closes nothing); calls then use the socket
+ * until a later HELLO brings a new pair. A child forked after connect never touches the pair
+ * (the region is shared with its parent): s_fork_gen. */
 #include "kvtier.h"
 
 #include "kvtier_curve.h"
@@ -106,6 +107,8 @@ struct kvtier {
     char *arena_path;         /* the shm.path HELLO announced last (NULL: none) ... */
     uint64_t arena_announced; /* ... and its shm.size: a restarted daemon announces another */
     uint64_t arena_map_announced; /* ... and the length mapped for it */
+    dev_t arena_dev;              /* the mapped file: a daemon's arena file goes with it */
+    ino_t arena_ino;
     char arena_why[384]; /* why arena is NULL: the message of a local KVT_EUNAVAIL */
     s_prefault_t *prefault; /* the background fault-in of the arena, NULL when none runs */
     char error[256];
@@ -119,6 +122,7 @@ struct kvtier {
     kvt_ring_t *rep_ring;  /* consumer of the reply ring */
     unsigned ring_gen;     /* s_fork_gen when attached */
     uint64_t ring_posted;  /* uid of the last request posted on the ring not yet confirmed */
+    uint64_t ring_seen_ns; /* when the pair last answered (or was attached) */
     uint8_t *ring_buf;     /* one reply record (kvt_ring_max_payload bytes), kept across calls */
     size_t ring_buf_cap;
 };
@@ -459,6 +463,7 @@ static int s_recv_on(void *sock, uint64_t spin_ns, uint64_t uid, s_data_mode_t m
 /* ---- the fast path: requests and replies over the ring pair (see DESIGN) ---- */
 
 #define S_RING_FRAMES 64 /* frames a reply record may have: [uid, type, body], data unused */
+#define S_RING_IDLE_NS 50000000u /* a pair idle this long is checked before use (one stat) */
 
 /* Whether this process may use the handle's pair (a forked child may not). */
 static bool s_pair_mine(const kvtier_t *self)
@@ -478,6 +483,20 @@ static void s_pair_drop(kvtier_t *self)
     kvt_ring_destroy(&self->req_ring);
     kvt_ring_destroy(&self->rep_ring);
     self->ring_posted = 0;
+}
+
+/* After a ring wait timed out, and before using a pair idle for S_RING_IDLE_NS. A daemon that
+ * died closed nothing, but its arena file goes (removed as stale by the next daemon): then the
+ * ring is never served again, so the pair is dropped and the call goes over the socket, where
+ * a restarted daemon answers (instance_dropped, then the HELLO that brings a new pair).
+ * Without this a handle with no heartbeat would push into the dead ring forever. */
+static void s_pair_check_owner(kvtier_t *self)
+{
+    struct stat st;
+    if (self->arena_path && stat(self->arena_path, &st) == 0 && st.st_dev == self->arena_dev &&
+        st.st_ino == self->arena_ino)
+        return;
+    s_pair_drop(self);
 }
 
 static int64_t s_left_ns(uint64_t deadline)
@@ -521,6 +540,7 @@ static int s_ring_take(kvtier_t *self, uint64_t deadline, kvt_ring_frame_t *f, u
         *ruid = 0;
     if (self->ring_posted && *ruid >= self->ring_posted)
         self->ring_posted = 0;
+    self->ring_seen_ns = s_mono_ns();
     return 0;
 }
 
@@ -567,14 +587,21 @@ static int s_ring_push(kvtier_t *self, uint64_t uid, uint32_t type, const void *
     size_t need = kvt_ring_msg_size(iov, 3);
     if (need > kvt_ring_max_payload(self->req_ring))
         return 1;
+    if (s_mono_ns() - self->ring_seen_ns > S_RING_IDLE_NS) {
+        s_pair_check_owner(self); /* idle a while: its daemon may have died meanwhile */
+        if (!s_pair_mine(self))
+            return 1;
+    }
     int rc;
     while ((rc = kvt_ring_push(self->req_ring, iov, 3)) == KVT_EBUSY) {
         s_ring_drain(self); /* a daemon stuck on a full reply ring reads no requests */
         if (!s_pair_mine(self))
             return 1;
         rc = kvt_ring_wait(self->req_ring, need, s_left_ns(deadline));
-        if (rc == KVT_ETIMEDOUT)
+        if (rc == KVT_ETIMEDOUT) {
+            s_pair_check_owner(self);
             return s_fail(self, rc, "timed out waiting for room on the fast path's request ring");
+        }
         if (rc)
             break;
     }
@@ -593,8 +620,10 @@ static int s_ring_recv(kvtier_t *self, uint64_t uid, uint64_t deadline, s_reply_
     uint64_t ruid;
     for (;;) {
         int rc = s_ring_take(self, deadline, f, &nf, &ruid);
-        if (rc == KVT_ETIMEDOUT)
+        if (rc == KVT_ETIMEDOUT) {
+            s_pair_check_owner(self);
             return s_fail(self, rc, "timed out waiting for the daemon (fast path)");
+        }
         if (rc)
             return rc;
         if (ruid != uid)
@@ -625,8 +654,8 @@ static int s_exchange(kvtier_t *self, uint32_t type, const void *body, size_t le
     self->error[0] = '\0';
     uint64_t uid = self->next_uid++;
     if (type == KVT_REQ_HELLO || type == KVT_REQ_BYE) {
-        /* the daemon drops the pair at either and may format a new one in its place: our
-         * sides are closed first, never written after */
+        /* the daemon replaces (a HELLO that asks) or reclaims the pair at either: our sides
+         * are closed first, and never written after */
         s_pair_drop(self);
     } else if (ndata == 0 && mode == S_DATA_NONE && s_pair_mine(self)) {
         uint64_t deadline = s_deadline(self);
@@ -1076,6 +1105,8 @@ static void s_map_arena(kvtier_t *self, const char *file, uint64_t size, uint64_
             self->arena = p;
             self->arena_size = (size_t)size;
             self->arena_map_len = (size_t)map_len;
+            self->arena_dev = st.st_dev;
+            self->arena_ino = st.st_ino;
             if (mode == S_MAP_BACKGROUND)
                 self->prefault = s_prefault_start(p, (size_t)map_len);
         }
@@ -1133,8 +1164,8 @@ static void s_follow_arena(kvtier_t *self, const msgpack_object *hello)
 /* Attaches the pair HELLO offered, `fastpath: {request, reply, capacity}` (the previous one is
  * dropped already: s_exchange, before the HELLO went out). Each region must lie in the mapped
  * arena past the L1 objects, apart from the other, and hold a ring of that capacity; offsets
- * need only the 8-byte alignment a ring needs (the spec says 4096, but a pair packed as one
- * region puts the reply ring right after the request ring). false, with nothing attached, when
+ * need only the 8-byte alignment a ring needs (kvtierd packs a pair as one region: its reply
+ * ring starts right after the request ring, not on a page). false, with nothing attached, when
  * the offer does not check out: the socket serves, as it does without an offer. */
 static bool s_pair_attach(kvtier_t *self, const msgpack_object *offer)
 {
@@ -1173,6 +1204,7 @@ static bool s_pair_attach(kvtier_t *self, const msgpack_object *offer)
     self->rep_ring = c;
     self->ring_gen = atomic_load_explicit(&s_fork_gen, memory_order_relaxed);
     self->ring_posted = 0;
+    self->ring_seen_ns = s_mono_ns();
     return true;
 }
 

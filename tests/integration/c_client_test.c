@@ -37,9 +37,10 @@
  *                  instance_dropped says HELLO again and gets a new pair
  *   fastpath-fake  against the fake daemon of tests/integration/fastpath_fake.py: ordering of a
  *                  posted RELEASE before a socket request, fork, timeouts and stale replies, the
- *                  daemon closing the pair idle or in flight, re-HELLOs; the pauses ("fork",
- *                  "slow", "redo-ring", "drop-in-flight", "redo-socket", "closed-idle",
- *                  "redo-bye") let the driver arm the fake in between
+ *                  daemon closing the pair idle or in flight, a daemon gone without closing
+ *                  it, re-HELLOs; the pauses ("fork", "slow", "redo-ring", "drop-in-flight",
+ *                  "redo-socket", "closed-idle", "redo-gone", "gone", "redo-bye") let the
+ *                  driver arm the fake in between
  * A pause prints "pause: WHAT" and waits for a line on stdin (none with stdin /dev/null).
  * KVT_TEST_INSTANCE names the instance of the scenario's connection.
  *
@@ -1128,9 +1129,18 @@ static int s_fastpath_fake(kvtier_t *unused)
     s_pause("closed-idle");
     S_OK(c, kvtier_ping(c));
     S_CHECK(kvtier_fastpath_active(c) == 0, "the pair stays after the daemon closed it");
+    s_pause("redo-gone");
+    S_OK(c, kvtier_ping(c)); /* instance_dropped again: a new pair */
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after the third re-HELLO");
+    /* the daemon stops serving without closing anything (it died) and its arena file is gone:
+     * the call times out, the pair goes, the next call is answered over the socket */
+    s_pause("gone");
+    S_FAILS(c, KVT_ETIMEDOUT, kvtier_ping(c));
+    S_CHECK(kvtier_fastpath_active(c) == 0, "the pair of a vanished arena file stays");
+    S_OK(c, kvtier_ping(c));
     s_pause("redo-bye");
     S_OK(c, kvtier_ping(c)); /* instance_dropped again: a pair for the BYE check */
-    S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after the third re-HELLO");
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after the fourth re-HELLO");
     printf("fastpath-fake: ring, fork, timeout, re-HELLOs and closes\n");
 out:
     free(json);

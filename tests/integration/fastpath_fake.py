@@ -84,6 +84,7 @@ class FakeFastpathDaemon:
         self.fail_next_ring = None
         self.close_next_ring = False
         self.fail_next_zmq = None
+        self.ring_dead = False  # pops nothing, closes nothing: a daemon that died
         self.close_idle = threading.Event()
         self.closed_idle = threading.Event()
         self._stop = False
@@ -159,6 +160,7 @@ class FakeFastpathDaemon:
 
     def _hello(self, body):
         self.hellos.append(body)
+        self.ring_dead = False
         if self.pair and self.client_closed() != (1, 1):
             self.problems.append("HELLO while the client's sides of its pair are open: %r"
                                  % (self.client_closed(),))
@@ -198,7 +200,8 @@ class FakeFastpathDaemon:
         if fail:
             self.fail_next_ring = self.fail_next_zmq = None
             return {"ok": False, "error": {"code": fail, "message": "fake: " + fail}}
-        unread = self.pair and self.lib.kvtier_ring_wait(self.pair[0], 0, 0) == 0
+        unread = (self.pair and not self.ring_dead and
+                  self.lib.kvtier_ring_wait(self.pair[0], 0, 0) == 0)
         if transport == "zmq" and (self.pending or unread):
             self.problems.append("type %d over the socket while the ring had %s"
                                  % (typ, "a request unread" if unread else "replies due"))
@@ -241,7 +244,7 @@ class FakeFastpathDaemon:
                 self._flush()
                 if sock.poll(1):
                     self._zmq(sock, sock.recv_multipart())
-                if not self.pair:
+                if not self.pair or self.ring_dead:
                     continue
                 rc = self.lib.kvtier_ring_wait(self.pair[0], 0, 1_000_000)
                 if rc == EUNAVAIL:  # the client closed its side: drop the pair, as kvtierd does

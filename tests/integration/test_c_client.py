@@ -328,6 +328,30 @@ def test_daemon_restart(daemon_factory, heartbeat):
 
 
 @needs_client_test
+def test_fastpath_daemon_crash_and_restart(daemon_factory):
+    """The daemon is killed (it closes no ring) and another starts on the endpoint, while the
+    handle (no heartbeat) is idle with a pair: the next call does not push into the dead ring
+    (the old arena file is gone) but goes over the socket, re-establishes the instance, maps the
+    new arena and gets a pair there."""
+    d = daemon_factory("--lease-ms", str(LEASE_MS))
+    sc = Scenario(d.ipc, "restart", {"KVT_TEST_INSTANCE": "c-crash", "KVTIER_HEARTBEAT_MS": "0"})
+    try:
+        sc.wait_pause("restart")
+        assert fastpath_status(d)["rings_open"] == 1
+        d.stop(signal.SIGKILL)
+        d2 = restart_daemon(daemon_factory, d, "--l1-size", "32M", "--lease-ms", str(LEASE_MS))
+        sc.resume()
+        sc.wait_pause("after")
+        assert fastpath_status(d2)["rings_open"] == 1 and fastpath_status(d2)["requests"] > 0
+        sc.resume()
+        out = sc.finish(d2)
+        d2.stop()
+    finally:
+        sc.kill()
+    assert "then 33554432 bytes" in out, out
+
+
+@needs_client_test
 def test_close_stops_the_heartbeat_without_a_daemon(daemon_factory):
     """kvtier_close with the daemon gone: the heartbeat stops at once (its waits watch an
     eventfd), BYE waits no longer than the handle's timeout, no thread is left."""
@@ -438,7 +462,8 @@ def test_fastpath_against_a_fake_daemon(tmp_path, offer):
     child leaves the pair alone, a late reply times the call out and is skipped by the next,
     instance_dropped on either transport brings a new pair (the old one closed before the
     HELLO), the daemon closing the pair in flight fails that call and idle sends the next over
-    the socket, BYE comes after our sides are closed. A pair that does not check out (a
+    the socket, a daemon gone without a word (its arena file gone) costs one timeout, BYE comes
+    after our sides are closed. A pair that does not check out (a
     misaligned ring), a daemon that predates the fast path, or KVTIER_FASTPATH=0 leave
     everything on the socket."""
     from fastpath_fake import HELLO, PING, RELEASE, STATS, FakeFastpathDaemon
@@ -472,7 +497,15 @@ def test_fastpath_against_a_fake_daemon(tmp_path, offer):
             fake.close_idle.set()
             assert fake.closed_idle.wait(5)
             sc.resume()
+            sc.wait_pause("redo-gone")
+            fake.fail_next_zmq = "instance_dropped"
+            sc.resume()
+            sc.wait_pause("gone")
+            fake.ring_dead = True
+            os.rename(fake.arena_path, fake.arena_path + ".gone")
+            sc.resume()
             sc.wait_pause("redo-bye")
+            os.rename(fake.arena_path + ".gone", fake.arena_path)
             fake.fail_next_zmq = "instance_dropped"
             sc.resume()
         out = sc.finish(fake)
@@ -484,8 +517,8 @@ def test_fastpath_against_a_fake_daemon(tmp_path, offer):
     ring = [t for tr, t in fake.log if tr == "ring"]
     if offer == "ok":
         assert "ring, fork, timeout" in out, out
-        assert asked == [True] * 4, fake.hellos    # connect and three re-HELLOs
-        assert ring.count(PING) >= 6 and STATS in ring and RELEASE in ring, fake.log
+        assert asked == [True] * 5, fake.hellos    # connect and four re-HELLOs
+        assert ring.count(PING) >= 7 and STATS in ring and RELEASE in ring, fake.log
         assert ("zmq", STATS) in fake.log, fake.log    # the big body went over the socket
         assert ("zmq", RELEASE) in fake.log, fake.log  # posted while there was no pair
     else:
