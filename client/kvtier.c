@@ -103,9 +103,9 @@ struct kvtier {
     kvtier_info_t info;
     void *arena; /* MAP_SHARED mapping of HELLO's shm.path; NULL when it could not be mapped */
     size_t arena_size;
-    size_t arena_map_len;     /* bytes mapped: shm.map_size (rings included) or arena_size */
-    char *arena_path;         /* the shm.path HELLO announced last (NULL: none) ... */
-    uint64_t arena_announced; /* ... and its shm.size: a restarted daemon announces another */
+    size_t arena_map_len;         /* bytes mapped: shm.map_size (rings included) or arena_size */
+    char *arena_path;             /* the shm.path HELLO announced last (NULL: none) ... */
+    uint64_t arena_announced;     /* ... and its shm.size: a restarted daemon announces another */
     uint64_t arena_map_announced; /* ... and the length mapped for it */
     dev_t arena_dev;              /* the mapped file: a daemon's arena file goes with it */
     ino_t arena_ino;
@@ -529,9 +529,10 @@ static int s_ring_take(kvtier_t *self, uint64_t deadline, kvt_ring_frame_t *f, u
                "the daemon closed the fast path (a request in flight on it may or may not have "
                "run); later calls go over the socket");
     else if (rc)
-        s_fail(self, KVT_EUNAVAIL, "the fast path's reply ring is malformed (%s); later calls "
-               "go over the socket", kvt_ring_broken(self->rep_ring) ? kvt_ring_why(self->rep_ring)
-                                                                      : "an unparsable record");
+        s_fail(self, KVT_EUNAVAIL,
+               "the fast path's reply ring is malformed (%s); later calls go over the socket",
+               kvt_ring_broken(self->rep_ring) ? kvt_ring_why(self->rep_ring)
+                                               : "an unparsable record");
     if (rc) {
         s_pair_drop(self);
         return KVT_EUNAVAIL;

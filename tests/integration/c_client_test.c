@@ -1100,8 +1100,7 @@ static int s_fastpath_fake(kvtier_t *unused)
     /* a reply later than the timeout: this call times out, the next skips the stale reply */
     s_pause("slow");
     S_FAILS(c, KVT_ETIMEDOUT, kvtier_ping(c));
-    S_CHECK(strstr(kvtier_last_error(c), "timed out"), "timeout message: %s",
-            kvtier_last_error(c));
+    S_CHECK(strstr(kvtier_last_error(c), "timed out"), "timeout message: %s", kvtier_last_error(c));
     S_OK(c, kvtier_stats(c, &json));
     S_CHECK(strstr(json, "\"type\": 14"), "the STATS call took another reply: %s", json);
     free(json);
