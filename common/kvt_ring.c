@@ -33,6 +33,7 @@
 
 #include <linux/futex.h>
 #include <stdarg.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -503,8 +504,13 @@ int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
             }
             return rc < 0 ? rc : 0;
         }
-        if ((i + 1) % S_SPIN_CLOCK_EVERY == 0 && s_now_ns() >= deadline)
-            break;
+        if ((i + 1) % S_SPIN_CLOCK_EVERY == 0) {
+            if (s_now_ns() >= deadline)
+                break;
+            /* more spinners than cores (clients and the daemon's thread on a small machine):
+             * let the peer run; with a core to spare this returns at once */
+            sched_yield();
+        }
     }
     _Atomic uint32_t *word =
         self->role == KVT_RING_CONSUMER ? &self->hdr->cons_wait : &self->hdr->prod_wait;
