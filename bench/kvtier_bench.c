@@ -24,7 +24,13 @@
  *   8 one prompt of 16 chunks of 1 MiB stored and loaded through the LMCache door
  *     (--lmcache-listen: lookup, prepare/commit_store, lookup, prepare/commit_retrieve,
  *     end_session, from a DEALER speaking LMCache's wire) vs the same through protocol v1
- *     (LOOKUP, RESERVE, COMMIT, LOOKUP, ACQUIRE, RELEASE), p50 of the whole sequence.
+ *     (LOOKUP, RESERVE, COMMIT, LOOKUP, ACQUIRE, RELEASE), p50 of the whole sequence;
+ *   9 the fast path (issue 17) against the socket on daemon A, each client's transport chosen
+ *     with KVTIER_FASTPATH at connect and checked with kvtier_fastpath_active: LOOKUP p50/p99
+ *     vs the echo p50; one 4 MiB object per RESERVE/COMMIT and ACQUIRE/RELEASE vs memcpy;
+ *     LOOKUP requests/s at 1-32 clients, best fast vs best socket; daemon CPU while 32
+ *     fast-path clients sit idle.
+ * Cases 1-8 use whatever transport libkvtier picks (the fast path, by default).
  * --quick is a smoke mode (< 20 s): small counts, same code paths, no verdicts. */
 #include "kvtier.h"
 
@@ -899,6 +905,7 @@ typedef struct {
     size_t cap, n;
     double dur;
     pthread_barrier_t *bar;
+    int fast; /* 1: the fast path must be in use; 0: the socket; -1: whatever libkvtier picks */
     int err;
 } load_t;
 
@@ -908,9 +915,16 @@ static void *s_load_thread(void *arg)
     char inst[32];
     snprintf(inst, sizeof inst, "c4-%d", t->idx);
     kvtier_t *c = s_connect(t->d, inst, CALL_TIMEOUT_MS);
-    pthread_barrier_wait(t->bar);
+    pthread_barrier_wait(t->bar); /* all connected: the caller may put KVTIER_FASTPATH back */
     if (!c) {
         t->err = 1;
+        return NULL;
+    }
+    if (t->fast >= 0 && kvtier_fastpath_active(c) != t->fast) {
+        fprintf(stderr, "kvtier-bench: client %d: fast path %s, wanted %s\n", t->idx,
+                kvtier_fastpath_active(c) ? "on" : "off", t->fast ? "on" : "off");
+        t->err = KVTIER_EUNAVAIL;
+        kvtier_close(&c);
         return NULL;
     }
     double end = s_now() + t->dur;
@@ -935,8 +949,12 @@ static void *s_load_thread(void *arg)
 
 /* Runs nthr clients for dur seconds; returns the aggregate rate, *p99 in µs. */
 static double s_load(const daemon_t *d, const key16_t *keys, bool lookup, int nthr, double dur,
-                     double *p99, double *cpu_us)
+                     double *p99, double *cpu_us, int fast)
 {
+    /* libkvtier reads KVTIER_FASTPATH at connect: set while the threads connect, and only
+     * then (no other thread reads the environment meanwhile) */
+    if (fast >= 0)
+        setenv("KVTIER_FASTPATH", fast ? "1" : "0", 1);
     double cpu0 = s_cpu_seconds(d->pid);
     load_t t[MAX_THREADS];
     pthread_t th[MAX_THREADS];
@@ -945,11 +963,13 @@ static double s_load(const daemon_t *d, const key16_t *keys, bool lookup, int nt
     size_t cap = 400000;
     for (int i = 0; i < nthr; i++) {
         t[i] = (load_t){.d = d, .keys = keys, .lookup = lookup, .idx = i, .cap = cap,
-                        .dur = dur, .bar = &bar};
+                        .dur = dur, .bar = &bar, .fast = fast};
         t[i].lat = s_xmalloc(cap * sizeof(double));
         pthread_create(&th[i], NULL, s_load_thread, &t[i]);
     }
     pthread_barrier_wait(&bar);
+    if (fast >= 0)
+        unsetenv("KVTIER_FASTPATH");
     double t0 = s_now();
     for (int i = 0; i < nthr; i++)
         pthread_join(th[i], NULL);
@@ -985,7 +1005,7 @@ static void s_case_rate(const daemon_t *d, const key16_t *lk)
         double best = 0, best_cpu = NAN;
         for (int i = 0; i < 3; i++) {
             double p99 = 0, cpu_us = NAN;
-            double rate = s_load(d, lk, op == 1, counts[i], dur, &p99, &cpu_us);
+            double rate = s_load(d, lk, op == 1, counts[i], dur, &p99, &cpu_us, -1);
             char what[96];
             snprintf(what, sizeof what, "%s, %d client%s: req/s (p99 us as base)",
                      op ? "LOOKUP 64 keys" : "PING", counts[i], counts[i] > 1 ? "s" : "");
@@ -1006,6 +1026,189 @@ static void s_case_rate(const daemon_t *d, const key16_t *lk)
                     : "PING rate per daemon CPU core (1 / CPU per req)",
               1e6 / best_cpu, NAN, "req/s", NAN, "", false, false);
     }
+}
+
+/* ---- case 9: the fast path (shared-memory rings) vs the socket, same daemon, same run ---- */
+
+/* A client on the fast path (fast) or on the socket; NULL (an error counted) when libkvtier
+ * did not get what was asked. Single-threaded callers only (it sets the environment). */
+static kvtier_t *s_connect_tp(const daemon_t *d, const char *instance, bool fast)
+{
+    setenv("KVTIER_FASTPATH", fast ? "1" : "0", 1);
+    kvtier_t *c = s_connect(d, instance, CALL_TIMEOUT_MS);
+    unsetenv("KVTIER_FASTPATH");
+    if (c && kvtier_fastpath_active(c) != (int)fast) {
+        fprintf(stderr, "kvtier-bench: case 9: %s: fast path %s, wanted %s\n", instance,
+                kvtier_fastpath_active(c) ? "on" : "off", fast ? "on" : "off");
+        kvtier_close(&c);
+    }
+    if (!c)
+        s_nerr++;
+    return c;
+}
+
+/* One 4 MiB object per call: RESERVE -> memcpy -> COMMIT, then ACQUIRE -> memcpy -> RELEASE,
+ * over `c`; GB/s of each into out[0..2). False on an error. */
+static bool s_big_round_trips(kvtier_t *c, const key16_t *keys, uint32_t nobj, uint32_t rounds,
+                              const uint8_t *src, uint8_t *dst, double out[2])
+{
+    double store_s = 0, load_s = 0;
+    for (uint32_t r = 0; r < rounds; r++) {
+        s_remove_all(c, "bench9", keys, nobj);
+        double t0 = s_now();
+        if (s_store(c, "bench9", keys, nobj, BIG, src, 1, NULL) != nobj)
+            return false;
+        store_s += s_now() - t0;
+        t0 = s_now();
+        for (uint32_t i = 0; i < nobj; i++) {
+            kvtier_slot_t slot;
+            uint32_t got = 0;
+            uint64_t lease = 0;
+            int rc = kvtier_acquire(c, "bench9", NULL, keys + i, 1, &slot, &got, &lease);
+            if (rc || got != 1) {
+                s_fail("acquire", rc ? rc : KVTIER_ENOTFOUND, c);
+                return false;
+            }
+            memcpy(dst, slot.ptr, BIG);
+            if ((rc = kvtier_release(c, lease)) != 0) {
+                s_fail("release", rc, c);
+                return false;
+            }
+        }
+        load_s += s_now() - t0;
+    }
+    s_remove_all(c, "bench9", keys, nobj);
+    if (memcmp(dst, src, BIG) != 0) {
+        fprintf(stderr, "kvtier-bench: case 9: retrieved bytes differ from stored ones\n");
+        return false;
+    }
+    out[0] = (double)rounds * nobj * BIG / store_s / 1e9;
+    out[1] = (double)rounds * nobj * BIG / load_s / 1e9;
+    return true;
+}
+
+static void s_case_fastpath(const daemon_t *d, const key16_t *lk)
+{
+    s_header("case 9: the fast path (shared-memory rings) vs the socket, same daemon");
+    /* 9a: LOOKUP latency over each transport, against the bare echo */
+    uint32_t n = s_opt.quick ? 500 : 20000;
+    double echo[3];
+    if (!s_echo(n, echo))
+        return;
+    double *lat = s_xmalloc(n * sizeof *lat);
+    double p50[2] = {NAN, NAN}, p99[2] = {NAN, NAN};
+    for (int fast = 0; fast < 2; fast++) {
+        kvtier_t *c = s_connect_tp(d, fast ? "c9-fast" : "c9-zmq", fast);
+        if (!c)
+            continue;
+        s_lookups(c, "bench", lk, n / 10, lat, 10); /* warm-up */
+        uint32_t got = s_lookups(c, "bench", lk, n, lat, 60);
+        if (got < n)
+            fprintf(stderr, "kvtier-bench: case 9: %u of %u LOOKUPs were full hits\n", got, n);
+        p50[fast] = s_pct(lat, got, 0.50);
+        p99[fast] = s_pct(lat, got, 0.99);
+        kvtier_close(&c);
+    }
+    free(lat);
+    s_row(9, "LOOKUP 64 keys p50, fast path (b: echo p50)", p50[1], echo[0], "us",
+          p50[1] / echo[0], "<= 0.3x echo p50", true, p50[1] <= 0.3 * echo[0]);
+    s_row(9, "LOOKUP 64 keys p99, fast path (b: echo p50)", p99[1], echo[0], "us",
+          p99[1] / echo[0], "<= 1x echo p50", true, p99[1] <= echo[0]);
+    s_row(9, "  LOOKUP 64 keys p50, socket (b: echo p50)", p50[0], echo[0], "us",
+          p50[0] / echo[0], "", false, false);
+    s_row(9, "  LOOKUP 64 keys p99, socket (b: echo p50)", p99[0], echo[0], "us",
+          p99[0] / echo[0], "", false, false);
+
+    /* 9b: one 4 MiB object per call over each transport, against memcpy of the same bytes */
+    uint32_t nobj = s_opt.quick ? 8 : 96, rounds = s_opt.quick ? 1 : 4;
+    uint8_t *src = s_xmalloc(BIG), *dst = s_xmalloc(BIG);
+    for (size_t i = 0; i < BIG; i++)
+        src[i] = (uint8_t)s_mix(i * 7);
+    key16_t *keys = s_keys(nobj, 9);
+    for (int fast = 1; fast >= 0; fast--) {
+        kvtier_t *c = s_connect_tp(d, fast ? "c9b-fast" : "c9b-zmq", fast);
+        size_t asize = 0;
+        uint8_t *arena = c ? kvtier_arena(c, &asize) : NULL;
+        if (!arena || asize < (nobj + 1) * BIG) {
+            if (c)
+                fprintf(stderr, "kvtier-bench: case 9: arena not mapped or too small\n");
+            s_nerr += c != NULL;
+            kvtier_close(&c);
+            continue;
+        }
+        s_prefault(c);
+        /* memcpy into and out of the same mapping (its pages already mapped here) */
+        for (uint32_t i = 0; i < nobj; i++)
+            memcpy(arena + (size_t)i * BIG, src, BIG);
+        double t0 = s_now();
+        for (uint32_t r = 0; r < rounds; r++)
+            for (uint32_t i = 0; i < nobj; i++)
+                memcpy(arena + (size_t)i * BIG, src, BIG);
+        double base_w = (double)rounds * nobj * BIG / (s_now() - t0) / 1e9;
+        t0 = s_now();
+        for (uint32_t r = 0; r < rounds; r++)
+            for (uint32_t i = 0; i < nobj; i++)
+                memcpy(dst, arena + (size_t)i * BIG, BIG);
+        double base_r = (double)rounds * nobj * BIG / (s_now() - t0) / 1e9;
+        double gbs[2];
+        if (!s_big_round_trips(c, keys, nobj, rounds, src, dst, gbs)) {
+            s_nerr++;
+        } else if (fast) {
+            s_row(9, "store RESERVE+memcpy+COMMIT 4 MiB, fast (b: memcpy)", gbs[0], base_w,
+                  "GB/s", gbs[0] / base_w, ">= 0.8x memcpy", true, gbs[0] >= 0.8 * base_w);
+            s_row(9, "load ACQUIRE+memcpy+RELEASE 4 MiB, fast (b: memcpy)", gbs[1], base_r,
+                  "GB/s", gbs[1] / base_r, ">= 0.8x memcpy", true, gbs[1] >= 0.8 * base_r);
+        } else {
+            s_row(9, "  store 4 MiB, socket (b: memcpy)", gbs[0], base_w, "GB/s",
+                  gbs[0] / base_w, "", false, false);
+            s_row(9, "  load 4 MiB, socket (b: memcpy)", gbs[1], base_r, "GB/s", gbs[1] / base_r,
+                  "", false, false);
+        }
+        kvtier_close(&c);
+    }
+    free(keys);
+    free(src);
+    free(dst);
+
+    /* 9c: LOOKUP requests/s with N clients over each transport; the best of each */
+    static const int counts[] = {1, 2, 4, 8, 32};
+    double dur = s_opt.quick ? 0.3 : 2.0, best[2] = {0, 0};
+    for (int fast = 0; fast < 2; fast++)
+        for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++) {
+            double q99 = 0, cpu_us = NAN;
+            double rate = s_load(d, lk, true, counts[i], dur, &q99, &cpu_us, fast);
+            char what[96];
+            snprintf(what, sizeof what, "  LOOKUP, %d client%s, %s: req/s (p99 us as base)",
+                     counts[i], counts[i] > 1 ? "s" : "", fast ? "fast" : "socket");
+            s_row(9, what, rate, q99, "req/s", NAN, "", false, false);
+            if (rate > best[fast])
+                best[fast] = rate;
+        }
+    s_row(9, "LOOKUP req/s at best N, fast (b: socket's best)", best[1], best[0], "req/s",
+          best[1] / best[0], ">= 3x socket", true, best[1] >= 3 * best[0]);
+
+    /* 9d: an idle daemon with 32 fast-path clients connected (after the 100 ms a closed ring
+     * pair rests before it is handed out again: 9c just closed 32) */
+    usleep(150000);
+    kvtier_t *idle[32] = {0};
+    int nidle = 0;
+    for (int i = 0; i < 32; i++) {
+        char inst[32];
+        snprintf(inst, sizeof inst, "c9-idle-%d", i);
+        if ((idle[i] = s_connect_tp(d, inst, true)) != NULL)
+            nidle++;
+    }
+    double win = s_opt.quick ? 1.0 : 10.0;
+    usleep(200000); /* the fast-path thread's spin after the last HELLO is over */
+    double cpu0 = s_cpu_seconds(d->pid), t0 = s_now();
+    usleep((useconds_t)(win * 1e6));
+    double cpu1 = s_cpu_seconds(d->pid), el = s_now() - t0;
+    double pct = cpu0 >= 0 && cpu1 >= 0 ? (cpu1 - cpu0) / el * 100 : NAN;
+    char what[96];
+    snprintf(what, sizeof what, "idle daemon CPU, %d fast-path clients, %.0f s", nidle, win);
+    s_row(9, what, pct, NAN, "% core", NAN, "<= 2% of a core", true, nidle == 32 && pct <= 2.0);
+    for (int i = 0; i < 32; i++)
+        kvtier_close(&idle[i]);
 }
 
 /* ---- case 6: LOOKUP p99 under load -------------------------------------------------------- */
@@ -2048,7 +2251,7 @@ int main(int argc, char **argv)
      * when --only names none of them nor 6b) */
     daemon_t a = {0};
     bool want_a = s_want("1") || s_want("2") || s_want("3") || s_want("4") || s_want("6a") ||
-                  s_want("6b");
+                  s_want("6b") || s_want("9");
     if (want_a && s_daemon_start(&a, "dA", s_opt.quick ? "160M" : "1G", "none", NULL, NULL)) {
         kvtier_t *c = s_connect(&a, "fill", CALL_TIMEOUT_MS);
         key16_t *lk = s_keys(LOOKUP_KEYS, 1);
@@ -2064,6 +2267,8 @@ int main(int argc, char **argv)
                 s_case_rate(&a, lk);
             if (s_want("6a"))
                 s_case_busy_get(&a, lk);
+            if (s_want("9"))
+                s_case_fastpath(&a, lk);
         } else {
             s_nerr++;
         }

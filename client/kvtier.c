@@ -31,7 +31,24 @@
  * Faulting the arena in (KVTIER_MAP_POPULATE): lazily by default (each page on first touch),
  * all at once with MAP_POPULATE ("1"), or by a thread of its own ("background", s_prefault_t)
  * that walks the mapping in chunks with MADV_POPULATE_WRITE while the caller goes on; the only
- * thing it shares is an atomic stop flag, and it is joined before the mapping is unmapped. */
+ * thing it shares is an atomic stop flag, and it is joined before the mapping is unmapped.
+ *
+ * The fast path (issue 17; docs/protocol.md "Fast path"). HELLO asks for a ring pair
+ * (`fastpath: true`, unless KVTIER_FASTPATH=0), the arena is mapped to shm.map_size so the
+ * rings past the L1 objects are in it, and the offer's two regions are attached with
+ * common/kvt_ring: this handle produces on the request ring and consumes the reply ring. Then
+ * every request without data frames whose message fits in a record goes over the ring
+ * (s_ring_push, s_ring_recv), the rest (PUT, GET, HELLO, BYE, big bodies) over the socket;
+ * both carry the same frames and one uid sequence, so each transport's receive loop skips the
+ * replies to timed-out or posted calls by uid. The daemon reads the two transports
+ * independently, so a request posted on the ring (kvtier_release_async) is confirmed by a ring
+ * reply before anything goes over the socket (s_ring_settle): the next call sees it done, as
+ * on one socket. The pair is dropped (our sides closed, the handles freed) before every HELLO
+ * and BYE (the daemon replaces or reclaims it then), before the arena is unmapped, when the
+ * daemon closes it (KVT_EUNAVAIL), when the ring turns out malformed, and when a wait times
+ * out and the arena file is gone (a dead daemon closes nothing); calls then use the socket
+ * until a later HELLO brings a new pair. A child forked after connect never touches the pair
+ * (the region is shared with its parent): s_fork_gen. */
 #include "kvtier.h"
 
 #include "kvtier_curve.h"
@@ -86,8 +103,12 @@ struct kvtier {
     kvtier_info_t info;
     void *arena; /* MAP_SHARED mapping of HELLO's shm.path; NULL when it could not be mapped */
     size_t arena_size;
-    char *arena_path;         /* the shm.path HELLO announced last (NULL: none) ... */
-    uint64_t arena_announced; /* ... and its shm.size: a restarted daemon announces another */
+    size_t arena_map_len;         /* bytes mapped: shm.map_size (rings included) or arena_size */
+    char *arena_path;             /* the shm.path HELLO announced last (NULL: none) ... */
+    uint64_t arena_announced;     /* ... and its shm.size: a restarted daemon announces another */
+    uint64_t arena_map_announced; /* ... and the length mapped for it */
+    dev_t arena_dev;              /* the mapped file: a daemon's arena file goes with it */
+    ino_t arena_ino;
     char arena_why[384]; /* why arena is NULL: the message of a local KVT_EUNAVAIL */
     s_prefault_t *prefault; /* the background fault-in of the arena, NULL when none runs */
     char error[256];
@@ -95,6 +116,15 @@ struct kvtier {
     s_hb_t *hb;       /* NULL when disabled (KVTIER_HEARTBEAT_MS=0) */
     s_gpu_reg_t *gpu; /* the caller's GPU registrations, one per device */
     uint32_t ngpu, gpu_cap;
+    /* the fast path: both NULL, or the pair the last HELLO offered (see DESIGN) */
+    bool fastpath_on;      /* KVTIER_FASTPATH is not "0": HELLO asks for a pair */
+    kvt_ring_t *req_ring;  /* producer of the request ring */
+    kvt_ring_t *rep_ring;  /* consumer of the reply ring */
+    unsigned ring_gen;     /* s_fork_gen when attached */
+    uint64_t ring_posted;  /* uid of the last request posted on the ring not yet confirmed */
+    uint64_t ring_seen_ns; /* when the pair last answered (or was attached) */
+    uint8_t *ring_buf;     /* one reply record (kvt_ring_max_payload bytes), kept across calls */
+    size_t ring_buf_cap;
 };
 
 /* The heartbeat of one kvtier_t (see "the heartbeat" below). */
@@ -146,6 +176,11 @@ static void *s_ctx;
 static unsigned s_ctx_refs;
 static pid_t s_ctx_pid;
 
+/* Bumped in the child at each fork: a ring pair belongs to the process that attached it (its
+ * region is shared with the parent, so a child that pushed, popped or closed would act for the
+ * parent). One relaxed load per call, where getpid() would be a system call. */
+static _Atomic unsigned s_fork_gen;
+
 /* An integer from the environment within [lo, hi], else def. */
 static int s_env_int(const char *name, int def, int lo, int hi)
 {
@@ -159,6 +194,7 @@ static int s_env_int(const char *name, int def, int lo, int hi)
 static void s_ctx_atfork_child(void)
 {
     pthread_mutex_init(&s_ctx_lock, NULL);
+    atomic_fetch_add_explicit(&s_fork_gen, 1, memory_order_relaxed);
 }
 
 static void s_ctx_once(void)
@@ -210,17 +246,27 @@ static int s_send_frame(void *sock, const void *data, size_t len, int flags)
     return zmq_send(sock, data, len, flags) < 0 ? -1 : 0;
 }
 
+/* A msgpack uint in its shortest form (as msgpack_pack_uint64 writes it, without a buffer to
+ * allocate: this is on every request's path). buf holds 9 bytes. */
 static int s_pack_uint(char *buf, uint64_t v)
 {
-    msgpack_sbuffer sb;
-    msgpack_sbuffer_init(&sb);
-    msgpack_packer pk;
-    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    msgpack_pack_uint64(&pk, v);
-    int n = (int)sb.size;
-    memcpy(buf, sb.data, sb.size);
-    msgpack_sbuffer_destroy(&sb);
-    return n;
+    uint8_t *b = (uint8_t *)buf;
+    int n;
+    if (v < 0x80) {
+        b[0] = (uint8_t)v;
+        return 1;
+    }
+    if (v <= UINT8_MAX)
+        b[0] = 0xcc, n = 1;
+    else if (v <= UINT16_MAX)
+        b[0] = 0xcd, n = 2;
+    else if (v <= UINT32_MAX)
+        b[0] = 0xce, n = 4;
+    else
+        b[0] = 0xcf, n = 8;
+    for (int i = 0; i < n; i++)
+        b[1 + i] = (uint8_t)(v >> (8 * (n - 1 - i)));
+    return n + 1;
 }
 
 /* What a call keeps of a reply's data frames: nothing, copies, or the frames themselves. */
@@ -414,17 +460,236 @@ static int s_recv_on(void *sock, uint64_t spin_ns, uint64_t uid, s_data_mode_t m
     }
 }
 
+/* ---- the fast path: requests and replies over the ring pair (see DESIGN) ---- */
+
+#define S_RING_FRAMES 64 /* frames a reply record may have: [uid, type, body], data unused */
+#define S_RING_IDLE_NS 50000000u /* a pair idle this long is checked before use (one stat) */
+
+/* Whether this process may use the handle's pair (a forked child may not). */
+static bool s_pair_mine(const kvtier_t *self)
+{
+    return self->req_ring &&
+           self->ring_gen == atomic_load_explicit(&s_fork_gen, memory_order_relaxed);
+}
+
+/* Drops the pair: closes this client's sides, so the daemon drops its own, and frees the
+ * handles. A forked child only frees its copies (closing would end the parent's pair). */
+static void s_pair_drop(kvtier_t *self)
+{
+    if (s_pair_mine(self)) {
+        kvt_ring_close(self->req_ring);
+        kvt_ring_close(self->rep_ring);
+    }
+    kvt_ring_destroy(&self->req_ring);
+    kvt_ring_destroy(&self->rep_ring);
+    self->ring_posted = 0;
+}
+
+/* After a ring wait timed out, and before using a pair idle for S_RING_IDLE_NS. A daemon that
+ * died closed nothing, but its arena file goes (removed as stale by the next daemon): then the
+ * ring is never served again, so the pair is dropped and the call goes over the socket, where
+ * a restarted daemon answers (instance_dropped, then the HELLO that brings a new pair).
+ * Without this a handle with no heartbeat would push into the dead ring forever. */
+static void s_pair_check_owner(kvtier_t *self)
+{
+    struct stat st;
+    if (self->arena_path && stat(self->arena_path, &st) == 0 && st.st_dev == self->arena_dev &&
+        st.st_ino == self->arena_ino)
+        return;
+    s_pair_drop(self);
+}
+
+static int64_t s_left_ns(uint64_t deadline)
+{
+    uint64_t now = s_mono_ns();
+    return deadline > now ? (int64_t)(deadline - now) : 0;
+}
+
+/* Takes the next record off the reply ring (waiting until `deadline`; a deadline passed takes
+ * only what is there) into ring_buf and splits it into f[0..*nf), *ruid its uid (0 when
+ * unreadable: no request has uid 0). 0; KVT_ETIMEDOUT; KVT_EUNAVAIL when the daemon closed the
+ * pair or the ring is malformed: the pair is dropped and self->error says so. Any reply
+ * confirms the requests posted on the ring before it: the daemon reads its ring in order. */
+static int s_ring_take(kvtier_t *self, uint64_t deadline, kvt_ring_frame_t *f, uint32_t *nf,
+                       uint64_t *ruid)
+{
+    size_t len = 0;
+    int rc;
+    do {
+        rc = kvt_ring_wait(self->rep_ring, 0, s_left_ns(deadline));
+        if (rc == 0)
+            rc = kvt_ring_pop(self->rep_ring, self->ring_buf, self->ring_buf_cap, &len);
+    } while (rc == KVT_EBUSY);
+    if (rc == KVT_ETIMEDOUT)
+        return rc;
+    if (rc == 0)
+        rc = kvt_ring_parse(self->ring_buf, len, f, S_RING_FRAMES, nf);
+    if (rc == KVT_EUNAVAIL)
+        s_fail(self, KVT_EUNAVAIL,
+               "the daemon closed the fast path (a request in flight on it may or may not have "
+               "run); later calls go over the socket");
+    else if (rc)
+        s_fail(self, KVT_EUNAVAIL,
+               "the fast path's reply ring is malformed (%s); later calls go over the socket",
+               kvt_ring_broken(self->rep_ring) ? kvt_ring_why(self->rep_ring)
+                                               : "an unparsable record");
+    if (rc) {
+        s_pair_drop(self);
+        return KVT_EUNAVAIL;
+    }
+    if (*nf == 0 || kvt_msg_read_uint(f[0].ptr, f[0].len, ruid) != 0)
+        *ruid = 0;
+    if (self->ring_posted && *ruid >= self->ring_posted)
+        self->ring_posted = 0;
+    self->ring_seen_ns = s_mono_ns();
+    return 0;
+}
+
+/* Takes the replies waiting on the reply ring, without waiting. While no call awaits one they
+ * are all stale (posted or timed-out calls), and a ring left full makes the daemon drop the
+ * pair. Leaves self->error empty: it runs before a request is sent. */
+static void s_ring_drain(kvtier_t *self)
+{
+    kvt_ring_frame_t f[S_RING_FRAMES];
+    uint32_t nf;
+    uint64_t ruid;
+    while (s_pair_mine(self) && s_ring_take(self, 0, f, &nf, &ruid) == 0)
+        ;
+    self->error[0] = '\0';
+}
+
+/* Before a request goes over the socket while one posted on the ring is unconfirmed: waits
+ * (until `deadline`) for a ring reply to it or a later request. kvtier_release_async promises
+ * that the next call sees the lease released, and the daemon reads the ring and the socket
+ * independently. Best effort: if none comes the request goes out anyway. */
+static void s_ring_settle(kvtier_t *self, uint64_t deadline)
+{
+    kvt_ring_frame_t f[S_RING_FRAMES];
+    uint32_t nf;
+    uint64_t ruid;
+    while (self->ring_posted && s_pair_mine(self) &&
+           s_ring_take(self, deadline, f, &nf, &ruid) == 0)
+        ;
+    self->ring_posted = 0;
+    self->error[0] = '\0';
+}
+
+/* Pushes [uid, type, body] on the request ring, waiting for room until `deadline`. 0 when
+ * pushed; 1 when the request must go over the socket (its message does not fit in a record, or
+ * the daemon closed the pair or broke the ring: the pair is dropped); KVT_ETIMEDOUT when the
+ * ring stayed full (sending it over the socket instead could overtake what is queued). */
+static int s_ring_push(kvtier_t *self, uint64_t uid, uint32_t type, const void *body, size_t len,
+                       uint64_t deadline)
+{
+    char ubuf[16], tbuf[16];
+    kvt_ring_iov_t iov[3] = {{ubuf, (size_t)s_pack_uint(ubuf, uid)},
+                             {tbuf, (size_t)s_pack_uint(tbuf, type)},
+                             {body, len}};
+    size_t need = kvt_ring_msg_size(iov, 3);
+    if (need > kvt_ring_max_payload(self->req_ring))
+        return 1;
+    if (s_mono_ns() - self->ring_seen_ns > S_RING_IDLE_NS) {
+        s_pair_check_owner(self); /* idle a while: its daemon may have died meanwhile */
+        if (!s_pair_mine(self))
+            return 1;
+    }
+    int rc;
+    while ((rc = kvt_ring_push(self->req_ring, iov, 3)) == KVT_EBUSY) {
+        s_ring_drain(self); /* a daemon stuck on a full reply ring reads no requests */
+        if (!s_pair_mine(self))
+            return 1;
+        rc = kvt_ring_wait(self->req_ring, need, s_left_ns(deadline));
+        if (rc == KVT_ETIMEDOUT) {
+            s_pair_check_owner(self);
+            return s_fail(self, rc, "timed out waiting for room on the fast path's request ring");
+        }
+        if (rc)
+            break;
+    }
+    if (rc == 0)
+        return 0;
+    s_pair_drop(self); /* KVT_EUNAVAIL: the daemon closed it; KVT_EBADREQ: malformed */
+    return 1;
+}
+
+/* Waits on the reply ring for the reply to `uid`, skipping stale ones, and fills r as
+ * s_recv_on does (a ring reply has no data frames: only S_DATA_NONE calls come here). */
+static int s_ring_recv(kvtier_t *self, uint64_t uid, uint64_t deadline, s_reply_t *r)
+{
+    kvt_ring_frame_t f[S_RING_FRAMES];
+    uint32_t nf;
+    uint64_t ruid;
+    for (;;) {
+        int rc = s_ring_take(self, deadline, f, &nf, &ruid);
+        if (rc == KVT_ETIMEDOUT) {
+            s_pair_check_owner(self);
+            return s_fail(self, rc, "timed out waiting for the daemon (fast path)");
+        }
+        if (rc)
+            return rc;
+        if (ruid != uid)
+            continue;
+        if (nf < 3)
+            return s_fail(self, KVT_EINTERNAL,
+                          "a reply of fewer than 3 frames, expected [uid, type, body]");
+        r->len = f[2].len;
+        r->buf = malloc(r->len ? r->len : 1);
+        if (!r->buf)
+            return s_fail(self, KVT_ENOMEM, "out of memory copying the reply");
+        memcpy(r->buf, f[2].ptr, r->len);
+        return 0;
+    }
+}
+
+static uint64_t s_deadline(const kvtier_t *self)
+{
+    return s_mono_ns() + (uint64_t)self->timeout_ms * 1000000u;
+}
+
+/* One request and its reply, over the ring when it can go there, else the socket. The
+ * receive timeout is the handle's (the socket's ZMQ_RCVTIMEO). */
 static int s_exchange(kvtier_t *self, uint32_t type, const void *body, size_t len,
                       const void *const *data, const size_t *lens, uint32_t ndata,
                       s_data_mode_t mode, s_reply_t *r)
 {
     self->error[0] = '\0';
     uint64_t uid = self->next_uid++;
+    if (type == KVT_REQ_HELLO || type == KVT_REQ_BYE) {
+        /* the daemon replaces (a HELLO that asks) or reclaims the pair at either: our sides
+         * are closed first, and never written after */
+        s_pair_drop(self);
+    } else if (ndata == 0 && mode == S_DATA_NONE && s_pair_mine(self)) {
+        uint64_t deadline = s_deadline(self);
+        int rc = s_ring_push(self, uid, type, body, len, deadline);
+        if (rc <= 0)
+            return rc ? rc : s_ring_recv(self, uid, deadline, r);
+    }
+    if (self->ring_posted)
+        s_ring_settle(self, s_deadline(self));
     int rc = s_send_request(self, uid, type, body, len, data, lens, ndata);
     const char *why = "";
     if (rc == 0 && (rc = s_recv_on(self->sock, self->spin_ns, uid, mode, r, &why)) != 0)
         s_fail(self, rc, "%s", why);
     return rc;
+}
+
+/* Sends a request whose reply nobody awaits (a later call skips it by uid, on the transport it
+ * comes back on): over the ring when it can go there, else the socket. */
+static int s_post(kvtier_t *self, uint32_t type, const void *body, size_t len)
+{
+    self->error[0] = '\0';
+    uint64_t uid = self->next_uid++;
+    if (s_pair_mine(self)) {
+        s_ring_drain(self);
+        int rc = s_pair_mine(self) ? s_ring_push(self, uid, type, body, len, s_deadline(self)) : 1;
+        if (rc == 0)
+            self->ring_posted = uid;
+        if (rc <= 0)
+            return rc;
+    }
+    if (self->ring_posted)
+        s_ring_settle(self, s_deadline(self));
+    return s_send_request(self, uid, type, body, len, NULL, NULL, 0);
 }
 
 /* ---- reply bodies ---- */
@@ -800,20 +1065,24 @@ static void s_prefault_stop(s_prefault_t **pf_p)
     *pf_p = NULL;
 }
 
-/* Unmaps the arena, after the thread faulting it in (if any) has stopped. */
+/* Unmaps the arena, after the thread faulting it in (if any) has stopped and the ring pair in
+ * it has been dropped (nothing may touch a ring after this). */
 static void s_unmap_arena(kvtier_t *self)
 {
+    s_pair_drop(self);
     s_prefault_stop(&self->prefault);
     if (self->arena)
-        munmap(self->arena, self->arena_size);
+        munmap(self->arena, self->arena_map_len);
     self->arena = NULL;
     self->arena_size = 0;
+    self->arena_map_len = 0;
 }
 
-/* Maps `size` bytes of the arena file. Failure is not an error of connect: a client on another
- * host has no such file, and PUT/GET still work for it. The reason is kept for the
- * KVT_EUNAVAIL that RESERVE and ACQUIRE then answer. */
-static void s_map_arena(kvtier_t *self, const char *file, uint64_t size)
+/* Maps map_len (>= size: the L1 objects and, past them, the fast path's rings) bytes of the
+ * arena file; arena_size stays `size`, the bound of every slot. Failure is not an error of
+ * connect: a client on another host has no such file, and PUT/GET still work for it. The
+ * reason is kept for the KVT_EUNAVAIL that RESERVE and ACQUIRE then answer. */
+static void s_map_arena(kvtier_t *self, const char *file, uint64_t size, uint64_t map_len)
 {
     const char *why = NULL;
     int fd = open(file, O_RDWR | O_CLOEXEC);
@@ -822,20 +1091,25 @@ static void s_map_arena(kvtier_t *self, const char *file, uint64_t size)
         why = strerror(errno);
     else if (fstat(fd, &st) != 0)
         why = strerror(errno);
-    else if (size > SIZE_MAX || (uint64_t)st.st_size < size)
+    else if (map_len > SIZE_MAX || (uint64_t)st.st_size < size)
         /* a mapping past the end of the file would SIGBUS on the first touch */
         why = "the file is smaller than the size HELLO announced";
+    else if ((uint64_t)st.st_size < map_len)
+        map_len = size; /* the L1 objects alone: no fast path */
     if (!why) {
         s_map_mode_t mode = s_map_mode();
-        void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE,
+        void *p = mmap(NULL, (size_t)map_len, PROT_READ | PROT_WRITE,
                        MAP_SHARED | (mode == S_MAP_POPULATE ? MAP_POPULATE : 0), fd, 0);
         if (p == MAP_FAILED) {
             why = strerror(errno);
         } else {
             self->arena = p;
             self->arena_size = (size_t)size;
+            self->arena_map_len = (size_t)map_len;
+            self->arena_dev = st.st_dev;
+            self->arena_ino = st.st_ino;
             if (mode == S_MAP_BACKGROUND)
-                self->prefault = s_prefault_start(p, (size_t)size);
+                self->prefault = s_prefault_start(p, (size_t)map_len);
         }
     }
     if (fd >= 0)
@@ -849,21 +1123,25 @@ static void s_map_arena(kvtier_t *self, const char *file, uint64_t size)
 
 /* Follows the arena a HELLO announced: the mapping stays while the announcement is the same;
  * another one (a restarted daemon) unmaps the old arena — slots into it are dead — and maps
- * the new one. */
+ * the new one. A client that wants the fast path maps shm.map_size bytes (shm.size when the
+ * daemon predates it). */
 static void s_follow_arena(kvtier_t *self, const msgpack_object *hello)
 {
     const msgpack_object *shm = s_get(hello, "shm");
     const msgpack_object *path = shm ? s_get(shm, "path") : NULL;
     uint64_t size = s_uint(shm ? s_get(shm, "size") : NULL);
+    uint64_t map_len = self->fastpath_on ? s_uint(shm ? s_get(shm, "map_size") : NULL) : 0;
+    if (map_len < size)
+        map_len = size;
     bool named = path && path->type == MSGPACK_OBJECT_STR && path->via.str.size && size;
     if (named && self->arena_path && self->arena_announced == size &&
-        strlen(self->arena_path) == path->via.str.size &&
+        self->arena_map_announced == map_len && strlen(self->arena_path) == path->via.str.size &&
         memcmp(self->arena_path, path->via.str.ptr, path->via.str.size) == 0)
         return;
     s_unmap_arena(self);
     free(self->arena_path);
     self->arena_path = NULL;
-    self->arena_announced = 0;
+    self->arena_announced = self->arena_map_announced = 0;
     if (!named) {
         snprintf(self->arena_why, sizeof self->arena_why,
                  "the daemon's HELLO named no shared-memory arena (use kvtier_put/kvtier_get)");
@@ -880,10 +1158,65 @@ static void s_follow_arena(kvtier_t *self, const msgpack_object *hello)
         return;
     }
     self->arena_announced = size;
-    s_map_arena(self, self->arena_path, size);
+    self->arena_map_announced = map_len;
+    s_map_arena(self, self->arena_path, size, map_len);
 }
 
-/* Takes in what a HELLO answered: server facts, the instance's token, the arena. */
+/* Attaches the pair HELLO offered, `fastpath: {request, reply, capacity}` (the previous one is
+ * dropped already: s_exchange, before the HELLO went out). Each region must lie in the mapped
+ * arena past the L1 objects, apart from the other, and hold a ring of that capacity; offsets
+ * need only the 8-byte alignment a ring needs (kvtierd packs a pair as one region: its reply
+ * ring starts right after the request ring, not on a page). false, with nothing attached, when
+ * the offer does not check out: the socket serves, as it does without an offer. */
+static bool s_pair_attach(kvtier_t *self, const msgpack_object *offer)
+{
+    uint64_t req = s_uint(s_get(offer, "request")), rep = s_uint(s_get(offer, "reply"));
+    uint64_t cap = s_uint(s_get(offer, "capacity"));
+    if (!self->arena || cap < KVT_RING_MIN_CAPACITY || cap > KVT_RING_MAX_CAPACITY ||
+        (cap & (cap - 1)))
+        return false;
+    uint64_t region = kvt_ring_region_size((uint32_t)cap), lo = self->arena_size,
+             hi = self->arena_map_len;
+    bool placed = req % 8 == 0 && rep % 8 == 0 && req >= lo && rep >= lo && req <= hi &&
+                  rep <= hi && region <= hi - req && region <= hi - rep &&
+                  (req + region <= rep || rep + region <= req);
+    char why[160];
+    uint8_t *base = self->arena;
+    kvt_ring_t *p = placed ? kvt_ring_new(base + req, (size_t)region, (uint32_t)cap,
+                                          KVT_RING_PRODUCER, why, sizeof why)
+                           : NULL;
+    kvt_ring_t *c = p ? kvt_ring_new(base + rep, (size_t)region, (uint32_t)cap,
+                                     KVT_RING_CONSUMER, why, sizeof why)
+                      : NULL;
+    size_t need = c ? kvt_ring_max_payload(c) : 0;
+    if (c && self->ring_buf_cap < need) {
+        uint8_t *b = realloc(self->ring_buf, need);
+        if (b) {
+            self->ring_buf = b;
+            self->ring_buf_cap = need;
+        }
+    }
+    if (!c || self->ring_buf_cap < need) {
+        kvt_ring_destroy(&p);
+        kvt_ring_destroy(&c);
+        return false;
+    }
+    self->req_ring = p;
+    self->rep_ring = c;
+    self->ring_gen = atomic_load_explicit(&s_fork_gen, memory_order_relaxed);
+    self->ring_posted = 0;
+    self->ring_seen_ns = s_mono_ns();
+    return true;
+}
+
+/* Whether HELLO asks for a pair: not with KVTIER_FASTPATH=0, nor once this handle knows that
+ * the arena does not map here (a client on another host). The first HELLO cannot know. */
+static bool s_fastpath_ask(const kvtier_t *self)
+{
+    return self->fastpath_on && (self->arena || !self->arena_path);
+}
+
+/* Takes in what a HELLO answered: server facts, the instance's token, the arena, the pair. */
 static void s_apply_hello(kvtier_t *self, const msgpack_object *body)
 {
     const msgpack_object *server = s_get(body, "server"), *token = s_get(body, "token");
@@ -901,15 +1234,19 @@ static void s_apply_hello(kvtier_t *self, const msgpack_object *body)
         self->token[token->via.str.size] = '\0';
     }
     s_follow_arena(self, body);
+    const msgpack_object *offer = s_get(body, "fastpath");
+    if (offer && self->fastpath_on)
+        s_pair_attach(self, offer); /* an offer that does not check out: the socket serves */
 }
 
-/* HELLO {version, client, instance, token?}: token joins an instance that exists. */
+/* HELLO {version, client, instance, token?, fastpath?}: token joins an instance that exists;
+ * fastpath asks for a ring pair. */
 static void s_hello_body(msgpack_sbuffer *sb, const char *client, const char *instance,
-                         const char *token)
+                         const char *token, bool fastpath)
 {
     msgpack_packer pk;
     bool with_token = token && *token;
-    s_body_begin(sb, &pk, 3 + (with_token ? 1 : 0));
+    s_body_begin(sb, &pk, 3 + (with_token ? 1 : 0) + (fastpath ? 1 : 0));
     kvt_pack_str(&pk, "version");
     msgpack_pack_uint32(&pk, KVT_PROTO_VERSION);
     kvt_pack_str(&pk, "client");
@@ -919,6 +1256,10 @@ static void s_hello_body(msgpack_sbuffer *sb, const char *client, const char *in
     if (with_token) {
         kvt_pack_str(&pk, "token");
         kvt_pack_str(&pk, token);
+    }
+    if (fastpath) {
+        kvt_pack_str(&pk, "fastpath");
+        msgpack_pack_true(&pk);
     }
 }
 
@@ -931,10 +1272,10 @@ static void s_instance_body(msgpack_sbuffer *sb, const char *instance)
     kvt_pack_str(&pk, instance);
 }
 
-static int s_hello(kvtier_t *self, const char *token, s_reply_t *r)
+static int s_hello(kvtier_t *self, const char *token, bool fastpath, s_reply_t *r)
 {
     msgpack_sbuffer sb;
-    s_hello_body(&sb, self->client, self->instance, token);
+    s_hello_body(&sb, self->client, self->instance, token, fastpath);
     int rc = s_call_once(self, KVT_REQ_HELLO, sb.data, sb.size, NULL, NULL, 0, S_DATA_NONE, r);
     msgpack_sbuffer_destroy(&sb);
     return rc;
@@ -1118,7 +1459,7 @@ static void *s_hb_run(void *arg)
             continue; /* lost: the caller's next call says HELLO, and gen moves on */
         msgpack_sbuffer sb;
         if (hello)
-            s_hello_body(&sb, hb->client, hb->instance, token);
+            s_hello_body(&sb, hb->client, hb->instance, token, false);
         else
             s_instance_body(&sb, hb->instance);
         s_reply_t r;
@@ -1403,11 +1744,11 @@ static int s_reestablish(kvtier_t *self)
     s_hb_token(self, presented);
     s_reply_t r;
     s_reply_init(&r);
-    int rc = s_hello(self, presented, &r);
+    int rc = s_hello(self, presented, s_fastpath_ask(self), &r);
     if (rc == KVT_EBADREQ && s_hb_newer_token(self, presented)) {
         s_reply_free(&r);
         s_reply_init(&r);
-        rc = s_hello(self, presented, &r);
+        rc = s_hello(self, presented, s_fastpath_ask(self), &r);
     }
     if (rc) {
         char why[sizeof self->error];
@@ -1463,6 +1804,8 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
         snprintf(self->instance, sizeof self->instance, "%s-%d-%u", client, (int)self->pid,
                  atomic_fetch_add(&s_seq, 1));
     self->spin_ns = (uint64_t)s_env_int("KVTIER_SPIN_US", 0, 0, 100000) * 1000u;
+    const char *fastpath = getenv("KVTIER_FASTPATH");
+    self->fastpath_on = !fastpath || strcmp(fastpath, "0") != 0;
     self->ctx = s_ctx_acquire();
     self->sock = self->ctx ? zmq_socket(self->ctx, ZMQ_DEALER) : NULL;
     if (!self->sock) {
@@ -1482,7 +1825,7 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
     }
     s_reply_t r;
     s_reply_init(&r);
-    int rc = s_hello(self, NULL, &r);
+    int rc = s_hello(self, NULL, s_fastpath_ask(self), &r);
     if (rc) {
         snprintf(err, errlen, "HELLO to %s failed: %s (%s)%s", endpoint, self->error,
                  kvt_err_wire(rc),
@@ -1503,6 +1846,7 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
 fail:
     s_unmap_arena(self);
     free(self->arena_path);
+    free(self->ring_buf);
     if (self->sock)
         zmq_close(self->sock);
     s_ctx_release(self->ctx);
@@ -1517,11 +1861,14 @@ void kvtier_close(kvtier_t **self_p)
     kvtier_t *self = *self_p;
     /* the heartbeat first: nothing may join or ping the instance after its BYE */
     s_hb_stop(&self->hb);
+    /* the pair: our sides closed before BYE (a forked child only frees its copies) */
+    s_pair_drop(self);
     /* a child forked after connect inherited the parent's instance: it is not its to end */
     if (self->pid == getpid())
         s_bye(self);
     s_unmap_arena(self);
     free(self->arena_path);
+    free(self->ring_buf);
     for (uint32_t i = 0; i < self->ngpu; i++)
         free(self->gpu[i].body);
     free(self->gpu);
@@ -1565,6 +1912,11 @@ const kvtier_info_t *kvtier_info(const kvtier_t *self)
 const char *kvtier_last_error(const kvtier_t *self)
 {
     return self ? self->error : "no kvtier handle";
+}
+
+int kvtier_fastpath_active(const kvtier_t *self)
+{
+    return self && s_pair_mine(self) ? 1 : 0;
 }
 
 void *kvtier_arena(const kvtier_t *self, size_t *size)
@@ -1934,9 +2286,7 @@ static int s_release(kvtier_t *self, uint64_t lease, bool wait)
     s_body_begin(&sb, &pk, 1);
     s_pack_uint_field(&pk, "lease", lease);
     if (!wait) {
-        self->error[0] = '\0';
-        int rc = s_send_request(self, self->next_uid++, KVT_REQ_RELEASE, sb.data, sb.size, NULL,
-                                NULL, 0);
+        int rc = s_post(self, KVT_REQ_RELEASE, sb.data, sb.size);
         msgpack_sbuffer_destroy(&sb);
         return rc;
     }

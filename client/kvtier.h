@@ -38,7 +38,15 @@
  * reused at any time, and after a daemon restart their pointers point into an unmapped range
  * (do not touch them); a commit of such a lease fails; STORE_GPU/RETRIEVE_GPU fail with the
  * reason if registering a layout again failed. A HELLO that fails again (no daemon) is the
- * call's error; the next call tries again. */
+ * call's error; the next call tries again.
+ *
+ * Fast path (docs/protocol.md, "Fast path"): HELLO asks the daemon for a pair of rings in the
+ * arena (KVTIER_FASTPATH=0, read at connect, never asks). With a pair, every request without
+ * data (all but PUT and GET) whose message fits in a ring record goes through shared memory
+ * instead of the socket, with the same replies and errors; kvtier_release_async too. The pair
+ * is given up, and the calls go over the socket again, when the daemon declines or closes it
+ * (a call in flight on it then fails with KVTIER_EUNAVAIL: it may or may not have run); a
+ * later HELLO (re-establishment) asks again. A child forked after connect never uses it. */
 #ifndef KVTIER_H
 #define KVTIER_H
 
@@ -163,8 +171,14 @@ typedef struct {
     size_t len;
 } kvtier_buf_t;
 
-/* The arena as this client mapped it at connect (read-write, MAP_SHARED). */
+/* The arena as this client mapped it at connect (read-write, MAP_SHARED); *size is the L1
+ * capacity (the fast path's rings past it are not the caller's). */
 void *kvtier_arena(const kvtier_t *self, size_t *size);
+
+/* 1 when this handle's requests go over the fast path's ring pair (see "Fast path" above), 0
+ * when over the socket (declined, KVTIER_FASTPATH=0, no arena mapped, closed by the daemon, or
+ * a forked child's copy of the handle). */
+int kvtier_fastpath_active(const kvtier_t *self);
 
 /* LOOKUP: *hits = leading keys present (any tier), *l1 = leading keys in L1. With KVTIER_LOCK,
  * *lease pins them (0 when none); with KVTIER_PREFETCH, *job is a job id for

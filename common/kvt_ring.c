@@ -33,6 +33,7 @@
 
 #include <linux/futex.h>
 #include <stdarg.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -503,8 +504,13 @@ int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
             }
             return rc < 0 ? rc : 0;
         }
-        if ((i + 1) % S_SPIN_CLOCK_EVERY == 0 && s_now_ns() >= deadline)
-            break;
+        if ((i + 1) % S_SPIN_CLOCK_EVERY == 0) {
+            if (s_now_ns() >= deadline)
+                break;
+            /* more spinners than cores (clients and the daemon's thread on a small machine):
+             * let the peer run; with a core to spare this returns at once */
+            sched_yield();
+        }
     }
     _Atomic uint32_t *word =
         self->role == KVT_RING_CONSUMER ? &self->hdr->cons_wait : &self->hdr->prod_wait;
@@ -563,6 +569,10 @@ void kvt_ring_close(kvt_ring_t *self)
 {
     s_check(self && self->tag == S_TAG);
     s_hdr_t *h = self->hdr;
+    /* formatted again since attach: the region is another client's now (the daemon reuses a
+     * closed slot after a quarantine), and its flags are not this handle's to set */
+    if (atomic_load_explicit(&h->epoch, memory_order_acquire) != self->epoch)
+        return;
     _Atomic uint32_t *mine = self->role == KVT_RING_PRODUCER ? &h->prod_closed : &h->cons_closed;
     _Atomic uint32_t *peer_word = self->role == KVT_RING_PRODUCER ? &h->cons_wait : &h->prod_wait;
     atomic_store_explicit(mine, 1, memory_order_release);

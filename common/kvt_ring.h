@@ -138,7 +138,8 @@ int kvt_ring_arm(kvt_ring_t *self, size_t need, uint32_t **word);
 void kvt_ring_disarm(kvt_ring_t *self);
 
 /* Closes this side: the peer's calls answer KVT_EUNAVAIL (a consumer once it has taken what
- * was pushed before) and a sleeping peer is woken. Idempotent. */
+ * was pushed before) and a sleeping peer is woken. Idempotent. Does nothing once the region
+ * was formatted again (a new epoch): it is no longer this handle's ring. */
 void kvt_ring_close(kvt_ring_t *self);
 
 /* True once a call found the ring malformed (every later call answers KVT_EBADREQ). */

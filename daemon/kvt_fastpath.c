@@ -16,10 +16,13 @@
 #include "kvt_thread.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <linux/futex.h>
+#include <netinet/in.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -334,6 +337,7 @@ static bool s_run(kvt_thread_t *t, void *arg)
         if (s_now_ns() - last_work < self->spin_ns) {
             for (int i = 0; i < 32; i++)
                 s_relax();
+            sched_yield(); /* clients waiting for their replies may need this core */
             continue;
         }
         int64_t idle = held ? S_HELD_POLL_NS : kvt_thread_idle_ms(t) * 1000000;
@@ -408,6 +412,24 @@ void kvt_fastpath_destroy(kvt_fastpath_t **self_p)
     free(self->buf);
     free(self);
     *self_p = NULL;
+}
+
+bool kvt_fastpath_local(int fd)
+{
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (fd < 0 || getpeername(fd, (struct sockaddr *)&ss, &len) != 0)
+        return false;
+    if (ss.ss_family == AF_UNIX)
+        return true;
+    if (ss.ss_family == AF_INET)
+        return (ntohl(((struct sockaddr_in *)&ss)->sin_addr.s_addr) >> 24) == 127;
+    if (ss.ss_family == AF_INET6) {
+        const struct in6_addr *a = &((struct sockaddr_in6 *)&ss)->sin6_addr;
+        return IN6_IS_ADDR_LOOPBACK(a) ||
+               (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127);
+    }
+    return false;
 }
 
 int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,

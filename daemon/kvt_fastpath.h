@@ -67,6 +67,11 @@ typedef struct {
     uint32_t capacity;
 } kvt_fastpath_offer_t;
 
+/* Whether a client on descriptor fd can be on this machine (a unix socket, or tcp from a
+ * loopback address): only those are offered a pair, which a client elsewhere could not map
+ * and would hold until it leaves. */
+bool kvt_fastpath_local(int fd);
+
 /* HELLO with fastpath: true on `conn` acting for `owner` (lock held): closes the connection's
  * previous slot and opens a fresh one. 0 and *offer; KVT_EBUSY when no slot is free. */
 int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,

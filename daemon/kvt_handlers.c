@@ -63,7 +63,8 @@ static int s_hello(kvt_rq_t *c)
     /* a client that mapped the arena may ask for a ring pair; none free: it stays on ZMQ */
     kvt_fastpath_offer_t offer;
     bool offered = (c->req.present & KVT_F_FASTPATH) && c->req.fastpath && c->svc->fastpath &&
-                   c->conn && kvt_fastpath_open(c->svc->fastpath, c->conn, c->owner, &offer) == 0;
+                   c->conn && (c->ring.slot || kvt_fastpath_local(kvt_conn_fd(c->conn))) &&
+                   kvt_fastpath_open(c->svc->fastpath, c->conn, c->owner, &offer) == 0;
     msgpack_packer *pk = &c->pk;
     kvt_pack_ok(pk, offered ? 8 : 7);
     kvt_pack_str(pk, "shm");

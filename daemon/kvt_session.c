@@ -327,6 +327,11 @@ void kvt_sessions_touch(kvt_sessions_t *self, kvt_conn_t *c, uint64_t now_ms)
     pthread_mutex_unlock(&self->lock);
 }
 
+int kvt_conn_fd(const kvt_conn_t *c)
+{
+    return c ? c->fd : -1;
+}
+
 bool kvt_conn_retired(const kvt_conn_t *c)
 {
     return atomic_load_explicit(&c->retired, memory_order_relaxed);

@@ -26,6 +26,21 @@
  *                 returns within the timeout, and no thread is left
  *   fork          a child closes its copy of the handle at once without ending the parent's
  *                 instance, and connects on its own
+ *
+ * The fast path (the ring pair HELLO offers; KVT_TEST_FASTPATH=1 or 0 says whether this
+ * connection must have one, default 1):
+ *   fastpath       kvtier_fastpath_active() as expected; RESERVE/COMMIT/LOOKUP/ACQUIRE/RELEASE
+ *                  with byte-exact data, kvtier_release_async, and requests that go over the
+ *                  socket in between (GET, a LOOKUP too big for a ring record); the pair stays
+ *   fastpath-redo  KVTIER_HEARTBEAT_MS=0: the instance is dropped (pause "idle") and the daemon
+ *                  closes the pair; the next calls fall back to the socket, the first that answers
+ *                  instance_dropped says HELLO again and gets a new pair
+ *   fastpath-fake  against the fake daemon of tests/integration/fastpath_fake.py: ordering of a
+ *                  posted RELEASE before a socket request, fork, timeouts and stale replies, the
+ *                  daemon closing the pair idle or in flight, a daemon gone without closing
+ *                  it, re-HELLOs; the pauses ("fork", "slow", "redo-ring", "drop-in-flight",
+ *                  "redo-socket", "closed-idle", "redo-gone", "gone", "redo-bye") let the
+ *                  driver arm the fake in between
  * A pause prints "pause: WHAT" and waits for a line on stdin (none with stdin /dev/null).
  * KVT_TEST_INSTANCE names the instance of the scenario's connection.
  *
@@ -914,6 +929,225 @@ out:
     return rc;
 }
 
+/* ---- the fast path ---- */
+
+static int s_fastpath_want(void)
+{
+    const char *v = getenv("KVT_TEST_FASTPATH");
+    return v && !strcmp(v, "0") ? 0 : 1;
+}
+
+static uint8_t s_fp_byte(uint32_t i, uint64_t j)
+{
+    return (uint8_t)(i * 71u + j * 7u + (j >> 10) + 3u);
+}
+
+/* RESERVE/COMMIT/LOOKUP/ACQUIRE/RELEASE of odd-sized objects, bytes checked through ACQUIRE and
+ * GET, release_async ordered before the next call on either transport; the pair (or its
+ * absence) is what KVT_TEST_FASTPATH says all along. */
+static int s_fastpath(kvtier_t *c)
+{
+    enum { N = 8, BIG = 6000 }; /* BIG keys: a LOOKUP of ~108 KB, more than a 64 KiB ring record */
+    int rc = 0, want = s_fastpath_want();
+    uint8_t keys[N][KVTIER_KEY_LEN], (*big)[KVTIER_KEY_LEN] = NULL;
+    uint64_t sizes[N], lease = 0, cleared = 0;
+    kvtier_slot_t slots[N];
+    kvtier_buf_t out[N];
+    memset(out, 0, sizeof out);
+    uint32_t n = 0, stored = 0, hits = 0, l1 = 0, found = 0;
+    S_CHECK(kvtier_fastpath_active(c) == want, "fastpath active %d after connect, want %d",
+            kvtier_fastpath_active(c), want);
+    S_OK(c, kvtier_clear(c, S_NS "-fp", &cleared));
+    for (uint32_t i = 0; i < N; i++) {
+        memset(keys[i], 0, KVTIER_KEY_LEN);
+        keys[i][0] = 0xfa;
+        keys[i][1] = (uint8_t)i;
+        sizes[i] = 4096u * (i + 1) + 123u * i + 1;
+    }
+    S_OK(c, kvtier_reserve(c, S_NS "-fp", NULL, (s_keys_t)keys, N, sizes, 0, slots, &n, &lease));
+    S_CHECK(n == N && lease, "reserve: %u slots, lease %llu", n, (unsigned long long)lease);
+    for (uint32_t i = 0; i < N; i++) {
+        S_CHECK(slots[i].ptr && slots[i].length == sizes[i], "slot %u", i);
+        for (uint64_t j = 0; j < sizes[i]; j++)
+            ((uint8_t *)slots[i].ptr)[j] = s_fp_byte(i, j);
+    }
+    S_OK(c, kvtier_commit(c, lease, NULL, 0, &stored));
+    S_CHECK(stored == N, "stored %u", stored);
+    S_OK(c, kvtier_lookup(c, S_NS "-fp", NULL, (s_keys_t)keys, N, 0, &hits, &l1, NULL, NULL));
+    S_CHECK(hits == N && l1 == N, "lookup: hits %u l1 %u", hits, l1);
+    S_OK(c, kvtier_acquire(c, S_NS "-fp", NULL, (s_keys_t)keys, N, slots, &n, &lease));
+    S_CHECK(n == N && lease, "acquire: %u slots", n);
+    for (uint32_t i = 0; i < N; i++) {
+        S_CHECK(slots[i].length == sizes[i], "acquired slot %u: %llu bytes", i,
+                (unsigned long long)slots[i].length);
+        for (uint64_t j = 0; j < sizes[i]; j++)
+            S_CHECK(((const uint8_t *)slots[i].ptr)[j] == s_fp_byte(i, j),
+                    "object %u byte %llu differs", i, (unsigned long long)j);
+    }
+    S_OK(c, kvtier_release(c, lease));
+    S_FAILS(c, KVT_EUNKLEASE, kvtier_release(c, lease));
+    /* release_async, then a call on the same transport and one on the socket (GET) */
+    S_OK(c, kvtier_acquire(c, S_NS "-fp", NULL, (s_keys_t)keys, 1, slots, &n, &lease));
+    S_CHECK(n == 1 && lease, "acquire of one: %u", n);
+    S_OK(c, kvtier_release_async(c, lease));
+    S_FAILS(c, KVT_EUNKLEASE, kvtier_release(c, lease));
+    S_OK(c, kvtier_acquire(c, S_NS "-fp", NULL, (s_keys_t)keys, 1, slots, &n, &lease));
+    S_OK(c, kvtier_release_async(c, lease));
+    S_OK(c, kvtier_get(c, S_NS "-fp", NULL, (s_keys_t)keys, N, out, &found));
+    S_CHECK(found == N, "get found %u", found);
+    for (uint32_t i = 0; i < N; i++) {
+        S_CHECK(out[i].len == sizes[i], "get object %u: %zu bytes", i, out[i].len);
+        for (uint64_t j = 0; j < sizes[i]; j++)
+            S_CHECK(((const uint8_t *)out[i].data)[j] == s_fp_byte(i, j),
+                    "get object %u byte %llu differs", i, (unsigned long long)j);
+    }
+    S_FAILS(c, KVT_EUNKLEASE, kvtier_release(c, lease));
+    /* a request too big for a ring record goes over the socket, the pair stays */
+    big = calloc(BIG, sizeof *big);
+    S_CHECK(big, "out of memory");
+    memcpy(big, keys, sizeof keys);
+    S_OK(c, kvtier_lookup(c, S_NS "-fp", NULL, (s_keys_t)big, BIG, 0, &hits, NULL, NULL, NULL));
+    S_CHECK(hits == N, "big lookup: hits %u", hits);
+    S_OK(c, kvtier_ping(c));
+    S_CHECK(kvtier_fastpath_active(c) == want, "fastpath active %d at the end, want %d",
+            kvtier_fastpath_active(c), want);
+    S_OK(c, kvtier_clear(c, S_NS "-fp", &cleared));
+    S_CHECK(cleared == N, "clear removed %llu", (unsigned long long)cleared);
+    printf("fastpath: active %d, %d objects round-tripped\n", want, N);
+out:
+    free(big);
+    s_free_bufs(out, N);
+    return rc;
+}
+
+/* The instance dropped (KVTIER_HEARTBEAT_MS=0, idle past lease_ms): the daemon closed the pair
+ * with it; the next call finds it closed, goes over the socket, says HELLO again (which asks
+ * again) and is retried; from then on the new pair serves. */
+static int s_fastpath_redo(kvtier_t *c)
+{
+    int rc = 0;
+    uint32_t hits = 0;
+    uint8_t keys[1][KVTIER_KEY_LEN] = {{0x11, 0x51}};
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after connect");
+    S_CHECK(s_roundtrip(c, 0x51, 0x5a) == 0, "round trip before the drop");
+    s_pause("idle");
+    /* a LOOKUP needs no instance: it goes over the socket (the pair is closed) and is answered */
+    S_OK(c, kvtier_lookup(c, S_NS "-live", NULL, (s_keys_t)keys, 1, 0, &hits, NULL, NULL, NULL));
+    S_CHECK(kvtier_fastpath_active(c) == 0, "the closed pair is still attached");
+    /* RESERVE answers instance_dropped: HELLO again, which asks again, and the retry */
+    S_CHECK(s_roundtrip(c, 0x52, 0xa5) == 0, "round trip after the drop");
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no new pair after the re-HELLO");
+    S_CHECK(kvtier_fastpath_active(c) == 1, "the new pair was dropped");
+    printf("fastpath-redo: a new pair after the drop (hits %u)\n", hits);
+out:
+    return rc;
+}
+
+/* Against the fake daemon of test_c_client.py (its ring requests answered by Python through
+ * libkvtier's kvtier_ring_*); the driver checks what the fake saw. Own connection: a short
+ * timeout, no heartbeat (the driver sets KVTIER_HEARTBEAT_MS=0). */
+static int s_fastpath_fake(kvtier_t *unused)
+{
+    (void)unused;
+    int rc = 0, want = s_fastpath_want(), status = 0;
+    char err[256] = "", *json = NULL;
+    void *reply = NULL;
+    size_t reply_len = 0;
+    static uint8_t pad[8192];
+    kvtier_t *c = kvtier_connect(s_endpoint, "c-fastpath-fake", "c-fake", 700, err, sizeof err);
+    S_CHECK(c, "connect: %s", err);
+    S_CHECK(kvtier_fastpath_active(c) == want, "fastpath active %d, want %d",
+            kvtier_fastpath_active(c), want);
+    S_OK(c, kvtier_ping(c));
+    S_OK(c, kvtier_stats(c, &json));
+    free(json);
+    json = NULL;
+    S_OK(c, kvtier_release_async(c, 101));
+    if (!want) {
+        S_OK(c, kvtier_ping(c));
+        printf("fastpath-fake: socket only\n");
+        goto out;
+    }
+    /* a body bigger than a record goes over the socket, after the RELEASE posted on the ring
+     * (the fake answers that one late) was answered */
+    {
+        /* {"pad": bin 8000}: a STATS body the fake does not read */
+        pad[0] = 0x81;
+        pad[1] = 0xa3;
+        memcpy(pad + 2, "pad", 3);
+        pad[5] = 0xc5;
+        pad[6] = 8000 >> 8;
+        pad[7] = 8000 & 0xff;
+        S_OK(c, kvtier_call(c, 14, pad, 8 + 8000, &reply, &reply_len));
+        free(reply);
+        reply = NULL;
+    }
+    S_CHECK(kvtier_fastpath_active(c) == 1, "the pair went with the big request");
+    /* a forked child never uses nor closes the parent's pair */
+    fflush(NULL);
+    pid_t pid = fork();
+    S_CHECK(pid >= 0, "fork failed");
+    if (pid == 0) {
+        int active = kvtier_fastpath_active(c);
+        kvtier_close(&c);
+        _exit(active == 0 ? 0 : 3);
+    }
+    S_CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+            "the child saw the pair (status 0x%x)", status);
+    s_pause("fork"); /* the driver checks that the pair is not closed */
+    S_OK(c, kvtier_ping(c));
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after the child closed its copy");
+    /* a reply later than the timeout: this call times out, the next skips the stale reply */
+    s_pause("slow");
+    S_FAILS(c, KVT_ETIMEDOUT, kvtier_ping(c));
+    S_CHECK(strstr(kvtier_last_error(c), "timed out"), "timeout message: %s", kvtier_last_error(c));
+    S_OK(c, kvtier_stats(c, &json));
+    S_CHECK(strstr(json, "\"type\": 14"), "the STATS call took another reply: %s", json);
+    free(json);
+    json = NULL;
+    S_CHECK(kvtier_fastpath_active(c) == 1, "the pair went with a timeout");
+    /* instance_dropped over the ring: HELLO again (our sides closed first), a new pair, the
+     * PING retried on it */
+    s_pause("redo-ring");
+    S_OK(c, kvtier_ping(c));
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after the re-HELLO");
+    /* the daemon closes the pair while a request is on it: the call fails, later calls use the
+     * socket */
+    s_pause("drop-in-flight");
+    S_FAILS(c, KVT_EUNAVAIL, kvtier_ping(c));
+    S_CHECK(strstr(kvtier_last_error(c), "closed the fast path"), "message: %s",
+            kvtier_last_error(c));
+    S_CHECK(kvtier_fastpath_active(c) == 0, "the pair stays after the daemon closed it");
+    S_OK(c, kvtier_release_async(c, 102));
+    S_OK(c, kvtier_ping(c));
+    /* instance_dropped over the socket: the re-HELLO asks again and gets a pair */
+    s_pause("redo-socket");
+    S_OK(c, kvtier_ping(c));
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after the second re-HELLO");
+    /* the daemon closes the pair while idle: the next call goes over the socket */
+    s_pause("closed-idle");
+    S_OK(c, kvtier_ping(c));
+    S_CHECK(kvtier_fastpath_active(c) == 0, "the pair stays after the daemon closed it");
+    s_pause("redo-gone");
+    S_OK(c, kvtier_ping(c)); /* instance_dropped again: a new pair */
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after the third re-HELLO");
+    /* the daemon stops serving without closing anything (it died) and its arena file is gone:
+     * the call times out, the pair goes, the next call is answered over the socket */
+    s_pause("gone");
+    S_FAILS(c, KVT_ETIMEDOUT, kvtier_ping(c));
+    S_CHECK(kvtier_fastpath_active(c) == 0, "the pair of a vanished arena file stays");
+    S_OK(c, kvtier_ping(c));
+    s_pause("redo-bye");
+    S_OK(c, kvtier_ping(c)); /* instance_dropped again: a pair for the BYE check */
+    S_CHECK(kvtier_fastpath_active(c) == 1, "no pair after the fourth re-HELLO");
+    printf("fastpath-fake: ring, fork, timeout, re-HELLOs and closes\n");
+out:
+    free(json);
+    free(reply);
+    kvtier_close(&c);
+    return rc;
+}
+
 static const struct {
     const char *name;
     int (*run)(kvtier_t *c);
@@ -934,6 +1168,9 @@ static const struct {
     {"restart", s_restart, false},
     {"close", s_close, true},
     {"fork", s_fork, false},
+    {"fastpath", s_fastpath, false},
+    {"fastpath-redo", s_fastpath_redo, false},
+    {"fastpath-fake", s_fastpath_fake, true},
 };
 
 int main(int argc, char **argv)

@@ -328,6 +328,30 @@ def test_daemon_restart(daemon_factory, heartbeat):
 
 
 @needs_client_test
+def test_fastpath_daemon_crash_and_restart(daemon_factory):
+    """The daemon is killed (it closes no ring) and another starts on the endpoint, while the
+    handle (no heartbeat) is idle with a pair: the next call does not push into the dead ring
+    (the old arena file is gone) but goes over the socket, re-establishes the instance, maps the
+    new arena and gets a pair there."""
+    d = daemon_factory("--lease-ms", str(LEASE_MS))
+    sc = Scenario(d.ipc, "restart", {"KVT_TEST_INSTANCE": "c-crash", "KVTIER_HEARTBEAT_MS": "0"})
+    try:
+        sc.wait_pause("restart")
+        assert fastpath_status(d)["rings_open"] == 1
+        d.stop(signal.SIGKILL)
+        d2 = restart_daemon(daemon_factory, d, "--l1-size", "32M", "--lease-ms", str(LEASE_MS))
+        sc.resume()
+        sc.wait_pause("after")
+        assert fastpath_status(d2)["rings_open"] == 1 and fastpath_status(d2)["requests"] > 0
+        sc.resume()
+        out = sc.finish(d2)
+        d2.stop()
+    finally:
+        sc.kill()
+    assert "then 33554432 bytes" in out, out
+
+
+@needs_client_test
 def test_close_stops_the_heartbeat_without_a_daemon(daemon_factory):
     """kvtier_close with the daemon gone: the heartbeat stops at once (its waits watch an
     eventfd), BYE waits no longer than the handle's timeout, no thread is left."""
@@ -372,6 +396,136 @@ def test_client_without_the_arena(daemon_factory):
     d = daemon_factory(prefix=["unshare", "-m", "--propagation", "private", "sh", "-c",
                                'mount -t tmpfs none /dev/shm && exec "$0" "$@"'])
     assert "put/get work" in run_scenario(d, "remote")
+
+
+# ----------------------------------------------------------------------------------------
+# The fast path (issue 17): the ring pair HELLO offers. Every test here has "fastpath" in its
+# name: `pytest -k fastpath` runs them.
+
+
+def fastpath_status(d):
+    return d.http_json("GET", "/status")["fastpath"]
+
+
+@needs_client_test
+@pytest.mark.parametrize("how", ["on", "env-off", "daemon-off"])
+def test_fastpath_calls(daemon_factory, how):
+    """With the pair (the default), with KVTIER_FASTPATH=0, and with a daemon that offers
+    none (fastpath.enabled false): kvtier_fastpath_active says which, and the same calls
+    work with the same bytes. With the pair, requests went over it, and the pair is closed
+    with the handle."""
+    d = daemon_factory("--fastpath-enabled=false") if how == "daemon-off" else daemon_factory()
+    env = {"KVT_TEST_FASTPATH": "1" if how == "on" else "0"}
+    if how == "env-off":
+        env["KVTIER_FASTPATH"] = "0"
+    sc = Scenario(d.ipc, "fastpath", env)
+    try:
+        out = sc.finish(d)
+    finally:
+        sc.kill()
+    assert "fastpath: active %d" % (how == "on") in out, out
+    st = fastpath_status(d)
+    assert st["enabled"] == (how != "daemon-off"), st
+    if how == "on":
+        assert st["requests"] > 0, st
+        wait_until(lambda: fastpath_status(d)["rings_open"] == 0, 5,
+                   what="the daemon to close the pair after BYE")
+    else:
+        assert st["requests"] == 0 and st["rings_open"] == 0, st
+
+
+@needs_client_test
+def test_fastpath_after_the_instance_was_dropped(daemon_factory):
+    """KVTIER_HEARTBEAT_MS=0, idle past lease_ms: the daemon drops the instance and closes its
+    pair; the next call falls back to the socket, says HELLO again (asking again) and gets a
+    new pair, on which the calls go on."""
+    d = daemon_factory("--lease-ms", str(LEASE_MS))
+    sc = Scenario(d.ipc, "fastpath-redo", {"KVTIER_HEARTBEAT_MS": "0",
+                                          "KVT_TEST_INSTANCE": "c-fp-redo"})
+    try:
+        sc.wait_pause("idle")
+        wait_until(lambda: drop_lines(d, "c-fp-redo"), 5, what="the daemon to drop c-fp-redo")
+        wait_until(lambda: fastpath_status(d)["rings_open"] == 0, 5,
+                   what="the daemon to close the dropped instance's pair")
+        sc.resume()
+        out = sc.finish(d)
+    finally:
+        sc.kill()
+    assert "a new pair after the drop" in out, out
+
+
+@needs_client_test
+@pytest.mark.parametrize("offer", ["ok", "bad", "old", "env-off"])
+def test_fastpath_against_a_fake_daemon(tmp_path, offer):
+    """libkvtier's side of the fast path against tests/integration/fastpath_fake.py: a
+    RELEASE posted on the ring is answered before a request goes over the socket, a forked
+    child leaves the pair alone, a late reply times the call out and is skipped by the next,
+    instance_dropped on either transport brings a new pair (the old one closed before the
+    HELLO), the daemon closing the pair in flight fails that call and idle sends the next over
+    the socket, a daemon gone without a word (its arena file gone) costs one timeout, BYE comes
+    after our sides are closed. A pair that does not check out (a
+    misaligned ring), a daemon that predates the fast path, or KVTIER_FASTPATH=0 leave
+    everything on the socket."""
+    from fastpath_fake import HELLO, PING, RELEASE, STATS, FakeFastpathDaemon
+    lib = os.path.join(os.path.dirname(_client_test_bin()), "libkvtier.so")
+    if not os.path.isfile(lib):
+        pytest.skip("no %s next to KVT_CLIENT_TEST" % lib)
+    fake = FakeFastpathDaemon(lib, str(tmp_path), offer="bad" if offer == "bad" else
+                              "old" if offer == "old" else "ok")
+    env = {"KVTIER_HEARTBEAT_MS": "0", "KVT_TEST_FASTPATH": "1" if offer == "ok" else "0"}
+    if offer == "env-off":
+        env["KVTIER_FASTPATH"] = "0"
+    sc = Scenario(fake.ipc, "fastpath-fake", env)
+    try:
+        if offer == "ok":
+            sc.wait_pause("fork")
+            assert fake.client_closed() == (0, 0), "the forked child closed the parent's pair"
+            sc.resume()
+            sc.wait_pause("slow")
+            fake.delay_next_ring = 1.2    # the call's timeout is 0.7 s
+            sc.resume()
+            sc.wait_pause("redo-ring")
+            fake.fail_next_ring = "instance_dropped"
+            sc.resume()
+            sc.wait_pause("drop-in-flight")
+            fake.close_next_ring = True
+            sc.resume()
+            sc.wait_pause("redo-socket")
+            fake.fail_next_zmq = "instance_dropped"
+            sc.resume()
+            sc.wait_pause("closed-idle")
+            fake.close_idle.set()
+            assert fake.closed_idle.wait(5)
+            sc.resume()
+            sc.wait_pause("redo-gone")
+            fake.fail_next_zmq = "instance_dropped"
+            sc.resume()
+            sc.wait_pause("gone")
+            fake.ring_dead = True
+            os.rename(fake.arena_path, fake.arena_path + ".gone")
+            sc.resume()
+            sc.wait_pause("redo-bye")
+            os.rename(fake.arena_path + ".gone", fake.arena_path)
+            fake.fail_next_zmq = "instance_dropped"
+            sc.resume()
+        out = sc.finish(fake)
+    finally:
+        sc.kill()
+        fake.stop()
+    assert fake.problems == [], fake.problems
+    asked = [bool(h.get("fastpath")) for h in fake.hellos]
+    ring = [t for tr, t in fake.log if tr == "ring"]
+    if offer == "ok":
+        assert "ring, fork, timeout" in out, out
+        assert asked == [True] * 5, fake.hellos    # connect and four re-HELLOs
+        assert ring.count(PING) >= 7 and STATS in ring and RELEASE in ring, fake.log
+        assert ("zmq", STATS) in fake.log, fake.log    # the big body went over the socket
+        assert ("zmq", RELEASE) in fake.log, fake.log  # posted while there was no pair
+    else:
+        assert "socket only" in out, out
+        assert ring == [], fake.log
+        assert asked == {"bad": [True], "old": [True], "env-off": [False]}[offer], fake.hellos
+        assert [t for _, t in fake.log].count(HELLO) == len(asked)
 
 
 # ----------------------------------------------------------------------------------------

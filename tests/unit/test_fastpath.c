@@ -5,7 +5,8 @@
  * the old pair and a BYE coming through the ring closing its own pair after its reply, owner
  * gone, a retired connection, the client closing its side, a malformed record and a hostile
  * index, the held-reply bound, the quarantine and the epoch of a reused slot, no slot free
- * (declined), replies to a closed slot, status and metrics, and stop with clients attached.
+ * (declined), replies to a closed slot, status and metrics, stop with clients attached, and
+ * which peers count as local.
  * Also in the TSan unit set (the thread against the test's thread under the lock). */
 #include "kvt_config.h"
 #include "kvt_error.h"
@@ -13,6 +14,9 @@
 #include "kvt_ring.h"
 #include "kvt_session.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -22,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -451,6 +456,36 @@ static void test_reply_to_a_closed_slot_and_stop(void **state)
     kvt_conn_unref(&c2);
 }
 
+/* Only a client that can be on this machine is offered a pair. */
+static void test_local_peers(void **state)
+{
+    (void)state;
+    int sv[2];
+    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    assert_true(kvt_fastpath_local(sv[0]));
+    close(sv[0]);
+    close(sv[1]);
+    int l = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t alen = sizeof a;
+    assert_int_equal(bind(l, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(listen(l, 1), 0);
+    assert_int_equal(getsockname(l, (struct sockaddr *)&a, &alen), 0);
+    int c = socket(AF_INET, SOCK_STREAM, 0);
+    assert_int_equal(connect(c, (struct sockaddr *)&a, sizeof a), 0);
+    int s = accept(l, NULL, NULL);
+    assert_true(s >= 0);
+    assert_true(kvt_fastpath_local(s)); /* from 127.0.0.1 */
+    assert_false(kvt_fastpath_local(l)); /* not connected: no peer */
+    close(s);
+    close(c);
+    close(l);
+    assert_false(kvt_fastpath_local(-1));
+    int fd = open("/dev/null", O_RDONLY);
+    assert_false(kvt_fastpath_local(fd));
+    close(fd);
+}
+
 static void s_count(void *ctx, const kvt_sample_t *s)
 {
     int *n = ctx;
@@ -487,6 +522,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_reply_to_a_closed_slot_and_stop, s_setup,
                                         s_teardown),
         cmocka_unit_test_setup_teardown(test_metrics, s_setup, s_teardown),
+        cmocka_unit_test(test_local_peers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -455,9 +455,15 @@ static void test_reformat_closes_old_handles(void **state)
     kvt_ring_t *c2 = kvt_ring_new(r.region, r.size, S_CAP, KVT_RING_CONSUMER, err, sizeof err);
     assert_non_null(p2);
     assert_non_null(c2);
+    /* the old handles' close (a client dropping a pair it had not noticed was reclaimed)
+     * leaves the new use alone */
+    kvt_ring_close(r.prod);
+    kvt_ring_close(r.cons);
     assert_int_equal(s_push1(p2, buf, 8), 0);
     assert_int_equal(kvt_ring_pop(c2, out, sizeof out, &len), 0);
     assert_int_equal(len, 16);
+    assert_int_equal(kvt_ring_wait(p2, 8, 0), 0);             /* not closed by the consumer */
+    assert_int_equal(kvt_ring_wait(c2, 0, 0), KVT_ETIMEDOUT); /* empty, not closed */
     kvt_ring_destroy(&p2);
     kvt_ring_destroy(&c2);
     s_close(&r);
