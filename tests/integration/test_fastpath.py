@@ -20,6 +20,7 @@ import os
 import platform
 import random
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -506,6 +507,36 @@ def test_instance_dropped_then_rehello_gets_a_new_pair(daemon_factory, clients):
     roundtrip(c, b"idle-3")
 
 
+@pytest.mark.parametrize("heartbeat", ["on", "off"])
+def test_daemon_killed_and_restarted(daemon_factory, clients, heartbeat):
+    """A SIGKILLed daemon closes nothing; its successor on the same run dir and endpoint
+    removes the old arena file. The client drops the dead pair (the heartbeat saw the
+    instance gone, or the pair was idle and its arena file is gone), re-establishes the
+    instance over ZMQ and gets a pair in the new arena."""
+    d = daemon_factory()
+    c = clients(d, instance="fp-restart", timeout_ms=3000,
+                heartbeat_ms=(100 if heartbeat == "on" else 0))
+    assert c.fastpath
+    roundtrip(c, b"before")
+    old = c.info["shm"]["path"]
+    d.stop(signal.SIGKILL)
+    d2 = daemon_factory(start=False)
+    d2.args = ["--run-dir", d.run_dir, "--data-dir", d2.data_dir, "--listen", d.ipc,
+               "--http", d2.http_addr, "--log-level", "debug", "--l2", "none"]
+    d2.ipc, d2.ipc_path = d.ipc, d.ipc_path
+    d2.start()
+    assert not os.path.exists(old), "the new daemon did not remove the dead one's arena"
+    t0 = time.monotonic()
+    c.ping()
+    assert time.monotonic() - t0 < 2.5, "the call waited on the dead ring"
+    assert c.fastpath is True, c.fastpath_why
+    assert c.info["shm"]["path"] != old
+    roundtrip(c, b"after")
+    assert fp_status(d2)["rings_open"] == 1
+    with open("/proc/self/maps") as f:
+        assert old not in f.read()
+
+
 def test_post_replies_are_skipped(daemon_factory, clients):
     d = daemon_factory()
     c = clients(d)
@@ -519,6 +550,10 @@ def test_post_replies_are_skipped(daemon_factory, clients):
     assert c.fastpath is True, c.fastpath_why
     slots, lease = c.acquire_offsets(NS, keys)
     c.post(kvtier.RELEASE, {"lease": lease})
+    # a request over the socket waits for the ring to confirm the posted RELEASE first
+    assert c.get(NS, keys[:1]) == datas[:1]
+    assert c._ring_posted == 0
+    assert c.stats()["leases_active"] == 0
     assert c.fetch(NS, keys) == datas
     st = fp_status(d)
     assert st["rings_open"] == 1 and dropped_total(st) == 0, st

@@ -152,7 +152,12 @@ _REPLY_SLACK = 256
 # their recv()), as those of post() and of timed-out calls always are.
 _DRAIN_OUTSTANDING = 64
 _WAIT_SLICE_MS = 200            # ring waits in slices: Ctrl-C is seen between two
+_RING_IDLE_S = 0.05             # a pair idle this long is checked before use (one stat)
 _LOST = object()                # _waiting[uid]: sent on a ring pair that has gone
+
+
+class _RingGone(Exception):
+    """The ring pair was dropped while taking a reply (closed by the daemon, malformed)."""
 
 
 def _resendable(type_, body):
@@ -166,7 +171,7 @@ _with_rings = weakref.WeakSet()   # Clients holding a ring pair: forgotten in a 
 
 def _forget_rings_in_child():
     for c in list(_with_rings):
-        c._drop_ring(False, "the process forked: the pair belongs to the parent")
+        c._drop_ring("the process forked: the pair belongs to the parent", close=False)
 
 
 if hasattr(os, "register_at_fork"):
@@ -232,7 +237,9 @@ class Client:
         self._want_fastpath = bool(fastpath) and bool(map_arena)
         self._ring = None           # the _ring.Pair while the fast path is attached
         self._ring_uids = set()     # outstanding requests sent on it (their reply comes there)
-        self._ring_orphans = 0      # replies on it nobody claims (post(), timed out), not popped
+        self._ring_posted = 0       # the last uid post()ed on it while unconfirmed, else 0
+        self._ring_seen = 0.0       # time.monotonic() of its last reply (or its attaching)
+        self._arena_ident = (None, 0, 0)  # (shm.path, st_dev, st_ino) of the mapped arena
         self._asked = False         # the last HELLO asked for a ring pair
         self.fastpath_why = ("not asked (KVTIER_FASTPATH=0 or fastpath=False)" if not fastpath
                              else "not asked (map_arena=False)" if not map_arena
@@ -263,7 +270,7 @@ class Client:
                 # a Client collected without close() must not keep its instance alive for ever
                 weakref.finalize(self, self._hb.request_stop)
         except BaseException:
-            self._drop_ring(True, "the Client could not be made")
+            self._drop_ring("the Client could not be made")
             self._unmap_arena()
             self._sock.close(linger=0)
             self._closed = True
@@ -279,12 +286,8 @@ class Client:
         re-mapped if the daemon announced another, and the GPU layouts are registered again.
         Returns the HELLO reply (also .info). A fast-path ring pair is closed first; the new
         HELLO asks for another."""
-        return self._hello(False)
-
-    def _hello(self, dropped):
-        """hello(); dropped: the instance is known to be gone (the daemon closed its ring pair
-        already, and may have handed that region to another client: do not touch it)."""
-        self._drop_ring(not dropped, "closed for a new HELLO")
+        # closing a pair the daemon closed already is harmless: a reused slot has a new epoch
+        self._drop_ring("closed for a new HELLO")
         before = self.token
         hb = self._hb if self._hb is not None and self._hb.mine() else None
         presented = hb.token() if hb is not None else self.token
@@ -350,6 +353,7 @@ class Client:
             self.fastpath_why = "offered, but not attached: %s" % e
             return
         self.fastpath_why = ""
+        self._ring_seen = time.monotonic()
         _with_rings.add(self)
 
     @property
@@ -357,9 +361,10 @@ class Client:
         """True while requests go over the shared-memory ring pair."""
         return self._ring is not None
 
-    def _drop_ring(self, close, why):
-        """Forgets the ring pair (close: close this client's sides first; only while it is
-        surely still ours). Requests awaiting a reply on it fail with Unavailable."""
+    def _drop_ring(self, why, close=True):
+        """Forgets the ring pair, closing this client's sides first (the daemon then reclaims
+        its own; close=False: a forked child, whose parent the pair is). Requests awaiting a
+        reply on it fail with Unavailable."""
         ring, self._ring = self._ring, None
         if ring is None:
             return
@@ -368,7 +373,7 @@ class Client:
             if self._waiting.get(u, 0) is None:
                 self._waiting[u] = _LOST
         self._ring_uids.clear()
-        self._ring_orphans = 0
+        self._ring_posted = 0
         self.fastpath_why = why
         _with_rings.discard(self)
 
@@ -376,7 +381,7 @@ class Client:
         """Before a call: the heartbeat found the instance gone. A daemon that does not answer
         fails the call; an error answer to the HELLO leaves the flag up and the call goes."""
         try:
-            self._hello(True)
+            self.hello()
         except Timeout:
             raise
         except KvtierError:
@@ -408,7 +413,7 @@ class Client:
     def _unmap_arena(self):
         """Releases every view and the arena. If the caller still holds views derived from it
         (slices of a released view, numpy arrays), the mapping stays until those are gone."""
-        self._drop_ring(False, "the arena was unmapped")
+        self._drop_ring("the arena was unmapped")
         self._drop_all_views()
         if self._prefault is not None:
             thread, stop = self._prefault
@@ -440,7 +445,8 @@ class Client:
             length = map_size
         try:
             with open(shm["path"], "r+b") as f:      # mmap keeps its own dup of the fd
-                st_size = os.fstat(f.fileno()).st_size
+                st = os.fstat(f.fileno())
+                st_size = st.st_size
                 if st_size < size:
                     return                             # not the daemon's arena (another host)
                 if st_size < length:
@@ -454,6 +460,7 @@ class Client:
             self.arena = None
             return
         self._arena_size = size
+        self._arena_ident = (shm["path"], st.st_dev, st.st_ino)
         self._arena_view = memoryview(self.arena)
         if mode == "background":
             stop = threading.Event()
@@ -466,7 +473,7 @@ class Client:
         """Says BYE: the daemon releases every lease of this instance at once. Returns how
         many it released. Views handed out are released too, and the fast path is closed
         (a later call says HELLO again and asks for a new pair)."""
-        self._drop_ring(not (self._hb is not None and self._hb.dropped), "closed by BYE")
+        self._drop_ring("closed by BYE")
         released = self.call(BYE, {"instance": self.instance})[0].get("released", 0)
         self._drop_all_views()
         return released
@@ -522,7 +529,7 @@ class Client:
         uid = next(self._uids)
         frames = [_pack(uid), _pack(type_), _pack({} if body is None else body)]
         if self._ring is not None and ring_ok and not data and type_ not in _ZMQ_ONLY:
-            if self._ring_orphans or len(self._ring_uids) >= _DRAIN_OUTSTANDING:
+            if not reply or self._ring_posted or len(self._ring_uids) >= _DRAIN_OUTSTANDING:
                 self._ring_drain()
             ring = self._ring
             if ring is not None and ring.fits(frames) and \
@@ -532,8 +539,10 @@ class Client:
                         self._waiting[uid] = None
                         self._ring_uids.add(uid)
                     else:
-                        self._ring_orphans += 1
+                        self._ring_posted = uid
                     return uid
+        if self._ring_posted:
+            self._ring_settle()
         frames.extend(data)
         try:
             self._sock.send_multipart(frames, copy=False)
@@ -553,66 +562,131 @@ class Client:
             return True
         return len(keys) * _SLOT_REPLY_BYTES + _REPLY_SLACK <= ring.max_payload
 
+    # -- the fast path's ring pair (module docstring) -------------------------------------
+
     def _ring_push(self, ring, frames, type_):
         """Pushes a request on the ring, waiting (at most timeout_ms) while it is full. True
-        once pushed; False when it must go over ZMQ instead (the pair closed or broken: it is
-        forgotten). Timeout when the ring stayed full."""
+        once pushed; False when it must go over ZMQ instead (the pair closed, broken or its
+        daemon gone: it is dropped). Timeout when the ring stayed full (sending it over ZMQ
+        instead could overtake what is queued)."""
+        if time.monotonic() - self._ring_seen > _RING_IDLE_S:
+            self._ring_check_owner()          # idle a while: its daemon may have died
+            if self._ring is None:
+                return False
         rc = ring.push(frames)
         if rc == _ring.EBUSY:
             need = _ring.msg_size(frames)
             deadline = _now_ms() + self.timeout_ms
-            while rc in (_ring.EBUSY, _ring.ETIMEDOUT):
+            while rc == _ring.EBUSY:
+                self._ring_drain()            # a daemon stuck on a full reply ring reads none
+                if self._ring is None:
+                    return False
                 left = deadline - _now_ms()
                 if left <= 0:
+                    self._ring_check_owner()
                     raise Timeout("request type %d not sent within %d ms: the fast path's "
                                   "request ring stayed full" % (type_, self.timeout_ms), type_)
                 rc = ring.wait_room(need, min(left, _WAIT_SLICE_MS) * 1e6)
                 if rc == 0:
                     rc = ring.push(frames)
+                elif rc == _ring.ETIMEDOUT:
+                    rc = _ring.EBUSY
         if rc == 0:
             return True
         if rc in (_ring.EUNAVAIL, _ring.EBADREQ):
-            self._drop_ring(False, "closed by the daemon" if rc == _ring.EUNAVAIL
-                            else "the request ring was found malformed")
+            self._drop_ring(self._ring_why(rc, "request"))
         return False                          # ETOOBIG, EINVAL: this one over ZMQ
 
-    def _ring_take(self, payload, uid):
-        """A reply popped from the ring: its frames when it answers `uid`; else it is kept for
-        its own recv() (another outstanding request) or discarded (stale), and None."""
+    @staticmethod
+    def _ring_why(rc, which):
+        return ("closed by the daemon" if rc == _ring.EUNAVAIL
+                else "the %s ring was found malformed" % which if rc == _ring.EBADREQ
+                else "the %s ring failed (%d)" % (which, rc))
+
+    def _ring_check_owner(self):
+        """A daemon that died closed nothing, but its arena file goes (the next daemon removes
+        it as stale): then the ring is never served again, and the pair is dropped (calls go
+        over ZMQ, where a restarted daemon answers and a new HELLO brings a new pair)."""
+        path, dev, ino = self._arena_ident
         try:
-            frames = _ring.parse(payload)
-            ruid = _unpack(frames[0].buffer)
-        except Exception:                    # noqa: BLE001 - garbage cannot be matched
-            return None
-        if not isinstance(ruid, int):
-            return None
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                return
+        except (OSError, TypeError, ValueError):
+            pass
+        self._drop_ring("the daemon's arena file is gone (the daemon died?)")
+
+    def _ring_next(self, deadline):
+        """The next reply on the ring as (uid, frames) (uid 0: unreadable), waiting until
+        `deadline` (_now_ms; None: only what is there); None when none came. The pair gone
+        (closed by the daemon, malformed): it is dropped and _RingGone raised."""
+        ring = self._ring
+        while True:
+            rc, payload = ring.pop()
+            if rc == 0:
+                try:
+                    frames = _ring.parse(payload)
+                except ValueError as e:
+                    self._drop_ring("the reply ring held a record that is not a message: %s" % e)
+                    raise _RingGone(self.fastpath_why) from None
+                try:
+                    ruid = _unpack(frames[0].buffer) if frames else 0
+                except Exception:            # noqa: BLE001 - garbage cannot be matched
+                    ruid = 0
+                if not isinstance(ruid, int) or isinstance(ruid, bool):
+                    ruid = 0
+                if self._ring_posted and ruid >= self._ring_posted:
+                    self._ring_posted = 0     # the daemon reads its ring in order
+                self._ring_seen = time.monotonic()
+                return ruid, frames
+            if rc == _ring.EBUSY:
+                left = 0 if deadline is None else deadline - _now_ms()
+                if left <= 0:
+                    return None
+                rc = ring.wait_reply(min(left, _WAIT_SLICE_MS) * 1e6)
+                if rc in (0, _ring.ETIMEDOUT):
+                    continue
+            self._drop_ring(self._ring_why(rc, "reply"))
+            raise _RingGone(self.fastpath_why)
+
+    def _ring_keep(self, ruid, frames, uid):
+        """A reply taken off the ring: its frames when it answers `uid`; else kept for its own
+        recv() (another outstanding request) or discarded (stale: posted or timed out)."""
         if ruid == uid:
             self._ring_uids.discard(uid)
             return frames
         if ruid in self._ring_uids and self._waiting.get(ruid, 0) is None:
             self._waiting[ruid] = frames
             self._ring_uids.discard(ruid)
-        elif self._ring_orphans:
-            self._ring_orphans -= 1
         return None
 
     def _ring_drain(self):
-        """Takes the replies waiting on the ring without waiting: those of post() and of
-        timed-out calls are dropped, those of outstanding requests kept for their recv()."""
-        while self._ring is not None:
-            rc, payload = self._ring.pop()
-            if rc == _ring.EBUSY:
-                return
-            if rc:
-                self._drop_ring(False, self._ring_why(rc))
-                return
-            self._ring_take(payload, None)
+        """Takes the replies waiting on the ring without waiting: a ring left full (posted
+        calls, timed-out calls, many sent and none received yet) makes the daemon drop it."""
+        try:
+            while self._ring is not None:
+                got = self._ring_next(None)
+                if got is None:
+                    return
+                self._ring_keep(got[0], got[1], None)
+        except _RingGone:
+            pass
 
-    @staticmethod
-    def _ring_why(rc):
-        return ("closed by the daemon" if rc == _ring.EUNAVAIL
-                else "the reply ring was found malformed" if rc == _ring.EBADREQ
-                else "the reply ring failed (%d)" % rc)
+    def _ring_settle(self):
+        """Before a request goes over ZMQ while one posted on the ring is unconfirmed: waits
+        (at most timeout_ms) for the ring's reply to it or to a later request. The daemon reads
+        the two transports independently, and a post()ed RELEASE must be done before the next
+        call. Best effort: if none comes the request goes anyway."""
+        deadline = _now_ms() + self.timeout_ms
+        try:
+            while self._ring_posted and self._ring is not None:
+                got = self._ring_next(deadline)
+                if got is None:
+                    break
+                self._ring_keep(got[0], got[1], None)
+        except _RingGone:
+            pass
+        self._ring_posted = 0
 
     def _ring_lost(self, uid, why):
         e = Unavailable("the daemon closed the fast path before the reply to request %d came "
@@ -622,28 +696,20 @@ class Client:
 
     def _ring_recv(self, uid, deadline, timeout_ms):
         """recv() of a request sent on the ring: its reply frames."""
-        ring = self._ring
         while True:
-            rc, payload = ring.pop()
-            if rc == 0:
-                frames = self._ring_take(payload, uid)
-                if frames is not None:
-                    return frames
-                continue
-            if rc == _ring.EBUSY:
-                left = deadline - _now_ms()
-                if left <= 0:
-                    del self._waiting[uid]       # its reply, if it ever comes, is stale
-                    self._ring_uids.discard(uid)
-                    self._ring_orphans += 1
-                    raise Timeout("no reply to request %d within %d ms" % (uid, timeout_ms))
-                rc = ring.wait_reply(min(left, _WAIT_SLICE_MS) * 1e6)
-                if rc in (0, _ring.ETIMEDOUT):
-                    continue
-            why = self._ring_why(rc)
-            self._drop_ring(False, why)
-            del self._waiting[uid]
-            raise self._ring_lost(uid, why)
+            try:
+                got = self._ring_next(deadline)
+            except _RingGone as e:
+                del self._waiting[uid]
+                raise self._ring_lost(uid, str(e)) from None
+            if got is None:
+                del self._waiting[uid]           # its reply, if it ever comes, is stale
+                self._ring_uids.discard(uid)
+                self._ring_check_owner()
+                raise Timeout("no reply to request %d within %d ms" % (uid, timeout_ms))
+            frames = self._ring_keep(got[0], got[1], uid)
+            if frames is not None:
+                return frames
 
     def post(self, type_, body=None):
         """Sends a request without waiting for its reply, which is discarded (its errors are
@@ -693,7 +759,7 @@ class Client:
             self._revive()
         reply = self._call_once(type_, body, data, False, copy, timeout_ms)
         if _error(reply[0])[0] == InstanceDropped.code and type_ not in (HELLO, BYE):
-            self._hello(True)
+            self.hello()
             if type_ not in _NOT_RETRIED:
                 reply = self._call_once(type_, body, data, False, copy, timeout_ms)
         if check and not reply[0]["ok"]:
