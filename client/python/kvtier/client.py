@@ -36,8 +36,11 @@ rings are libkvtier's (kvtier._ring, through ctypes); without libkvtier.so (KVTI
 the loader's path) there is no fast path and nothing else changes. Stay on ZMQ: HELLO, BYE, PUT
 and GET (object bytes), requests that do not fit a ring record, and every request once the
 daemon closed the pair (it answers Unavailable to the call awaiting a reply on it, resends it
-over ZMQ when that is harmless) until a later HELLO offers a new one. KVTIER_FASTPATH=0 or
-fastpath=False: never ask. The heartbeat stays on its own ZMQ socket.
+over ZMQ when that is harmless) until a later HELLO offers a new one. The daemon reads the ring
+and the socket independently, so a request post()ed on the ring is confirmed there before the
+next one goes over ZMQ; a pair whose arena file is gone (a killed daemon closes nothing) is
+dropped. KVTIER_FASTPATH=0 or fastpath=False: never ask. The heartbeat stays on its own ZMQ
+socket; a process forked from this one never touches the pair.
 
 Faulting the arena in (KVTIER_MAP_POPULATE, docs/protocol.md): lazily by default (each page
 on first touch), all at once when it is mapped ("1": MAP_POPULATE), or by a daemon thread that
