@@ -20,7 +20,9 @@ Transport of the Python clients (kvtier.Client) and libkvtier: by default what t
 do by default (the shared-memory fast path when the daemon offers it); `--kvt-transport zmq`
 or KVT_TRANSPORT=zmq sets KVTIER_FASTPATH=0 for the whole run (clients in worker processes
 inherit it), `--kvt-transport fastpath` / KVT_TRANSPORT=fastpath insists on the fast path
-(the run stops at once when the Python client cannot load libkvtier). KVTIER_LIBRARY, which
+(the run stops at once when the Python client cannot load libkvtier). Tests about the fast
+path itself (marker `fastpath`, given to every test named test_fastpath* and to
+test_fastpath.py) run without KVTIER_FASTPATH whatever the transport. KVTIER_LIBRARY, which
 the Python client loads the ring code from, defaults to the build's libkvtier.so (next to
 KVT_DAEMON, or build/libkvtier.so of this checkout).
 
@@ -67,6 +69,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "fastpath: a test of the fast path itself: runs without "
+                            "KVTIER_FASTPATH whatever --kvt-transport / KVT_TRANSPORT say")
     if not os.environ.get("KVTIER_LIBRARY"):
         lib = _libkvtier_path()
         if lib:
@@ -103,6 +107,10 @@ def _skip_reason():
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.name.startswith("test_fastpath") or \
+                os.path.basename(str(item.fspath)) == "test_fastpath.py":
+            item.add_marker(pytest.mark.fastpath)
     if daemon_path() is not None:
         return
     skip = pytest.mark.skip(reason=_skip_reason())
@@ -142,6 +150,13 @@ def _finish_daemon(d):
             problems.append("sanitizer report in kvtierd stderr (%s, exit status %s):\n%s"
                             % (d.dir, d.returncode, rep))
     return problems
+
+
+@pytest.fixture(autouse=True)
+def _kvt_fastpath_tests(request, monkeypatch):
+    """Tests of the fast path itself ignore KVT_TRANSPORT=zmq (they set what they test)."""
+    if request.node.get_closest_marker("fastpath") is not None:
+        monkeypatch.delenv("KVTIER_FASTPATH", raising=False)
 
 
 @pytest.fixture(scope="session")
