@@ -194,12 +194,23 @@ check-layers: deps
 	echo "check-layers: every header compiles within its layer"
 
 # Integration tests run against the ASan+UBSan daemon; a sanitizer report fails the test.
-integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART) pyclient
-	KVT_DAEMON=$(abspath $(BUILD)/asan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
+# The whole suite with the clients on the fast path (KVT_TRANSPORT=fastpath: the run stops if
+# the Python client cannot load libkvtier's ring code), then the suites of the two clients again
+# over the socket (KVTIER_FASTPATH=0), the path every client had before issue 17 and still takes
+# when no ring pair is offered. The raw-socket suites (protocol, connections, ...) speak ZMQ
+# themselves either way.
+INTEGRATION_ZMQ := tests/integration/test_py_client.py tests/integration/test_c_client.py \
+    tests/integration/test_client_liveness.py
+INTEGRATION_ENV = KVT_DAEMON=$(abspath $(BUILD)/asan/kvtierd) KVT_CLI=$(abspath $(BUILD)/kvtier) \
 	  KVT_MOCK_CUDART=$(if $(MOCK_CUDART),$(abspath $(MOCK_CUDART))) \
 	  KVT_CLIENT_TEST=$(abspath $(BUILD)/kvtier-client-test) \
-	  $(PLUGIN_ENV) \
+	  KVTIER_LIBRARY=$(abspath $(BUILD)/libkvtier.so) $(PLUGIN_ENV)
+
+integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART) pyclient
+	$(INTEGRATION_ENV) KVT_TRANSPORT=fastpath \
 	  timeout 900 $(PYTEST) -m pytest -q -p no:cacheprovider tests/integration
+	$(INTEGRATION_ENV) KVT_TRANSPORT=zmq \
+	  timeout 300 $(PYTEST) -m pytest -q -p no:cacheprovider $(INTEGRATION_ZMQ)
 
 check-asan: unit integration
 
@@ -286,7 +297,8 @@ $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
 # contract under max_threads callers, the L2 manager's threads, request counters from 4
 # threads), then the concurrent integration tests against a TSan daemon: 32 clients at once,
 # SIGTERM under 8 writers with L2 write-behind, clients pinging while the daemon stops, replies
-# completed on libzmq's I/O threads while the server loop counts and cuts connections.
+# completed on libzmq's I/O threads while the server loop counts and cuts connections; the fast
+# path: 32 ring clients, hostile and SIGKILLed ones, an instance dropped and re-established.
 TSAN_INTEGRATION := tests/integration/test_reliability.py \
     tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged \
     tests/integration/test_lifecycle.py::test_sigterm_while_clients_ping \
@@ -297,7 +309,11 @@ TSAN_INTEGRATION := tests/integration/test_reliability.py \
     tests/integration/test_lmcache.py::test_doors_serve_together \
     tests/integration/test_lmcache.py::test_killed_worker_reservations_come_back \
     tests/integration/test_lmcache.py::test_lookup_loads_what_only_l2_has \
-    tests/integration/test_lmcache.py::test_status_lists_contexts
+    tests/integration/test_lmcache.py::test_status_lists_contexts \
+    tests/integration/test_fastpath.py::test_32_concurrent_clients \
+    tests/integration/test_fastpath.py::test_hostile_request_ring \
+    tests/integration/test_fastpath.py::test_sigkilled_clients_leave_no_ring_behind \
+    tests/integration/test_fastpath.py::test_instance_dropped_then_rehello_gets_a_new_pair
 
 tsan: deps all $(TSAN_OBJ) $(TSAN_BIN) $(BUILD)/tsan/kvtierd pyclient
 	@set -e; for t in $(TSAN_BIN); do echo "== $$t"; \
