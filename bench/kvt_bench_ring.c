@@ -133,8 +133,8 @@ static void s_pair_new(s_pair_t *p)
     p->map = mmap(NULL, p->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (p->map == MAP_FAILED)
         s_die("mmap", KVT_ENOMEM);
-    if (kvt_ring_format(s_req_region(p), one, S_RING_CAP) ||
-        kvt_ring_format(s_rep_region(p), one, S_RING_CAP))
+    if (kvt_ring_format(s_req_region(p), one, S_RING_CAP, 1) ||
+        kvt_ring_format(s_rep_region(p), one, S_RING_CAP, 1))
         s_die("format", KVT_EINVAL);
 }
 

@@ -175,15 +175,12 @@ size_t kvt_ring_region_size(uint32_t capacity)
     return (size_t)KVT_RING_HDR_SIZE + capacity;
 }
 
-int kvt_ring_format(void *region, size_t size, uint32_t capacity)
+int kvt_ring_format(void *region, size_t size, uint32_t capacity, uint32_t epoch)
 {
     if (!region || ((uintptr_t)region & 7) || !s_capacity_ok(capacity) ||
         size < kvt_ring_region_size(capacity))
         return KVT_EINVAL;
     s_hdr_t *h = region;
-    /* a region used before (the daemon hands ring slots to one client after another) gets a
-     * new epoch: a handle still attached from the last use finds its ring closed */
-    uint32_t epoch = h->magic == KVT_RING_MAGIC ? atomic_load(&h->epoch) + 1 : 1;
     memset(h, 0, sizeof *h);
     atomic_init(&h->epoch, epoch);
     h->magic = KVT_RING_MAGIC;

@@ -72,13 +72,13 @@ typedef struct {
 /* Bytes of a region holding a ring of `capacity` data bytes. */
 size_t kvt_ring_region_size(uint32_t capacity);
 
-/* Formats region[0..size) (initialised memory: a region formatted before keeps counting its
- * epoch, KVT_RING_OFF_EPOCH, so handles of its earlier use find it closed) as an empty ring of
- * `capacity` bytes (a power of two from
+/* Formats region[0..size) as an empty ring of `capacity` bytes, of `epoch` (the owner's count,
+ * never read back from the region: the daemon hands a region to one client after another, and
+ * a handle still attached from an earlier use finds the ring closed once the epoch moved on) (a power of two from
  * KVT_RING_MIN_CAPACITY to KVT_RING_MAX_CAPACITY; size must be kvt_ring_region_size(capacity)
  * or more). The region must be 8-byte aligned (a mapping is). 0 or KVT_EINVAL. Only the
  * region's owner (the daemon) formats, before anyone attaches. */
-int kvt_ring_format(void *region, size_t size, uint32_t capacity);
+int kvt_ring_format(void *region, size_t size, uint32_t capacity, uint32_t epoch);
 
 /* Attaches to a formatted region as one side. Validates magic, version, header size and that
  * the ring's capacity is `capacity` (what the owner announced) and fits in `size`; the side's

@@ -4,8 +4,10 @@
  * again at once; after fastpath.spin_us without one it arms every request ring (kvt_ring_arm:
  * wait word 1, fence, look again) and sleeps in one futex_waitv on all their words plus a
  * private doorbell (rung when a slot opens, a reply is held, or on stop), for at most the
- * supervisor's idle interval, or 1 ms while replies are held. A client's push clears the word
- * it finds armed and wakes the thread; an idle daemon makes one wake-up per idle interval.
+ * supervisor's idle interval; a slot whose replies are held is waited on through its reply
+ * ring instead (the client's pop makes room and wakes us). A client's push clears the word it
+ * finds armed and wakes the thread; an idle daemon makes one wake-up per idle interval. The
+ * lock is taken per slot, and a server loop waiting for it goes first (s_lock).
  *
  * A slot whose instance goes while its own request runs (BYE, a HELLO asking again) closes
  * after that request's reply is pushed, so those replies still reach the client. */
@@ -23,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/random.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -31,7 +34,9 @@
 #define S_POP_BATCH 32        /* requests of one slot per sweep, so one client cannot starve */
 #define S_QUARANTINE_MS 100   /* a closed slot rests this long before it is formatted again */
 #define S_HELD_MAX 256        /* replies held for a full reply ring, then the slot closes */
-#define S_HELD_POLL_NS 1000000 /* sleep while replies are held: they are flushed this often */
+#define S_HELD_POLL_NS 1000000 /* without futex_waitv: the idle thread looks this often */
+#define S_SPURIOUS_MAX 8      /* wake-ups for nothing in a row before a slot is left out */
+#define S_QUIET_MS 200        /* ... for this long */
 #define S_BEAT_NS 10000000    /* beat at most every 10 ms while busy */
 
 #ifndef FUTEX_32
@@ -73,13 +78,18 @@ typedef struct s_held {
 
 typedef struct {
     bool open;
+    _Atomic bool live; /* `open`, for the sweep's look without the lock */
     bool closing;      /* close once the request being handled is answered */
     s_drop_t closing_why;
     uint32_t gen;      /* bumped at each close: replies to an earlier use are dropped */
     uint64_t freed_ms; /* when it closed (0: never used) */
     uint8_t *req_region, *rep_region;
     kvt_ring_t *req, *rep; /* the daemon's sides: consumer, producer */
-    bool armed;
+    kvt_ring_t *armed;     /* the side s_sleep armed (req, or rep while replies are held) */
+    uint32_t *word;        /* its wait word */
+    uint32_t spurious;     /* wake-ups through it in a row that found nothing to do */
+    uint64_t quiet_until_ms; /* left out of the wait until then */
+    uint32_t epoch;        /* of the next format: ours, never read back from the region */
     kvt_conn_t *conn; /* a reference */
     uint64_t owner;
     s_held_t *held, *held_tail;
@@ -95,6 +105,7 @@ struct kvt_fastpath {
     uint64_t held_bytes_max;
     uint64_t spin_ns;
     pthread_mutex_t *lock;
+    _Atomic uint32_t *server_waiting; /* the server loop waits for `lock` */
     kvt_sessions_t *sessions;
     kvt_fastpath_request_fn fn;
     void *ctx;
@@ -106,7 +117,7 @@ struct kvt_fastpath {
     _Atomic uint32_t doorbell;
     _Atomic bool stop;
     bool no_waitv; /* the kernel lacks futex_waitv: doorbell sleeps of S_HELD_POLL_NS */
-    _Atomic uint64_t open_count, requests, declined, dropped[S_DROP_REASONS];
+    _Atomic uint64_t open_count, requests, declined, quieted, dropped[S_DROP_REASONS];
 };
 
 static uint64_t s_now_ns(void)
@@ -157,7 +168,11 @@ static void s_close(kvt_fastpath_t *self, s_slot_t *s, s_drop_t why)
     kvt_ring_destroy(&s->rep);
     s_free_held(s);
     kvt_conn_unref(&s->conn);
-    s->open = s->closing = s->armed = false;
+    s->open = s->closing = false;
+    atomic_store_explicit(&s->live, false, memory_order_relaxed);
+    s->armed = NULL;
+    s->spurious = 0;
+    s->quiet_until_ms = 0;
     s->gen++;
     s->freed_ms = kvt_now_ms();
     atomic_fetch_sub_explicit(&self->open_count, 1, memory_order_relaxed);
@@ -213,52 +228,87 @@ static s_drop_t s_ring_error(int rc)
 
 /* ---- the thread ---- */
 
-/* One sweep (lock held): how many requests were handled. *held: replies wait for room. */
-static uint32_t s_sweep(kvt_fastpath_t *self, bool *held)
+/* Takes the server lock, but lets a waiting server loop have it first: a mutex is not fair, and
+ * a thread that unlocks and locks again at once would keep the loop out for as long as requests
+ * keep coming. */
+static void s_lock(kvt_fastpath_t *self)
 {
+    for (int i = 0; i < 10000 && atomic_load_explicit(self->server_waiting, memory_order_acquire);
+         i++)
+        sched_yield();
+    pthread_mutex_lock(self->lock);
+}
+
+/* One slot's turn (lock held): how many requests were handled. */
+static uint32_t s_serve(kvt_fastpath_t *self, uint32_t i)
+{
+    s_slot_t *s = &self->slots[i];
+    if (!s->open)
+        return 0;
+    if (kvt_conn_retired(s->conn)) {
+        s_close(self, s, S_DROP_DISCONNECTED);
+        return 0;
+    }
+    int rc = s_flush(s);
+    if (rc) {
+        s_close(self, s, s_ring_error(rc));
+        return 0;
+    }
     uint32_t n = 0;
-    *held = false;
-    for (uint32_t i = 0; i < self->nslots; i++) {
-        s_slot_t *s = &self->slots[i];
-        if (!s->open)
-            continue;
-        if (kvt_conn_retired(s->conn)) {
-            s_close(self, s, S_DROP_DISCONNECTED);
-            continue;
-        }
-        int rc = s_flush(s);
+    for (uint32_t k = 0; k < S_POP_BATCH && s->open; k++) {
+        size_t len = 0;
+        rc = kvt_ring_pop(s->req, self->buf, self->buflen, &len);
+        if (rc == KVT_EBUSY)
+            break;
         if (rc) {
+            if (rc != KVT_EUNAVAIL)
+                kvt_log(KVT_LOG_WARN, "fastpath: request ring %u of owner %llu: %s", i,
+                        (unsigned long long)s->owner, kvt_ring_why(s->req));
             s_close(self, s, s_ring_error(rc));
-            continue;
+            break;
         }
-        for (uint32_t k = 0; k < S_POP_BATCH && s->open; k++) {
-            size_t len = 0;
-            rc = kvt_ring_pop(s->req, self->buf, self->buflen, &len);
-            if (rc == KVT_EBUSY)
-                break;
-            if (rc) {
-                if (rc != KVT_EUNAVAIL)
-                    kvt_log(KVT_LOG_WARN, "fastpath: request ring %u of owner %llu: %s", i,
-                            (unsigned long long)s->owner, kvt_ring_why(s->req));
-                s_close(self, s, s_ring_error(rc));
-                break;
-            }
-            n++;
-            atomic_fetch_add_explicit(&self->requests, 1, memory_order_relaxed);
-            kvt_fastpath_ref_t ref = {i + 1, s->gen};
-            self->current = (int)i;
-            self->fn(self->ctx, ref, s->conn, self->buf, len);
-            self->current = -1;
-            if (s->closing)
-                s_close(self, s, s->closing_why);
-        }
-        if (s->open && s->held)
-            *held = true;
+        n++;
+        s->spurious = 0;
+        atomic_fetch_add_explicit(&self->requests, 1, memory_order_relaxed);
+        kvt_fastpath_ref_t ref = {i + 1, s->gen};
+        self->current = (int)i;
+        self->fn(self->ctx, ref, s->conn, self->buf, len);
+        self->current = -1;
+        if (s->closing)
+            s_close(self, s, s->closing_why);
     }
     return n;
 }
 
-/* Sleeps until a request ring has a record, the doorbell rings or the timeout passes. */
+/* One sweep over the slots, the lock taken per slot (the loop gets it between two): how many
+ * requests were handled. *held: replies wait for room in some reply ring. */
+static uint32_t s_sweep(kvt_fastpath_t *self, kvt_thread_t *t, bool *held, bool *stop)
+{
+    uint32_t n = 0;
+    *held = false;
+    uint64_t beat = s_now_ns();
+    for (uint32_t i = 0; i < self->nslots; i++) {
+        /* a look without the lock: a slot that opens meanwhile rings the bell */
+        if (!atomic_load_explicit(&self->slots[i].live, memory_order_relaxed))
+            continue;
+        s_lock(self);
+        n += s_serve(self, i);
+        if (self->slots[i].open && self->slots[i].held)
+            *held = true;
+        pthread_mutex_unlock(self->lock);
+        if (s_now_ns() - beat >= S_BEAT_NS) {
+            if (!kvt_thread_beat(t))
+                *stop = true;
+            beat = s_now_ns();
+        }
+    }
+    return n;
+}
+
+/* Sleeps until a request ring has a record, a reply ring with held replies has room, the
+ * doorbell rings or the timeout passes. A slot whose wait word keeps waking the thread with
+ * nothing to do (a client flipping it) is left out of the wait for a while: its requests are
+ * then found by the idle sweeps, so it slows only itself. */
 static void s_sleep(kvt_fastpath_t *self, int64_t timeout_ns)
 {
     struct futex_waitv wv[S_MAX_SLOTS + 1];
@@ -269,17 +319,23 @@ static void s_sleep(kvt_fastpath_t *self, int64_t timeout_ns)
     wv[n].uaddr = (uint64_t)(uintptr_t)&self->doorbell;
     wv[n++].flags = FUTEX_32 | FUTEX_PRIVATE_FLAG;
     bool ready = false;
-    pthread_mutex_lock(self->lock);
+    uint64_t now_ms = kvt_now_ms();
+    s_lock(self);
     for (uint32_t i = 0; i < self->nslots && !ready; i++) {
         s_slot_t *s = &self->slots[i];
-        if (!s->open)
+        if (!s->open || s->quiet_until_ms > now_ms)
             continue;
+        /* the reply ring's producer side when replies are held (room wakes us), else the
+         * request ring's consumer side */
+        kvt_ring_t *r = s->held ? s->rep : s->req;
+        size_t need = s->held ? s->held->bytes : 0;
         uint32_t *word = NULL;
-        int rc = kvt_ring_arm(s->req, 0, &word);
-        s->armed = true;
-        if (rc != 0) /* a record, or an error the next sweep deals with */
+        int rc = kvt_ring_arm(r, need, &word);
+        s->armed = r;
+        s->word = word;
+        if (rc != 0) /* ready, or an error the next sweep deals with */
             ready = true;
-        else { /* a shared futex: the client wakes it through its own mapping of the arena */
+        else if (n < S_MAX_SLOTS + 1) { /* shared futex: woken through the client's mapping */
             wv[n].val = 1;
             wv[n].uaddr = (uint64_t)(uintptr_t)word;
             wv[n++].flags = FUTEX_32;
@@ -305,12 +361,32 @@ static void s_sleep(kvt_fastpath_t *self, int64_t timeout_ns)
                           NULL, 0);
         }
     }
-    pthread_mutex_lock(self->lock);
+    now_ms = kvt_now_ms();
+    s_lock(self);
     for (uint32_t i = 0; i < self->nslots; i++) {
         s_slot_t *s = &self->slots[i];
-        if (s->open && s->armed)
-            kvt_ring_disarm(s->req);
-        s->armed = false;
+        if (!s->open || !s->armed)
+            continue;
+        kvt_ring_t *r = s->armed;
+        /* the client cleared our word: fine when it has made progress (a record, room), a
+         * spurious wake-up when it has not */
+        bool cleared = atomic_load_explicit((_Atomic uint32_t *)s->word, memory_order_relaxed) != 1;
+        uint32_t *w;
+        bool progress = kvt_ring_arm(r, r == s->rep ? s->held->bytes : 0, &w) != 0;
+        kvt_ring_disarm(r);
+        s->armed = NULL;
+        if (!cleared || progress) {
+            s->spurious = progress ? 0 : s->spurious;
+            continue;
+        }
+        if (++s->spurious >= S_SPURIOUS_MAX) {
+            s->spurious = 0;
+            s->quiet_until_ms = now_ms + S_QUIET_MS;
+            atomic_fetch_add_explicit(&self->quieted, 1, memory_order_relaxed);
+            kvt_log(KVT_LOG_DEBUG, "fastpath: ring %u of owner %llu wakes the thread for nothing: "
+                                   "left out of its wait for %d ms", i,
+                    (unsigned long long)s->owner, S_QUIET_MS);
+        }
     }
     pthread_mutex_unlock(self->lock);
 }
@@ -318,18 +394,13 @@ static void s_sleep(kvt_fastpath_t *self, int64_t timeout_ns)
 static bool s_run(kvt_thread_t *t, void *arg)
 {
     kvt_fastpath_t *self = arg;
-    uint64_t last_work = 0, last_beat = 0;
-    while (!atomic_load_explicit(&self->stop, memory_order_acquire)) {
-        uint64_t now = s_now_ns();
-        if (now - last_beat >= S_BEAT_NS) {
-            if (!kvt_thread_beat(t))
-                return false;
-            last_beat = now;
-        }
+    uint64_t last_work = 0;
+    bool stop = false;
+    while (!stop && !atomic_load_explicit(&self->stop, memory_order_acquire)) {
+        if (!kvt_thread_beat(t))
+            return false;
         bool held;
-        pthread_mutex_lock(self->lock);
-        uint32_t n = s_sweep(self, &held);
-        pthread_mutex_unlock(self->lock);
+        uint32_t n = s_sweep(self, t, &held, &stop);
         if (n) {
             last_work = s_now_ns();
             continue;
@@ -340,18 +411,16 @@ static bool s_run(kvt_thread_t *t, void *arg)
             sched_yield(); /* clients waiting for their replies may need this core */
             continue;
         }
-        int64_t idle = held ? S_HELD_POLL_NS : kvt_thread_idle_ms(t) * 1000000;
-        s_sleep(self, idle);
-        last_beat = 0; /* a sleep may have been long: beat before the next sweep */
+        s_sleep(self, kvt_thread_idle_ms(t) * 1000000);
     }
-    return true;
+    return !stop;
 }
 
 /* ---- API ---- */
 
 kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_t tail_offset,
-                                 pthread_mutex_t *lock, kvt_sessions_t *sessions,
-                                 kvt_fastpath_request_fn fn, void *ctx)
+                                 pthread_mutex_t *lock, _Atomic uint32_t *server_waiting,
+                                 kvt_sessions_t *sessions, kvt_fastpath_request_fn fn, void *ctx)
 {
     if (!cfg->fastpath_enabled)
         return NULL;
@@ -367,6 +436,7 @@ kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_
     self->held_bytes_max = 4 * (uint64_t)self->cap;
     self->spin_ns = (uint64_t)cfg->fastpath_spin_us * 1000u;
     self->lock = lock;
+    self->server_waiting = server_waiting;
     self->sessions = sessions;
     self->fn = fn;
     self->ctx = ctx;
@@ -374,10 +444,14 @@ kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_
     self->buflen = self->cap - KVT_RING_REC_HDR; /* kvt_ring_max_payload */
     self->buf = malloc(self->buflen);
     kvt_assert(self->buf);
+    uint32_t epoch0 = 0; /* epochs start anywhere: a client of an earlier daemon cannot guess */
+    if (getrandom(&epoch0, sizeof epoch0, 0) != sizeof epoch0)
+        epoch0 = (uint32_t)s_now_ns();
     for (uint32_t i = 0; i < self->nslots; i++) {
         s_slot_t *s = &self->slots[i];
         s->req_region = tail + (uint64_t)i * self->pair_bytes;
         s->rep_region = s->req_region + self->ring_region;
+        s->epoch = epoch0 + i * 0x10000u;
     }
     return self;
 }
@@ -399,6 +473,14 @@ void kvt_fastpath_stop(kvt_fastpath_t *self)
     atomic_store_explicit(&self->stop, true, memory_order_release);
     s_ring_bell(self);
     kvt_thread_join(&self->thread);
+    /* no request is taken from here on: clients find their request rings closed and go to
+     * the socket, while the replies of pooled requests still reach the reply rings (closed
+     * with the slots by kvt_fastpath_destroy) */
+    pthread_mutex_lock(self->lock);
+    for (uint32_t i = 0; i < self->nslots; i++)
+        if (self->slots[i].open)
+            kvt_ring_close(self->slots[i].req);
+    pthread_mutex_unlock(self->lock);
 }
 
 void kvt_fastpath_destroy(kvt_fastpath_t **self_p)
@@ -436,22 +518,32 @@ int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
                       kvt_fastpath_offer_t *offer)
 {
     uint64_t now = kvt_now_ms();
-    s_slot_t *pick = NULL;
+    s_slot_t *pick = NULL, *own = NULL;
     for (uint32_t i = 0; i < self->nslots; i++) {
         s_slot_t *s = &self->slots[i];
         if (s->open && s->conn == conn && !s->closing)
-            s_close_soon(self, s, S_DROP_REHELLO);
+            own = s;
         else if (!s->open && (s->freed_ms == 0 || now - s->freed_ms >= S_QUARANTINE_MS) &&
                  (!pick || s->freed_ms < pick->freed_ms))
             pick = s; /* the one that rested longest */
+    }
+    /* the connection's own pair goes: its client asks again (and closed its sides first).
+     * With no other slot free it is formatted again for the same connection at once, unless
+     * this HELLO came through it (its reply still has to go there) */
+    if (own && !pick && self->current != (int)(own - self->slots)) {
+        s_close(self, own, S_DROP_REHELLO);
+        pick = own;
+    } else if (own) {
+        s_close_soon(self, own, S_DROP_REHELLO);
     }
     if (!pick) {
         atomic_fetch_add_explicit(&self->declined, 1, memory_order_relaxed);
         return KVT_EBUSY;
     }
     char err[160];
-    if (kvt_ring_format(pick->req_region, self->ring_region, self->cap) != 0 ||
-        kvt_ring_format(pick->rep_region, self->ring_region, self->cap) != 0 ||
+    pick->epoch++;
+    if (kvt_ring_format(pick->req_region, self->ring_region, self->cap, pick->epoch) != 0 ||
+        kvt_ring_format(pick->rep_region, self->ring_region, self->cap, pick->epoch) != 0 ||
         !(pick->req = kvt_ring_new(pick->req_region, self->ring_region, self->cap,
                                    KVT_RING_CONSUMER, err, sizeof err)) ||
         !(pick->rep = kvt_ring_new(pick->rep_region, self->ring_region, self->cap,
@@ -461,6 +553,7 @@ int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
         return KVT_EINTERNAL;
     }
     pick->open = true;
+    atomic_store_explicit(&pick->live, true, memory_order_relaxed);
     pick->closing = false;
     pick->conn = kvt_conn_ref(conn);
     pick->owner = owner;
@@ -514,7 +607,7 @@ int kvt_fastpath_reply(kvt_fastpath_t *self, kvt_fastpath_ref_t ref, const kvt_r
     s->held_tail = h;
     s->nheld++;
     s->held_bytes += plen;
-    s_ring_bell(self); /* the thread flushes held replies every millisecond */
+    s_ring_bell(self); /* the thread waits for room in this reply ring from now on */
     return 0;
 }
 
@@ -546,12 +639,13 @@ json_t *kvt_fastpath_json(kvt_fastpath_t *self)
         json_object_set_new(dropped, s_drop_names[i],
                             json_integer(self ? (json_int_t)atomic_load(&self->dropped[i]) : 0));
     return json_pack(
-        "{s:b,s:I,s:I,s:I,s:I,s:I,s:o}", "enabled", self != NULL, "rings_max",
+        "{s:b,s:I,s:I,s:I,s:I,s:I,s:I,s:o}", "enabled", self != NULL, "rings_max",
         (json_int_t)(self ? self->nslots : 0), "rings_open",
         (json_int_t)(self ? atomic_load(&self->open_count) : 0), "ring_bytes",
         (json_int_t)(self ? self->cap : 0), "requests",
         (json_int_t)(self ? atomic_load(&self->requests) : 0), "declined",
-        (json_int_t)(self ? atomic_load(&self->declined) : 0), "dropped", dropped);
+        (json_int_t)(self ? atomic_load(&self->declined) : 0), "quieted",
+        (json_int_t)(self ? atomic_load(&self->quieted) : 0), "dropped", dropped);
 }
 
 void kvt_fastpath_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)

@@ -30,6 +30,7 @@
 
 #include <jansson.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -48,15 +49,18 @@ typedef void (*kvt_fastpath_request_fn)(void *ctx, kvt_fastpath_ref_t ref, kvt_c
                                         const uint8_t *payload, size_t len);
 
 /* `tail` is the arena's tail (kvt_config_fastpath_bytes(cfg) bytes at arena offset
- * `tail_offset`, as clients see it). NULL when the fast path is disabled. */
+ * `tail_offset`, as clients see it). `server_waiting` is non-zero while the server loop waits
+ * for `lock` (the thread lets it in first). NULL when the fast path is disabled. */
 kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_t tail_offset,
-                                 pthread_mutex_t *lock, kvt_sessions_t *sessions,
-                                 kvt_fastpath_request_fn fn, void *ctx);
+                                 pthread_mutex_t *lock, _Atomic uint32_t *server_waiting,
+                                 kvt_sessions_t *sessions, kvt_fastpath_request_fn fn, void *ctx);
 
 /* Starts the fastpath thread (supervised as "fastpath"). 0 or KVT_EINTERNAL. */
 int kvt_fastpath_start(kvt_fastpath_t *self, kvt_sup_t *sup);
 
-/* Joins the thread and closes every slot (clients fall back to ZMQ). Not under the lock. */
+/* Joins the thread and closes every request ring (clients go to the socket); replies of
+ * requests still in the pools reach their rings until kvt_fastpath_destroy closes the slots.
+ * Not under the lock. */
 void kvt_fastpath_stop(kvt_fastpath_t *self);
 
 void kvt_fastpath_destroy(kvt_fastpath_t **self_p);
@@ -89,8 +93,9 @@ void kvt_fastpath_reject(kvt_fastpath_t *self, kvt_fastpath_ref_t ref, const cha
 /* The instance `owner` said BYE or was dropped (lock held): its slots close. */
 void kvt_fastpath_owner_gone(kvt_fastpath_t *self, uint64_t owner, bool expired);
 
-/* {enabled, rings_max, rings_open, ring_bytes, requests, declined, dropped: {reason: n}}. Any
- * thread; accepts NULL (the fast path disabled). */
+/* {enabled, rings_max, rings_open, ring_bytes, requests, declined, quieted (slots left out of
+ * the wait for waking the thread for nothing), dropped: {reason: n}}. Any thread; accepts NULL
+ * (the fast path disabled). */
 json_t *kvt_fastpath_json(kvt_fastpath_t *self);
 
 /* Metrics source: kvtier_fastpath_rings, kvtier_fastpath_requests_total,

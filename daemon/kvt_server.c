@@ -71,6 +71,7 @@ struct kvt_server {
     /* held by this loop while it works and by the fastpath thread while it handles a ring
      * request: sessions, leases, the spare request and the rings see one thread at a time */
     pthread_mutex_t lock;
+    _Atomic uint32_t lock_waiting; /* this loop waits for it: the fastpath thread stands back */
 };
 
 static kvt_errrep_t s_rep_bad = KVT_ERRREP_INIT(10000);
@@ -486,7 +487,7 @@ static void s_ring_request(void *ctx, kvt_fastpath_ref_t ref, kvt_conn_t *conn,
         m.parts++;
         if (!part)
             continue;
-        zmq_msg_close(part);
+        /* uid, type and body hold empty messages, data slots nothing yet: no close needed */
         kvt_assert(zmq_msg_init_size(part, fr[i].len) == 0);
         if (fr[i].len)
             memcpy(zmq_msg_data(part), fr[i].ptr, fr[i].len);
@@ -642,8 +643,8 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
     pthread_mutex_init(&self->lock, NULL);
     /* the rings live in the arena's tail, past the objects */
     self->svc.fastpath = kvt_fastpath_new(cfg, (uint8_t *)kvt_l1_base(l1) + kvt_l1_capacity(l1),
-                                          kvt_l1_capacity(l1), &self->lock, self->svc.sessions,
-                                          s_ring_request, self);
+                                          kvt_l1_capacity(l1), &self->lock, &self->lock_waiting,
+                                          self->svc.sessions, s_ring_request, self);
     if (self->svc.fastpath)
         kvt_metrics_add_source(metrics, kvt_fastpath_metrics_source, self->svc.fastpath);
     self->svc.l2 = l2;
@@ -772,6 +773,14 @@ static void s_drain(kvt_server_t *self)
         kvt_log(KVT_LOG_WARN, "stopping with %zu requests still running", s_in_flight(self));
 }
 
+/* The loop's turn with the lock: the fastpath thread sees it waiting and lets it in. */
+static void s_lock(kvt_server_t *self)
+{
+    atomic_fetch_add_explicit(&self->lock_waiting, 1, memory_order_release);
+    pthread_mutex_lock(&self->lock);
+    atomic_fetch_sub_explicit(&self->lock_waiting, 1, memory_order_relaxed);
+}
+
 int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
 {
     zmq_pollitem_t items[4] = {
@@ -791,7 +800,7 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
             rc = KVT_EINTERNAL;
             break;
         }
-        pthread_mutex_lock(&self->lock);
+        s_lock(self);
         s_monitor(self);
         s_intake(self, stop);
         s_collect(self);
@@ -799,7 +808,7 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
         pthread_mutex_unlock(&self->lock);
     }
     kvt_fastpath_stop(self->svc.fastpath); /* ring requests end; their pooled jobs drain */
-    pthread_mutex_lock(&self->lock);
+    s_lock(self);
     s_drain(self);
     pthread_mutex_unlock(&self->lock);
     kvt_sup_thread_exit(self->beat, rc == 0);

@@ -26,7 +26,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/futex.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -51,6 +53,7 @@ typedef struct {
     uint8_t *tail;
     size_t tail_size;
     pthread_mutex_t lock;
+    _Atomic uint32_t waiting;
     kvt_sessions_t *sessions;
     srv_t srv;
     kvt_fastpath_t *fp;
@@ -109,8 +112,8 @@ static int s_setup(void **state)
                                 .reply_timeout_ms = 5000,
                                 .max_reply_backlog = 1 << 20};
     f->sessions = kvt_sessions_new(&lim, NULL, NULL);
-    f->fp = kvt_fastpath_new(f->cfg, f->tail, 1u << 30, &f->lock, f->sessions, s_request,
-                             &f->srv);
+    f->fp = kvt_fastpath_new(f->cfg, f->tail, 1u << 30, &f->lock, &f->waiting, f->sessions,
+                             s_request, &f->srv);
     assert_non_null(f->fp);
     f->srv.fp = f->fp;
     assert_int_equal(kvt_fastpath_start(f->fp, NULL), 0);
@@ -456,6 +459,170 @@ static void test_reply_to_a_closed_slot_and_stop(void **state)
     kvt_conn_unref(&c2);
 }
 
+/* A client that keeps the thread busy (requests without end) never keeps the server loop from
+ * the lock for long: the loop says it waits and the thread lets it in. */
+typedef struct {
+    cli_t *c;
+    _Atomic bool stop;
+    uint64_t sent;
+} flood_t;
+
+static void *s_flood(void *arg)
+{
+    flood_t *fl = arg;
+    uint8_t buf[S_RING];
+    while (!atomic_load(&fl->stop)) {
+        if (s_send(fl->c, "flood") == 0)
+            fl->sent++;
+        size_t len;
+        while (kvt_ring_pop(fl->c->rep, buf, sizeof buf, &len) == 0)
+            ;
+    }
+    return NULL;
+}
+
+static uint64_t s_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void test_server_loop_is_never_starved(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c = s_conn(f, "f", 21);
+    kvt_fastpath_offer_t o;
+    assert_int_equal(s_open(f, c, 61, &o), 0);
+    cli_t cl;
+    s_attach(f, &o, &cl);
+    flood_t fl = {.c = &cl};
+    pthread_t th;
+    pthread_create(&th, NULL, s_flood, &fl);
+    usleep(20000);
+    uint64_t worst = 0;
+    for (int i = 0; i < 200; i++) {
+        uint64_t t0 = s_ns();
+        atomic_fetch_add(&f->waiting, 1); /* as kvt_server's s_lock */
+        pthread_mutex_lock(&f->lock);
+        atomic_fetch_sub(&f->waiting, 1);
+        uint64_t dt = s_ns() - t0;
+        worst = dt > worst ? dt : worst;
+        pthread_mutex_unlock(&f->lock);
+        usleep(500);
+    }
+    atomic_store(&fl.stop, true);
+    pthread_join(th, NULL);
+    print_message("flood: %llu requests; the loop waited %llu us at worst\n",
+                  (unsigned long long)fl.sent, (unsigned long long)(worst / 1000));
+    assert_true(fl.sent > 1000);
+    assert_true(worst < 100000000ull); /* 100 ms: the thread's turn is one slot's batch */
+    s_detach(&cl);
+    kvt_conn_unref(&c);
+}
+
+/* A client that flips its wait word and wakes the thread without sending anything is left out
+ * of the wait (`quieted`); its requests are still served, and so are the others'. */
+typedef struct {
+    uint32_t *word; /* a request ring's cons_wait, in the client's mapping */
+    _Atomic bool stop;
+} poke_t;
+
+static void *s_poke(void *arg)
+{
+    poke_t *pk = arg;
+    while (!atomic_load(&pk->stop)) {
+        __atomic_store_n(pk->word, 0, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, pk->word, FUTEX_WAKE, 1, NULL, NULL, 0);
+        usleep(50);
+    }
+    return NULL;
+}
+
+static void test_spurious_wakes_are_quieted(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c = s_conn(f, "w", 22), *g = s_conn(f, "v", 23);
+    kvt_fastpath_offer_t o, og;
+    assert_int_equal(s_open(f, c, 71, &o), 0);
+    assert_int_equal(s_open(f, g, 72, &og), 0);
+    cli_t bad, good;
+    s_attach(f, &o, &bad);
+    s_attach(f, &og, &good);
+    usleep(50000); /* past the spin: the thread sleeps */
+    poke_t pk = {.word = (uint32_t *)(f->tail + (o.request - (1u << 30)) +
+                                      KVT_RING_OFF_CONS_WAIT)};
+    pthread_t th;
+    pthread_create(&th, NULL, s_poke, &pk);
+    for (int i = 0; i < 400 && s_status(f, "quieted", NULL) == 0; i++)
+        usleep(5000);
+    assert_true(s_status(f, "quieted", NULL) >= 1);
+    assert_int_equal(s_send(&good, "still"), 0);
+    assert_int_equal(s_expect(&good, "still"), 0);
+    assert_int_equal(s_send(&bad, "mine"), 0); /* found by an idle sweep (<= 200 ms) */
+    assert_int_equal(s_expect(&bad, "mine"), 0);
+    atomic_store(&pk.stop, true);
+    pthread_join(th, NULL);
+    s_detach(&bad);
+    s_detach(&good);
+    kvt_conn_unref(&c);
+    kvt_conn_unref(&g);
+}
+
+/* Asking again with every other slot in use re-formats the connection's own pair for it. */
+static void test_rehello_with_no_slot_free(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c[3];
+    kvt_fastpath_offer_t o[3], again;
+    for (int i = 0; i < 3; i++) {
+        char rid[16];
+        snprintf(rid, sizeof rid, "n%d", i);
+        c[i] = s_conn(f, rid, 30 + i);
+        assert_int_equal(s_open(f, c[i], 80 + (uint64_t)i, &o[i]), 0);
+    }
+    cli_t old, fresh;
+    s_attach(f, &o[0], &old);
+    assert_int_equal(s_open(f, c[0], 80, &again), 0);
+    assert_int_equal(again.request, o[0].request); /* its own slot, formatted again */
+    assert_int_equal(s_send(&old, "stale"), KVT_EUNAVAIL);
+    s_attach(f, &again, &fresh);
+    assert_int_equal(s_send(&fresh, "new"), 0);
+    assert_int_equal(s_expect(&fresh, "new"), 0);
+    assert_int_equal(s_status(f, "declined", NULL), 0);
+    s_detach(&old);
+    s_detach(&fresh);
+    for (int i = 0; i < 3; i++)
+        kvt_conn_unref(&c[i]);
+}
+
+/* Replies that wait for room reach the client as soon as it reads (the thread sleeps on the
+ * reply ring's word meanwhile, no polling). */
+static void test_held_replies_flow_when_read(void **state)
+{
+    fx_t *f = *state;
+    kvt_conn_t *c = s_conn(f, "q", 24);
+    kvt_fastpath_offer_t o;
+    assert_int_equal(s_open(f, c, 91, &o), 0);
+    cli_t cl;
+    s_attach(f, &o, &cl);
+    char msg[160];
+    memset(msg, 'h', sizeof msg - 1);
+    msg[sizeof msg - 1] = '\0';
+    for (int i = 0; i < 30; i++) { /* about 22 fit the reply ring: the rest are held */
+        int rc;
+        while ((rc = s_send(&cl, msg)) == KVT_EBUSY) /* the thread has not taken them yet */
+            assert_int_equal(kvt_ring_wait(cl.req, 200, 1000000000LL), 0);
+        assert_int_equal(rc, 0);
+    }
+    usleep(100000);
+    for (int i = 0; i < 30; i++)
+        assert_int_equal(s_expect(&cl, msg), 0);
+    assert_int_equal(s_status(f, "rings_open", NULL), 1);
+    s_detach(&cl);
+    kvt_conn_unref(&c);
+}
+
 /* Only a client that can be on this machine is offered a pair. */
 static void test_local_peers(void **state)
 {
@@ -523,6 +690,10 @@ int main(void)
                                         s_teardown),
         cmocka_unit_test_setup_teardown(test_metrics, s_setup, s_teardown),
         cmocka_unit_test(test_local_peers),
+        cmocka_unit_test_setup_teardown(test_server_loop_is_never_starved, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_spurious_wakes_are_quieted, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_rehello_with_no_slot_free, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_held_replies_flow_when_read, s_setup, s_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -37,7 +37,7 @@ static void s_open(s_ring_t *r, uint32_t cap)
     r->region = malloc(r->size); /* exactly the ring: ASan flags a byte past it */
     assert_non_null(r->region);
     memset(r->region, 0xa5, r->size);
-    assert_int_equal(kvt_ring_format(r->region, r->size, cap), 0);
+    assert_int_equal(kvt_ring_format(r->region, r->size, cap, 1), 0);
     r->prod = kvt_ring_new(r->region, r->size, cap, KVT_RING_PRODUCER, err, sizeof err);
     assert_non_null(r->prod);
     r->cons = kvt_ring_new(r->region, r->size, cap, KVT_RING_CONSUMER, err, sizeof err);
@@ -105,12 +105,11 @@ static void test_format_and_attach(void **state)
     assert_int_equal(sz, KVT_RING_HDR_SIZE + S_CAP);
     uint64_t *buf = malloc(sz);
     assert_non_null(buf);
-    memset(buf, 0, sz); /* format reads the old magic (a region used before: next epoch) */
-    assert_int_equal(kvt_ring_format(buf, sz, 100), KVT_EINVAL);       /* not a power of 2 */
-    assert_int_equal(kvt_ring_format(buf, sz, 32), KVT_EINVAL);        /* below the minimum */
-    assert_int_equal(kvt_ring_format(buf, sz - 1, S_CAP), KVT_EINVAL); /* region too small */
-    assert_int_equal(kvt_ring_format((uint8_t *)buf + 4, sz - 4, 128), KVT_EINVAL); /* align */
-    assert_int_equal(kvt_ring_format(buf, sz, S_CAP), 0);
+    assert_int_equal(kvt_ring_format(buf, sz, 100, 1), KVT_EINVAL);       /* not a power of 2 */
+    assert_int_equal(kvt_ring_format(buf, sz, 32, 1), KVT_EINVAL);        /* below the minimum */
+    assert_int_equal(kvt_ring_format(buf, sz - 1, S_CAP, 1), KVT_EINVAL); /* region too small */
+    assert_int_equal(kvt_ring_format((uint8_t *)buf + 4, sz - 4, 128, 1), KVT_EINVAL); /* align */
+    assert_int_equal(kvt_ring_format(buf, sz, S_CAP, 1), 0);
     assert_null(kvt_ring_new(buf, sz, S_CAP, (kvt_ring_role_t)3, err, sizeof err));
     assert_null(kvt_ring_new(buf, sz, S_CAP / 2, KVT_RING_CONSUMER, err, sizeof err));
     assert_non_null(strstr(err, "capacity"));
@@ -134,7 +133,7 @@ static void test_format_and_attach(void **state)
         {KVT_RING_OFF_TAIL, 8, 8},          /* tail past head */
     };
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
-        assert_int_equal(kvt_ring_format(buf, sz, S_CAP), 0);
+        assert_int_equal(kvt_ring_format(buf, sz, S_CAP, 1), 0);
         if (fields[i].width == 8)
             s_put64(r, fields[i].off, fields[i].bad);
         else
@@ -145,7 +144,7 @@ static void test_format_and_attach(void **state)
         assert_true(strlen(err) > 0);
     }
     /* a ring with records waiting attaches at its indices */
-    assert_int_equal(kvt_ring_format(buf, sz, S_CAP), 0);
+    assert_int_equal(kvt_ring_format(buf, sz, S_CAP, 1), 0);
     s_put64(r, KVT_RING_OFF_HEAD, 1000 * 8 + 64);
     s_put64(r, KVT_RING_OFF_TAIL, 1000 * 8);
     kvt_ring_t *c = kvt_ring_new(buf, sz, S_CAP, KVT_RING_CONSUMER, err, sizeof err);
@@ -442,7 +441,8 @@ static void test_reformat_closes_old_handles(void **state)
     assert_int_equal(kvt_ring_pop(r.cons, out, sizeof out, &len), 0);
     uint32_t epoch;
     memcpy(&epoch, r.region + KVT_RING_OFF_EPOCH, 4);
-    assert_int_equal(kvt_ring_format(r.region, r.size, S_CAP), 0);
+    assert_int_equal(epoch, 1u);
+    assert_int_equal(kvt_ring_format(r.region, r.size, S_CAP, epoch + 1), 0);
     uint32_t epoch2;
     memcpy(&epoch2, r.region + KVT_RING_OFF_EPOCH, 4);
     assert_int_equal(epoch2, epoch + 1);
