@@ -516,7 +516,10 @@ static void test_server_loop_is_never_starved(void **state)
     print_message("flood: %llu requests; the loop waited %llu us at worst\n",
                   (unsigned long long)fl.sent, (unsigned long long)(worst / 1000));
     assert_true(fl.sent > 1000);
-    assert_true(worst < 100000000ull); /* 100 ms: the thread's turn is one slot's batch */
+    /* the thread's turn is one slot's batch (microseconds here); the bound is the server
+     * thread's supervisor limit, which valgrind's one-thread-at-a-time scheduling must pass too
+     * (about 0.3 s there). Without the hand-over the loop waits as long as the flood lasts. */
+    assert_true(worst < 1000000000ull);
     s_detach(&cl);
     kvt_conn_unref(&c);
 }
