@@ -408,6 +408,8 @@ class Daemon:
         self.tcp_port = free_port()
         self.tcp = "tcp://127.0.0.1:%d" % self.tcp_port
         self.http_port = free_port()
+        while self.http_port == self.tcp_port:  # the kernel may hand out a closed port again
+            self.http_port = free_port()
         self.http_addr = "127.0.0.1:%d" % self.http_port
         self.stdout_path = os.path.join(self.dir, "stdout.log")
         self.stderr_path = os.path.join(self.dir, "stderr.log")
