@@ -303,6 +303,7 @@ static int s_release(kvt_rq_t *c)
 static void s_pack_lookup(kvt_rq_t *c, uint32_t hits, uint64_t job)
 {
     const kvt_lookup_state_t *st = &c->lookup;
+    kvt_reqstats_lookup(c->svc->reqstats, c->req.nkeys, st->l1_hits, hits - st->l1_hits);
     kvt_pack_ok(&c->pk, 2 + (st->lease != 0) + (job != 0));
     s_pack_uint_field(&c->pk, "hits", hits);
     s_pack_uint_field(&c->pk, "l1", st->l1_hits);

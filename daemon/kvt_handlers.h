@@ -17,6 +17,7 @@
 #include "kvt_metrics.h"
 #include "kvt_msg.h"
 #include "kvt_prefetch.h"
+#include "kvt_reqstats.h"
 #include "kvt_session.h"
 
 #include <czmq.h>
@@ -27,6 +28,7 @@
 typedef struct {
     const kvt_config_t *cfg;
     kvt_metrics_t *metrics;
+    kvt_reqstats_t *reqstats; /* LOOKUP hit counters */
     kvt_sessions_t *sessions;
     kvt_l1_t *l1;
     kvt_l2mgr_t *l2; /* NULL or no adapters: no L2 */

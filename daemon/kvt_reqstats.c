@@ -14,6 +14,7 @@ struct kvt_reqstats {
     _Atomic uint64_t requests[KVT_REQ_SLOTS];
     _Atomic uint64_t errors[KVT_WIRE_ERRORS];
     kvt_hist_t durations[KVT_REQ_SLOTS];
+    _Atomic uint64_t lookup_keys, lookup_l1, lookup_l2;
     _Atomic uint64_t dropped;
     _Atomic uint64_t reply_failed;
 };
@@ -41,6 +42,13 @@ void kvt_reqstats_request(kvt_reqstats_t *self, uint64_t type, int rc, uint64_t 
         atomic_fetch_add_explicit(&self->errors[kvt_err_wire_index(rc)], 1,
                                   memory_order_relaxed);
     kvt_hist_observe(&self->durations[t], ns);
+}
+
+void kvt_reqstats_lookup(kvt_reqstats_t *self, uint32_t keys, uint32_t l1, uint32_t l2)
+{
+    atomic_fetch_add_explicit(&self->lookup_keys, keys, memory_order_relaxed);
+    atomic_fetch_add_explicit(&self->lookup_l1, l1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&self->lookup_l2, l2, memory_order_relaxed);
 }
 
 void kvt_reqstats_dropped(kvt_reqstats_t *self)
@@ -82,6 +90,14 @@ void kvt_reqstats_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
             kvt_hist_emit(&self->durations[t], "request_duration_seconds",
                           "Time from receiving a request to sending its reply.", "type",
                           kvt_proto_name(t), emit, emit_ctx);
+    s_counter(emit, emit_ctx, "lookup_keys_total", "Keys asked for in answered LOOKUPs.", NULL,
+              NULL, s_load(&self->lookup_keys));
+    s_counter(emit, emit_ctx, "lookup_hit_keys_total",
+              "Keys of answered LOOKUPs found cached (the prefix), by the tier that held them.",
+              "tier", "l1", s_load(&self->lookup_l1));
+    s_counter(emit, emit_ctx, "lookup_hit_keys_total",
+              "Keys of answered LOOKUPs found cached (the prefix), by the tier that held them.",
+              "tier", "l2", s_load(&self->lookup_l2));
     s_counter(emit, emit_ctx, "messages_dropped_total",
               "Messages dropped without a reply because their first frame was not a uid.", NULL,
               NULL, s_load(&self->dropped));

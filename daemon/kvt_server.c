@@ -632,6 +632,7 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
     self->stats = stats;
     self->svc.cfg = cfg;
     self->svc.metrics = metrics;
+    self->svc.reqstats = stats;
     self->svc.l1 = l1;
     kvt_session_limits_t slim = {.lease_ms = cfg->lease_ms,
                                  .max_instances = cfg->max_instances,

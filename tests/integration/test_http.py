@@ -4,7 +4,7 @@ import json
 import socket
 import threading
 
-from kvtest import HELLO, STATS, metric_value, parse_size, wait_until
+from kvtest import HELLO, STATS, Arena, key, metric_value, parse_size, wait_until
 
 REQ = "kvtier_requests_total"
 ERR = "kvtier_request_errors_total"
@@ -111,6 +111,26 @@ def test_metrics_match_stats(daemon):
     _, samples = d.metrics()
     assert metric_value(samples, REQ, type="ping") == stats["requests_total"]["ping"] == 9
     assert metric_value(samples, "kvtier_clients_connected") == stats["clients_connected"] == 0
+
+
+def test_metrics_lookup_hit_keys(daemon):
+    """The hit-rate counters: keys asked in LOOKUPs, and the cached prefix of them by tier; a
+    miss after the prefix does not count the keys behind it, and /status shows the same."""
+    d = daemon
+    s = d.dealer()
+    h = d.hello(s, "inst-hits")
+    ks = [key(i, b"hit") for i in range(5)]
+    with Arena(h["shm"]) as arena:
+        d.store(s, arena, "hits", ks[:3], [b"x" * 100] * 3)
+        assert d.lookup(s, "hits", ks)["hits"] == 3            # 5 asked, 3 hit
+        assert d.lookup(s, "hits", [ks[4], ks[0]])["hits"] == 0  # a miss first: no prefix
+        _, smp = d.metrics()
+        assert metric_value(smp, "kvtier_lookup_keys_total") == 7
+        assert metric_value(smp, "kvtier_lookup_hit_keys_total", tier="l1") == 3
+        assert metric_value(smp, "kvtier_lookup_hit_keys_total", tier="l2") == 0
+        m = d.http_json("GET", "/status")["metrics"]
+        assert m["lookup_keys_total"] == 7
+        assert m["lookup_hit_keys_total"] == {"l1": 3, "l2": 0}
 
 
 def test_metrics_clients_connected(daemon):

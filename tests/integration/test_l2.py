@@ -325,6 +325,11 @@ def test_fs_l2_survives_a_restart(daemon_factory, client, tmp_path):
     s2, arena2 = client(d2, "after-restart")
     lk = d2.lookup(s2, NS, ks)
     assert (lk["hits"], lk["l1"]) == (24, 0), lk
+    # the hit-rate counters name the tier that held the keys
+    smp = d2.metrics()[1]
+    assert metric_value(smp, "kvtier_lookup_keys_total") == 24
+    assert metric_value(smp, "kvtier_lookup_hit_keys_total", tier="l2") == 24
+    assert metric_value(smp, "kvtier_lookup_hit_keys_total", tier="l1") == 0
     lk, pst = prefetch(d2, s2, NS, ks)
     assert pst["loaded"] == 24, pst
     assert get(d2, s2, NS, ks) == [expected[k] for k in ks]
