@@ -596,20 +596,24 @@ $(FUZZ_DIR)/fuzz_config: $(FUZZ_CONFIG_SRC) $(wildcard common/*.h config/*.h)
 fuzz-build: fuzz-deps
 	@$(MAKE) --no-print-directory $(FUZZ_BINS)
 
-# Each run starts from a fresh copy of the seeds; libFuzzer exits non-zero on any finding.
+# Each run starts from a fresh copy of the seeds; libFuzzer exits non-zero on any finding. The
+# fuzzers run FUZZ_JOBS at a time (each is one process on one core).
+FUZZ_JOBS ?= 2
 fuzz: fuzz-build
-	@set -e; mkdir -p $(FUZZ_DIR)/artifacts; for t in $(FUZZ_TARGETS); do \
-	  rm -rf $(FUZZ_DIR)/corpus-$$t; mkdir -p $(FUZZ_DIR)/corpus-$$t; \
-	  cp tests/fuzz/corpus/$$t/* $(FUZZ_DIR)/corpus-$$t/; \
-	  secs=$(FUZZ_SECONDS); [ $$t != ring ] || secs=$(FUZZ_SECONDS_ring); \
-	  echo "== fuzz_$$t ($$secs s)"; \
-	  $(FUZZ_DIR)/fuzz_$$t $(FUZZ_RUN_ARGS) -max_total_time=$$secs -dict=tests/fuzz/$$t.dict \
-	    -artifact_prefix=$(abspath $(FUZZ_DIR))/artifacts/$$t- $(FUZZ_DIR)/corpus-$$t \
-	    > $(FUZZ_DIR)/fuzz_$$t.log 2>&1 || { tail -n 60 $(FUZZ_DIR)/fuzz_$$t.log; \
-	    echo "fuzz_$$t: FAILED (log: $(FUZZ_DIR)/fuzz_$$t.log, input: $(FUZZ_DIR)/artifacts/)"; \
-	    exit 1; }; \
-	  grep -E '^(Done|stat::)' $(FUZZ_DIR)/fuzz_$$t.log | tr '\n' ' '; echo; \
-	done
+	@mkdir -p $(FUZZ_DIR)/artifacts
+	@$(MAKE) --no-print-directory -j$(FUZZ_JOBS) $(addprefix fuzz-run-,$(FUZZ_TARGETS))
+
+fuzz-run-%: FORCE
+	@rm -rf $(FUZZ_DIR)/corpus-$*; mkdir -p $(FUZZ_DIR)/corpus-$*
+	@cp tests/fuzz/corpus/$*/* $(FUZZ_DIR)/corpus-$*/
+	@secs=$(FUZZ_SECONDS); [ $* != ring ] || secs=$(FUZZ_SECONDS_ring); \
+	echo "== fuzz_$* ($$secs s)"; \
+	$(FUZZ_DIR)/fuzz_$* $(FUZZ_RUN_ARGS) -max_total_time=$$secs -dict=tests/fuzz/$*.dict \
+	  -artifact_prefix=$(abspath $(FUZZ_DIR))/artifacts/$*- $(FUZZ_DIR)/corpus-$* \
+	  > $(FUZZ_DIR)/fuzz_$*.log 2>&1 || { tail -n 60 $(FUZZ_DIR)/fuzz_$*.log; \
+	  echo "fuzz_$*: FAILED (log: $(FUZZ_DIR)/fuzz_$*.log, input: $(FUZZ_DIR)/artifacts/)"; \
+	  exit 1; }; \
+	echo "fuzz_$*: $$(grep -E '^(Done|stat::)' $(FUZZ_DIR)/fuzz_$*.log | tr '\n' ' ')"
 
 fuzz-smoke:
 	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=30 FUZZ_SECONDS_ring=20
