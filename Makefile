@@ -37,8 +37,10 @@ INC_ALL      := -Icommon -Iprotocol -Iconfig -Istorage -Il2 -Idaemon -Iclient
 layer_of  = $(firstword $(subst /, ,$(1)))
 INC       = $(or $(if $(filter $(LAYERS),$(call layer_of,$<)),$(INC_$(call layer_of,$<))),$(INC_ALL))
 CFLAGS   ?= -O2 -g
-ALLCFLAGS = -std=gnu11 $(WARN) $(CFLAGS) -fPIC -D_GNU_SOURCE -DKVT_VERSION='"$(VERSION)"' $(INC) \
-            $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+# CPPFLAGS and LDFLAGS are empty here; packagers set them (dpkg-buildflags: _FORTIFY_SOURCE,
+# relro, now), and the programs and libraries that `make install` ships link with LDFLAGS.
+ALLCFLAGS = -std=gnu11 $(WARN) $(CPPFLAGS) $(CFLAGS) -fPIC -D_GNU_SOURCE \
+            -DKVT_VERSION='"$(VERSION)"' $(INC) $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 LIBS     = $(shell pkg-config --libs $(PKGS) 2>/dev/null) -ldl -lpthread -lm
 SAN      := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
@@ -139,7 +141,7 @@ $(BUILD)/cuda.stamp: FORCE
 FORCE:
 
 $(BUILD)/kvtierd: $(BUILD)/obj/daemon/main.o $(CORE_OBJ)
-	$(CC) $(ALLCFLAGS) -o $@ $^ $(LIBS)
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -o $@ $^ $(LIBS)
 
 $(BUILD)/asan/kvtierd: $(BUILD)/asan/obj/daemon/main.o $(ASAN_OBJ)
 	$(CC) $(ALLCFLAGS) $(SAN) -o $@ $^ $(LIBS)
@@ -149,7 +151,7 @@ $(BUILD)/libkvtier.a: $(sort $(CLIENT_OBJ))
 	ar rcs $@ $^
 
 $(BUILD)/libkvtier.so: $(sort $(CLIENT_OBJ)) client/libkvtier.map
-	$(CC) $(ALLCFLAGS) -shared -Wl,-soname,libkvtier.so.0 \
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -shared -Wl,-soname,libkvtier.so.0 \
 	  -Wl,--version-script=client/libkvtier.map -o $@ $(filter %.o,$^) $(CLIENT_LIBS)
 
 # An example L2 plugin (plugin:build/kvtier-l2-example.so): self-contained, no daemon symbols.
@@ -157,14 +159,14 @@ $(BUILD)/libkvtier.so: $(sort $(CLIENT_OBJ)) client/libkvtier.map
 # the tests of the compatibility path.
 $(PLUGIN_EXAMPLE): l2/plugins/example_mem.c l2/kvt_l2.h common/kvt_error.h
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) -shared -o $@ $< -lpthread
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -shared -o $@ $< -lpthread
 
 $(PLUGIN_EXAMPLE_ABI1): l2/plugins/example_mem.c l2/kvt_l2.h common/kvt_error.h
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) -DKVT_EXAMPLE_ABI=1 -shared -o $@ $< -lpthread
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -DKVT_EXAMPLE_ABI=1 -shared -o $@ $< -lpthread
 
 $(BUILD)/kvtier: $(BUILD)/obj/client/kvtier_cli.o $(BUILD)/libkvtier.a
-	$(CC) $(ALLCFLAGS) -o $@ $^ $(CLIENT_LIBS)
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -o $@ $^ $(CLIENT_LIBS)
 
 $(BUILD)/asan/tests/%: tests/unit/%.c $(ASAN_OBJ)
 	@mkdir -p $(dir $@)
