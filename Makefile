@@ -426,7 +426,8 @@ bench-sglang: deps $(BUILD)/kvtierd pyclient
 clean:
 	rm -rf $(BUILD) client/python/build client/python/kvtier.egg-info client/python/kvtier/_version.py
 
--include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+# not build/deb/: `make deb`'s copy of the tree has its own build/ (and kvtier.service.d/)
+-include $(shell find $(BUILD) -path $(BUILD)/deb -prune -o -name '*.d' -type f -print 2>/dev/null)
 
 # libkvtier's integration client: scenarios that tests/integration/test_c_client.py runs as
 # separate processes. Linked against libkvtier.a alone, as an engine would link it.
@@ -510,6 +511,51 @@ uninstall:
 	else \
 	  echo "rm -f $$cfg"; rm -f "$$cfg"; rmdir "$(DESTDIR)$(SYSCONFDIR)/kvtier" 2>/dev/null || true; \
 	fi
+
+# ---- Debian package -----------------------------------------------------------------------
+# make deb: the .debs of debian/ (kvtier, libkvtier0, libkvtier-dev) for this machine's Debian
+# (12, bookworm; debhelper 13), built by dpkg-buildpackage from a copy of the work tree
+# (tracked and untracked files, uncommitted changes included, ignored ones not) in
+# build/deb/kvtier-VERSION/, so that the .debs, the .changes and the logs land in build/deb/.
+# lintian then checks them and fails on any error (build/deb/lintian.txt). Rebuilt when a file of
+# the tree changes. The build runs no tests (nocheck: `make test` is the test suite) and
+# no apt: deps-deb installs the tools first.
+DEB_TOOL_PKGS := debhelper dpkg-dev lintian
+DEB_DIR       := $(BUILD)/deb
+DEB_STAMP     := $(DEB_DIR)/.built
+DEB_INPUTS    := $(wildcard $(shell git ls-files -co --exclude-standard 2>/dev/null))
+# initial-upload-closes-no-bugs is for uploads to the Debian archive (an ITP bug): not ours
+DEB_LINTIAN_ARGS := --suppress-tags initial-upload-closes-no-bugs
+# a parent make's jobserver and command-line variables (PREFIX, DESTDIR, ...) stay out
+DEB_ENV       := env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL -u MAKEOVERRIDES \
+                 DEB_BUILD_OPTIONS="nocheck noautodbgsym parallel=2"
+
+.PHONY: deb deps-deb
+
+deps-deb: deps
+	$(call install_missing,$(DEB_TOOL_PKGS))
+
+deb: $(DEB_STAMP)
+
+$(DEB_STAMP): $(DEB_INPUTS) | deps-deb
+	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || \
+	  { echo "deb: needs a git work tree (the package is built from its files)"; exit 1; }
+	@v=$$(dpkg-parsechangelog -l debian/changelog -SVersion); [ "$${v%-*}" = "$(VERSION)" ] || \
+	  { echo "deb: debian/changelog is at $$v but VERSION is $(VERSION):" \
+	         "add an entry (dch -v $(VERSION)-1)"; exit 1; }
+	rm -rf $(DEB_DIR)
+	mkdir -p $(DEB_DIR)/kvtier-$(VERSION)
+	git ls-files -z -co --exclude-standard | \
+	  tar --null --ignore-failed-read -T - -cf - | tar -xf - -C $(DEB_DIR)/kvtier-$(VERSION)
+	@echo "deb: dpkg-buildpackage -b -us -uc (log: $(DEB_DIR)/build.log)"
+	@cd $(DEB_DIR)/kvtier-$(VERSION) && $(DEB_ENV) dpkg-buildpackage -b -us -uc \
+	  > ../build.log 2>&1 || { tail -n 40 ../build.log; echo "deb: dpkg-buildpackage failed"; exit 1; }
+	@echo "deb: lintian (log: $(DEB_DIR)/lintian.txt)"
+	@lintian --fail-on error $(DEB_LINTIAN_ARGS) $(DEB_DIR)/kvtier_*.changes \
+	  > $(DEB_DIR)/lintian.txt 2>&1; rc=$$?; \
+	  cat $(DEB_DIR)/lintian.txt; [ $$rc = 0 ] || { echo "deb: lintian found errors"; exit 1; }
+	@ls $(DEB_DIR)/*.deb
+	@touch $@
 
 # ---- end-to-end benchmark -----------------------------------------------------------------
 # kvtier-bench drives a kvtierd it starts itself (private run dir, ipc) through libkvtier, with
