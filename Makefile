@@ -217,7 +217,7 @@ integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART) pyclient
 check-asan: unit integration
 
 # CI's entry point (.ci/run): about 7 min from a fresh clone on 2 cores (its budget is 15).
-test: deps check-layers all check-nocuda unit tsan valgrind bench-smoke fuzz-smoke integration test-gpu
+test: deps check-layers all check-nocuda unit tsan valgrind bench-smoke fuzz-smoke integration test-gpu deb-test
 
 # Everything, longer: each fuzzer for CHECK_FUZZ_SECONDS instead of CI's 60 s.
 CHECK_FUZZ_SECONDS ?= 600
@@ -518,7 +518,8 @@ uninstall:
 # (tracked and untracked files, uncommitted changes included, ignored ones not) in
 # build/deb/kvtier-VERSION/, so that the .debs, the .changes and the logs land in build/deb/.
 # lintian then checks them and fails on any error (build/deb/lintian.txt). Rebuilt when a file of
-# the tree changes. The build runs no tests (nocheck: `make test` is the test suite) and
+# the tree changes. `make deb-test` installs them on this machine and checks them
+# (tests/deb/test_deb.sh). The build runs no tests (nocheck: `make test` is the test suite) and
 # no apt: deps-deb installs the tools first.
 DEB_TOOL_PKGS := debhelper dpkg-dev lintian
 DEB_DIR       := $(BUILD)/deb
@@ -530,7 +531,7 @@ DEB_LINTIAN_ARGS := --suppress-tags initial-upload-closes-no-bugs
 DEB_ENV       := env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL -u MAKEOVERRIDES \
                  DEB_BUILD_OPTIONS="nocheck noautodbgsym parallel=2"
 
-.PHONY: deb deps-deb
+.PHONY: deb deb-test deps-deb
 
 deps-deb: deps
 	$(call install_missing,$(DEB_TOOL_PKGS))
@@ -556,6 +557,9 @@ $(DEB_STAMP): $(DEB_INPUTS) | deps-deb
 	  cat $(DEB_DIR)/lintian.txt; [ $$rc = 0 ] || { echo "deb: lintian found errors"; exit 1; }
 	@ls $(DEB_DIR)/*.deb
 	@touch $@
+
+deb-test: $(DEB_STAMP)
+	timeout 300 tests/deb/test_deb.sh $(DEB_DIR)
 
 # ---- end-to-end benchmark -----------------------------------------------------------------
 # kvtier-bench drives a kvtierd it starts itself (private run dir, ipc) through libkvtier, with
