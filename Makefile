@@ -37,8 +37,10 @@ INC_ALL      := -Icommon -Iprotocol -Iconfig -Istorage -Il2 -Idaemon -Iclient
 layer_of  = $(firstword $(subst /, ,$(1)))
 INC       = $(or $(if $(filter $(LAYERS),$(call layer_of,$<)),$(INC_$(call layer_of,$<))),$(INC_ALL))
 CFLAGS   ?= -O2 -g
-ALLCFLAGS = -std=gnu11 $(WARN) $(CFLAGS) -fPIC -D_GNU_SOURCE -DKVT_VERSION='"$(VERSION)"' $(INC) \
-            $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+# CPPFLAGS and LDFLAGS are empty here; packagers set them (dpkg-buildflags: _FORTIFY_SOURCE,
+# relro, now), and the programs and libraries that `make install` ships link with LDFLAGS.
+ALLCFLAGS = -std=gnu11 $(WARN) $(CPPFLAGS) $(CFLAGS) -fPIC -D_GNU_SOURCE \
+            -DKVT_VERSION='"$(VERSION)"' $(INC) $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 LIBS     = $(shell pkg-config --libs $(PKGS) 2>/dev/null) -ldl -lpthread -lm
 SAN      := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
@@ -139,7 +141,7 @@ $(BUILD)/cuda.stamp: FORCE
 FORCE:
 
 $(BUILD)/kvtierd: $(BUILD)/obj/daemon/main.o $(CORE_OBJ)
-	$(CC) $(ALLCFLAGS) -o $@ $^ $(LIBS)
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -o $@ $^ $(LIBS)
 
 $(BUILD)/asan/kvtierd: $(BUILD)/asan/obj/daemon/main.o $(ASAN_OBJ)
 	$(CC) $(ALLCFLAGS) $(SAN) -o $@ $^ $(LIBS)
@@ -149,7 +151,7 @@ $(BUILD)/libkvtier.a: $(sort $(CLIENT_OBJ))
 	ar rcs $@ $^
 
 $(BUILD)/libkvtier.so: $(sort $(CLIENT_OBJ)) client/libkvtier.map
-	$(CC) $(ALLCFLAGS) -shared -Wl,-soname,libkvtier.so.0 \
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -shared -Wl,-soname,libkvtier.so.0 \
 	  -Wl,--version-script=client/libkvtier.map -o $@ $(filter %.o,$^) $(CLIENT_LIBS)
 
 # An example L2 plugin (plugin:build/kvtier-l2-example.so): self-contained, no daemon symbols.
@@ -157,14 +159,14 @@ $(BUILD)/libkvtier.so: $(sort $(CLIENT_OBJ)) client/libkvtier.map
 # the tests of the compatibility path.
 $(PLUGIN_EXAMPLE): l2/plugins/example_mem.c l2/kvt_l2.h common/kvt_error.h
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) -shared -o $@ $< -lpthread
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -shared -o $@ $< -lpthread
 
 $(PLUGIN_EXAMPLE_ABI1): l2/plugins/example_mem.c l2/kvt_l2.h common/kvt_error.h
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) -DKVT_EXAMPLE_ABI=1 -shared -o $@ $< -lpthread
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -DKVT_EXAMPLE_ABI=1 -shared -o $@ $< -lpthread
 
 $(BUILD)/kvtier: $(BUILD)/obj/client/kvtier_cli.o $(BUILD)/libkvtier.a
-	$(CC) $(ALLCFLAGS) -o $@ $^ $(CLIENT_LIBS)
+	$(CC) $(ALLCFLAGS) $(LDFLAGS) -o $@ $^ $(CLIENT_LIBS)
 
 $(BUILD)/asan/tests/%: tests/unit/%.c $(ASAN_OBJ)
 	@mkdir -p $(dir $@)
@@ -215,7 +217,7 @@ integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART) pyclient
 check-asan: unit integration
 
 # CI's entry point (.ci/run): about 7 min from a fresh clone on 2 cores (its budget is 15).
-test: deps check-layers all check-nocuda unit tsan valgrind bench-smoke fuzz-smoke integration test-gpu
+test: deps check-layers all check-nocuda unit tsan valgrind bench-smoke fuzz-smoke integration test-gpu deb-test
 
 # Everything, longer: each fuzzer for CHECK_FUZZ_SECONDS instead of CI's 30 s.
 CHECK_FUZZ_SECONDS ?= 600
@@ -424,7 +426,8 @@ bench-sglang: deps $(BUILD)/kvtierd pyclient
 clean:
 	rm -rf $(BUILD) client/python/build client/python/kvtier.egg-info client/python/kvtier/_version.py
 
--include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+# not build/deb/: `make deb`'s copy of the tree has its own build/ (and kvtier.service.d/)
+-include $(shell find $(BUILD) -path $(BUILD)/deb -prune -o -name '*.d' -type f -print 2>/dev/null)
 
 # libkvtier's integration client: scenarios that tests/integration/test_c_client.py runs as
 # separate processes. Linked against libkvtier.a alone, as an engine would link it.
@@ -508,6 +511,55 @@ uninstall:
 	else \
 	  echo "rm -f $$cfg"; rm -f "$$cfg"; rmdir "$(DESTDIR)$(SYSCONFDIR)/kvtier" 2>/dev/null || true; \
 	fi
+
+# ---- Debian package -----------------------------------------------------------------------
+# make deb: the .debs of debian/ (kvtier, libkvtier0, libkvtier-dev) for this machine's Debian
+# (12, bookworm; debhelper 13), built by dpkg-buildpackage from a copy of the work tree
+# (tracked and untracked files, uncommitted changes included, ignored ones not) in
+# build/deb/kvtier-VERSION/, so that the .debs, the .changes and the logs land in build/deb/.
+# lintian then checks them and fails on any error (build/deb/lintian.txt). Rebuilt when a file of
+# the tree changes. `make deb-test` installs them on this machine and checks them
+# (tests/deb/test_deb.sh). The build runs no tests (nocheck: `make test` is the test suite) and
+# no apt: deps-deb installs the tools first.
+DEB_TOOL_PKGS := debhelper dpkg-dev lintian
+DEB_DIR       := $(BUILD)/deb
+DEB_STAMP     := $(DEB_DIR)/.built
+DEB_INPUTS    := $(wildcard $(shell git ls-files -co --exclude-standard 2>/dev/null))
+# initial-upload-closes-no-bugs is for uploads to the Debian archive (an ITP bug): not ours
+DEB_LINTIAN_ARGS := --suppress-tags initial-upload-closes-no-bugs
+# a parent make's jobserver and command-line variables (PREFIX, DESTDIR, ...) stay out
+DEB_ENV       := env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL -u MAKEOVERRIDES \
+                 DEB_BUILD_OPTIONS="nocheck noautodbgsym parallel=2"
+
+.PHONY: deb deb-test deps-deb
+
+deps-deb: deps
+	$(call install_missing,$(DEB_TOOL_PKGS))
+
+deb: $(DEB_STAMP)
+
+$(DEB_STAMP): $(DEB_INPUTS) | deps-deb
+	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || \
+	  { echo "deb: needs a git work tree (the package is built from its files)"; exit 1; }
+	@v=$$(dpkg-parsechangelog -l debian/changelog -SVersion); [ "$${v%-*}" = "$(VERSION)" ] || \
+	  { echo "deb: debian/changelog is at $$v but VERSION is $(VERSION):" \
+	         "add an entry (dch -v $(VERSION)-1)"; exit 1; }
+	rm -rf $(DEB_DIR)
+	mkdir -p $(DEB_DIR)/kvtier-$(VERSION)
+	git ls-files -z -co --exclude-standard | \
+	  tar --null --ignore-failed-read -T - -cf - | tar -xf - -C $(DEB_DIR)/kvtier-$(VERSION)
+	@echo "deb: dpkg-buildpackage -b -us -uc (log: $(DEB_DIR)/build.log)"
+	@cd $(DEB_DIR)/kvtier-$(VERSION) && $(DEB_ENV) dpkg-buildpackage -b -us -uc \
+	  > ../build.log 2>&1 || { tail -n 40 ../build.log; echo "deb: dpkg-buildpackage failed"; exit 1; }
+	@echo "deb: lintian (log: $(DEB_DIR)/lintian.txt)"
+	@lintian --fail-on error $(DEB_LINTIAN_ARGS) $(DEB_DIR)/kvtier_*.changes \
+	  > $(DEB_DIR)/lintian.txt 2>&1; rc=$$?; \
+	  cat $(DEB_DIR)/lintian.txt; [ $$rc = 0 ] || { echo "deb: lintian found errors"; exit 1; }
+	@ls $(DEB_DIR)/*.deb
+	@touch $@
+
+deb-test: $(DEB_STAMP)
+	timeout 300 tests/deb/test_deb.sh $(DEB_DIR)
 
 # ---- end-to-end benchmark -----------------------------------------------------------------
 # kvtier-bench drives a kvtierd it starts itself (private run dir, ipc) through libkvtier, with

@@ -1,0 +1,292 @@
+#!/bin/bash
+# tests/deb/test_deb.sh [DEB_DIR]: `make deb-test`, the packages `make deb` built (default
+# build/deb), checked as an operator gets them.
+#  (a) Without installing: each .deb's exact file list; the paths the unit names (ExecStart, its
+#      --config, User=) are in the kvtier package; the packaged config's run_dir and data_dir are
+#      the unit's RuntimeDirectory and StateDirectory; kvtierd, the CLI and libkvtier carry no
+#      RPATH/RUNPATH, do not link libcudart, and got dpkg-buildflags' hardening.
+#  (b) As root, on this machine: dpkg -i; the unit where systemd looks and `systemd-analyze
+#      verify`; the daemon at ExecStart's path (--version, --check-config on the conffile); the
+#      kvtier user (made by systemd-sysusers in postinst); the conffile; both man pages; a client
+#      built with pkg-config against libkvtier-dev (shared and static) and the CLI talking to the
+#      installed daemon, started briefly on a private run/data dir and a free loopback port;
+#      /healthz; then dpkg --purge and nothing left. The packages are purged on any exit (trap),
+#      and the kvtier user removed if this test made it (purge keeps it, as Debian packages do).
+# A failed check prints FAIL and the script exits 1 after the rest have run.
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+DEB_DIR=${1:-build/deb}
+VERSION=$(cat VERSION)
+MA=$(dpkg-architecture -qDEB_HOST_MULTIARCH)
+PKGS=(kvtier libkvtier0 libkvtier-dev)
+failures=0
+ok() { echo "ok: $*"; }
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+check() { # check DESCRIPTION COMMAND...: ok when COMMAND exits 0
+    local what=$1; shift
+    if "$@" >/dev/null; then ok "$what"; else fail "$what"; fi
+}
+finish() {
+    if [ "$failures" = 0 ]; then echo "deb-test: passed"; exit 0; fi
+    echo "deb-test: $failures check(s) failed"; exit 1
+}
+
+T=$(mktemp -d /tmp/kvtier-deb-test.XXXXXX)
+daemon_pid=""
+installed=0
+made_policy=0
+made_user=0
+made_state=0
+cleanup() {
+    if [ -n "$daemon_pid" ]; then
+        kill -KILL "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null
+    fi
+    if [ "$installed" = 1 ]; then
+        echo "deb-test: cleanup: dpkg --purge ${PKGS[*]}"
+        DEBIAN_FRONTEND=noninteractive dpkg --purge "${PKGS[@]}" </dev/null >/dev/null 2>&1
+    fi
+    [ "$made_policy" = 0 ] || rm -f /usr/sbin/policy-rc.d
+    if [ "$made_user" = 1 ] && getent passwd kvtier >/dev/null; then
+        echo "deb-test: removing the kvtier user and group this test created"
+        userdel kvtier 2>/dev/null; getent group kvtier >/dev/null && groupdel kvtier 2>/dev/null
+    fi
+    # --check-config opens the fs L2 (fs:/var/lib/kvtier/l2), creating it as root
+    [ "$made_state" = 0 ] || rm -rf /var/lib/kvtier
+    rm -rf "$T"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+
+declare -A DEB
+for p in "${PKGS[@]}"; do
+    f=("$DEB_DIR/${p}_${VERSION}"-*.deb)
+    if [ ${#f[@]} != 1 ] || [ ! -f "${f[0]}" ]; then
+        echo "FAIL: no single ${p}_${VERSION}-*.deb in $DEB_DIR (make deb)"; exit 1
+    fi
+    DEB[$p]=${f[0]}
+done
+
+# ---- (a) the .debs --------------------------------------------------------------------------
+# Every file and symlink of each package (directories aside); links as "path -> target".
+declare -A EXPECT
+EXPECT[kvtier]="etc/kvtier/kvtier.json
+lib/systemd/system/kvtier.service
+usr/bin/kvtier
+usr/bin/kvtierd
+usr/lib/sysusers.d/kvtier.conf
+usr/share/doc/kvtier/changelog.Debian.gz
+usr/share/doc/kvtier/copyright
+usr/share/doc/kvtier/examples/kvtier.service.d/gpu.conf
+usr/share/man/man1/kvtier.1.gz
+usr/share/man/man8/kvtierd.8.gz"
+EXPECT[libkvtier0]="usr/lib/$MA/libkvtier.so.$VERSION
+usr/lib/$MA/libkvtier.so.0 -> libkvtier.so.$VERSION
+usr/share/doc/libkvtier0/changelog.Debian.gz
+usr/share/doc/libkvtier0/copyright"
+EXPECT[libkvtier-dev]="usr/include/kvtier.h
+usr/lib/$MA/libkvtier.a
+usr/lib/$MA/libkvtier.so -> libkvtier.so.0
+usr/lib/$MA/pkgconfig/kvtier.pc
+usr/share/doc/libkvtier-dev/changelog.Debian.gz
+usr/share/doc/libkvtier-dev/copyright"
+contents() {
+    dpkg-deb -c "$1" |
+        awk '$1 !~ /^d/ { sub("^\\./", "", $6); print $6 ($7 == "->" ? " -> " $8 : "") }' | sort
+}
+for p in "${PKGS[@]}"; do
+    got=$(contents "${DEB[$p]}")
+    want=$(sort <<<"${EXPECT[$p]}")
+    if [ "$got" = "$want" ]; then ok "$p: file list"; else
+        fail "$p: file list differs (< expected, > in the .deb):"
+        diff <(echo "$want") <(echo "$got")
+    fi
+done
+check "kvtier: /etc/kvtier/kvtier.json is a conffile" \
+    grep -qx /etc/kvtier/kvtier.json <(dpkg-deb -I "${DEB[kvtier]}" conffiles)
+check "kvtier: postinst creates the user with systemd-sysusers" \
+    grep -q 'systemd-sysusers .*kvtier.conf' <(dpkg-deb -I "${DEB[kvtier]}" postinst)
+
+X=$T/x
+if ! dpkg-deb -x "${DEB[kvtier]}" "$X" || ! dpkg-deb -x "${DEB[libkvtier0]}" "$X"; then
+    fail "dpkg-deb -x"
+fi
+UNIT=lib/systemd/system/kvtier.service
+directive() { sed -n "s/^$1=//p" "$2" | tail -n 1; }
+exec_start=$(directive ExecStart "$X/$UNIT")
+BIN=${exec_start%% *}
+CONF=$(sed -n 's/.*--config \([^ ]*\).*/\1/p' <<<"$exec_start")
+check "unit: ExecStart's binary $BIN is in the package" test -x "$X$BIN"
+check "unit: ExecStart's --config $CONF is in the package" test -n "$CONF" -a -f "$X$CONF"
+user=$(directive User "$X/$UNIT")
+check "unit: User=$user is defined by the package's sysusers.d file" \
+    grep -q "^u $user " "$X/usr/lib/sysusers.d/kvtier.conf"
+cfg_dir() {
+    python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$X$CONF" "$1"
+}
+check "config: run_dir is the unit's RuntimeDirectory" \
+    test "$(cfg_dir run_dir)" = "/run/$(directive RuntimeDirectory "$X/$UNIT")"
+check "config: data_dir is the unit's StateDirectory" \
+    test "$(cfg_dir data_dir)" = "/var/lib/$(directive StateDirectory "$X/$UNIT")"
+
+for elf in usr/bin/kvtierd usr/bin/kvtier "usr/lib/$MA/libkvtier.so.$VERSION"; do
+    dyn=$(readelf -dW "$X/$elf")
+    check "$elf: no RPATH/RUNPATH" bash -c '! grep -qE "\((RPATH|RUNPATH)\)" <<<"$1"' _ "$dyn"
+    check "$elf: does not link libcudart" bash -c '! grep -q "NEEDED.*libcudart" <<<"$1"' _ "$dyn"
+    check "$elf: full RELRO (relro + bind-now)" bash -c 'grep -q "BIND_NOW\|Flags: NOW" <<<"$1" &&
+        readelf -lW "$2" | grep -q GNU_RELRO' _ "$dyn" "$X/$elf"
+done
+check "kvtierd: PIE" bash -c 'readelf -hW "$1" | grep -q "Type:.*DYN"' _ "$X/usr/bin/kvtierd"
+check "kvtierd: fortified (_FORTIFY_SOURCE) and stack protector" bash -c \
+    'syms=$(readelf --dyn-syms -W "$1"); grep -qE " __[a-z_]+_chk(@|$)" <<<"$syms" &&
+     grep -q __stack_chk_fail <<<"$syms"' _ "$X/usr/bin/kvtierd"
+
+# ---- (b) installed on this machine ----------------------------------------------------------
+if [ "$(id -u)" != 0 ]; then
+    echo "deb-test: not root: skipped installing the packages (dpkg -i); the .debs were checked"
+    finish
+fi
+for p in "${PKGS[@]}"; do
+    st=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)
+    if [ -n "$st" ] && [ "$st" != not-installed ]; then
+        echo "FAIL: $p is already on this machine ($st): deb-test would replace and purge it;" \
+             "dpkg --purge ${PKGS[*]} first"
+        exit 1
+    fi
+done
+for p in "${PKGS[@]}"; do
+    while read -r f _; do
+        if [ -e "/$f" ] || [ -L "/$f" ]; then
+            echo "FAIL: /$f exists and no package owns it (make install PREFIX=/usr?):" \
+                 "deb-test would overwrite it"
+            exit 1
+        fi
+    done <<<"${EXPECT[$p]}"
+done
+getent passwd kvtier >/dev/null || made_user=1
+[ -e /var/lib/kvtier ] || made_state=1
+# On a host running systemd the postinst would start kvtier.service (a 1 GiB locked arena, port
+# 8080); the test starts its own daemon instead. policy-rc.d is how deb-systemd-invoke is told no.
+if [ -d /run/systemd/system ] && [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d &&
+        made_policy=1
+fi
+
+installed=1
+if ! DEBIAN_FRONTEND=noninteractive dpkg -i "${DEB[@]}" </dev/null >"$T/dpkg.log" 2>&1; then
+    cat "$T/dpkg.log"; fail "dpkg -i"; finish
+fi
+ok "dpkg -i ${DEB[*]##*/}"
+for p in "${PKGS[@]}"; do
+    check "$p: installed" test "$(dpkg-query -W -f='${Status}' "$p")" = "install ok installed"
+done
+
+found=""
+for d in $(systemd-analyze --system unit-paths 2>/dev/null); do
+    [ -f "$d/kvtier.service" ] && found=$d && break
+done
+check "kvtier.service is on systemd's unit path (${found:-not found})" test -n "$found"
+verify=$(SYSTEMD_LOG_COLOR=0 timeout 60 systemd-analyze verify "/$UNIT" 2>&1); rc=$?
+if [ $rc = 0 ] && [ -z "$verify" ]; then ok "systemd-analyze verify /$UNIT (man:kvtierd(8) found)"
+else fail "systemd-analyze verify /$UNIT (status $rc): $verify"; fi
+check "the unit's ExecStart binary $BIN --version says $VERSION" \
+    grep -qF "$VERSION" <(timeout 10 "$BIN" --version 2>&1)
+check "$BIN --check-config --config $CONF" \
+    bash -c 'timeout 30 "$1" --check-config --config "$2" >"$3" 2>&1 || { cat "$3"; false; }' \
+    _ "$BIN" "$CONF" "$T/check-config.log"
+if [ "$made_user" = 1 ]; then
+    check "the kvtier user was created (systemd-sysusers)" getent passwd kvtier
+else
+    echo "note: the kvtier user existed before the install: its creation is not tested here"
+fi
+check "the kvtier group exists" getent group kvtier
+check "$CONF is a conffile of kvtier" \
+    grep -q " $CONF " <(dpkg-query -W -f='${Conffiles}\n' kvtier)
+check "the unit is enabled (deb-systemd-helper)" \
+    test -L /etc/systemd/system/multi-user.target.wants/kvtier.service
+check "man kvtierd" test "$(man -w 8 kvtierd 2>/dev/null)" = /usr/share/man/man8/kvtierd.8.gz
+check "man kvtier" test "$(man -w 1 kvtier 2>/dev/null)" = /usr/share/man/man1/kvtier.1.gz
+# /lib is /usr/lib on bookworm (merged /usr): the loader may name either
+check "ldconfig knows libkvtier.so.0" grep -qE "libkvtier.so.0 .*=> (/usr)?/lib/$MA/" <(ldconfig -p)
+
+# A client of the installed library, as an engine builder compiles one.
+export -n PKG_CONFIG_PATH PKG_CONFIG_SYSROOT_DIR PKG_CONFIG_LIBDIR
+cat >"$T/client.c" <<'EOF'
+#include <kvtier.h>
+
+#include <stdio.h>
+
+int main(int argc, char **argv)
+{
+    char err[256] = "";
+    kvtier_t *kv = kvtier_connect(argv[argc - 1], "deb-test", NULL, 5000, err, sizeof err);
+    if (!kv) {
+        fprintf(stderr, "connect: %s\n", err);
+        return 1;
+    }
+    int rc = kvtier_ping(kv);
+    printf("server %s ping %d\n", kvtier_info(kv)->server, rc);
+    kvtier_close(&kv);
+    return rc == 0 ? 0 : 1;
+}
+EOF
+check "pkg-config kvtier: libdir /usr/lib/$MA, version $VERSION" \
+    test "$(pkg-config --variable=libdir kvtier) $(pkg-config --modversion kvtier)" \
+    = "/usr/lib/$MA $VERSION"
+check "cc client.c \$(pkg-config --cflags --libs kvtier)" bash -c \
+    'cc -o "$1/client" "$1/client.c" $(pkg-config --cflags --libs kvtier)' _ "$T"
+check "the client loads the installed libkvtier.so.0" \
+    grep -qE "libkvtier.so.0 => (/usr)?/lib/$MA/libkvtier.so.0" <(ldd "$T/client" 2>&1)
+check "cc client.c libkvtier.a (static)" bash -c \
+    'cc -o "$1/client-static" "$1/client.c" $(pkg-config --cflags kvtier) "$2" \
+        $(pkg-config --libs libzmq msgpack jansson libxxhash)' _ "$T" "/usr/lib/$MA/libkvtier.a"
+
+# The installed daemon on the installed config, its run and data dirs and endpoints moved to $T
+# (loopback only), started for a few seconds. env -i: no KVTIER_* of the caller's applies.
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])')
+sock="ipc://$T/run/kvtier.sock"
+env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin timeout 120 "$BIN" --config "$CONF" \
+    --run-dir "$T/run" --data-dir "$T/data" --listen "$sock" --l2 "fs:$T/data/l2" \
+    --http "127.0.0.1:$port" --l1-size 64M >"$T/daemon.log" 2>&1 &
+daemon_pid=$!
+healthy=0
+for _ in $(seq 100); do
+    curl -fsS --max-time 2 "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && { healthy=1; break; }
+    kill -0 "$daemon_pid" 2>/dev/null || break
+    sleep 0.2
+done
+check "installed kvtierd answers /healthz on 127.0.0.1:$port" test $healthy = 1
+if [ $healthy = 1 ]; then
+    for c in client client-static; do
+        check "$c: HELLO and PING to the installed daemon" \
+            bash -c 'env -i timeout 30 "$1" "$2" >/dev/null' _ "$T/$c" "$sock"
+    done
+    check "the installed CLI: kvtier -e ... ping" \
+        grep -q "^pong from" <(env -i timeout 30 /usr/bin/kvtier -e "$sock" ping 2>&1)
+fi
+kill -TERM "$daemon_pid" 2>/dev/null
+wait "$daemon_pid"; rc=$?
+daemon_pid=""
+if [ $rc = 0 ]; then ok "kvtierd stopped cleanly on SIGTERM"
+else fail "kvtierd exit status $rc; its log:"; tail -n 30 "$T/daemon.log"; fi
+
+# ---- purge ----------------------------------------------------------------------------------
+if DEBIAN_FRONTEND=noninteractive dpkg --purge "${PKGS[@]}" </dev/null >"$T/dpkg.log" 2>&1; then
+    installed=0; ok "dpkg --purge ${PKGS[*]}"
+else
+    cat "$T/dpkg.log"; fail "dpkg --purge"
+fi
+left=""
+for p in "${PKGS[@]}"; do
+    while read -r f _; do
+        if [ -e "/$f" ] || [ -L "/$f" ]; then left="$left /$f"; fi
+    done <<<"${EXPECT[$p]}"
+done
+for f in /etc/kvtier /etc/systemd/system/multi-user.target.wants/kvtier.service; do
+    if [ -e "$f" ] || [ -L "$f" ]; then left="$left $f"; fi
+done
+check "nothing left after the purge${left:+:$left}" test -z "$left"
+if getent passwd kvtier >/dev/null; then
+    echo "note: the purge keeps the kvtier user (Debian keeps system users)"
+fi
+finish
