@@ -14,8 +14,8 @@ DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev li
             python3-pytest python3-xxhash curl libsystemd-dev systemd libhiredis-dev \
             redis-server iproute2 valgrind
 # What the Python package and its tests need besides (not `make run`): venv, pip and setuptools
-# to install it, CPU torch for kvtier.sglang and its tests.
-DEB_PY_PKGS := python3-venv python3-pip python3-setuptools python3-wheel python3-torch
+# to install it, CPU torch for kvtier.sglang and its tests, yaml for test_contrib.py.
+DEB_PY_PKGS := python3-venv python3-pip python3-setuptools python3-wheel python3-torch python3-yaml
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Werror
 # The layers and what each may include (docs/architecture.md): a folder's sources see only its
@@ -82,7 +82,7 @@ PLUGIN_ENV = KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
 
 .PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-l2 bench-huge \
         bench-ring bench-smoke test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers \
-        pyclient bench-sglang deps-py
+        pyclient bench-sglang deps-py check-contrib deps-ops
 .DEFAULT_GOAL := all
 
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE) \
@@ -217,7 +217,8 @@ integration: deps all asan $(BUILD)/kvtier-client-test $(MOCK_CUDART) pyclient
 check-asan: unit integration
 
 # CI's entry point (.ci/run): about 7 min from a fresh clone on 2 cores (its budget is 15).
-test: deps check-layers all check-nocuda unit tsan valgrind bench-smoke fuzz-smoke integration test-gpu deb-test
+test: deps check-layers check-contrib all check-nocuda unit tsan valgrind bench-smoke fuzz-smoke integration \
+      test-gpu deb-test
 
 # Everything, longer: each fuzzer for CHECK_FUZZ_SECONDS instead of CI's 30 s.
 CHECK_FUZZ_SECONDS ?= 600
@@ -669,3 +670,33 @@ fuzz-run-%: FORCE
 
 fuzz-smoke:
 	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=30 FUZZ_SECONDS_ring=20
+
+# ---- contrib: Prometheus rules and Grafana dashboard --------------------------------------
+# `make check-contrib`: promtool checks contrib/prometheus/kvtier-rules.yml and runs its unit
+# tests (tests/prometheus/kvtier-rules.test.yml); tests/integration/test_contrib.py (in `make
+# integration`) checks the rules and contrib/grafana/kvtier.json against a live daemon.
+# promtool comes from Debian's prometheus package (DEB_OPS_PKGS), which is NOT installed here:
+# its postinst enables and starts prometheus.service on a systemd host (a server on *:9090
+# with its own user and TSDB), too much to leave behind for one checker. The promtool on PATH
+# is used when there is one (/usr/bin/promtool where prometheus is installed); otherwise
+# deps-ops downloads the package (apt-get download, nothing installed, no service) and takes
+# only usr/bin/promtool out of it into build/ops/.
+DEB_OPS_PKGS := prometheus
+PROMTOOL     ?= $(or $(shell command -v promtool 2>/dev/null),$(BUILD)/ops/promtool)
+
+deps-ops: $(filter $(BUILD)/%,$(PROMTOOL))
+
+$(BUILD)/ops/promtool:
+	@rm -rf $(BUILD)/ops/deb && mkdir -p $(BUILD)/ops/deb
+	@echo "deps-ops: extracting promtool from Debian's $(DEB_OPS_PKGS) (not installed)"
+	@cd $(BUILD)/ops/deb && { apt-get download -q $(DEB_OPS_PKGS) 2>/dev/null || { \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; $$SUDO apt-get update -q && \
+	  apt-get download -q $(DEB_OPS_PKGS); }; }
+	dpkg-deb --fsys-tarfile $(BUILD)/ops/deb/$(DEB_OPS_PKGS)_*.deb | \
+	  tar -x -O ./usr/bin/promtool > $@.tmp
+	@chmod 0755 $@.tmp && mv $@.tmp $@ && rm -rf $(BUILD)/ops/deb
+	@$@ --version 2>&1 | head -n 1
+
+check-contrib: deps-ops
+	$(PROMTOOL) check rules contrib/prometheus/kvtier-rules.yml
+	$(PROMTOOL) test rules tests/prometheus/kvtier-rules.test.yml
