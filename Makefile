@@ -700,3 +700,25 @@ $(BUILD)/ops/promtool:
 check-contrib: deps-ops
 	$(PROMTOOL) check rules contrib/prometheus/kvtier-rules.yml
 	$(PROMTOOL) test rules tests/prometheus/kvtier-rules.test.yml
+
+# ---- status page (GET /) ------------------------------------------------------------------
+# daemon/kvt_status_page.html is embedded into kvt_http.o of every build (obj, asan, tsan, vg)
+# as a C byte list that od (coreutils, no extra package) writes into build/gen/; kvt_http.c
+# #includes it. The integration test loads the page in Debian's headless Chromium.
+DEB_UI_PKGS   := chromium
+STATUS_PAGE   := $(BUILD)/gen/kvt_status_page.inc
+KVT_HTTP_OBJS := $(filter %/daemon/kvt_http.o,$(CORE_OBJ) $(ASAN_OBJ) $(TSAN_OBJ) $(VG_OBJ))
+
+.PHONY: deps-ui
+
+$(STATUS_PAGE): daemon/kvt_status_page.html
+	@mkdir -p $(dir $@)
+	od -An -v -tx1 $< | sed -e 's/\([0-9a-f][0-9a-f]\)/0x\1,/g' > $@.tmp && mv $@.tmp $@
+
+$(KVT_HTTP_OBJS): $(STATUS_PAGE)
+$(KVT_HTTP_OBJS): ALLCFLAGS += -I$(BUILD)/gen
+
+deps-ui: deps
+	$(call install_missing,$(DEB_UI_PKGS))
+
+integration: deps-ui

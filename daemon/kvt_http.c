@@ -9,7 +9,11 @@
  * leaves for HTTP, so that HTTP clients cannot starve the request socket and L2 of them), a
  * connection idle for http_timeout_s is closed, and on a non-loopback address one client
  * address may hold only a quarter of the connections (on loopback every client is 127.0.0.1,
- * where a per-address limit would let one local user shut the probes out). */
+ * where a per-address limit would let one local user shut the probes out).
+ *
+ * GET / is a status page for people: static bytes compiled in (see s_page), which the browser
+ * runs to poll /status and /metrics itself, so serving it costs no more than any other GET and
+ * the daemon keeps no per-viewer state. */
 #include "kvt_http.h"
 
 #include "kvt_error.h"
@@ -27,6 +31,13 @@
 #include <unistd.h>
 
 #define S_TICK_MS 200
+
+/* The status page (daemon/kvt_status_page.html), as bytes the Makefile generates from it at
+ * build time, so that the page stays an HTML file to edit and the binary needs no file at run
+ * time. */
+static const unsigned char s_page[] = {
+#include "kvt_status_page.inc"
+};
 
 struct kvt_http {
     const kvt_config_t *cfg;
@@ -76,6 +87,26 @@ static enum MHD_Result s_json(struct MHD_Connection *conn, unsigned status, json
     body[len] = '\n';
     body[len + 1] = '\0';
     return s_send(conn, status, "application/json", body, len + 1);
+}
+
+/* GET / : the page is static bytes (MHD_RESPMEM_PERSISTENT, nothing copied). Its CSP lets it
+ * run its own inline script and style and fetch this origin, and nothing else: a page that is
+ * meant to be self-contained cannot quietly load an asset from the network. */
+static enum MHD_Result s_page_send(struct MHD_Connection *conn)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(sizeof s_page, (void *)s_page,
+                                                             MHD_RESPMEM_PERSISTENT);
+    if (!r)
+        return MHD_NO;
+    MHD_add_response_header(r, "Content-Type", "text/html; charset=utf-8");
+    MHD_add_response_header(r, "Cache-Control", "no-cache");
+    MHD_add_response_header(r, "X-Content-Type-Options", "nosniff");
+    MHD_add_response_header(r, "Content-Security-Policy",
+                            "default-src 'none'; script-src 'unsafe-inline'; "
+                            "style-src 'unsafe-inline'; connect-src 'self'; img-src data:");
+    enum MHD_Result ret = MHD_queue_response(conn, 200, r);
+    MHD_destroy_response(r);
+    return ret;
 }
 
 /* {ok: false, error: {code, message}}, as the wire protocol's error replies. */
@@ -161,7 +192,9 @@ static enum MHD_Result s_route(void *cls, struct MHD_Connection *conn, const cha
         *upload_size = 0;
         return MHD_YES;
     }
-    if (strcmp(url, "/healthz") == 0) {
+    if (strcmp(url, "/") == 0 || strcmp(url, "/index.html") == 0) {
+        return get ? s_page_send(conn) : s_text(conn, 405, "method not allowed\n");
+    } else if (strcmp(url, "/healthz") == 0) {
         return get ? s_text(conn, 200, "ok\n") : s_text(conn, 405, "method not allowed\n");
     } else if (strcmp(url, "/readyz") == 0) {
         if (!get)

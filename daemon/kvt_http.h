@@ -1,5 +1,8 @@
 /* kvt_http: the operator's HTTP endpoints (libmicrohttpd) on their own supervised thread.
  *
+ *   GET /          the status page: one self-contained HTML document (daemon/kvt_status_page.html,
+ *                  embedded at build time) that polls /status and /metrics every second and plots
+ *                  the last minutes; also /index.html. Its CSP allows no other origin.
  *   GET /healthz   200 while the process runs
  *   GET /readyz    200 when every internal thread is alive (and, later, L2 answers), else 503
  *                  with the reason

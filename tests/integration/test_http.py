@@ -22,7 +22,7 @@ def test_readyz_when_healthy(shared_daemon):
 
 
 def test_unknown_path_404(shared_daemon):
-    for path in ("/nope", "/metrics/extra", "/healthzz", "/"):
+    for path in ("/nope", "/metrics/extra", "/healthzz", "/index", "//"):
         status, _, _ = shared_daemon.http("GET", path)
         assert status == 404, path
 
