@@ -439,10 +439,10 @@ $(BUILD)/kvtier-client-test: tests/integration/c_client_test.c $(BUILD)/libkvtie
 # make install [PREFIX=/usr/local] [DESTDIR=/staging]: the daemon, the CLI, libkvtier (the .so
 # under its soname with the usual links, and the .a), kvtier.h, kvtier.pc, the systemd unit
 # with its sysusers.d entry, the GPU drop-in (as an example, not active), the default config and
-# the man page. The config goes to SYSCONFDIR/kvtier/ (/etc when PREFIX is /usr, else
-# PREFIX/etc) and never overwrites one that is there: a changed one stays and the new default is
-# put beside it as kvtier.json.new. The unit names /usr/bin and /etc; for another PREFIX the
-# installed copy names BINDIR and SYSCONFDIR instead. `make uninstall` removes what install
+# the man pages (kvtierd.8, kvtier.1). The config goes to SYSCONFDIR/kvtier/ (/etc when PREFIX
+# is /usr, else PREFIX/etc) and never overwrites one that is there: a changed one stays and the
+# new default is put beside it as kvtier.json.new. The unit names /usr/bin and /etc; for another
+# PREFIX the installed copy names BINDIR and SYSCONFDIR instead. `make uninstall` removes what install
 # put there, except a config file the operator changed. See docs/operations.md.
 PREFIX       ?= /usr/local
 DESTDIR      ?=
@@ -467,7 +467,8 @@ pc_path       = $(patsubst $(PREFIX)/%,$${prefix}/%,$(1))
 install: all
 	$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) \
 	  $(DESTDIR)$(PKGCONFIGDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR) \
-	  $(DESTDIR)$(MANDIR)/man8 $(DESTDIR)$(DOCDIR)/examples/kvtier.service.d \
+	  $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 \
+	  $(DESTDIR)$(DOCDIR)/examples/kvtier.service.d \
 	  $(DESTDIR)$(SYSCONFDIR)/kvtier
 	$(INSTALL) -m 0755 $(BUILD)/kvtierd $(BUILD)/kvtier $(DESTDIR)$(BINDIR)/
 	$(INSTALL) -m 0755 $(BUILD)/libkvtier.so $(DESTDIR)$(LIBDIR)/$(SO_FILE)
@@ -485,6 +486,7 @@ install: all
 	$(INSTALL) -m 0644 systemd/kvtier.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvtier.conf
 	$(INSTALL) -m 0644 systemd/kvtier-gpu.conf $(DESTDIR)$(DOCDIR)/examples/kvtier.service.d/gpu.conf
 	$(INSTALL) -m 0644 docs/kvtierd.8 $(DESTDIR)$(MANDIR)/man8/
+	$(INSTALL) -m 0644 docs/kvtier.1 $(DESTDIR)$(MANDIR)/man1/
 	@cfg=$(DESTDIR)$(SYSCONFDIR)/kvtier/kvtier.json; \
 	if [ -e "$$cfg" ] && ! cmp -s config/kvtier.json "$$cfg"; then \
 	  echo "install: keeping $$cfg (changed locally); the new default is $$cfg.new"; \
@@ -501,7 +503,7 @@ uninstall:
 	  $(DESTDIR)$(LIBDIR)/libkvtier.so $(DESTDIR)$(LIBDIR)/libkvtier.a \
 	  $(DESTDIR)$(INCLUDEDIR)/kvtier.h $(DESTDIR)$(PKGCONFIGDIR)/kvtier.pc \
 	  $(DESTDIR)$(UNITDIR)/kvtier.service $(DESTDIR)$(SYSUSERSDIR)/kvtier.conf \
-	  $(DESTDIR)$(MANDIR)/man8/kvtierd.8 \
+	  $(DESTDIR)$(MANDIR)/man8/kvtierd.8 $(DESTDIR)$(MANDIR)/man1/kvtier.1 \
 	  $(DESTDIR)$(DOCDIR)/examples/kvtier.service.d/gpu.conf \
 	  $(DESTDIR)$(SYSCONFDIR)/kvtier/kvtier.json.new
 	rmdir $(DESTDIR)$(DOCDIR)/examples/kvtier.service.d $(DESTDIR)$(DOCDIR)/examples \

@@ -38,6 +38,7 @@ EXPECTED_USR = {
     "usr/lib/sysusers.d/kvtier.conf",
     "usr/share/doc/kvtier/examples/kvtier.service.d/gpu.conf",
     "usr/share/man/man8/kvtierd.8",
+    "usr/share/man/man1/kvtier.1",
     "etc/kvtier/kvtier.json",
 }
 
