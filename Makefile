@@ -442,8 +442,8 @@ $(BUILD)/kvtier-client-test: tests/integration/c_client_test.c $(BUILD)/libkvtie
 # the man pages (kvtierd.8, kvtier.1). The config goes to SYSCONFDIR/kvtier/ (/etc when PREFIX
 # is /usr, else PREFIX/etc) and never overwrites one that is there: a changed one stays and the
 # new default is put beside it as kvtier.json.new. The unit names /usr/bin and /etc; for another
-# PREFIX the installed copy names BINDIR and SYSCONFDIR instead. `make uninstall` removes what install
-# put there, except a config file the operator changed. See docs/operations.md.
+# PREFIX the installed copy names BINDIR and SYSCONFDIR instead. `make uninstall` removes what
+# install put there, except a config file the operator changed. See docs/operations.md.
 PREFIX       ?= /usr/local
 DESTDIR      ?=
 BINDIR       ?= $(PREFIX)/bin
