@@ -88,7 +88,8 @@ PLUGIN_ENV = KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
 all: $(BUILD)/kvtierd $(BUILD)/kvtier $(BUILD)/libkvtier.a $(BUILD)/libkvtier.so $(PLUGIN_EXAMPLE) \
      $(PLUGIN_EXAMPLE_ABI1)
 
-# Installs what is missing, once; nothing when every package is present.
+# Installs what is missing, once; nothing when every package is present. Waits up to 5 min for a
+# dpkg that another apt or dpkg holds (apt-get, unlike apt, does not wait by default).
 install_missing = @missing=""; for p in $(1); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
 	done; \
@@ -96,7 +97,8 @@ install_missing = @missing=""; for p in $(1); do \
 	  echo "$@: installing$$missing"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	    -o DPkg::Lock::Timeout=300 $$missing; \
 	fi
 deps:
 	$(call install_missing,$(DEB_PKGS))
@@ -167,6 +169,15 @@ $(PLUGIN_EXAMPLE_ABI1): l2/plugins/example_mem.c l2/kvt_l2.h common/kvt_error.h
 
 $(BUILD)/kvtier: $(BUILD)/obj/client/kvtier_cli.o $(BUILD)/libkvtier.a
 	$(CC) $(ALLCFLAGS) $(LDFLAGS) -o $@ $^ $(CLIENT_LIBS)
+
+# The CLI's endpoint when neither -e nor $$KVTIER_ENDPOINT names one: make run's (relative)
+# socket here; debian/rules builds the package with the service's ipc:///run/kvtier/kvtier.sock.
+# kvtier_cli.o is rebuilt when it changes (the stamp changes only then).
+KVT_CLI_ENDPOINT ?= ipc://var/run/kvtier.sock
+$(BUILD)/obj/client/kvtier_cli.o: ALLCFLAGS += -DKVT_CLI_DEFAULT_ENDPOINT='"$(KVT_CLI_ENDPOINT)"'
+$(BUILD)/obj/client/kvtier_cli.o: $(BUILD)/cli-endpoint.stamp
+$(BUILD)/cli-endpoint.stamp: FORCE
+	@mkdir -p $(BUILD); echo "$(KVT_CLI_ENDPOINT)" | cmp -s - $@ || echo "$(KVT_CLI_ENDPOINT)" > $@
 
 $(BUILD)/asan/tests/%: tests/unit/%.c $(ASAN_OBJ)
 	@mkdir -p $(dir $@)
@@ -517,22 +528,33 @@ uninstall:
 
 # ---- Debian package -----------------------------------------------------------------------
 # make deb: the .debs of debian/ (kvtier, libkvtier0, libkvtier-dev) for this machine's Debian
-# (12, bookworm; debhelper 13), built by dpkg-buildpackage from a copy of the work tree
-# (tracked and untracked files, uncommitted changes included, ignored ones not) in
-# build/deb/kvtier-VERSION/, so that the .debs, the .changes and the logs land in build/deb/.
-# lintian then checks them and fails on any error (build/deb/lintian.txt). Rebuilt when a file of
-# the tree changes. `make deb-test` installs them on this machine and checks them
-# (tests/deb/test_deb.sh). The build runs no tests (nocheck: `make test` is the test suite) and
-# no apt: deps-deb installs the tools first.
-DEB_TOOL_PKGS := debhelper dpkg-dev lintian
+# (12, bookworm; debhelper 13), built by dpkg-buildpackage from a copy of the files the package
+# is made of (DEB_PATHS: tracked and untracked, uncommitted changes included, ignored ones not)
+# in build/deb/kvtier-VERSION/, so that the .debs, the .changes and the logs land in build/deb/.
+# lintian then checks them and fails on any error (build/deb/lintian.txt). Rebuilt when one of
+# those files changes (not for tests/, docs/*.md, contrib/, client/python/ ...). `make deb-test`
+# installs them on this machine and checks them (tests/deb/test_deb.sh). The build runs no tests
+# (nocheck: `make test` is the test suite) and no apt: deps-deb installs the tools first.
+# The build's environment is env -i (a fixed PATH, C.UTF-8, the DEB_BUILD_* below): the
+# caller's CC, CFLAGS, CPPFLAGS, LDFLAGS, DEB_*FLAGS_*, CUDA, CUDA_HOME, PKG_CONFIG_PATH ... do
+# not reach the package. CUDA: debian/rules leaves it to the Makefile's detection, i.e. to
+# whether /usr/local/cuda/bin/nvcc exists on the building machine; `make deb CUDA=0` (or
+# DEB_BUILD_PROFILES=pkg.kvtier.nocuda) builds without it. Switching rebuilds.
+# man-db: deb-test's `man -w`.
+DEB_TOOL_PKGS := debhelper dpkg-dev lintian man-db
 DEB_DIR       := $(BUILD)/deb
 DEB_STAMP     := $(DEB_DIR)/.built
-DEB_INPUTS    := $(wildcard $(shell git ls-files -co --exclude-standard 2>/dev/null))
+DEB_PATHS     := debian common protocol config l2 storage daemon client ':(exclude)client/python' \
+                 systemd 'docs/*.1' 'docs/*.8' Makefile VERSION
+DEB_INPUTS    := $(wildcard $(shell git ls-files -co --exclude-standard -- $(DEB_PATHS) 2>/dev/null))
+DEB_PROFILES  := $(strip $(DEB_BUILD_PROFILES) \
+                   $(if $(filter-out file,$(origin CUDA)),$(if $(filter 0,$(CUDA)),pkg.kvtier.nocuda)))
+DEB_CONFIG    := $(BUILD)/deb-config.stamp
 # initial-upload-closes-no-bugs is for uploads to the Debian archive (an ITP bug): not ours
 DEB_LINTIAN_ARGS := --suppress-tags initial-upload-closes-no-bugs
-# a parent make's jobserver and command-line variables (PREFIX, DESTDIR, ...) stay out
-DEB_ENV       := env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL -u MAKEOVERRIDES \
-                 DEB_BUILD_OPTIONS="nocheck noautodbgsym parallel=2"
+DEB_ENV       := env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C.UTF-8 \
+                 DEB_BUILD_OPTIONS="nocheck noautodbgsym parallel=$(shell nproc)" \
+                 DEB_BUILD_PROFILES="$(DEB_PROFILES)"
 
 .PHONY: deb deb-test deps-deb
 
@@ -541,7 +563,11 @@ deps-deb: deps
 
 deb: $(DEB_STAMP)
 
-$(DEB_STAMP): $(DEB_INPUTS) | deps-deb
+$(DEB_CONFIG): FORCE
+	@mkdir -p $(BUILD); echo "profiles=$(DEB_PROFILES)" | cmp -s - $@ || \
+	  echo "profiles=$(DEB_PROFILES)" > $@
+
+$(DEB_STAMP): $(DEB_INPUTS) $(DEB_CONFIG) | deps-deb
 	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || \
 	  { echo "deb: needs a git work tree (the package is built from its files)"; exit 1; }
 	@v=$$(dpkg-parsechangelog -l debian/changelog -SVersion); [ "$${v%-*}" = "$(VERSION)" ] || \
@@ -549,9 +575,9 @@ $(DEB_STAMP): $(DEB_INPUTS) | deps-deb
 	         "add an entry (dch -v $(VERSION)-1)"; exit 1; }
 	rm -rf $(DEB_DIR)
 	mkdir -p $(DEB_DIR)/kvtier-$(VERSION)
-	git ls-files -z -co --exclude-standard | \
+	git ls-files -z -co --exclude-standard -- $(DEB_PATHS) | \
 	  tar --null --ignore-failed-read -T - -cf - | tar -xf - -C $(DEB_DIR)/kvtier-$(VERSION)
-	@echo "deb: dpkg-buildpackage -b -us -uc (log: $(DEB_DIR)/build.log)"
+	@echo "deb: dpkg-buildpackage -b -us -uc$(if $(DEB_PROFILES), (profiles: $(DEB_PROFILES))) (log: $(DEB_DIR)/build.log)"
 	@cd $(DEB_DIR)/kvtier-$(VERSION) && $(DEB_ENV) dpkg-buildpackage -b -us -uc \
 	  > ../build.log 2>&1 || { tail -n 40 ../build.log; echo "deb: dpkg-buildpackage failed"; exit 1; }
 	@echo "deb: lintian (log: $(DEB_DIR)/lintian.txt)"
@@ -561,8 +587,10 @@ $(DEB_STAMP): $(DEB_INPUTS) | deps-deb
 	@ls $(DEB_DIR)/*.deb
 	@touch $@
 
+# --foreground: a timeout signals the script alone, never a dpkg it is running (the script's
+# trap purges after dpkg returns); -k: KILL 60 s later if it still has not ended.
 deb-test: $(DEB_STAMP)
-	timeout 300 tests/deb/test_deb.sh $(DEB_DIR)
+	timeout --foreground -k 60 300 tests/deb/test_deb.sh $(DEB_DIR)
 
 # ---- end-to-end benchmark -----------------------------------------------------------------
 # kvtier-bench drives a kvtierd it starts itself (private run dir, ipc) through libkvtier, with

@@ -2,7 +2,9 @@
  *   kvtier [-e ENDPOINT] [-t TIMEOUT_MS] [--curve-serverkey KEY|FILE] [--curve-cert PATH]
  *          COMMAND [ARGS]
  *   ping | stats | put | get | lookup | clear | hash | keygen   (see s_usage)
- * ENDPOINT defaults to $KVTIER_ENDPOINT, else ipc://var/run/kvtier.sock (make run's default).
+ * ENDPOINT defaults to $KVTIER_ENDPOINT, else KVT_CLI_DEFAULT_ENDPOINT: ipc://var/run/kvtier.sock
+ * (make run's socket) unless the build sets it (make KVT_CLI_ENDPOINT=...; the Debian package
+ * builds it with the service's ipc:///run/kvtier/kvtier.sock).
  * Keys are written as 32 hex digits, the 16 key bytes in order. Objects go through PUT/GET (the
  * bytes ride the socket), so the CLI works against a daemon on another host too.
  * Exit status: 0 ok, 1 the daemon answered an error, could not be reached or has no such
@@ -18,6 +20,9 @@
 #include <string.h>
 #include <xxhash.h>
 
+#ifndef KVT_CLI_DEFAULT_ENDPOINT
+#define KVT_CLI_DEFAULT_ENDPOINT "ipc://var/run/kvtier.sock"
+#endif
 #define S_DEFAULT_NS "default"
 #define S_DEFAULT_CHUNK_TOKENS 256 /* the daemon's default --chunk-tokens */
 
@@ -35,7 +40,7 @@ static int s_usage(void)
             "  hash   [--chunk-tokens N] [--salt S] TOKEN...    (local, no daemon)\n"
             "  keygen PATH     CURVE key pair: PATH (public) and PATH_secret (local, no daemon)\n"
             "NS defaults to \"default\"; ENDPOINT to $KVTIER_ENDPOINT, else "
-            "ipc://var/run/kvtier.sock\n"
+            KVT_CLI_DEFAULT_ENDPOINT "\n"
             "CURVE (tcp:// only): --curve-serverkey / --curve-cert, or $KVTIER_CURVE_SERVERKEY /\n"
             "$KVTIER_CURVE_CERT\n");
     return 2;
@@ -399,7 +404,7 @@ int main(int argc, char **argv)
     if (rc)
         return rc;
     if (!endpoint || !*endpoint)
-        endpoint = "ipc://var/run/kvtier.sock";
+        endpoint = KVT_CLI_DEFAULT_ENDPOINT;
     char err[256];
     /* The heartbeat stays on (KVTIER_HEARTBEAT_MS as for any client): it opens its connection
      * only one interval (lease_ms / 3, 100 ms to 10 s) after connect, so a command shorter than

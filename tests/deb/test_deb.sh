@@ -6,12 +6,21 @@
 #      the unit's RuntimeDirectory and StateDirectory; kvtierd, the CLI and libkvtier carry no
 #      RPATH/RUNPATH, do not link libcudart, and got dpkg-buildflags' hardening.
 #  (b) As root, on this machine: dpkg -i; the unit where systemd looks and `systemd-analyze
-#      verify`; the daemon at ExecStart's path (--version, --check-config on the conffile); the
-#      kvtier user (made by systemd-sysusers in postinst); the conffile; both man pages; a client
-#      built with pkg-config against libkvtier-dev (shared and static) and the CLI talking to the
-#      installed daemon, started briefly on a private run/data dir and a free loopback port;
-#      /healthz; then dpkg --purge and nothing left. The packages are purged on any exit (trap),
-#      and the kvtier user removed if this test made it (purge keeps it, as Debian packages do).
+#      verify`; the daemon at ExecStart's path (--version; --check-config on the conffile, as
+#      the kvtier user in a /var/lib/kvtier made as StateDirectory= makes it); the kvtier user
+#      (made by systemd-sysusers in postinst); the conffile; both man pages; a client built with
+#      pkg-config against libkvtier-dev (shared and static) and the CLI (with no -e: its default
+#      endpoint) talking to the installed daemon, started briefly in the installed layout's run
+#      dir /run/kvtier with a private data dir and a free loopback port; /healthz; then dpkg
+#      --purge and nothing left, /var/lib/kvtier and /run/kvtier included (the postrm). The
+#      packages are purged on any exit (trap), and the kvtier user removed if this test made it
+#      (purge keeps it, as Debian packages do).
+# Part (b) changes machine-wide state: it holds /run/lock/kvtier-deb-test.lock (one run at a
+# time), waits for a dpkg lock another apt/dpkg holds (bookworm's dpkg has no lock timeout of
+# its own: it is retried), refuses to run where kvtier is installed or /var/lib/kvtier or
+# /run/kvtier exist (a `make install`ed service's: the purge would delete them), and on a host
+# running systemd masks kvtier.service (--runtime) for the install, so that the postinst does
+# not start it (without systemd as PID 1 the postinst starts nothing).
 # A failed check prints FAIL and the script exits 1 after the rest have run.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
@@ -32,26 +41,57 @@ finish() {
 }
 
 T=$(mktemp -d /tmp/kvtier-deb-test.XXXXXX)
-daemon_pid=""
+daemon_pid=""   # the `timeout` wrapper around the test's kvtierd
+daemon_rc=""
 installed=0
-made_policy=0
+made_mask=0
 made_user=0
 made_state=0
-cleanup() {
-    if [ -n "$daemon_pid" ]; then
-        kill -KILL "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null
+# running PID: PID exists and is not a zombie (kill -0 is true for a zombie)
+running() {
+    local st
+    st=$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null) || return 1
+    [ -n "$st" ] && [ "${st%% *}" != Z ]
+}
+# stop_daemon: SIGTERM to kvtierd through its timeout wrapper (which passes it on); whatever is
+# left after 5 s is killed, kvtierd (the wrapper's child) first. Sets daemon_rc (kvtierd's
+# status, as the wrapper returns it).
+stop_daemon() {
+    [ -n "$daemon_pid" ] || return 0
+    kill -TERM "$daemon_pid" 2>/dev/null
+    for _ in $(seq 50); do running "$daemon_pid" || break; sleep 0.1; done
+    if running "$daemon_pid"; then
+        echo "deb-test: kvtierd did not stop within 5 s of SIGTERM: SIGKILL"
+        pkill -KILL -P "$daemon_pid"; kill -KILL "$daemon_pid" 2>/dev/null
     fi
+    wait "$daemon_pid"; daemon_rc=$?
+    daemon_pid=""
+}
+# dpkg_do LOG ARGS...: dpkg ARGS, output to LOG; while another apt or dpkg holds dpkg's lock
+# (bookworm's dpkg cannot wait for it itself), retried every 5 s for up to 2 minutes.
+dpkg_do() {
+    local log=$1 try; shift
+    for try in $(seq 24); do
+        DEBIAN_FRONTEND=noninteractive dpkg "$@" </dev/null >"$log" 2>&1 && return 0
+        grep -q 'locked by another process' "$log" || return 1
+        echo "deb-test: dpkg's lock is held by another process (apt?): waiting ($try/24)"
+        sleep 5
+    done
+    return 1
+}
+cleanup() {
+    stop_daemon
     if [ "$installed" = 1 ]; then
         echo "deb-test: cleanup: dpkg --purge ${PKGS[*]}"
-        DEBIAN_FRONTEND=noninteractive dpkg --purge "${PKGS[@]}" </dev/null >/dev/null 2>&1
+        dpkg_do "$T/cleanup.log" --purge "${PKGS[@]}" || cat "$T/cleanup.log"
     fi
-    [ "$made_policy" = 0 ] || rm -f /usr/sbin/policy-rc.d
+    [ "$made_mask" = 0 ] || systemctl unmask --runtime --quiet kvtier.service
     if [ "$made_user" = 1 ] && getent passwd kvtier >/dev/null; then
         echo "deb-test: removing the kvtier user and group this test created"
         userdel kvtier 2>/dev/null; getent group kvtier >/dev/null && groupdel kvtier 2>/dev/null
     fi
-    # --check-config opens the fs L2 (fs:/var/lib/kvtier/l2), creating it as root
-    [ "$made_state" = 0 ] || rm -rf /var/lib/kvtier
+    # the purge removes them (postrm); not where it failed, or the test stopped before it
+    [ "$made_state" = 0 ] || rm -rf /var/lib/kvtier /run/kvtier
     rm -rf "$T"
 }
 trap cleanup EXIT
@@ -145,6 +185,11 @@ if [ "$(id -u)" != 0 ]; then
     echo "deb-test: not root: skipped installing the packages (dpkg -i); the .debs were checked"
     finish
 fi
+mkdir -p /run/lock
+exec 9>/run/lock/kvtier-deb-test.lock
+if ! flock -n 9; then
+    echo "FAIL: another deb-test holds /run/lock/kvtier-deb-test.lock (one at a time)"; exit 1
+fi
 for p in "${PKGS[@]}"; do
     st=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)
     if [ -n "$st" ] && [ "$st" != not-installed ]; then
@@ -162,20 +207,49 @@ for p in "${PKGS[@]}"; do
         fi
     done <<<"${EXPECT[$p]}"
 done
+# The package's state directories: the purge deletes them (postrm), so they must not be some
+# other kvtier's (make install PREFIX=/usr/local and its running service).
+# An unused /var/lib/kvtier with no file but an empty fs L2's unlocked .lock is what `kvtierd
+# --check-config` run as root on the default config leaves (it opens fs:/var/lib/kvtier/l2):
+# nothing is lost when the test removes that first.
+empty_l2_only() {
+    [ -d /var/lib/kvtier ] && [ ! -L /var/lib/kvtier ] &&
+        [ -z "$(find /var/lib/kvtier ! -type d ! -path /var/lib/kvtier/l2/.lock)" ] &&
+        { [ ! -e /var/lib/kvtier/l2/.lock ] || flock -n /var/lib/kvtier/l2/.lock true; }
+}
+for d in /var/lib/kvtier /run/kvtier; do
+    if [ -e "$d" ] || [ -L "$d" ]; then
+        if [ "$d" = /var/lib/kvtier ] && empty_l2_only; then
+            echo "note: /var/lib/kvtier holds nothing but an empty, unused fs L2 (a kvtierd" \
+                 "--check-config run as root?): removed"
+            rm -rf /var/lib/kvtier; continue
+        fi
+        echo "FAIL: $d exists (a make install'ed kvtier's state?): deb-test's purge would" \
+             "delete it; stop that service and remove $d first"
+        exit 1
+    fi
+done
 getent passwd kvtier >/dev/null || made_user=1
-[ -e /var/lib/kvtier ] || made_state=1
+made_state=1
 # On a host running systemd the postinst would start kvtier.service (a 1 GiB locked arena, port
-# 8080); the test starts its own daemon instead. policy-rc.d is how deb-systemd-invoke is told no.
-if [ -d /run/systemd/system ] && [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d &&
-        made_policy=1
+# 8080); the test starts its own daemon instead. A runtime mask (in /run, gone at reboot) makes
+# that start a no-op; it is lifted as soon as dpkg -i is done. Without systemd as PID 1 the
+# postinst starts nothing (its start is inside `if [ -d /run/systemd/system ]`).
+if [ -d /run/systemd/system ]; then
+    if systemctl mask --runtime --quiet kvtier.service; then made_mask=1
+    else echo "FAIL: systemctl mask --runtime kvtier.service"; exit 1; fi
 fi
 
 installed=1
-if ! DEBIAN_FRONTEND=noninteractive dpkg -i "${DEB[@]}" </dev/null >"$T/dpkg.log" 2>&1; then
+if ! dpkg_do "$T/dpkg.log" -i "${DEB[@]}"; then
     cat "$T/dpkg.log"; fail "dpkg -i"; finish
 fi
 ok "dpkg -i ${DEB[*]##*/}"
+if [ "$made_mask" = 1 ]; then
+    systemctl unmask --runtime --quiet kvtier.service && made_mask=0
+    check "kvtier.service was not started by the postinst (masked during dpkg -i)" \
+        bash -c '! systemctl --quiet is-active kvtier.service'
+fi
 for p in "${PKGS[@]}"; do
     check "$p: installed" test "$(dpkg-query -W -f='${Status}' "$p")" = "install ok installed"
 done
@@ -190,9 +264,16 @@ if [ $rc = 0 ] && [ -z "$verify" ]; then ok "systemd-analyze verify /$UNIT (man:
 else fail "systemd-analyze verify /$UNIT (status $rc): $verify"; fi
 check "the unit's ExecStart binary $BIN --version says $VERSION" \
     grep -qF "$VERSION" <(timeout 10 "$BIN" --version 2>&1)
-check "$BIN --check-config --config $CONF" \
-    bash -c 'timeout 30 "$1" --check-config --config "$2" >"$3" 2>&1 || { cat "$3"; false; }' \
-    _ "$BIN" "$CONF" "$T/check-config.log"
+# As the service runs it: user kvtier, /var/lib/kvtier made as the unit's StateDirectory= makes
+# it. --check-config opens the fs L2 (fs:/var/lib/kvtier/l2), creating it: as root it would
+# leave root-owned state behind; here it is kvtier's, and the purge must remove it.
+sd_mode=$(directive StateDirectoryMode "$X/$UNIT")
+install -d -o kvtier -g kvtier -m "${sd_mode:-0755}" /var/lib/kvtier
+check "$BIN --check-config --config $CONF (as kvtier)" \
+    bash -c 'timeout 30 runuser -u kvtier -- "$1" --check-config --config "$2" >"$3" 2>&1 ||
+        { cat "$3"; false; }' _ "$BIN" "$CONF" "$T/check-config.log"
+check "--check-config made the fs L2 /var/lib/kvtier/l2, owned by kvtier" \
+    test "$(stat -c %U /var/lib/kvtier/l2 2>/dev/null)" = kvtier
 if [ "$made_user" = 1 ]; then
     check "the kvtier user was created (systemd-sysusers)" getent passwd kvtier
 else
@@ -203,8 +284,17 @@ check "$CONF is a conffile of kvtier" \
     grep -q " $CONF " <(dpkg-query -W -f='${Conffiles}\n' kvtier)
 check "the unit is enabled (deb-systemd-helper)" \
     test -L /etc/systemd/system/multi-user.target.wants/kvtier.service
-check "man kvtierd" test "$(man -w 8 kvtierd 2>/dev/null)" = /usr/share/man/man8/kvtierd.8.gz
-check "man kvtier" test "$(man -w 1 kvtier 2>/dev/null)" = /usr/share/man/man1/kvtier.1.gz
+# Slim images (docker's debian "minimal" setups) tell dpkg not to unpack man pages at all.
+man_excluded=$(grep -lsE '^[[:space:]]*path-exclude[[:space:]=]+/usr/share/man' \
+    /etc/dpkg/dpkg.cfg.d/* 2>/dev/null | head -n 1)
+if [ -n "$man_excluded" ]; then
+    echo "skip: man pages: dpkg does not install /usr/share/man here (path-exclude in $man_excluded)"
+elif ! command -v man >/dev/null; then
+    fail "man pages: no man (man-db) on this machine (make deps-deb installs it)"
+else
+    check "man kvtierd" test "$(man -w 8 kvtierd 2>/dev/null)" = /usr/share/man/man8/kvtierd.8.gz
+    check "man kvtier" test "$(man -w 1 kvtier 2>/dev/null)" = /usr/share/man/man1/kvtier.1.gz
+fi
 # /lib is /usr/lib on bookworm (merged /usr): the loader may name either
 check "ldconfig knows libkvtier.so.0" grep -qE "libkvtier.so.0 .*=> (/usr)?/lib/$MA/" <(ldconfig -p)
 
@@ -240,38 +330,43 @@ check "cc client.c libkvtier.a (static)" bash -c \
     'cc -o "$1/client-static" "$1/client.c" $(pkg-config --cflags kvtier) "$2" \
         $(pkg-config --libs libzmq msgpack jansson libxxhash)' _ "$T" "/usr/lib/$MA/libkvtier.a"
 
-# The installed daemon on the installed config, its run and data dirs and endpoints moved to $T
-# (loopback only), started for a few seconds. env -i: no KVTIER_* of the caller's applies.
+# The installed daemon on the installed config, in the installed layout's run dir and socket
+# (/run/kvtier: the service is not running, and the test refused to start where it existed),
+# with its data dir in $T, a smaller arena and HTTP on a free loopback port, for a few seconds.
+# env -i: no KVTIER_* of the caller's applies. `timeout 120` bounds its life should this script
+# be killed; stop_daemon stops it.
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
 print(s.getsockname()[1])')
-sock="ipc://$T/run/kvtier.sock"
+sock=ipc:///run/kvtier/kvtier.sock
+check "the config's endpoint is $sock (the CLI's default below)" \
+    test "$(cfg_dir listen)" = "['$sock']"
 env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin timeout 120 "$BIN" --config "$CONF" \
-    --run-dir "$T/run" --data-dir "$T/data" --listen "$sock" --l2 "fs:$T/data/l2" \
+    --run-dir /run/kvtier --listen "$sock" --data-dir "$T/data" --l2 "fs:$T/data/l2" \
     --http "127.0.0.1:$port" --l1-size 64M >"$T/daemon.log" 2>&1 &
 daemon_pid=$!
 healthy=0
 for _ in $(seq 100); do
     curl -fsS --max-time 2 "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && { healthy=1; break; }
-    kill -0 "$daemon_pid" 2>/dev/null || break
+    running "$daemon_pid" || break
     sleep 0.2
 done
 check "installed kvtierd answers /healthz on 127.0.0.1:$port" test $healthy = 1
+check "the installed CLI's usage names its default endpoint $sock" \
+    grep -qF "else $sock" <(env -i /usr/bin/kvtier --help 2>&1)
 if [ $healthy = 1 ]; then
     for c in client client-static; do
         check "$c: HELLO and PING to the installed daemon" \
             bash -c 'env -i timeout 30 "$1" "$2" >/dev/null' _ "$T/$c" "$sock"
     done
-    check "the installed CLI: kvtier -e ... ping" \
-        grep -q "^pong from" <(env -i timeout 30 /usr/bin/kvtier -e "$sock" ping 2>&1)
+    check "the installed CLI, no -e: kvtier ping reaches $sock" \
+        grep -q "^pong from" <(env -i timeout 30 /usr/bin/kvtier ping 2>&1)
 fi
-kill -TERM "$daemon_pid" 2>/dev/null
-wait "$daemon_pid"; rc=$?
-daemon_pid=""
-if [ $rc = 0 ]; then ok "kvtierd stopped cleanly on SIGTERM"
-else fail "kvtierd exit status $rc; its log:"; tail -n 30 "$T/daemon.log"; fi
+stop_daemon
+if [ "$daemon_rc" = 0 ]; then ok "kvtierd stopped cleanly on SIGTERM"
+else fail "kvtierd exit status $daemon_rc; its log:"; tail -n 30 "$T/daemon.log"; fi
 
 # ---- purge ----------------------------------------------------------------------------------
-if DEBIAN_FRONTEND=noninteractive dpkg --purge "${PKGS[@]}" </dev/null >"$T/dpkg.log" 2>&1; then
+if dpkg_do "$T/dpkg.log" --purge "${PKGS[@]}"; then
     installed=0; ok "dpkg --purge ${PKGS[*]}"
 else
     cat "$T/dpkg.log"; fail "dpkg --purge"
@@ -282,7 +377,8 @@ for p in "${PKGS[@]}"; do
         if [ -e "/$f" ] || [ -L "/$f" ]; then left="$left /$f"; fi
     done <<<"${EXPECT[$p]}"
 done
-for f in /etc/kvtier /etc/systemd/system/multi-user.target.wants/kvtier.service; do
+for f in /etc/kvtier /etc/systemd/system/multi-user.target.wants/kvtier.service \
+    /var/lib/kvtier /run/kvtier; do
     if [ -e "$f" ] || [ -L "$f" ]; then left="$left $f"; fi
 done
 check "nothing left after the purge${left:+:$left}" test -z "$left"

@@ -309,7 +309,11 @@ def test_installed_binaries_run(destdir):
 
 def test_default_config_checks_and_round_trips(destdir, tmp_path):
     cfg = os.path.join(destdir, "etc/kvtier/kvtier.json")
-    cp = run_kvtierd(["--config", cfg, "--check-config"])
+    # --check-config opens the fs L2 and so creates its directory: the default's
+    # /var/lib/kvtier/l2, owned by whoever runs the test (root in CI), would be left behind
+    # (and `make deb-test` refuses to purge over an existing /var/lib/kvtier). A private one.
+    l2 = ["--l2", "fs:%s" % (tmp_path / "l2")]
+    cp = run_kvtierd(["--config", cfg, "--check-config"] + l2)
     assert cp.returncode == 0, cp.stderr
     cp = run_kvtierd(["--config", cfg, "--print-config"])
     assert cp.returncode == 0, cp.stderr
@@ -318,7 +322,7 @@ def test_default_config_checks_and_round_trips(destdir, tmp_path):
     assert printed["listen"] == ["ipc:///run/kvtier/kvtier.sock"], printed["listen"]
     path = tmp_path / "printed.json"
     path.write_text(cp.stdout)
-    cp2 = run_kvtierd(["--config", str(path), "--check-config"])
+    cp2 = run_kvtierd(["--config", str(path), "--check-config"] + l2)
     assert cp2.returncode == 0, cp2.stderr
     cp3 = run_kvtierd(["--config", str(path), "--print-config"])
     assert cp3.returncode == 0 and json.loads(cp3.stdout) == printed
