@@ -734,18 +734,36 @@ check-contrib: deps-ops
 # ---- status page (GET /) ------------------------------------------------------------------
 # daemon/kvt_status_page.html is embedded into kvt_http.o of every build (obj, asan, tsan, vg)
 # as a C byte list that od (coreutils, no extra package) writes into build/gen/; kvt_http.c
-# #includes it. The integration test loads the page in Debian's headless Chromium.
+# #includes it. Its Content-Security-Policy allows the page's one inline script by its hash:
+# build/gen/kvt_status_page_csp.h defines KVT_STATUS_PAGE_SCRIPT_HASH, 'sha256-' and the base64
+# of the SHA-256 of the bytes between the page's <script> and </script> lines (each alone on its
+# line), with coreutils only (sha256sum, printf, base64), as a package build has no python3.
+# The integration test loads the page in Debian's headless Chromium and checks the hash.
 DEB_UI_PKGS   := chromium
 STATUS_PAGE   := $(BUILD)/gen/kvt_status_page.inc
+STATUS_CSP    := $(BUILD)/gen/kvt_status_page_csp.h
 KVT_HTTP_OBJS := $(filter %/daemon/kvt_http.o,$(CORE_OBJ) $(ASAN_OBJ) $(TSAN_OBJ) $(VG_OBJ))
 
 .PHONY: deps-ui
 
 $(STATUS_PAGE): daemon/kvt_status_page.html
 	@mkdir -p $(dir $@)
-	od -An -v -tx1 $< | sed -e 's/\([0-9a-f][0-9a-f]\)/0x\1,/g' > $@.tmp && mv $@.tmp $@
+	od -An -v -tx1 $< > $@.od && sed -e 's/\([0-9a-f][0-9a-f]\)/0x\1,/g' $@.od > $@.tmp \
+	  && test -s $@.tmp && mv $@.tmp $@ && rm -f $@.od || { rm -f $@.od $@.tmp; exit 1; }
 
-$(KVT_HTTP_OBJS): $(STATUS_PAGE)
+$(STATUS_CSP): daemon/kvt_status_page.html
+	@mkdir -p $(dir $@)
+	test "$$(grep -c '<script' $<)" = 1 && test "$$(grep -cx '<script>' $<)" = 1 \
+	  && test "$$(grep -cx '</script>' $<)" = 1 \
+	  || { echo "$<: needs one <script> and one </script> line" >&2; exit 1; }
+	{ echo; sed -n '/^<script>$$/,/^<\/script>$$/{/^<\/\{0,1\}script>$$/!p;}' $<; } > $@.js \
+	  && sum=$$(sha256sum $@.js | cut -c1-64) && test $${#sum} = 64 \
+	  && b64=$$(/usr/bin/printf "$$(echo $$sum | sed 's/../\\x&/g')" | base64 -w0) \
+	  && test $${#b64} = 44 \
+	  && printf '#define KVT_STATUS_PAGE_SCRIPT_HASH "sha256-%s"\n' "$$b64" > $@.tmp \
+	  && mv $@.tmp $@ && rm -f $@.js || { rm -f $@.js $@.tmp; exit 1; }
+
+$(KVT_HTTP_OBJS): $(STATUS_PAGE) $(STATUS_CSP)
 $(KVT_HTTP_OBJS): ALLCFLAGS += -I$(BUILD)/gen
 
 deps-ui: deps

@@ -39,6 +39,10 @@ static const unsigned char s_page[] = {
 #include "kvt_status_page.inc"
 };
 
+/* KVT_STATUS_PAGE_SCRIPT_HASH: "sha256-<base64>" of the page's inline script, from the same
+ * build step; the page's CSP lets that script run and no other. */
+#include "kvt_status_page_csp.h"
+
 struct kvt_http {
     const kvt_config_t *cfg;
     kvt_metrics_t *metrics;
@@ -52,8 +56,26 @@ struct kvt_http {
     double started_wall;
 };
 
+/* Adds the headers (name, value, ..., NULL; a NULL name ends them early) and queues `r`, which
+ * it always destroys. A header that cannot be added (out of memory) fails the answer: MHD_NO
+ * closes the connection rather than sending a response without, say, its CSP. */
+static enum MHD_Result s_respond(struct MHD_Connection *conn, unsigned status,
+                                 struct MHD_Response *r, const char *const *headers)
+{
+    for (size_t i = 0; headers[i]; i += 2) {
+        if (MHD_add_response_header(r, headers[i], headers[i + 1]) != MHD_YES) {
+            MHD_destroy_response(r);
+            return MHD_NO;
+        }
+    }
+    enum MHD_Result ret = MHD_queue_response(conn, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+/* `allow`: the Allow header of a 405, or NULL. */
 static enum MHD_Result s_send(struct MHD_Connection *conn, unsigned status, const char *type,
-                              char *body, size_t len)
+                              char *body, size_t len, const char *allow)
 {
     struct MHD_Response *r =
         MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
@@ -61,18 +83,26 @@ static enum MHD_Result s_send(struct MHD_Connection *conn, unsigned status, cons
         free(body);
         return MHD_NO;
     }
-    MHD_add_response_header(r, "Content-Type", type);
-    MHD_add_response_header(r, "Cache-Control", "no-store");
-    enum MHD_Result ret = MHD_queue_response(conn, status, r);
-    MHD_destroy_response(r);
-    return ret;
+    return s_respond(conn, status, r,
+                     (const char *const[]){"Content-Type", type, "Cache-Control", "no-store",
+                                           allow ? "Allow" : NULL, allow, NULL});
 }
 
 static enum MHD_Result s_text(struct MHD_Connection *conn, unsigned status, const char *text)
 {
     char *body = strdup(text);
     kvt_assert(body);
-    return s_send(conn, status, "text/plain; charset=utf-8", body, strlen(body));
+    return s_send(conn, status, "text/plain; charset=utf-8", body, strlen(body), NULL);
+}
+
+/* 405, with the Allow header RFC 9110 requires: "GET, HEAD" or "POST". */
+static enum MHD_Result s_not_allowed(struct MHD_Connection *conn, const char *allow)
+{
+    char text[64];
+    snprintf(text, sizeof text, "method not allowed: use %s\n", allow);
+    char *body = strdup(text);
+    kvt_assert(body);
+    return s_send(conn, 405, "text/plain; charset=utf-8", body, strlen(body), allow);
 }
 
 static enum MHD_Result s_json(struct MHD_Connection *conn, unsigned status, json_t *obj)
@@ -86,27 +116,30 @@ static enum MHD_Result s_json(struct MHD_Connection *conn, unsigned status, json
     kvt_assert(body);
     body[len] = '\n';
     body[len + 1] = '\0';
-    return s_send(conn, status, "application/json", body, len + 1);
+    return s_send(conn, status, "application/json", body, len + 1, NULL);
 }
 
 /* GET / : the page is static bytes (MHD_RESPMEM_PERSISTENT, nothing copied). Its CSP lets it
- * run its own inline script and style and fetch this origin, and nothing else: a page that is
- * meant to be self-contained cannot quietly load an asset from the network. */
+ * run its own inline script (by hash: no injected script runs, even if some text escaped the
+ * page's escaping) and inline style, and fetch this origin, and nothing else: a page that is
+ * meant to be self-contained cannot quietly load an asset from the network, be framed, or
+ * submit or re-base anything. */
+#define S_PAGE_CSP                                                                              \
+    "default-src 'none'; script-src '" KVT_STATUS_PAGE_SCRIPT_HASH "'; "                         \
+    "style-src 'unsafe-inline'; connect-src 'self'; img-src data:; frame-ancestors 'none'; "    \
+    "base-uri 'none'; form-action 'none'"
+
 static enum MHD_Result s_page_send(struct MHD_Connection *conn)
 {
     struct MHD_Response *r = MHD_create_response_from_buffer(sizeof s_page, (void *)s_page,
                                                              MHD_RESPMEM_PERSISTENT);
     if (!r)
         return MHD_NO;
-    MHD_add_response_header(r, "Content-Type", "text/html; charset=utf-8");
-    MHD_add_response_header(r, "Cache-Control", "no-cache");
-    MHD_add_response_header(r, "X-Content-Type-Options", "nosniff");
-    MHD_add_response_header(r, "Content-Security-Policy",
-                            "default-src 'none'; script-src 'unsafe-inline'; "
-                            "style-src 'unsafe-inline'; connect-src 'self'; img-src data:");
-    enum MHD_Result ret = MHD_queue_response(conn, 200, r);
-    MHD_destroy_response(r);
-    return ret;
+    return s_respond(conn, 200, r,
+                     (const char *const[]){"Content-Type", "text/html; charset=utf-8",
+                                           "Cache-Control", "no-cache",
+                                           "X-Content-Type-Options", "nosniff",
+                                           "Content-Security-Policy", S_PAGE_CSP, NULL});
 }
 
 /* {ok: false, error: {code, message}}, as the wire protocol's error replies. */
@@ -193,12 +226,12 @@ static enum MHD_Result s_route(void *cls, struct MHD_Connection *conn, const cha
         return MHD_YES;
     }
     if (strcmp(url, "/") == 0 || strcmp(url, "/index.html") == 0) {
-        return get ? s_page_send(conn) : s_text(conn, 405, "method not allowed\n");
+        return get ? s_page_send(conn) : s_not_allowed(conn, "GET, HEAD");
     } else if (strcmp(url, "/healthz") == 0) {
-        return get ? s_text(conn, 200, "ok\n") : s_text(conn, 405, "method not allowed\n");
+        return get ? s_text(conn, 200, "ok\n") : s_not_allowed(conn, "GET, HEAD");
     } else if (strcmp(url, "/readyz") == 0) {
         if (!get)
-            return s_text(conn, 405, "method not allowed\n");
+            return s_not_allowed(conn, "GET, HEAD");
         char why[256], line[300];
         if (s_ready(self, why, sizeof why))
             return s_text(conn, 200, "ready\n");
@@ -206,16 +239,16 @@ static enum MHD_Result s_route(void *cls, struct MHD_Connection *conn, const cha
         return s_text(conn, 503, line);
     } else if (strcmp(url, "/metrics") == 0) {
         if (!get)
-            return s_text(conn, 405, "method not allowed\n");
+            return s_not_allowed(conn, "GET, HEAD");
         size_t len = 0;
         char *text = kvt_metrics_prometheus(self->metrics, &len);
         if (!text)
             return s_text(conn, 500, "cannot render metrics\n");
-        return s_send(conn, 200, "text/plain; version=0.0.4; charset=utf-8", text, len);
+        return s_send(conn, 200, "text/plain; version=0.0.4; charset=utf-8", text, len, NULL);
     } else if (strcmp(url, "/status") == 0) {
-        return get ? s_json(conn, 200, s_status(self)) : s_text(conn, 405, "method not allowed\n");
+        return get ? s_json(conn, 200, s_status(self)) : s_not_allowed(conn, "GET, HEAD");
     } else if (strcmp(url, "/clear") == 0) {
-        return post ? s_clear(self, conn) : s_text(conn, 405, "method not allowed: use POST\n");
+        return post ? s_clear(self, conn) : s_not_allowed(conn, "POST");
     }
     return s_text(conn, 404, "not found\n");
 }

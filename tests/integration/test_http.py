@@ -35,8 +35,11 @@ def test_clear(shared_daemon):
     doc = json.loads(body)
     assert isinstance(doc["removed"], int) and not isinstance(doc["removed"], bool)
     assert doc["removed"] >= 0
-    status, _, _ = d.http("GET", "/clear")
-    assert status == 405
+    status, headers, _ = d.http("GET", "/clear")
+    assert status == 405 and headers.get("allow") == "POST", (status, headers)
+    for path in ("/healthz", "/readyz", "/metrics", "/status"):
+        status, headers, _ = d.http("POST", path)
+        assert status == 405 and headers.get("allow") == "GET, HEAD", (path, status, headers)
 
 
 def test_metrics_format(shared_daemon):
