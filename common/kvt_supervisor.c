@@ -256,14 +256,18 @@ void kvt_sup_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
     int n = atomic_load(&self->nthreads);
     for (int i = 0; i < n; i++) {
         uint64_t silent = 0;
-        /* 0 exactly when the thread makes /readyz fail: one that ended as asked (at stop)
-         * is not a stall */
         kvt_sample_t s = {.name = "thread_up",
-                          .help = "0 when the internal thread is stuck or dead (what makes /readyz "
-                                  "answer 503), else 1.",
+                          .help = "1 when the internal thread is alive and beating.",
                           .kind = KVT_METRIC_GAUGE, .label = "thread",
                           .label_value = self->threads[i].name,
-                          .value = s_check(&self->threads[i], now, &silent) == 0 ? 1.0 : 0.0};
+                          .value = s_check(&self->threads[i], now, &silent) == 0 &&
+                                           atomic_load(&self->threads[i].state) == S_RUNNING
+                                       ? 1.0
+                                       : 0.0};
         emit(emit_ctx, &s);
     }
+    char why[8];
+    kvt_sample_t r = {.name = "ready", .help = "1 when /readyz answers 200.",
+                      .kind = KVT_METRIC_GAUGE, .value = kvt_sup_ready(self, why, sizeof why)};
+    emit(emit_ctx, &r);
 }

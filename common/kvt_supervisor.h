@@ -55,8 +55,7 @@ bool kvt_sup_ready(kvt_sup_t *self, char *why, size_t whylen);
 /* [{name, alive, stuck, last_beat_ms_ago, max_silence_ms}, ...]. Caller decrefs. */
 json_t *kvt_sup_status_json(kvt_sup_t *self);
 
-/* Metrics source: kvtier_thread_up{thread=...} (kvtier_ready, which also asks L2, is the
- * daemon's). */
+/* Metrics source: kvtier_thread_up{thread=...}. */
 void kvt_sup_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
 
 #endif

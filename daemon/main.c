@@ -164,19 +164,6 @@ static bool s_ready_hook(void *ctx, char *why, size_t whylen)
     return kvt_l2mgr_ready(p->l2, why, whylen);
 }
 
-/* kvtier_ready: what /readyz answers (kvt_http: every thread beating, then s_ready_hook). */
-static void s_ready_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
-{
-    s_parts_t *p = ctx;
-    char why[8];
-    bool ready = kvt_sup_ready(p->sup, why, sizeof why) && s_ready_hook(p, why, sizeof why);
-    emit(emit_ctx, &(kvt_sample_t){.name = "ready",
-                                   .help = "1 when /readyz answers 200: every internal thread "
-                                           "beating and every L2 adapter answering.",
-                                   .kind = KVT_METRIC_GAUGE,
-                                   .value = ready});
-}
-
 static int s_clear_hook(void *ctx, const char *ns, size_t ns_len, uint64_t *removed)
 {
     s_parts_t *p = ctx;
@@ -321,7 +308,6 @@ int main(int argc, char **argv)
     if (events)
         kvt_l2mgr_set_events(l2, s_on_l2_event, events);
     s_parts_t parts = {cfg, NULL, NULL, l1, l2, events, sup};
-    kvt_metrics_add_source(metrics, s_ready_source, &parts);
     kvt_l1_set_listener(l1, s_on_l1_event, &parts);
     server = kvt_server_new(cfg, metrics, reqstats, sup, l1, l2, prefetch, err, sizeof err);
     if (!server)

@@ -236,7 +236,6 @@ def test_redis_outage_l1_keeps_serving_readyz_follows(redis_factory, daemon_fact
     s, arena = client(d, "outage")
     assert readyz(d)[0] == 200
     assert l2_value(d, "kvtier_l2_up", spec) == 1
-    assert metric_value(d.metrics()[1], "kvtier_ready") == 1
 
     before = keys_of(b"before", 4)
     expected = {k: data_of(k, 64 * 1024) for k in before}
@@ -260,10 +259,6 @@ def test_redis_outage_l1_keeps_serving_readyz_follows(redis_factory, daemon_fact
     assert "l2 " + spec in body, "/readyz does not name the adapter: %r" % body
     assert time.monotonic() - t0 < 3.5
     assert l2_value(d, "kvtier_l2_up", spec) == 0
-    # kvtier_ready is what /readyz answers; the threads are all beating all along
-    smp = d.metrics()[1]
-    assert metric_value(smp, "kvtier_ready") == 0
-    assert metric_value(smp, "kvtier_thread_up", thread="server") == 1
     st = l2_status(d, spec)
     assert st["healthy"] is False and st["last_error"], st
     # the writes it could not do are counted, and nothing waits in L1 for a dead backend
@@ -276,7 +271,6 @@ def test_redis_outage_l1_keeps_serving_readyz_follows(redis_factory, daemon_fact
     wait_until(lambda: readyz(d)[0] == 200, 10, interval=0.1,
                what="/readyz 200 after redis came back")
     assert l2_value(d, "kvtier_l2_up", spec) == 1
-    assert metric_value(d.metrics()[1], "kvtier_ready") == 1
     assert l2_status(d, spec)["healthy"] is True
     after = keys_of(b"after", 4)
     d.store(s, arena, NS, after, [data_of(k, 64 * 1024) for k in after])
