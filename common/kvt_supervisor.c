@@ -4,7 +4,9 @@
  * 200 ms, logs state changes once each (stuck, recovered, dead) and beats for itself; if it
  * dies, its own slot goes stale and /readyz says so. Under systemd (Type=notify, WatchdogSec=)
  * the same tick sends WATCHDOG=1, but only while kvt_sup_ready() holds: a stuck or dead thread
- * (the supervisor itself included) stops the keep-alives and the service manager restarts us. */
+ * (the supervisor itself included) stops the keep-alives and the service manager restarts us.
+ * The owner's extra readiness check (kvt_sup_set_ready_check: L2) counts for kvt_sup_ready and
+ * kvtier_ready, never for the keep-alives, and the supervisor thread never calls it. */
 #include "kvt_supervisor.h"
 
 #include "kvt_error.h"
@@ -54,6 +56,9 @@ struct kvt_sup {
     uint64_t wd_interval_ms; /* 0: no watchdog asked for */
     uint64_t wd_last_ms;
     bool notified_ready;
+    /* readiness beyond the threads (L2 adapters answering); set before any reader runs */
+    kvt_sup_ready_fn ready_check;
+    void *ready_ctx;
 };
 
 kvt_sup_t *kvt_sup_new(const kvt_sup_fault_t *fault)
@@ -138,7 +143,15 @@ static int s_check(const kvt_sup_thread_t *t, uint64_t now, uint64_t *silent)
     return *silent > t->max_silence_ms ? -1 : 0;
 }
 
-bool kvt_sup_ready(kvt_sup_t *self, char *why, size_t whylen)
+void kvt_sup_set_ready_check(kvt_sup_t *self, kvt_sup_ready_fn fn, void *ctx)
+{
+    self->ready_check = fn;
+    self->ready_ctx = ctx;
+}
+
+/* The threads only: what the watchdog keep-alives follow (an L2 outage must not make systemd
+ * restart a daemon whose L1 still serves). */
+static bool s_threads_ok(kvt_sup_t *self, char *why, size_t whylen)
 {
     uint64_t now = kvt_now_ms();
     int n = atomic_load(&self->nthreads);
@@ -160,12 +173,19 @@ bool kvt_sup_ready(kvt_sup_t *self, char *why, size_t whylen)
     return true;
 }
 
+bool kvt_sup_ready(kvt_sup_t *self, char *why, size_t whylen)
+{
+    if (!s_threads_ok(self, why, whylen))
+        return false;
+    return !self->ready_check || self->ready_check(self->ready_ctx, why, whylen);
+}
+
 /* Health as the service manager sees it: a STATUS= line on each change, and WATCHDOG=1 only
  * while every thread is healthy, sent at the last tick before the interval would pass. */
 static void s_notify(kvt_sup_t *self, uint64_t now)
 {
     char why[128];
-    bool ok = kvt_sup_ready(self, why, sizeof why);
+    bool ok = s_threads_ok(self, why, sizeof why);
     if (ok != self->notified_ready) {
         kvt_notify_health(ok, why);
         self->notified_ready = ok;
@@ -257,16 +277,15 @@ void kvt_sup_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
     for (int i = 0; i < n; i++) {
         uint64_t silent = 0;
         kvt_sample_t s = {.name = "thread_up",
-                          .help = "1 when the internal thread is alive and beating.",
+                          .help = "0 when the internal thread is stuck or dead.",
                           .kind = KVT_METRIC_GAUGE, .label = "thread",
                           .label_value = self->threads[i].name,
-                          .value = s_check(&self->threads[i], now, &silent) == 0 &&
-                                           atomic_load(&self->threads[i].state) == S_RUNNING
-                                       ? 1.0
-                                       : 0.0};
+                          /* 0 for a stuck or dead thread, as kvt_sup_ready sees it; one
+                           * that exited as asked (shutdown) is not a fault */
+                          .value = s_check(&self->threads[i], now, &silent) == 0 ? 1.0 : 0.0};
         emit(emit_ctx, &s);
     }
-    char why[8];
+    char why[256];
     kvt_sample_t r = {.name = "ready", .help = "1 when /readyz answers 200.",
                       .kind = KVT_METRIC_GAUGE, .value = kvt_sup_ready(self, why, sizeof why)};
     emit(emit_ctx, &r);

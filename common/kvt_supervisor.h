@@ -48,14 +48,26 @@ void kvt_sup_thread_exit(kvt_sup_thread_t *t, bool expected);
 /* Starts the supervisor thread, which registers itself as "supervisor". 0 or KVT_EINTERNAL. */
 int kvt_sup_start(kvt_sup_t *self);
 
-/* True when every registered thread is alive and beating; otherwise false and `why` names the
- * first thread at fault ("thread server stuck for 1520 ms"). Any thread. */
+/* Readiness beyond the threads: true, or false with a reason in why. Called from whichever
+ * thread asks kvt_sup_ready (HTTP, the metrics' readers), never from the supervisor thread, so
+ * it must be thread-safe. */
+typedef bool (*kvt_sup_ready_fn)(void *ctx, char *why, size_t whylen);
+
+/* Sets the extra readiness check (NULL: none); start-up only, before any thread that asks
+ * kvt_sup_ready or renders the metrics runs. It must stay callable until those threads end. */
+void kvt_sup_set_ready_check(kvt_sup_t *self, kvt_sup_ready_fn fn, void *ctx);
+
+/* True when every registered thread is alive and beating (one that exited as asked counts as
+ * healthy) and the extra check, if any, holds; otherwise false and `why` names the first fault
+ * ("thread server stuck for 1520 ms", or the check's reason). Any thread. /readyz and
+ * kvtier_ready both read it. The systemd keep-alives follow the threads only. */
 bool kvt_sup_ready(kvt_sup_t *self, char *why, size_t whylen);
 
 /* [{name, alive, stuck, last_beat_ms_ago, max_silence_ms}, ...]. Caller decrefs. */
 json_t *kvt_sup_status_json(kvt_sup_t *self);
 
-/* Metrics source: kvtier_thread_up{thread=...}. */
+/* Metrics source: kvtier_thread_up{thread=...} (0: stuck or dead) and kvtier_ready
+ * (kvt_sup_ready). */
 void kvt_sup_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
 
 #endif

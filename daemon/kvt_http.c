@@ -174,12 +174,11 @@ static enum MHD_Result s_clear(kvt_http_t *self, struct MHD_Connection *conn)
     return s_json(conn, 200, json_pack("{s:b,s:I}", "ok", 1, "removed", (json_int_t)removed));
 }
 
-/* Threads first, then whatever the owner adds (L2 adapters). */
+/* Threads, then the owner's check (L2 adapters) that main gave the supervisor: the same answer
+ * as kvtier_ready on /metrics. */
 static bool s_ready(kvt_http_t *self, char *why, size_t whylen)
 {
-    if (!kvt_sup_ready(self->sup, why, whylen))
-        return false;
-    return !self->hooks.ready || self->hooks.ready(self->hooks.ctx, why, whylen);
+    return kvt_sup_ready(self->sup, why, whylen);
 }
 
 static json_t *s_status(kvt_http_t *self)

@@ -4,7 +4,7 @@
  *                  embedded at build time) that polls /status and /metrics every second and plots
  *                  the last minutes; also /index.html. Its CSP allows no other origin.
  *   GET /healthz   200 while the process runs
- *   GET /readyz    200 when every internal thread is alive (and, later, L2 answers), else 503
+ *   GET /readyz    200 when kvt_sup_ready holds (threads alive, L2 adapters answering), else 503
  *                  with the reason
  *   GET /metrics   Prometheus text format
  *   GET /status    JSON: version, uptime, readiness, threads, clients, config
@@ -32,8 +32,6 @@ typedef struct {
     json_t *(*status)(void *ctx);
     /* removes cached objects of the ns_len bytes at `ns` (NULL: all); 0 or a KVT_E* code */
     int (*clear)(void *ctx, const char *ns, size_t ns_len, uint64_t *removed);
-    /* readiness beyond the supervised threads (L2 adapters answering); NULL: none */
-    bool (*ready)(void *ctx, char *why, size_t whylen);
     void *ctx;
 } kvt_http_hooks_t;
 

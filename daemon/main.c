@@ -158,10 +158,13 @@ static json_t *s_status_hook(void *ctx)
     return st;
 }
 
-static bool s_ready_hook(void *ctx, char *why, size_t whylen)
+/* Readiness beyond the threads, for /readyz and kvtier_ready alike (kvt_sup_set_ready_check).
+ * kvt_l2mgr_ready reads an atomic and copies last_error under the adapter's short lock: safe
+ * from the HTTP thread and from the server thread (STATS), which both end before L2 is gone. */
+static bool s_ready_check(void *ctx, char *why, size_t whylen)
 {
-    s_parts_t *p = ctx;
-    return kvt_l2mgr_ready(p->l2, why, whylen);
+    kvt_l2mgr_t *l2 = ctx;
+    return kvt_l2mgr_ready(l2, why, whylen);
 }
 
 static int s_clear_hook(void *ctx, const char *ns, size_t ns_len, uint64_t *removed)
@@ -305,6 +308,8 @@ int main(int argc, char **argv)
         goto done;
     }
     kvt_metrics_add_source(metrics, kvt_l2mgr_metrics_source, l2);
+    /* before any thread that renders the metrics or answers /readyz starts */
+    kvt_sup_set_ready_check(sup, s_ready_check, l2);
     if (events)
         kvt_l2mgr_set_events(l2, s_on_l2_event, events);
     s_parts_t parts = {cfg, NULL, NULL, l1, l2, events, sup};
@@ -327,7 +332,6 @@ int main(int argc, char **argv)
     if (cfg->http[0]) {
         kvt_http_hooks_t hooks = {.status = s_status_hook,
                                   .clear = s_clear_hook,
-                                  .ready = s_ready_hook,
                                   .ctx = &parts};
         http = kvt_http_new(cfg, metrics, sup, &hooks, fds.http, err, sizeof err);
         if (!http)

@@ -79,6 +79,15 @@ def l2_value(d, name, adapter=None):
     return found[0].value
 
 
+def ready_metrics(d):
+    """kvtier_ready and {thread: kvtier_thread_up} from one /metrics."""
+    _, samples = d.metrics()
+    ready = [x.value for x in samples if x.name == "kvtier_ready"]
+    assert len(ready) == 1, ready
+    return ready[0], {x.labels["thread"]: x.value for x in samples
+                      if x.name == "kvtier_thread_up"}
+
+
 def l2_status(d, adapter=None):
     """The /status "l2" entry of the one adapter whose label starts with `adapter`."""
     entries = d.http_json("GET", "/status")["l2"]
@@ -236,6 +245,7 @@ def test_redis_outage_l1_keeps_serving_readyz_follows(redis_factory, daemon_fact
     s, arena = client(d, "outage")
     assert readyz(d)[0] == 200
     assert l2_value(d, "kvtier_l2_up", spec) == 1
+    assert ready_metrics(d)[0] == 1
 
     before = keys_of(b"before", 4)
     expected = {k: data_of(k, 64 * 1024) for k in before}
@@ -259,6 +269,10 @@ def test_redis_outage_l1_keeps_serving_readyz_follows(redis_factory, daemon_fact
     assert "l2 " + spec in body, "/readyz does not name the adapter: %r" % body
     assert time.monotonic() - t0 < 3.5
     assert l2_value(d, "kvtier_l2_up", spec) == 0
+    # kvtier_ready says what /readyz says (one check behind both), while every thread is up
+    ready, threads = ready_metrics(d)
+    assert ready == 0 and readyz(d)[0] == 503, (ready, readyz(d))
+    assert threads and all(v == 1 for v in threads.values()), threads
     st = l2_status(d, spec)
     assert st["healthy"] is False and st["last_error"], st
     # the writes it could not do are counted, and nothing waits in L1 for a dead backend
@@ -271,6 +285,7 @@ def test_redis_outage_l1_keeps_serving_readyz_follows(redis_factory, daemon_fact
     wait_until(lambda: readyz(d)[0] == 200, 10, interval=0.1,
                what="/readyz 200 after redis came back")
     assert l2_value(d, "kvtier_l2_up", spec) == 1
+    assert ready_metrics(d)[0] == 1
     assert l2_status(d, spec)["healthy"] is True
     after = keys_of(b"after", 4)
     d.store(s, arena, NS, after, [data_of(k, 64 * 1024) for k in after])

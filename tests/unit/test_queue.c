@@ -2,7 +2,8 @@
  * order across ring growth, displacing the oldest, batch pops, timed pops (they return after
  * the timeout and well before ten times it), close waking a blocked popper while what was
  * queued is still handed out, the eventfd readable exactly while items wait, wait_idle, counts
- * under several producers and consumers, and supervised threads (idle waits, verdicts). */
+ * under several producers and consumers, and supervised threads (idle waits, verdicts,
+ * kvtier_thread_up and kvtier_ready, the owner's extra readiness check). */
 #include "kvt_error.h"
 #include "kvt_log.h"
 #include "kvt_queue.h"
@@ -17,6 +18,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -379,6 +381,34 @@ static bool s_body(kvt_thread_t *t, void *arg)
     }
 }
 
+/* The value of the kvtier_<name>{thread=<label>} sample the supervisor emits (label NULL: none);
+ * -1 when it has none. */
+typedef struct {
+    const char *name, *label;
+    double value;
+} s_probe_t;
+
+static void s_probe_emit(void *ctx, const kvt_sample_t *s)
+{
+    s_probe_t *p = ctx;
+    if (strcmp(s->name, p->name) == 0 &&
+        (!p->label || (s->label_value && strcmp(s->label_value, p->label) == 0)))
+        p->value = s->value;
+}
+
+static double s_sup_sample(kvt_sup_t *sup, const char *name, const char *label)
+{
+    s_probe_t p = {name, label, -1};
+    kvt_sup_metrics_source(sup, s_probe_emit, &p);
+    return p.value;
+}
+
+static bool s_l2_down(void *ctx, char *why, size_t whylen)
+{
+    snprintf(why, whylen, "l2 %s: connection refused", (const char *)ctx);
+    return false;
+}
+
 static void test_thread_supervised(void **state)
 {
     (void)state;
@@ -398,6 +428,17 @@ static void test_thread_supervised(void **state)
     assert_int_equal(b.handled, 2);
     assert_int_equal(b.idle_ms, 50);
     assert_true(kvt_sup_ready(sup, why, sizeof why)); /* asked to stop: not dead */
+    /* ... and not down on /metrics either (kvtier_thread_up during a normal shutdown) */
+    assert_true(s_sup_sample(sup, "thread_up", "qtest") == 1.0);
+    assert_true(s_sup_sample(sup, "ready", NULL) == 1.0);
+    /* the owner's extra check (L2) makes kvt_sup_ready, hence /readyz and kvtier_ready, false */
+    kvt_sup_set_ready_check(sup, s_l2_down, "redis:x");
+    assert_false(kvt_sup_ready(sup, why, sizeof why));
+    assert_string_equal(why, "l2 redis:x: connection refused");
+    assert_true(s_sup_sample(sup, "ready", NULL) == 0.0);
+    assert_true(s_sup_sample(sup, "thread_up", "qtest") == 1.0);
+    kvt_sup_set_ready_check(sup, NULL, NULL);
+    assert_true(kvt_sup_ready(sup, why, sizeof why));
     kvt_queue_destroy(&b.q);
     kvt_sup_destroy(&sup);
 }
@@ -413,6 +454,8 @@ static void test_thread_fault_exit_is_dead(void **state)
     char why[128];
     assert_false(kvt_sup_ready(sup, why, sizeof why));
     assert_non_null(strstr(why, "qfault is dead"));
+    assert_true(s_sup_sample(sup, "thread_up", "qfault") == 0.0);
+    assert_true(s_sup_sample(sup, "ready", NULL) == 0.0);
     assert_int_equal(b.idle_ms, 200);
     kvt_queue_destroy(&b.q);
     kvt_sup_destroy(&sup);
