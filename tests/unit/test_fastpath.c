@@ -199,6 +199,24 @@ static int s_open(fx_t *f, kvt_conn_t *c, uint64_t owner, kvt_fastpath_offer_t *
     return rc;
 }
 
+/* A connection `rid` (descriptor fd) acting for `owner`, its ring pair opened and mapped by
+ * the client `cl`. */
+static kvt_conn_t *s_client(fx_t *f, const char *rid, int fd, uint64_t owner, cli_t *cl)
+{
+    kvt_conn_t *c = s_conn(f, rid, fd);
+    kvt_fastpath_offer_t o;
+    assert_int_equal(s_open(f, c, owner, &o), 0);
+    s_attach(f, &o, cl);
+    return c;
+}
+
+/* msg: n - 1 copies of ch, then NUL. */
+static void s_fill(char *msg, size_t n, char ch)
+{
+    memset(msg, ch, n - 1);
+    msg[n - 1] = '\0';
+}
+
 static json_int_t s_status(fx_t *f, const char *key, const char *sub)
 {
     json_t *j = kvt_fastpath_json(f->fp);
@@ -220,11 +238,8 @@ static void s_wait_status(fx_t *f, const char *key, const char *sub, json_int_t 
 static void test_round_trips_sleeping_and_spinning(void **state)
 {
     fx_t *f = *state;
-    kvt_conn_t *c = s_conn(f, "a", 10);
-    kvt_fastpath_offer_t o;
-    assert_int_equal(s_open(f, c, 7, &o), 0);
     cli_t cl;
-    s_attach(f, &o, &cl);
+    kvt_conn_t *c = s_client(f, "a", 10, 7, &cl);
     assert_int_equal(s_status(f, "rings_open", NULL), 1);
     /* back to back: the thread spins between them */
     char msg[32];
@@ -348,13 +363,12 @@ static void test_reclaim_reasons(void **state)
 static void test_hostile_client(void **state)
 {
     fx_t *f = *state;
-    kvt_conn_t *c = s_conn(f, "h", 16), *g = s_conn(f, "g", 17);
-    kvt_fastpath_offer_t o, og;
+    kvt_conn_t *c = s_conn(f, "h", 16);
+    kvt_fastpath_offer_t o;
     assert_int_equal(s_open(f, c, 31, &o), 0);
-    assert_int_equal(s_open(f, g, 32, &og), 0);
     cli_t h, good;
+    kvt_conn_t *g = s_client(f, "g", 17, 32, &good);
     s_attach(f, &o, &h);
-    s_attach(f, &og, &good);
     /* a record that is not a list of frames (written by hand, as a hostile client would):
      * the server's parse rejects it and the pair closes */
     uint64_t base = 1u << 30;
@@ -384,16 +398,12 @@ static void test_hostile_client(void **state)
 static void test_held_replies_are_bounded(void **state)
 {
     fx_t *f = *state;
-    kvt_conn_t *c = s_conn(f, "r", 18);
-    kvt_fastpath_offer_t o;
-    assert_int_equal(s_open(f, c, 41, &o), 0);
     cli_t cl;
-    s_attach(f, &o, &cl);
+    kvt_conn_t *c = s_client(f, "r", 18, 41, &cl);
     /* the client sends and never reads: replies fill the ring, then the backlog, then the
      * pair closes; the thread never blocks */
     char msg[200];
-    memset(msg, 'q', sizeof msg - 1);
-    msg[sizeof msg - 1] = '\0';
+    s_fill(msg, sizeof msg, 'q');
     int sent = 0;
     for (int i = 0; i < 2000 && s_status(f, "dropped", "reply_backlog") == 0; i++) {
         int rc = s_send(&cl, msg);
@@ -420,11 +430,9 @@ static void test_held_replies_are_bounded(void **state)
 static void test_reply_to_a_closed_slot_and_stop(void **state)
 {
     fx_t *f = *state;
-    kvt_conn_t *c = s_conn(f, "z", 19);
-    kvt_fastpath_offer_t o;
-    assert_int_equal(s_open(f, c, 51, &o), 0);
     cli_t cl;
-    s_attach(f, &o, &cl);
+    kvt_conn_t *c = s_client(f, "z", 19, 51, &cl);
+    kvt_fastpath_offer_t o;
     pthread_mutex_lock(&f->lock);
     f->srv.hold = true; /* answered later, as a pooled request would be */
     pthread_mutex_unlock(&f->lock);
@@ -491,11 +499,8 @@ static uint64_t s_ns(void)
 static void test_server_loop_is_never_starved(void **state)
 {
     fx_t *f = *state;
-    kvt_conn_t *c = s_conn(f, "f", 21);
-    kvt_fastpath_offer_t o;
-    assert_int_equal(s_open(f, c, 61, &o), 0);
     cli_t cl;
-    s_attach(f, &o, &cl);
+    kvt_conn_t *c = s_client(f, "f", 21, 61, &cl);
     flood_t fl = {.c = &cl};
     pthread_t th;
     pthread_create(&th, NULL, s_flood, &fl);
@@ -545,13 +550,12 @@ static void *s_poke(void *arg)
 static void test_spurious_wakes_are_quieted(void **state)
 {
     fx_t *f = *state;
-    kvt_conn_t *c = s_conn(f, "w", 22), *g = s_conn(f, "v", 23);
-    kvt_fastpath_offer_t o, og;
+    kvt_conn_t *c = s_conn(f, "w", 22);
+    kvt_fastpath_offer_t o;
     assert_int_equal(s_open(f, c, 71, &o), 0);
-    assert_int_equal(s_open(f, g, 72, &og), 0);
     cli_t bad, good;
+    kvt_conn_t *g = s_client(f, "v", 23, 72, &good);
     s_attach(f, &o, &bad);
-    s_attach(f, &og, &good);
     usleep(50000); /* past the spin: the thread sleeps */
     poke_t pk = {.word = (uint32_t *)(f->tail + (o.request - (1u << 30)) +
                                       KVT_RING_OFF_CONS_WAIT)};
@@ -604,14 +608,10 @@ static void test_rehello_with_no_slot_free(void **state)
 static void test_held_replies_flow_when_read(void **state)
 {
     fx_t *f = *state;
-    kvt_conn_t *c = s_conn(f, "q", 24);
-    kvt_fastpath_offer_t o;
-    assert_int_equal(s_open(f, c, 91, &o), 0);
     cli_t cl;
-    s_attach(f, &o, &cl);
+    kvt_conn_t *c = s_client(f, "q", 24, 91, &cl);
     char msg[160];
-    memset(msg, 'h', sizeof msg - 1);
-    msg[sizeof msg - 1] = '\0';
+    s_fill(msg, sizeof msg, 'h');
     for (int i = 0; i < 30; i++) { /* about 22 fit the reply ring: the rest are held */
         int rc;
         while ((rc = s_send(&cl, msg)) == KVT_EBUSY) /* the thread has not taken them yet */
