@@ -137,6 +137,32 @@ GPU_OBJS := $(BUILD)/obj/storage/kvt_gpu.o $(BUILD)/asan/obj/storage/kvt_gpu.o \
             $(BUILD)/tsan/obj/storage/kvt_gpu.o
 $(GPU_OBJS): ALLCFLAGS += $(CUDA_CFLAGS)
 $(GPU_OBJS): $(BUILD)/cuda.stamp
+
+# `$<` as a C byte list in `$@` (od: coreutils), for an #include inside an array initialiser.
+define embed_bytes
+@mkdir -p $(dir $@)
+od -An -v -tx1 $< > $@.od && sed -e 's/\([0-9a-f][0-9a-f]\)/0x\1,/g' $@.od > $@.tmp \
+  && test -s $@.tmp && mv $@.tmp $@ && rm -f $@.od || { rm -f $@.od $@.tmp; exit 1; }
+endef
+
+# The staged GPU copies' kernel (storage/kvt_gpu_kernels.cu): nvcc builds a fatbin (machine code
+# for sm_80 / sm_90 / sm_100 / sm_120, PTX for sm_75 and anything newer to JIT), which kvt_gpu.c
+# embeds and loads with cudaLibraryLoadData. The daemon still links no CUDA library.
+ifeq ($(CUDA),1)
+GPU_FATBIN  := $(BUILD)/gen/kvt_gpu_kernels.fatbin
+GPU_KERNELS := $(BUILD)/gen/kvt_gpu_kernels.inc
+NVCC_ARCHS  ?= -gencode arch=compute_75,code=compute_75 -gencode arch=compute_80,code=sm_80 \
+               -gencode arch=compute_90,code=sm_90 -gencode arch=compute_100,code=sm_100 \
+               -gencode arch=compute_120,code=sm_120
+$(GPU_FATBIN): storage/kvt_gpu_kernels.cu storage/kvt_gpu_kernels.h
+	@mkdir -p $(dir $@)
+	@echo "  NVCC    $<"
+	$(Q)$(NVCC) --fatbin -O3 -Istorage $(NVCC_ARCHS) -o $@.tmp $< && mv $@.tmp $@
+$(GPU_KERNELS): $(GPU_FATBIN)
+	$(embed_bytes)
+$(GPU_OBJS): $(GPU_KERNELS)
+$(GPU_OBJS): ALLCFLAGS += -DKVT_HAVE_GPU_KERNELS -I$(BUILD)/gen
+endif
 $(BUILD)/cuda.stamp: FORCE
 	@mkdir -p $(BUILD); echo "CUDA=$(CUDA) $(CUDA_HOME)" | cmp -s - $@ || \
 	  echo "CUDA=$(CUDA) $(CUDA_HOME)" > $@
@@ -279,9 +305,10 @@ endif
 # that the integration tests put on the daemon's LD_LIBRARY_PATH, so the GPU path runs end to
 # end without a GPU. Test-only: never installed. Needs the toolkit's headers for the types.
 ifeq ($(CUDA),1)
-$(MOCK_CUDART): tests/gpu/mock_cudart.c
+$(MOCK_CUDART): tests/gpu/mock_cudart.c storage/kvt_gpu_kernels.h
 	@mkdir -p $(dir $@)
-	$(CC) -std=gnu11 $(WARN) -O1 -g -fPIC -D_GNU_SOURCE -isystem $(CUDA_HOME)/include -shared \
+	$(CC) -std=gnu11 $(WARN) -O1 -g -fPIC -D_GNU_SOURCE -Istorage -isystem $(CUDA_HOME)/include \
+	  -shared \
 	  -Wl,-soname,libcudart.so.$(CUDART_MAJOR) -o $@ $< -lpthread
 endif
 
@@ -747,9 +774,7 @@ KVT_HTTP_OBJS := $(filter %/daemon/kvt_http.o,$(CORE_OBJ) $(ASAN_OBJ) $(TSAN_OBJ
 .PHONY: deps-ui
 
 $(STATUS_PAGE): daemon/kvt_status_page.html
-	@mkdir -p $(dir $@)
-	od -An -v -tx1 $< > $@.od && sed -e 's/\([0-9a-f][0-9a-f]\)/0x\1,/g' $@.od > $@.tmp \
-	  && test -s $@.tmp && mv $@.tmp $@ && rm -f $@.od || { rm -f $@.od $@.tmp; exit 1; }
+	$(embed_bytes)
 
 $(STATUS_CSP): daemon/kvt_status_page.html
 	@mkdir -p $(dir $@)

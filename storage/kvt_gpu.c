@@ -15,11 +15,18 @@
  * (slow, once); it is never taken by the server thread.
  *
  * Copies: one request = one stream from a per-device free list (created on demand, so there
- * are at most as many as concurrent workers). Consecutive block ids are coalesced into one copy
- * (kvt_gpu_runs); the copies of a request are issued with cudaMemcpyBatchAsync (one call for
- * up to S_OPS copies) when the runtime has it, else one cudaMemcpyAsync each, then the worker
- * waits for the stream. A client event (cudaIpcEventHandle_t) is waited for on the stream
- * before the first copy. */
+ * are at most as many as concurrent workers). A client event (cudaIpcEventHandle_t) is waited
+ * for on the stream before the first copy; the worker then waits for the stream. Two ways:
+ * - direct: consecutive block ids are coalesced into one copy (kvt_gpu_runs) per layer and
+ *   run, issued with cudaMemcpyBatchAsync (one call for up to S_OPS copies) when the runtime
+ *   has it, else one cudaMemcpyAsync each;
+ * - staged: the kernel of kvt_gpu_kernels.cu gathers a slice of a chunk (as many whole layers
+ *   as fit) into the stream's staging buffer in device memory, laid out as the L1 object, and
+ *   one DMA copy moves the slice (RETRIEVE: the copy, then the scatter). For short runs (a
+ *   shuffled block table: one 32-64 KiB DMA per block and layer), where the copy engine's
+ *   per-copy cost caps PCIe well below its rate.
+ * KVT_GPU_COPY=auto (default) takes staged when the kernel loaded and the direct copies would
+ * average under S_AUTO_RUN bytes; `direct` and `staged` force one (benchmarks, tests). */
 #include "kvt_gpu.h"
 
 #include "kvt_error.h"
@@ -29,17 +36,30 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #ifdef KVT_HAVE_CUDA
 #include <cuda_runtime_api.h>
+#if defined(KVT_HAVE_GPU_KERNELS) && CUDART_VERSION >= 12000
+#include "kvt_gpu_kernels.h"
+#define S_KERNELS 1
+/* the fatbin nvcc built from kvt_gpu_kernels.cu (build/gen/, see the Makefile) */
+static const unsigned char s_fatbin[] __attribute__((aligned(64))) = {
+#include "kvt_gpu_kernels.inc"
+};
+#endif
 #endif
 
-#define S_OPS 4096 /* copies issued per batch */
+#define S_OPS 4096                   /* copies issued per batch */
+#define S_STAGE_BYTES (32ull << 20)  /* staging buffer per stream (KVT_GPU_STAGING_BYTES) */
+#define S_SLICE (16ull << 20)        /* a staged slice's target size (KVT_GPU_SLICE_BYTES) */
+#define S_AUTO_RUN (2ull << 20)      /* auto: staged when direct copies average less */
 
 /* ---- pure validation ---- */
 
@@ -197,10 +217,30 @@ typedef struct s_reg {
     bool ready;      /* handles open: copies may use it */
 } s_reg_t;
 
+/* A copy stream of one device. The staged copies add (at its first staged copy) a second
+ * stream for the kernel, the staging buffer in S_SLOTS slots with an event each for "filled"
+ * and "free", and the request's layer pointers and block ids on both sides. */
+#define S_SLOTS 8
 typedef struct s_stream {
     struct s_stream *next;
-    void *stream; /* cudaStream_t */
+    void *stream;  /* cudaStream_t: the copies (and every direct copy) */
+    bool staged;   /* what follows is allocated */
+    void *kstream; /* cudaStream_t: the kernels */
+    void *stage;   /* stage_bytes of device memory */
+    void *full[S_SLOTS], *free[S_SLOTS], *done; /* cudaEvent_t */
+    void *meta;    /* meta_cap bytes of device memory */
+    size_t meta_cap;
+    void *hmeta;   /* hmeta_cap bytes of pinned host memory: meta's source */
+    size_t hmeta_cap;
 } s_stream_t;
+
+typedef enum { S_COPY_AUTO, S_COPY_DIRECT, S_COPY_STAGED } s_copy_mode_t;
+/* How a worker waits for its copies (KVT_GPU_SYNC): spin in cudaStreamSynchronize (the
+ * runtime's default with fewer contexts than cores), block in it (cudaDeviceScheduleBlockingSync:
+ * an interrupt and a wake-up per request), or poll (the default): when the copies should take
+ * long (at the fastest rate seen so far), sleep through 3/4 of that, then poll cudaStreamQuery,
+ * yielding: a copy of hundreds of MiB no longer keeps a core busy for its milliseconds. */
+typedef enum { S_SYNC_POLL, S_SYNC_SPIN, S_SYNC_BLOCKING } s_sync_mode_t;
 
 #ifdef KVT_HAVE_CUDA
 #define S_FN(name) __typeof__(name) *name
@@ -220,8 +260,22 @@ typedef struct {
     S_FN(cudaStreamDestroy);
     S_FN(cudaStreamWaitEvent);
     S_FN(cudaStreamSynchronize);
+    S_FN(cudaStreamQuery);
+    S_FN(cudaSetDeviceFlags);
     S_FN(cudaMemcpyAsync);
     S_FN(cudaMemcpyBatchAsync); /* optional: NULL before CUDA 12.8 */
+#ifdef S_KERNELS
+    /* optional, for the staged copies: without them (or the kernel) copies are direct */
+    S_FN(cudaMalloc);
+    S_FN(cudaFree);
+    S_FN(cudaMallocHost);
+    S_FN(cudaFreeHost);
+    S_FN(cudaEventCreateWithFlags);
+    S_FN(cudaEventRecord);
+    S_FN(cudaLibraryLoadData);
+    S_FN(cudaLibraryGetKernel);
+    S_FN(cudaLaunchKernel);
+#endif
 } s_api_t;
 #undef S_FN
 #endif
@@ -238,6 +292,12 @@ struct kvt_gpu {
     s_api_t api;
 #endif
     _Atomic bool batch_ok; /* cudaMemcpyBatchAsync usable (cleared after it refuses once) */
+    void *kernel;          /* cudaKernel_t of kvt_gpu_blocks, NULL: no staged copies */
+    _Atomic bool stage_warned;
+    s_copy_mode_t copy_mode;
+    size_t stage_bytes, slice_bytes;
+    s_sync_mode_t sync_mode;
+    _Atomic uint64_t fastest; /* poll: the fastest copy seen, bytes per ms */
     pthread_mutex_t lock; /* leaf: regs, streams */
     s_reg_t *regs;
     s_stream_t *streams[KVT_GPU_MAX_DEVICES];
@@ -264,6 +324,86 @@ kvt_gpu_t *kvt_gpu_new(kvt_l1_t *l1)
 #define KVT_CUDA_LIBDIR "/usr/local/cuda/lib64"
 #endif
 
+/* Points self->api.fn at the runtime's fn; ok stays true while every one is found. */
+#define S_DLSYM(ok, fn)                                                                        \
+    do {                                                                                       \
+        *(void **)&self->api.fn = dlsym(self->lib, #fn);                                       \
+        ok = ok && self->api.fn != NULL;                                                       \
+    } while (0)
+
+/* A positive byte count from the environment, else dflt. */
+static size_t s_env_bytes(const char *name, size_t dflt)
+{
+    const char *v = getenv(name);
+    char *end = NULL;
+    unsigned long long n = v && *v ? strtoull(v, &end, 10) : 0;
+    return n && end && !*end ? (size_t)n : dflt;
+}
+
+/* The staged copies' kernel and the copy settings (KVT_GPU_COPY, KVT_GPU_STAGING_BYTES,
+ * KVT_GPU_SLICE_BYTES);
+ * init_lock held. Without the kernel every copy is direct, whatever KVT_GPU_COPY says. */
+static void s_copy_setup(kvt_gpu_t *self)
+{
+    const char *mode = getenv("KVT_GPU_COPY");
+    self->copy_mode = S_COPY_AUTO;
+    if (mode && !strcmp(mode, "direct"))
+        self->copy_mode = S_COPY_DIRECT;
+    else if (mode && !strcmp(mode, "staged"))
+        self->copy_mode = S_COPY_STAGED;
+    else if (mode && *mode && strcmp(mode, "auto"))
+        kvt_log(KVT_LOG_WARN, "gpu: KVT_GPU_COPY=%s is not auto, direct or staged: auto", mode);
+    const char *sync = getenv("KVT_GPU_SYNC");
+    self->sync_mode = S_SYNC_POLL;
+    if (sync && !strcmp(sync, "spin"))
+        self->sync_mode = S_SYNC_SPIN;
+    else if (sync && !strcmp(sync, "blocking"))
+        self->sync_mode = S_SYNC_BLOCKING;
+    else if (sync && *sync && strcmp(sync, "poll"))
+        kvt_log(KVT_LOG_WARN, "gpu: KVT_GPU_SYNC=%s is not poll, spin or blocking: poll", sync);
+    for (int d = 0; self->sync_mode == S_SYNC_BLOCKING && d < self->ndev; d++) {
+        /* before the device's context exists (this is the first CUDA work of the process) */
+        if (self->api.cudaSetDevice(d) != cudaSuccess ||
+            self->api.cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) != cudaSuccess) {
+            self->api.cudaGetLastError();
+            kvt_log(KVT_LOG_WARN, "gpu: cannot set blocking sync on device %d", d);
+        }
+    }
+    self->stage_bytes = s_env_bytes("KVT_GPU_STAGING_BYTES", S_STAGE_BYTES);
+    self->slice_bytes = s_env_bytes("KVT_GPU_SLICE_BYTES", S_SLICE);
+#ifdef S_KERNELS
+    s_api_t *a = &self->api;
+    bool ok = true;
+    S_DLSYM(ok, cudaMalloc);
+    S_DLSYM(ok, cudaFree);
+    S_DLSYM(ok, cudaMallocHost);
+    S_DLSYM(ok, cudaFreeHost);
+    S_DLSYM(ok, cudaEventCreateWithFlags);
+    S_DLSYM(ok, cudaEventRecord);
+    S_DLSYM(ok, cudaLibraryLoadData);
+    S_DLSYM(ok, cudaLibraryGetKernel);
+    S_DLSYM(ok, cudaLaunchKernel);
+    if (self->copy_mode == S_COPY_DIRECT)
+        return;
+    if (!ok) {
+        kvt_log(KVT_LOG_INFO, "gpu: the CUDA runtime has no cudaLibraryLoadData: direct copies");
+        return;
+    }
+    cudaLibrary_t lib = NULL;
+    cudaKernel_t k = NULL;
+    cudaError_t e = a->cudaLibraryLoadData(&lib, s_fatbin, NULL, NULL, 0, NULL, NULL, 0);
+    if (e == cudaSuccess)
+        e = a->cudaLibraryGetKernel(&k, lib, KVT_GPU_KERNEL_NAME);
+    if (e != cudaSuccess) { /* e.g. a GPU older than the fatbin's oldest (sm_75) */
+        a->cudaGetLastError();
+        kvt_log(KVT_LOG_WARN, "gpu: cannot load the copy kernel (%s): direct copies",
+                a->cudaGetErrorString(e));
+        return;
+    }
+    self->kernel = (void *)k; /* the library stays loaded, as the runtime does */
+#endif
+}
+
 /* Loads libcudart and asks for devices; init_lock held. */
 static void s_load(kvt_gpu_t *self)
 {
@@ -282,28 +422,24 @@ static void s_load(kvt_gpu_t *self)
     }
     s_api_t *a = &self->api;
     bool ok = true;
-#define S_SYM(fn)                                                                              \
-    do {                                                                                       \
-        *(void **)&a->fn = dlsym(self->lib, #fn);                                              \
-        ok = ok && a->fn != NULL;                                                              \
-    } while (0)
-    S_SYM(cudaGetDeviceCount);
-    S_SYM(cudaGetErrorString);
-    S_SYM(cudaGetLastError);
-    S_SYM(cudaSetDevice);
-    S_SYM(cudaHostRegister);
-    S_SYM(cudaHostUnregister);
-    S_SYM(cudaPointerGetAttributes);
-    S_SYM(cudaIpcOpenMemHandle);
-    S_SYM(cudaIpcCloseMemHandle);
-    S_SYM(cudaIpcOpenEventHandle);
-    S_SYM(cudaEventDestroy);
-    S_SYM(cudaStreamCreateWithFlags);
-    S_SYM(cudaStreamDestroy);
-    S_SYM(cudaStreamWaitEvent);
-    S_SYM(cudaStreamSynchronize);
-    S_SYM(cudaMemcpyAsync);
-#undef S_SYM
+    S_DLSYM(ok, cudaGetDeviceCount);
+    S_DLSYM(ok, cudaGetErrorString);
+    S_DLSYM(ok, cudaGetLastError);
+    S_DLSYM(ok, cudaSetDevice);
+    S_DLSYM(ok, cudaHostRegister);
+    S_DLSYM(ok, cudaHostUnregister);
+    S_DLSYM(ok, cudaPointerGetAttributes);
+    S_DLSYM(ok, cudaIpcOpenMemHandle);
+    S_DLSYM(ok, cudaIpcCloseMemHandle);
+    S_DLSYM(ok, cudaIpcOpenEventHandle);
+    S_DLSYM(ok, cudaEventDestroy);
+    S_DLSYM(ok, cudaStreamCreateWithFlags);
+    S_DLSYM(ok, cudaStreamDestroy);
+    S_DLSYM(ok, cudaStreamWaitEvent);
+    S_DLSYM(ok, cudaStreamSynchronize);
+    S_DLSYM(ok, cudaStreamQuery);
+    S_DLSYM(ok, cudaSetDeviceFlags);
+    S_DLSYM(ok, cudaMemcpyAsync);
     *(void **)&a->cudaMemcpyBatchAsync = dlsym(self->lib, "cudaMemcpyBatchAsync");
     self->batch_ok = a->cudaMemcpyBatchAsync != NULL && getenv("KVT_GPU_NO_BATCH") == NULL;
     if (!ok) {
@@ -321,9 +457,13 @@ static void s_load(kvt_gpu_t *self)
         return;
     }
     self->ndev = n;
+    s_copy_setup(self);
     self->cuda_rc = 0;
-    kvt_log(KVT_LOG_INFO, "gpu: loaded %s, %d CUDA device(s)%s", name, n,
-            self->batch_ok ? ", batched copies" : "");
+    kvt_log(KVT_LOG_INFO, "gpu: loaded %s, %d CUDA device(s)%s, %s copies%s", name, n,
+            self->batch_ok ? ", batched" : "", self->kernel ? "staged and direct" : "direct",
+            self->copy_mode == S_COPY_AUTO     ? ""
+            : self->copy_mode == S_COPY_DIRECT ? " (KVT_GPU_COPY=direct)"
+                                               : " (KVT_GPU_COPY=staged)");
 }
 
 static const char *s_cerr(kvt_gpu_t *self, cudaError_t e)
@@ -413,7 +553,7 @@ static int s_open_reg(kvt_gpu_t *self, s_reg_t *reg, const kvt_gpu_reg_args_t *r
     return rc;
 }
 
-static void *s_stream_get(kvt_gpu_t *self, uint32_t dev, char *err, size_t errlen)
+static s_stream_t *s_stream_get(kvt_gpu_t *self, uint32_t dev, char *err, size_t errlen)
 {
     pthread_mutex_lock(&self->lock);
     s_stream_t *s = self->streams[dev];
@@ -421,9 +561,8 @@ static void *s_stream_get(kvt_gpu_t *self, uint32_t dev, char *err, size_t errle
         self->streams[dev] = s->next;
     pthread_mutex_unlock(&self->lock);
     if (s) {
-        void *st = s->stream;
-        free(s);
-        return st;
+        s->next = NULL;
+        return s;
     }
     cudaStream_t st = NULL;
     cudaError_t e = self->api.cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
@@ -432,18 +571,41 @@ static void *s_stream_get(kvt_gpu_t *self, uint32_t dev, char *err, size_t errle
         snprintf(err, errlen, "cudaStreamCreateWithFlags: %s", s_cerr(self, e));
         return NULL;
     }
-    return st;
-}
-
-static void s_stream_put(kvt_gpu_t *self, uint32_t dev, void *st)
-{
-    s_stream_t *s = malloc(sizeof *s);
+    s = calloc(1, sizeof *s);
     kvt_assert(s);
     s->stream = st;
+    return s;
+}
+
+static void s_stream_put(kvt_gpu_t *self, uint32_t dev, s_stream_t *s)
+{
     pthread_mutex_lock(&self->lock);
     s->next = self->streams[dev];
     self->streams[dev] = s;
     pthread_mutex_unlock(&self->lock);
+}
+
+/* Frees a stream and its staged resources; its device is set, nothing is queued on it. */
+static void s_stream_free(kvt_gpu_t *self, s_stream_t *s)
+{
+#ifdef S_KERNELS
+    const s_api_t *a = &self->api;
+    if (s->staged) {
+        a->cudaStreamDestroy(s->kstream);
+        for (int i = 0; i < S_SLOTS; i++) {
+            a->cudaEventDestroy(s->full[i]);
+            a->cudaEventDestroy(s->free[i]);
+        }
+        a->cudaEventDestroy(s->done);
+        a->cudaFree(s->stage);
+    }
+    if (s->meta)
+        a->cudaFree(s->meta);
+    if (s->hmeta)
+        a->cudaFreeHost(s->hmeta);
+#endif
+    self->api.cudaStreamDestroy(s->stream);
+    free(s);
 }
 
 /* The copies of one request, collected then issued S_OPS at a time on one stream. */
@@ -496,46 +658,40 @@ static void s_add(s_copies_t *c, void *dst, const void *src, size_t size)
     c->n++;
 }
 
-/* Copies between the chunks' blocks and their L1 objects at arena offsets off[0..n). An L1
- * object is layer-major: layer 0's blocks in chunk order, then layer 1's, ... */
-static int s_copy(kvt_gpu_t *self, const s_reg_t *reg, bool to_gpu, const uint64_t *ids,
-                  uint32_t per, const uint64_t *off, uint32_t n, const uint8_t *event, char *err,
-                  size_t errlen)
+#define S_POLL_SLEEP_MIN_NS 750000 /* shorter waits poll all along (a sleep wakes up late) */
+
+/* Waits for stream st, whose copies of `bytes` were queued from t0 on (KVT_GPU_SYNC). */
+static cudaError_t s_wait(kvt_gpu_t *self, cudaStream_t st, uint64_t bytes, uint64_t t0)
+{
+    const s_api_t *a = &self->api;
+    if (self->sync_mode != S_SYNC_POLL || bytes == 0)
+        return a->cudaStreamSynchronize(st);
+    uint64_t fastest = atomic_load_explicit(&self->fastest, memory_order_relaxed);
+    if (fastest) { /* sleep through 3/4 of the shortest time the copies can take, if long */
+        uint64_t ns = bytes * 1000000 / fastest * 3 / 4, spent = kvt_now_ns() - t0;
+        if (ns > spent + S_POLL_SLEEP_MIN_NS) {
+            struct timespec ts = {.tv_sec = (time_t)((ns - spent) / 1000000000),
+                                  .tv_nsec = (long)((ns - spent) % 1000000000)};
+            nanosleep(&ts, NULL);
+        }
+    }
+    cudaError_t e;
+    while ((e = a->cudaStreamQuery(st)) == cudaErrorNotReady)
+        sched_yield();
+    uint64_t took = kvt_now_ns() - t0; /* this request's rate, bytes per ms */
+    uint64_t rate = took ? bytes * 1000000 / took : 0;
+    if (e == cudaSuccess && rate > fastest)
+        atomic_store_explicit(&self->fastest, rate, memory_order_relaxed);
+    return e;
+}
+
+/* The direct copies of a request (see the top); rstart and rlen hold per entries. */
+static void s_copy_direct(s_copies_t *c, const s_reg_t *reg, bool to_gpu, const uint64_t *ids,
+                          uint32_t per, const uint64_t *off, uint32_t n, uint32_t *rstart,
+                          uint32_t *rlen)
 {
     const kvt_gpu_layout_t *lay = &reg->lay;
-    const s_api_t *a = &self->api;
-    cudaError_t e = a->cudaSetDevice((int)lay->device);
-    if (e != cudaSuccess) {
-        a->cudaGetLastError();
-        snprintf(err, errlen, "cudaSetDevice(%u): %s", lay->device, s_cerr(self, e));
-        return KVT_EINTERNAL;
-    }
-    cudaStream_t st = s_stream_get(self, lay->device, err, errlen);
-    if (!st)
-        return KVT_EINTERNAL;
-    s_copies_t *c = malloc(sizeof *c);
-    uint32_t *rstart = malloc(per * sizeof *rstart), *rlen = malloc(per * sizeof *rlen);
-    if (!c || !rstart || !rlen) {
-        free(c);
-        free(rstart);
-        free(rlen);
-        s_stream_put(self, lay->device, st);
-        snprintf(err, errlen, "out of memory for the copy list");
-        return KVT_ENOMEM;
-    }
-    c->gpu = self;
-    c->stream = st;
-    c->n = 0;
-    c->e = cudaSuccess;
-    cudaEvent_t ev = NULL;
-    if (event) {
-        cudaIpcEventHandle_t h;
-        memcpy(&h, event, sizeof h);
-        c->e = a->cudaIpcOpenEventHandle(&ev, h);
-        if (c->e == cudaSuccess)
-            c->e = a->cudaStreamWaitEvent(st, ev, 0);
-    }
-    uint8_t *arena = kvt_l1_base(self->l1);
+    uint8_t *arena = kvt_l1_base(c->gpu->l1);
     uint64_t bb = lay->block_bytes;
     for (uint32_t k = 0; k < n && c->e == cudaSuccess; k++) {
         const uint64_t *cid = ids + (size_t)k * per;
@@ -554,8 +710,241 @@ static int s_copy(kvt_gpu_t *self, const s_reg_t *reg, bool to_gpu, const uint64
         }
     }
     s_flush(c);
+}
+
+#ifdef S_KERNELS
+#define S_META_MAX (64ull << 20) /* layer pointers + block ids of one staged request */
+
+/* Whether a request goes staged: the kernel loaded, one layer of a chunk fits the staging
+ * buffer, the block ids fit S_META_MAX, and (auto) the direct copies would be short. */
+static bool s_use_staged(const kvt_gpu_t *self, const kvt_gpu_layout_t *lay,
+                         const uint64_t *ids, uint32_t per, uint32_t n, uint32_t *rstart,
+                         uint32_t *rlen)
+{
+    if (!self->kernel || self->copy_mode == S_COPY_DIRECT || n == 0 ||
+        (uint64_t)per * lay->block_bytes > self->stage_bytes ||
+        ((uint64_t)lay->layers + (uint64_t)n * per) * 8 > S_META_MAX)
+        return false;
+    if (self->copy_mode == S_COPY_STAGED)
+        return true;
+    uint64_t runs = 0;
+    for (uint32_t k = 0; k < n; k++)
+        runs += kvt_gpu_runs(ids + (size_t)k * per, per, rstart, rlen);
+    return (uint64_t)n * per * lay->block_bytes < runs * S_AUTO_RUN;
+}
+
+/* The stream's staged resources, once: the kernel stream, the staging buffer, the events. */
+static cudaError_t s_staged_init(kvt_gpu_t *self, s_stream_t *s)
+{
+    if (s->staged)
+        return cudaSuccess;
+    const s_api_t *a = &self->api;
+    cudaStream_t k = NULL;
+    void *stage = NULL;
+    cudaEvent_t ev[2 * S_SLOTS + 1] = {0};
+    int nev = 0;
+    cudaError_t e = a->cudaStreamCreateWithFlags(&k, cudaStreamNonBlocking);
+    if (e == cudaSuccess)
+        e = a->cudaMalloc(&stage, self->stage_bytes);
+    for (; e == cudaSuccess && nev < 2 * S_SLOTS + 1; nev++)
+        e = a->cudaEventCreateWithFlags(&ev[nev], cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+        a->cudaGetLastError();
+        for (int i = 0; i < nev; i++)
+            if (ev[i])
+                a->cudaEventDestroy(ev[i]);
+        if (stage)
+            a->cudaFree(stage);
+        if (k)
+            a->cudaStreamDestroy(k);
+        return e;
+    }
+    s->kstream = k;
+    s->stage = stage;
+    for (int i = 0; i < S_SLOTS; i++) {
+        s->full[i] = ev[i];
+        s->free[i] = ev[S_SLOTS + i];
+    }
+    s->done = ev[2 * S_SLOTS];
+    s->staged = true;
+    return cudaSuccess;
+}
+
+/* The request's layer pointers and block ids: device and pinned host buffers that hold `need`
+ * bytes (grown, never shrunk; the streams are idle). */
+static cudaError_t s_meta_init(kvt_gpu_t *self, s_stream_t *s, size_t need)
+{
+    const s_api_t *a = &self->api;
+    cudaError_t e = cudaSuccess;
+    if (s->meta_cap < need) {
+        if (s->meta)
+            a->cudaFree(s->meta);
+        s->meta_cap = 0;
+        e = a->cudaMalloc(&s->meta, need);
+        s->meta_cap = e == cudaSuccess ? need : 0;
+        if (e != cudaSuccess)
+            s->meta = NULL;
+    }
+    if (e == cudaSuccess && s->hmeta_cap < need) {
+        if (s->hmeta)
+            a->cudaFreeHost(s->hmeta);
+        s->hmeta_cap = 0;
+        e = a->cudaMallocHost(&s->hmeta, need);
+        s->hmeta_cap = e == cudaSuccess ? need : 0;
+        if (e != cudaSuccess)
+            s->hmeta = NULL;
+    }
+    if (e != cudaSuccess)
+        a->cudaGetLastError();
+    return e;
+}
+
+
+/* The staged copies of a request (see the top): its chunks go in slices of whole layers
+ * (about slice_bytes) through a ring of S_SLOTS slots of the staging buffer. STORE: the
+ * kernel stream gathers slice i into its slot, the copy stream moves it to L1 once it is full;
+ * RETRIEVE: the copy stream fills the slot, the kernel stream scatters it. A slot is reused only
+ * after its last use is done (the `free` event), so the two streams overlap. Everything is
+ * queued behind the client's event `ev` (NULL: none) on the kernel stream; the copy stream
+ * finishes after the kernel stream (`done`), so synchronising it waits for both. Sets *direct
+ * (queueing nothing) when the device has no memory for the buffers. */
+static cudaError_t s_copy_staged(kvt_gpu_t *self, s_stream_t *s, const s_reg_t *reg,
+                                 bool to_gpu, const uint64_t *ids, uint32_t per,
+                                 const uint64_t *off, uint32_t n, cudaEvent_t ev, bool *direct)
+{
+    const s_api_t *a = &self->api;
+    const kvt_gpu_layout_t *lay = &reg->lay;
+    uint32_t L = lay->layers;
+    uint64_t bb = lay->block_bytes, slice = per * bb; /* one layer of a chunk */
+    uint64_t nl = self->slice_bytes / slice ? self->slice_bytes / slice : 1;
+    if (nl > L)
+        nl = L;
+    if (nl * per > INT32_MAX) /* the grid's x */
+        nl = INT32_MAX / per;
+    if (nl * slice > self->stage_bytes) /* a small staging buffer: one slot */
+        nl = self->stage_bytes / slice; /* >= 1: s_use_staged */
+    uint64_t slots = self->stage_bytes / (nl * slice);
+    if (slots > S_SLOTS)
+        slots = S_SLOTS;
+    size_t meta_bytes = ((size_t)L + (size_t)n * per) * sizeof(uint64_t);
+    cudaError_t e = s_staged_init(self, s);
+    if (e == cudaSuccess)
+        e = s_meta_init(self, s, meta_bytes);
+    if (e != cudaSuccess) { /* the engines hold the device's memory: direct copies need none */
+        if (!atomic_exchange(&self->stage_warned, true))
+            kvt_log(KVT_LOG_WARN, "gpu: no memory for the %zu-byte staging buffer on device %u "
+                                  "(%s): direct copies where it is missing",
+                    self->stage_bytes, lay->device, a->cudaGetErrorString(e));
+        *direct = true;
+        return cudaSuccess;
+    }
+    uint64_t *meta = s->hmeta;
+    for (uint32_t l = 0; l < L; l++)
+        meta[l] = (uint64_t)(uintptr_t)reg->ptrs[l];
+    memcpy(meta + L, ids, (size_t)n * per * sizeof *ids);
+    cudaStream_t ks = s->kstream, cs = s->stream;
+    if (ev)
+        e = a->cudaStreamWaitEvent(ks, ev, 0);
+    if (e == cudaSuccess)
+        e = a->cudaMemcpyAsync(s->meta, meta, meta_bytes, cudaMemcpyDefault, ks);
+    uint8_t *arena = kvt_l1_base(self->l1);
+    uint64_t dmeta = (uint64_t)(uintptr_t)s->meta, i = 0;
+    for (uint32_t k = 0; k < n && e == cudaSuccess; k++) {
+        for (uint32_t l0 = 0; l0 < L && e == cudaSuccess; l0 += (uint32_t)nl, i++) {
+            uint32_t cnt = L - l0 < nl ? L - l0 : (uint32_t)nl, q = (uint32_t)(i % slots);
+            size_t bytes = (size_t)cnt * slice;
+            uint8_t *slot = (uint8_t *)s->stage + q * nl * slice;
+            uint8_t *host = arena + off[k] + (uint64_t)l0 * slice;
+            kvt_gpu_blocks_args_t args = {.stage = (uint64_t)(uintptr_t)slot,
+                                          .ptrs = dmeta,
+                                          .ids = dmeta + ((uint64_t)L + (uint64_t)k * per) * 8,
+                                          .block_bytes = bb,
+                                          .per = per,
+                                          .l0 = l0,
+                                          .to_stage = !to_gpu};
+            void *argv[] = {&args};
+            dim3 grid = {cnt * per, 1, 1}, block = {KVT_GPU_KERNEL_THREADS, 1, 1};
+            /* the slot's previous use (slices i - slots) is done */
+            cudaStream_t first = to_gpu ? cs : ks, second = to_gpu ? ks : cs;
+            if (i >= slots)
+                e = a->cudaStreamWaitEvent(first, s->free[q], 0);
+            if (e == cudaSuccess)
+                e = to_gpu ? a->cudaMemcpyAsync(slot, host, bytes, cudaMemcpyDefault, cs)
+                           : a->cudaLaunchKernel(self->kernel, grid, block, argv, 0, ks);
+            if (e == cudaSuccess)
+                e = a->cudaEventRecord(s->full[q], first);
+            if (e == cudaSuccess)
+                e = a->cudaStreamWaitEvent(second, s->full[q], 0);
+            if (e == cudaSuccess)
+                e = to_gpu ? a->cudaLaunchKernel(self->kernel, grid, block, argv, 0, ks)
+                           : a->cudaMemcpyAsync(host, slot, bytes, cudaMemcpyDefault, cs);
+            if (e == cudaSuccess)
+                e = a->cudaEventRecord(s->free[q], second);
+        }
+    }
+    /* the copy stream ends after the kernel stream, also after an error */
+    cudaError_t e2 = a->cudaEventRecord(s->done, ks);
+    if (e2 == cudaSuccess)
+        e2 = a->cudaStreamWaitEvent(cs, s->done, 0);
+    if (e2 != cudaSuccess) /* cannot chain them: wait here */
+        e2 = a->cudaStreamSynchronize(ks);
+    return e != cudaSuccess ? e : e2;
+}
+#endif
+
+/* Copies between the chunks' blocks and their L1 objects at arena offsets off[0..n). An L1
+ * object is layer-major: layer 0's blocks in chunk order, then layer 1's, ... */
+static int s_copy(kvt_gpu_t *self, const s_reg_t *reg, bool to_gpu, const uint64_t *ids,
+                  uint32_t per, const uint64_t *off, uint32_t n, const uint8_t *event, char *err,
+                  size_t errlen)
+{
+    const kvt_gpu_layout_t *lay = &reg->lay;
+    const s_api_t *a = &self->api;
+    cudaError_t e = a->cudaSetDevice((int)lay->device);
+    if (e != cudaSuccess) {
+        a->cudaGetLastError();
+        snprintf(err, errlen, "cudaSetDevice(%u): %s", lay->device, s_cerr(self, e));
+        return KVT_EINTERNAL;
+    }
+    s_stream_t *s = s_stream_get(self, lay->device, err, errlen);
+    if (!s)
+        return KVT_EINTERNAL;
+    s_copies_t *c = malloc(sizeof *c);
+    uint32_t *rstart = malloc(per * sizeof *rstart), *rlen = malloc(per * sizeof *rlen);
+    if (!c || !rstart || !rlen) {
+        free(c);
+        free(rstart);
+        free(rlen);
+        s_stream_put(self, lay->device, s);
+        snprintf(err, errlen, "out of memory for the copy list");
+        return KVT_ENOMEM;
+    }
+    c->gpu = self;
+    c->stream = s->stream;
+    c->n = 0;
+    c->e = cudaSuccess;
+    cudaEvent_t ev = NULL;
+    if (event) {
+        cudaIpcEventHandle_t h;
+        memcpy(&h, event, sizeof h);
+        c->e = a->cudaIpcOpenEventHandle(&ev, h);
+    }
+    bool direct = true;
+    uint64_t t0 = kvt_now_ns();
+#ifdef S_KERNELS
+    if (c->e == cudaSuccess && s_use_staged(self, lay, ids, per, n, rstart, rlen)) {
+        direct = false;
+        c->e = s_copy_staged(self, s, reg, to_gpu, ids, per, off, n, ev, &direct);
+    }
+#endif
+    if (c->e == cudaSuccess && direct) {
+        if (ev)
+            c->e = a->cudaStreamWaitEvent(s->stream, ev, 0);
+        s_copy_direct(c, reg, to_gpu, ids, per, off, n, rstart, rlen);
+    }
     /* even after an error, wait for what was queued: the arena slots are about to be reused */
-    cudaError_t se = a->cudaStreamSynchronize(st);
+    cudaError_t se = s_wait(self, s->stream, c->e == cudaSuccess ? (uint64_t)n * per * lay->layers
+                                                                   * lay->block_bytes : 0, t0);
     e = c->e != cudaSuccess ? c->e : se;
     if (ev)
         a->cudaEventDestroy(ev);
@@ -567,9 +956,9 @@ static int s_copy(kvt_gpu_t *self, const s_reg_t *reg, bool to_gpu, const uint64
         rc = KVT_EINTERNAL;
     }
     if (se == cudaSuccess)
-        s_stream_put(self, lay->device, st);
+        s_stream_put(self, lay->device, s);
     else
-        a->cudaStreamDestroy(st);
+        s_stream_free(self, s);
     free(c);
     free(rstart);
     free(rlen);
@@ -709,9 +1098,12 @@ void kvt_gpu_destroy(kvt_gpu_t **self_p)
             s_stream_t *s = self->streams[d];
             self->streams[d] = s->next;
 #ifdef KVT_HAVE_CUDA
-            self->api.cudaStreamDestroy(s->stream);
-#endif
+            if (self->api.cudaSetDevice((int)d) != cudaSuccess)
+                self->api.cudaGetLastError();
+            s_stream_free(self, s);
+#else
             free(s);
+#endif
         }
 #ifdef KVT_HAVE_CUDA
     if (self->arena_pinned)

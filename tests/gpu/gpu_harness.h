@@ -101,8 +101,10 @@ static inline kvtier_t *h_connect(const h_daemon_t *d, const char *instance, int
     return kvtier_connect(d->endpoint, "kvt-gpu", instance, timeout_ms, err, sizeof err);
 }
 
-/* Starts `daemon` on a private run dir (ipc only, no L2, no HTTP) with an L1 of l1_size. */
-static inline bool h_daemon_start(h_daemon_t *d, const char *daemon, const char *l1_size)
+/* Starts `daemon` on a private run dir (ipc only, no L2, no HTTP) with an L1 of l1_size;
+ * copy_mode, when not NULL, is its KVT_GPU_COPY (auto, direct or staged). */
+static inline bool h_daemon_start(h_daemon_t *d, const char *daemon, const char *l1_size,
+                                  const char *copy_mode)
 {
     memset(d, 0, sizeof *d);
     snprintf(d->dir, sizeof d->dir, "/tmp/kvt-gpu-XXXXXX");
@@ -121,6 +123,8 @@ static inline bool h_daemon_start(h_daemon_t *d, const char *daemon, const char 
     d->pid = fork();
     if (d->pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (copy_mode)
+            setenv("KVT_GPU_COPY", copy_mode, 1);
         int fd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
         if (fd >= 0) {
             dup2(fd, 1);
@@ -180,8 +184,22 @@ static inline bool h_log_has(const h_daemon_t *d, const char *s)
     return found;
 }
 
-/* Runs fn(arg) in a forked child (the engine); returns its exit status (-1: killed). */
-static inline int h_run_child(int (*fn)(void *), void *arg)
+/* Lines of the daemon's log that contain `s`. */
+static inline int h_log_count(const h_daemon_t *d, const char *s)
+{
+    FILE *f = fopen(d->log, "r");
+    if (!f)
+        return 0;
+    char line[1024];
+    int n = 0;
+    while (fgets(line, sizeof line, f))
+        n += strstr(line, s) != NULL;
+    fclose(f);
+    return n;
+}
+
+/* Forks fn(arg) as a child (an engine) and returns its pid without waiting. */
+static inline pid_t h_spawn(int (*fn)(void *), void *arg)
 {
     fflush(stdout);
     pid_t pid = fork();
@@ -191,9 +209,22 @@ static inline int h_run_child(int (*fn)(void *), void *arg)
         fflush(stdout);
         _exit(rc);
     }
+    return pid;
+}
+
+/* The exit status of child pid (-1: killed by a signal). */
+static inline int h_wait(pid_t pid)
+{
     int st = 0;
-    waitpid(pid, &st, 0);
+    if (waitpid(pid, &st, 0) != pid)
+        return -1;
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* Runs fn(arg) in a forked child (the engine); returns its exit status (-1: killed). */
+static inline int h_run_child(int (*fn)(void *), void *arg)
+{
+    return h_wait(h_spawn(fn, arg));
 }
 
 /* Shuffles a[0..n) with a fixed-seed xorshift (reproducible runs). */

@@ -12,7 +12,12 @@
  * Environment: KVT_MOCK_CUDA_DEVICES (default 1; 0: cudaGetDeviceCount fails with
  * cudaErrorNoDevice), KVT_MOCK_CUDA_FAIL_HOST_REGISTER=1 (cudaHostRegister fails),
  * KVT_MOCK_CUDA_NO_BATCH=1 (cudaMemcpyBatchAsync answers cudaErrorNotSupported),
- * KVT_MOCK_CUDA_LOG=FILE (one line per open, close, host register and copy call). */
+ * KVT_MOCK_CUDA_KERNELS=1 (cudaLibraryLoadData accepts the daemon's fatbin, and cudaLaunchKernel
+ * runs its kernel, kvt_gpu_blocks, on the CPU; otherwise it answers cudaErrorNotSupported and the
+ * daemon copies direct), KVT_MOCK_CUDA_NO_MALLOC=1 (cudaMalloc fails: no device memory),
+ * KVT_MOCK_CUDA_LOG=FILE (one line per open, close, host register, copy, malloc and kernel). */
+#include "kvt_gpu_kernels.h"
+
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -217,6 +222,18 @@ cudaError_t cudaStreamSynchronize(cudaStream_t st)
     return cudaSuccess;
 }
 
+cudaError_t cudaStreamQuery(cudaStream_t st)
+{
+    (void)st;
+    return cudaSuccess;
+}
+
+cudaError_t cudaSetDeviceFlags(unsigned int flags)
+{
+    s_log("deviceflags %u", flags);
+    return cudaSuccess;
+}
+
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
                             cudaStream_t st)
 {
@@ -241,5 +258,97 @@ cudaError_t cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, con
     for (size_t i = 0; i < count; i++)
         memcpy(dsts[i], srcs[i], sizes[i]);
     s_log("batch %zu", count);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void **p, size_t size)
+{
+    if (s_env_int("KVT_MOCK_CUDA_NO_MALLOC", 0))
+        return cudaErrorMemoryAllocation;
+    *p = malloc(size);
+    s_log("malloc %zu", size);
+    return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+
+cudaError_t cudaFree(void *p)
+{
+    free(p);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **p, size_t size)
+{
+    *p = malloc(size);
+    return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+
+cudaError_t cudaFreeHost(void *p)
+{
+    free(p);
+    return cudaSuccess;
+}
+
+/* copies are synchronous here: an event is always complete */
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *ev, unsigned int flags)
+{
+    (void)flags;
+    *ev = (cudaEvent_t)malloc(16);
+    return *ev ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t st)
+{
+    (void)st;
+    return ev ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+static char s_library, s_kernel; /* the handles' addresses */
+
+cudaError_t cudaLibraryLoadData(cudaLibrary_t *lib, const void *code,
+                                enum cudaJitOption *jit, void **jit_values, unsigned int njit,
+                                enum cudaLibraryOption *opts, void **opt_values,
+                                unsigned int nopts)
+{
+    (void)jit, (void)jit_values, (void)njit, (void)opts, (void)opt_values, (void)nopts;
+    if (!s_env_int("KVT_MOCK_CUDA_KERNELS", 0))
+        return cudaErrorNotSupported;
+    /* a fatbin starts with its magic number (0xBA55ED50, little-endian) */
+    static const unsigned char magic[4] = {0x50, 0xed, 0x55, 0xba};
+    if (!code || memcmp(code, magic, 4) != 0)
+        return cudaErrorInvalidValue;
+    *lib = (cudaLibrary_t)&s_library;
+    return cudaSuccess;
+}
+
+cudaError_t cudaLibraryGetKernel(cudaKernel_t *k, cudaLibrary_t lib, const char *name)
+{
+    if (lib != (cudaLibrary_t)&s_library || strcmp(name, KVT_GPU_KERNEL_NAME) != 0)
+        return cudaErrorSymbolNotFound;
+    *k = (cudaKernel_t)&s_kernel;
+    return cudaSuccess;
+}
+
+/* kvt_gpu_blocks on the CPU: "device" addresses are host addresses here */
+cudaError_t cudaLaunchKernel(const void *func, dim3 grid, dim3 block, void **args,
+                             size_t shared, cudaStream_t st)
+{
+    (void)st;
+    if (func != (const void *)&s_kernel || shared || grid.y != 1 || grid.z != 1 ||
+        block.x != KVT_GPU_KERNEL_THREADS || block.y != 1 || block.z != 1)
+        return cudaErrorInvalidValue;
+    const kvt_gpu_blocks_args_t *a = args[0];
+    if (a->per == 0 || grid.x % a->per)
+        return cudaErrorInvalidValue;
+    const uint64_t *ptrs = (const uint64_t *)(uintptr_t)a->ptrs;
+    const uint64_t *ids = (const uint64_t *)(uintptr_t)a->ids;
+    for (uint64_t i = 0; i < grid.x; i++) {
+        uint8_t *dev = (uint8_t *)(uintptr_t)ptrs[a->l0 + i / a->per] + ids[i % a->per] * a->block_bytes;
+        uint8_t *stg = (uint8_t *)(uintptr_t)a->stage + i * a->block_bytes;
+        if (a->to_stage)
+            memcpy(stg, dev, a->block_bytes);
+        else
+            memcpy(dev, stg, a->block_bytes);
+    }
+    s_log("kernel %u %u %s", grid.x, a->l0, a->to_stage ? "gather" : "scatter");
     return cudaSuccess;
 }

@@ -495,3 +495,146 @@ def test_mock_gpu_odd_block_sizes(daemon_factory, tmp_path):
             assert e.read_layer(l) == want, "layer %d" % l
     finally:
         e.close()
+
+
+# ----------------------------------------------------------------------------------------
+# Staged copies (the kernel of storage/kvt_gpu_kernels.cu, run on the CPU by the mock with
+# KVT_MOCK_CUDA_KERNELS=1): a slice of whole layers of a chunk is gathered into a staging buffer
+# laid out as the L1 object, then moved by one copy; RETRIEVE copies, then scatters.
+
+def staged_round_trip(d, e, inst, ids, others, tag=b"st"):
+    """STORE_GPU from `ids`, check the objects, clear, RETRIEVE_GPU into `others`, check every
+    block of every layer. Returns the keys."""
+    s = d.dealer()
+    d.hello(s, inst)
+    d.ok(s, REGISTER_GPU, e.register_body())
+    per = len(ids) // 3
+    keys = [key(i, tag) for i in range(3)]
+    assert d.ok(s, STORE_GPU, {"ns": NS, "keys": keys, "device": 0, "block_ids": ids,
+                               "event": HANDLE})["stored"] == 3
+    _, _, body, frames = d.request(s, d.next_uid(), GET, {"ns": NS, "keys": keys})
+    assert frames == [e.object_bytes(ids[i * per:(i + 1) * per]) for i in range(3)]
+    e.clear()
+    assert d.ok(s, RETRIEVE_GPU, {"ns": NS, "keys": keys, "device": 0, "block_ids": others,
+                                  "event": HANDLE})["found"] == 3
+    for l in range(e.layers):
+        got = e.read_layer(l)
+        for j, blk in enumerate(others):
+            assert e.block(got, blk) == e.block(e.orig[l], ids[j]), (l, j)
+        assert all(e.block(got, b) == bytes(e.block_bytes)
+                   for b in set(range(e.num_blocks)) - set(others)), l
+    return keys
+
+
+def kernel_lines(log):
+    return [(int(w[1]), int(w[2]), w[3]) for w in mock_log(log) if w[0] == "kernel"]
+
+
+def shuffled(n, seed, count):
+    ids = list(range(n))
+    random.Random(seed).shuffle(ids)
+    return ids[:count]
+
+
+@needs_mock
+def test_mock_gpu_staged_copies(daemon_factory, tmp_path, engine):
+    """Shuffled blocks of 1 KiB: auto takes the staged copies. One gather and one copy per
+    chunk into L1, one copy and one scatter per chunk back; every byte where it belongs."""
+    d, log = mock_daemon(daemon_factory, tmp_path, KVT_MOCK_CUDA_KERNELS=1)
+    per = 4
+    ids = shuffled(engine.num_blocks, 11, 3 * per)
+    others = [b for b in range(engine.num_blocks) if b not in ids][:3 * per][::-1]
+    staged_round_trip(d, engine, "inst-staged", ids, others)
+    chunk = engine.layers * per * engine.block_bytes
+    assert kernel_lines(log) == [(3 * per, 0, "gather")] * 3 + [(3 * per, 0, "scatter")] * 3
+    # per request: the layer pointers and block ids up, then one copy per chunk
+    assert count(log, "memcpy") == 2 * (1 + 3) and count(log, "batch") == 0, mock_log(log)
+    assert [int(w[1]) for w in mock_log(log) if w[0] == "malloc"][0] == 32 << 20
+    assert any("staged and direct copies" in l for l in d.log_lines())
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_gpu_copied_bytes_total", direction="to_l1") == 3 * chunk
+    assert metric_value(samples, "kvtier_gpu_copied_bytes_total", direction="to_gpu") == 3 * chunk
+
+
+@needs_mock
+def test_mock_gpu_staged_slices(daemon_factory, tmp_path):
+    """A staging buffer of two layers of a chunk: a 5-layer chunk goes in slices of 2, 2, 1
+    layers (kernel from layers 0, 2, 4), with the shared allocation at an offset."""
+    e = MockEngine(layers=5, num_blocks=24, block_tokens=2, token_bytes=64, seed=4)
+    try:
+        per = 3
+        d, log = mock_daemon(daemon_factory, tmp_path, KVT_MOCK_CUDA_KERNELS=1,
+                             KVT_GPU_STAGING_BYTES=2 * per * e.block_bytes + 7)
+        ids = shuffled(e.num_blocks, 3, 3 * per)
+        others = [b for b in range(e.num_blocks) if b not in ids][:3 * per]
+        staged_round_trip(d, e, "inst-slices", ids, others)
+        slices = [(2 * per, 0), (2 * per, 2), (per, 4)]
+        assert kernel_lines(log) == ([g + ("gather",) for g in slices] * 3 +
+                                     [g + ("scatter",) for g in slices] * 3)
+    finally:
+        e.close()
+
+
+@needs_mock
+@pytest.mark.parametrize("env, why", [
+    ({"KVT_GPU_COPY": "direct"}, "forced"),
+    ({"KVT_GPU_STAGING_BYTES": "1000"}, "one layer of a chunk does not fit"),
+    ({"KVT_MOCK_CUDA_NO_MALLOC": "1"}, "no device memory"),
+    ({}, "contiguous runs: auto"),
+], ids=["forced", "stage-too-small", "no-device-memory", "auto-long-runs"])
+def test_mock_gpu_staged_falls_back_to_direct(daemon_factory, tmp_path, env, why):
+    """Where the staged copies cannot or should not run, the copies are direct and right."""
+    e = MockEngine(layers=3, num_blocks=128, block_tokens=64, token_bytes=1024, seed=6)
+    try:
+        d, log = mock_daemon(daemon_factory, tmp_path, KVT_MOCK_CUDA_KERNELS=1, **env)
+        per = 16  # auto: 16 x 64 KiB = 1 MiB per contiguous copy, under the 2 MiB rule
+        if why.startswith("contiguous"):
+            # 2 MiB runs: 32 blocks x 64 KiB, one run per layer and chunk
+            per = 32
+            e.close()
+            e = MockEngine(layers=2, num_blocks=96, block_tokens=64, token_bytes=1024, seed=6)
+            ids, others = list(range(3 * per)), list(range(3 * per))
+        else:
+            ids = shuffled(e.num_blocks, 8, 3 * per)
+            others = [b for b in range(e.num_blocks) if b not in ids][:3 * per]
+        staged_round_trip(d, e, "inst-direct", ids, others)
+        assert kernel_lines(log) == [], why
+        assert count(log, "batch") == 2, mock_log(log)  # one batch per request
+        warned = any("no memory for the 33554432-byte staging buffer" in l
+                     for l in d.log_lines())
+        assert warned == (why == "no device memory")
+    finally:
+        e.close()
+
+
+@needs_mock
+def test_mock_gpu_staged_odd_block_sizes(daemon_factory, tmp_path):
+    """Blocks of 18 bytes, forced staged: objects and slices are not 16-byte multiples."""
+    e = MockEngine(layers=2, num_blocks=10, block_tokens=3, token_bytes=6, shared=False, seed=9)
+    try:
+        d, log = mock_daemon(daemon_factory, tmp_path, KVT_MOCK_CUDA_KERNELS=1,
+                             KVT_GPU_COPY="staged")
+        staged_round_trip(d, e, "inst-odd-staged", [7, 2, 9, 8, 0, 5], [1, 3, 4, 6, 2, 9])
+        assert len(kernel_lines(log)) == 6
+    finally:
+        e.close()
+
+
+@needs_mock
+@pytest.mark.parametrize("env, flags, warns", [
+    ({"KVT_GPU_SYNC": "blocking"}, ["4"], []),  # cudaDeviceScheduleBlockingSync
+    ({"KVT_GPU_SYNC": "spin"}, [], []),
+    ({"KVT_GPU_SYNC": "sleepy", "KVT_GPU_COPY": "fast"}, [],
+     ["KVT_GPU_SYNC=sleepy is not poll, spin or blocking", "KVT_GPU_COPY=fast is not auto"]),
+], ids=["blocking", "spin", "unknown-values"])
+def test_mock_gpu_wait_settings(daemon_factory, tmp_path, engine, env, flags, warns):
+    """KVT_GPU_SYNC=blocking sets the device's blocking-sync flag before its first CUDA work;
+    unknown values are logged and the defaults (poll, auto) copy as before."""
+    d, log = mock_daemon(daemon_factory, tmp_path, KVT_MOCK_CUDA_KERNELS=1, **env)
+    ids = shuffled(engine.num_blocks, 21, 12)
+    others = [b for b in range(engine.num_blocks) if b not in ids][:12]
+    staged_round_trip(d, engine, "inst-wait", ids, others)
+    assert [w[1] for w in mock_log(log) if w[0] == "deviceflags"] == flags
+    assert len(kernel_lines(log)) == 6  # staged: auto, whatever the wait
+    for w in warns:
+        assert any(w in l for l in d.log_lines()), w
