@@ -340,27 +340,30 @@ static size_t s_env_bytes(const char *name, size_t dflt)
     return n && end && !*end ? (size_t)n : dflt;
 }
 
-/* The staged copies' kernel and the copy settings (KVT_GPU_COPY, KVT_GPU_STAGING_BYTES,
- * KVT_GPU_SLICE_BYTES);
- * init_lock held. Without the kernel every copy is direct, whatever KVT_GPU_COPY says. */
+/* The index in choices[3] of environment variable `name`; unset or empty: 0; anything else is
+ * logged and 0. */
+static int s_env_choice(const char *name, const char *const choices[3])
+{
+    const char *v = getenv(name);
+    for (int i = 0; v && *v && i < 3; i++)
+        if (!strcmp(v, choices[i]))
+            return i;
+    if (v && *v)
+        kvt_log(KVT_LOG_WARN, "gpu: %s=%s is not %s, %s or %s: %s", name, v, choices[0],
+                choices[1], choices[2], choices[0]);
+    return 0;
+}
+
+/* The staged copies' kernel and the copy settings (KVT_GPU_COPY, KVT_GPU_SYNC,
+ * KVT_GPU_STAGING_BYTES, KVT_GPU_SLICE_BYTES); init_lock held. Without the kernel every copy is
+ * direct, whatever KVT_GPU_COPY says. */
 static void s_copy_setup(kvt_gpu_t *self)
 {
-    const char *mode = getenv("KVT_GPU_COPY");
-    self->copy_mode = S_COPY_AUTO;
-    if (mode && !strcmp(mode, "direct"))
-        self->copy_mode = S_COPY_DIRECT;
-    else if (mode && !strcmp(mode, "staged"))
-        self->copy_mode = S_COPY_STAGED;
-    else if (mode && *mode && strcmp(mode, "auto"))
-        kvt_log(KVT_LOG_WARN, "gpu: KVT_GPU_COPY=%s is not auto, direct or staged: auto", mode);
-    const char *sync = getenv("KVT_GPU_SYNC");
-    self->sync_mode = S_SYNC_POLL;
-    if (sync && !strcmp(sync, "spin"))
-        self->sync_mode = S_SYNC_SPIN;
-    else if (sync && !strcmp(sync, "blocking"))
-        self->sync_mode = S_SYNC_BLOCKING;
-    else if (sync && *sync && strcmp(sync, "poll"))
-        kvt_log(KVT_LOG_WARN, "gpu: KVT_GPU_SYNC=%s is not poll, spin or blocking: poll", sync);
+    /* in the enums' order */
+    static const char *const copy[3] = {"auto", "direct", "staged"};
+    static const char *const sync[3] = {"poll", "spin", "blocking"};
+    self->copy_mode = (s_copy_mode_t)s_env_choice("KVT_GPU_COPY", copy);
+    self->sync_mode = (s_sync_mode_t)s_env_choice("KVT_GPU_SYNC", sync);
     for (int d = 0; self->sync_mode == S_SYNC_BLOCKING && d < self->ndev; d++) {
         /* before the device's context exists (this is the first CUDA work of the process) */
         if (self->api.cudaSetDevice(d) != cudaSuccess ||
