@@ -12,6 +12,9 @@ kvtier.sglang subclasses it as it would SGLang's; call it before importing kvtie
                         required; import; issubclass check; cls(storage_config, {}); then the
                         controller's register_mem_pool_host(host_pool)
     HostPool            an MHA or MLA host KV pool over a CPU tensor in one of SGLang's layouts
+    AsymmetricHostPool  the pool of models whose head_dim != v_head_dim (K and V buffers of
+                        their own; no flat pages, get_page_buffer_meta only)
+    NoStoragePool       a pool that refuses every storage call (SGLang's int2 host pool)
     Controller          the controller's two ways of moving pages: zero-copy (interface_v1:
                         batch_exists, batch_get_v1, batch_set_v1) and generic (batch_get into
                         dummy flat pages, batch_set of get_data_page copies)
@@ -266,6 +269,110 @@ class HostPool:
 
     def pages(self, indices):
         return [self.get_data_page(s).clone() for s in indices[::self.page_size].tolist()]
+
+
+class AsymmetricHostPool:
+    """SGLang's AsymmetricMHATokenToKVPoolHost (head_dim != v_head_dim, e.g. MiMo-V2): K and V
+    in two buffers of their own, page_first (size, L, H, D) or page_first_direct
+    (pages, L, P, H, D); any other layout is refused at construction, as SGLang does. The
+    flat-page calls raise NotImplementedError (SGLang's own message: such a pool has no flat
+    page); get_page_buffer_meta(indices) -> ([k_ptr, v_ptr] per page, [k_bytes, v_bytes] per
+    page) as SGLang computes it (the route its Mooncake backend takes)."""
+
+    def __init__(self, pages, page_size=16, layers=4, heads=2, head_dim=96, v_head_dim=64,
+                 dtype=torch.bfloat16, layout="page_first"):
+        if layout not in ("page_first", "page_first_direct"):
+            raise ValueError("Unsupported layout for models with head_dim != v_head_dim: %s"
+                             % layout)
+        self.page_size, self.layout, self.dtype = page_size, layout, dtype
+        self.layer_num, self.head_num = layers, heads
+        self.head_dim, self.v_head_dim = head_dim, v_head_dim
+        self.size, self.page_num = pages * page_size, pages
+        if layout == "page_first":
+            k = (self.size, layers, heads, head_dim)
+            v = (self.size, layers, heads, v_head_dim)
+        else:
+            k = (pages, layers, page_size, heads, head_dim)
+            v = (pages, layers, page_size, heads, v_head_dim)
+        self.k_buffer = torch.zeros(k, dtype=dtype)
+        self.v_buffer = torch.zeros(v, dtype=dtype)
+        self.kv_buffer = (self.k_buffer, self.v_buffer)
+        self._free = list(range(0, self.size, page_size))
+
+    alloc = HostPool.alloc
+    free = HostPool.free
+
+    def _flat_page_unsupported(self):
+        return NotImplementedError(
+            "Models with head_dim != v_head_dim do not support the flat-page interface used "
+            "by HiCache L3 storage backends {hf3fs, eic, nixl}. Use a backend that does not "
+            "use this interface (e.g. mooncake, simm).")
+
+    def get_data_page(self, index, flat=True):
+        raise self._flat_page_unsupported()
+
+    def get_dummy_flat_data_page(self):
+        raise self._flat_page_unsupported()
+
+    def set_from_flat_data_page(self, index, data_page):
+        raise self._flat_page_unsupported()
+
+    def get_page_buffer_meta(self, indices):
+        assert len(indices) % self.page_size == 0
+        indices = indices.tolist()
+        item = self.k_buffer.element_size()
+        L, P, H = self.layer_num, self.page_size, self.head_num
+        k_size, v_size = L * item * P * H * self.head_dim, L * item * P * H * self.v_head_dim
+        if self.layout == "page_first_direct":
+            k_stride, v_stride = L * P * H * self.head_dim, L * P * H * self.v_head_dim
+        else:
+            k_stride, v_stride = L * H * self.head_dim, L * H * self.v_head_dim
+        ptrs, sizes = [], []
+        for i in range(0, len(indices), P):
+            b = indices[i] // P if self.layout == "page_first_direct" else indices[i]
+            ptrs += [self.k_buffer.data_ptr() + b * k_stride * item,
+                     self.v_buffer.data_ptr() + b * v_stride * item]
+            sizes += [k_size, v_size]
+        return ptrs, sizes
+
+    def _halves(self, index):
+        P = self.page_size
+        if self.layout == "page_first_direct":
+            return self.k_buffer[index // P], self.v_buffer[index // P]
+        return self.k_buffer[index:index + P], self.v_buffer[index:index + P]
+
+    def fill(self, indices, seed):
+        g = torch.Generator().manual_seed(seed)
+        for s in indices[::self.page_size].tolist():
+            for half in self._halves(s):
+                half.copy_(torch.randn(half.shape, generator=g).to(self.dtype))
+
+    def pages(self, indices):
+        """Each page's K and V bytes (a test compares them)."""
+        return [torch.cat([h.reshape(-1).view(torch.uint8) for h in self._halves(s)])
+                for s in indices[::self.page_size].tolist()]
+
+
+class NoStoragePool(HostPool):
+    """A host pool that offers no way to storage backends at all: every page call raises, as
+    SGLang's int2-quantized host pool does (its flat page would miss the scales and zeros)."""
+
+    def _l3_unsupported(self):
+        return NotImplementedError("int2 HiCache does not support L3 storage backends yet: "
+                                   "the flat data page carries only the packed codes, not "
+                                   "the scales/zeros.")
+
+    def get_data_page(self, index, flat=True):
+        raise self._l3_unsupported()
+
+    def get_dummy_flat_data_page(self):
+        raise self._l3_unsupported()
+
+    def set_from_flat_data_page(self, index, data_page):
+        raise self._l3_unsupported()
+
+    def get_page_buffer_meta(self, indices):
+        raise self._l3_unsupported()
 
 
 class Controller:

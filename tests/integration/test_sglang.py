@@ -619,3 +619,65 @@ def test_hybrid_v2_calls_serve_kv_and_never_raise(daemon, backends):
     assert all(torch.equal(x, y) for x, y in zip(pool.pages(idx), pool.pages(dst)))
     assert b.batch_get_v2([None]) == {}                  # garbage: a miss, not an exception
     assert b.stats()["errors"] == 1
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_asymmetric_pool_registers_and_moves_k_and_v_byte_exact(daemon, backends, layout):
+    """head_dim != v_head_dim (SGLang's AsymmetricMHATokenToKVPoolHost, e.g. MiMo-V2): the pool
+    has no flat pages (get_data_page raises), so registration must not call it into SGLang's
+    start-up; pages go through get_page_buffer_meta's K and V regions, byte for byte, into
+    another rank's pool, in scattered and reversed order, and only the leading hits load."""
+    from sglang_iface import AsymmetricHostPool
+    src = AsymmetricHostPool(pages=16, layout=layout)
+    dst = AsymmetricHostPool(pages=16, layout=layout)
+    a = Controller(backends(daemon.ipc, src), src)
+    b = Controller(backends(daemon.ipc, dst), dst)
+    assert a.backend.ns.endswith("/tp0of1/mha.%s.bfloat16.%s" % (layout, {
+        "page_first": "16x4x2x96+16x4x2x64",
+        "page_first_direct": "1x4x16x2x96+1x4x16x2x64"}[layout]))
+    assert a.backend.page_bytes == 16 * 4 * 2 * (96 + 64) * 2
+    keys = hashes(7, "asym" + layout)
+    si = src.alloc(7 * 16)
+    src.fill(si, 17)
+    assert a.backup(keys, si)
+    assert b.hits(keys) == 7
+    di = torch.cat([dst.alloc(16) for _ in range(7)][::-1])   # scattered, last page first
+    assert b.load(keys, di) == 7
+    assert all(torch.equal(x, y) for x, y in zip(src.pages(si), dst.pages(di)))
+    more = hashes(2, "asym-miss" + layout)
+    assert b.backend.batch_get_v1(keys[:2] + more, dst.alloc(4 * 16)) == [True] * 2 + [False] * 2
+    assert a.backend.stats()["errors"] == 0 and b.backend.stats()["errors"] == 0
+
+
+def test_a_pool_kvtier_cannot_reach_is_a_miss_only_tier(daemon, backends, caplog):
+    """A host pool that refuses every storage call (SGLang's int2 pool): SGLang still starts
+    (registration does not raise), one warning says why, and every call is a miss."""
+    from sglang_iface import NoStoragePool
+    pool = NoStoragePool(pages=4)
+    with caplog.at_level("WARNING", logger="kvtier.sglang"):
+        b = backends(daemon.ipc, pool)
+        b.register_mem_pool_host(pool)                 # again: still one warning
+        idx = pool.alloc(2 * 16)
+        assert b.batch_set_v1(hashes(2, "int2"), idx) == [False, False]
+        assert b.batch_exists(hashes(2, "int2")) == 0
+        assert b.batch_get_v1(hashes(2, "int2"), idx) == [False, False]
+        assert b.batch_set(hashes(1, "int2"), [torch.zeros(8)]) is False
+    assert b.ns is None
+    warned = [r.getMessage() for r in caplog.records if "cannot be served" in r.getMessage()]
+    assert len(warned) == 1 and "NoStoragePool" in warned[0] and "int2" in warned[0], warned
+    assert kvtier.Client(daemon.ipc).stats()["l1_objects"] == 0
+
+
+def test_asymmetric_pool_without_shared_memory(daemon, backends):
+    """The same pool with shared_memory off: K and V ride PUT and GET inline."""
+    from sglang_iface import AsymmetricHostPool
+    src, dst = AsymmetricHostPool(pages=4), AsymmetricHostPool(pages=4)
+    a = Controller(backends(daemon.ipc, src, extra={"shared_memory": False}), src)
+    b = Controller(backends(daemon.ipc, dst, extra={"shared_memory": False}), dst)
+    keys = hashes(3, "asym-inline")
+    si = src.alloc(3 * 16)
+    src.fill(si, 23)
+    assert a.backup(keys, si)
+    di = dst.alloc(3 * 16)
+    assert b.load(keys, di) == 3
+    assert all(torch.equal(x, y) for x, y in zip(src.pages(si), dst.pages(di)))

@@ -16,7 +16,10 @@ the hybrid models' *_v2 calls (the KV pool served, extra pools answered as misse
 
 Objects: one kvtier object per page, holding the page exactly as the host pool's
 get_data_page(index, flat=True) lays it out (so the v1 and the tensor paths store the same
-bytes). Keys: SGLang's page hash string -> BLAKE2b-128 of its UTF-8 bytes. Namespace:
+bytes); a pool without flat pages (head_dim != v_head_dim: K and V in buffers of their own)
+is served through get_page_buffer_meta, its K and V runs back to back. A pool kvtier cannot
+reach at all makes the backend a miss-only tier (one warning), never an exception at
+registration. Keys: SGLang's page hash string -> BLAKE2b-128 of its UTF-8 bytes. Namespace:
 "<namespace>/<ranks>/<page layout>", e.g.
 "sglang/Qwen3-8B/tp0of2/mha.page_first.bfloat16.2x64x36x8x128": a TP rank's pages are its own
 heads (MLA pages are the same on every TP rank: "mla" instead), and another layout, dtype or
@@ -267,6 +270,7 @@ class KvtierHiCacheStorage(_Base):
         self.rank_part = _ranks(storage_config)
         self.mem_pool_host = None
         self.ns = None                    # set by register_mem_pool_host
+        self._regions = None              # a _Regions for pools without page views
         self.page_bytes = 0
         self._page_shape = None
         self._page_dtype = None
@@ -300,50 +304,94 @@ class KvtierHiCacheStorage(_Base):
     # -- SGLang's hooks ----------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host):
-        """The host KV pool the pages move to and from; fixes the namespace (its layout)."""
-        super().register_mem_pool_host(mem_pool_host)
-        self.mem_pool_host = mem_pool_host
-        page = mem_pool_host.get_data_page(0, flat=False)
-        self._page_size = int(mem_pool_host.page_size)
+        """The host KV pool the pages move to and from; fixes the namespace (its layout).
+        Never raises (SGLang re-raises it and does not start): a pool whose pages kvtier
+        cannot reach leaves this backend a miss-only tier, with one warning."""
+        self.ns = self._regions = None
+        try:
+            super().register_mem_pool_host(mem_pool_host)
+            self.mem_pool_host = mem_pool_host
+            try:
+                page = mem_pool_host.get_data_page(0, flat=False)
+                why = None
+            except Exception as e:        # noqa: BLE001 - e.g. head_dim != v_head_dim
+                page, why = None, e
+            if isinstance(page, torch.Tensor):
+                shape = self._register_views(mem_pool_host, page)
+            else:
+                shape = self._register_regions(mem_pool_host, why)
+            self.ns = self._namespace(mem_pool_host, shape)
+        except Exception as e:            # noqa: BLE001
+            self.ns = self._regions = None
+            self._warn_once("pool", "the host pool %s cannot be served (%s: %s): kvtier is a "
+                            "miss-only tier for this server" % (
+                                type(mem_pool_host).__name__, type(e).__name__, e))
+            return
+        log.info("kvtier.sglang: namespace %s, pages of %d bytes, endpoint %s", self.ns,
+                 self.page_bytes, self.cfg["endpoint"])
+
+    def _register_views(self, pool, page):
+        """Pools with page views (get_data_page(flat=False)): SGLang's MHA and MLA pools.
+        Returns the page part of the namespace ("2x64x36x8x128")."""
+        self._page_size = int(pool.page_size)
         self._page_shape = tuple(page.shape)
         self._page_dtype = page.dtype
         self.page_bytes = page.numel() * page.element_size()
         # Loads write straight into the page views when get_data_page(flat=False) is a view of
         # kv_buffer (SGLang's MHA and MLA pools); else through set_from_flat_data_page.
         self._rows = _rows_of(page)
-        self._direct = _is_view_of(page, getattr(mem_pool_host, "kv_buffer", None))
+        self._direct = _is_view_of(page, getattr(pool, "kv_buffer", None))
         try:
             page.view(self._rows, -1)
         except RuntimeError:
             self._direct = False
-        self._step = _affine_step(mem_pool_host, page, self._page_size)
+        self._step = _affine_step(pool, page, self._page_size)
+        return "x".join(str(d) for d in page.shape)
+
+    def _register_regions(self, pool, why):
+        """Pools without page views (get_data_page raised `why`): their pages as the regions
+        get_page_buffer_meta names (K and V of SGLang's asymmetric pool). Returns the page
+        part of the namespace ("16x4x2x192+16x4x2x128")."""
+        if not callable(getattr(pool, "get_page_buffer_meta", None)):
+            raise why or TypeError("no get_data_page and no get_page_buffer_meta")
+        self._regions = _Regions(pool)
+        self._page_size = self._regions.page_size
+        self.page_bytes = self._regions.page_bytes
+        self._page_shape = (self.page_bytes,)
+        self._page_dtype = torch.uint8
+        self._rows, self._direct, self._step = 1, False, None
+        return self._regions.shape
+
+    def _namespace(self, pool, shape):
         kind = "mla" if getattr(self.storage_config, "is_mla_model", False) else "mha"
-        dtype = str(page.dtype).replace("torch.", "")
-        kv_dtype = getattr(getattr(mem_pool_host, "device_pool", None), "dtype", None)
-        if kv_dtype is not None and kv_dtype != page.dtype:   # fp8 KV is stored as uint8
+        page_dtype = self._page_dtype if self._regions is None else pool.dtype
+        dtype = str(page_dtype).replace("torch.", "")
+        kv_dtype = getattr(getattr(pool, "device_pool", None), "dtype", None)
+        if kv_dtype is not None and kv_dtype != page_dtype:   # fp8 KV is stored as uint8
             dtype += "-" + str(kv_dtype).replace("torch.", "")
-        layout = "%s.%s.%s.%s" % (kind, getattr(mem_pool_host, "layout", "layout"), dtype,
-                                  "x".join(str(d) for d in page.shape))
+        layout = "%s.%s.%s.%s" % (kind, getattr(pool, "layout", "layout"), dtype, shape)
         ns = "%s/%s/%s" % (self.cfg["namespace"], self.rank_part, layout)
         if len(ns.encode("utf-8")) > 256:  # the daemon's limit: keep the tail, hash the rest
             tail = "/%s/%s" % (self.rank_part, layout)
             if len(tail.encode("utf-8")) > 200:
-                raise ValueError("kvtier.sglang: the page layout part of the namespace, %r, "
-                                 "is too long" % tail)
+                raise ValueError("the page layout part of the namespace, %r, is too long"
+                                 % tail)
             digest = hashlib.blake2b(ns.encode("utf-8"), digest_size=8).hexdigest()
             room = 256 - len(tail.encode("utf-8")) - len(digest) - 1
             head = self.cfg["namespace"].encode("utf-8")[:max(room, 0)].decode("utf-8", "ignore")
             ns = "%s~%s%s" % (head, digest, tail)
-        self.ns = ns
-        log.info("kvtier.sglang: namespace %s, pages of %d bytes, endpoint %s", ns,
-                 self.page_bytes, self.cfg["endpoint"])
+        return ns
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name):
         """Newer SGLang registers each pool by name; the KV pool is the one this backend
         moves (hybrid models' other pools are not supported)."""
-        base = getattr(super(), "register_mem_host_pool_v2", None)
-        if base is not None:
-            base(host_pool, host_pool_name)
+        try:
+            base = getattr(super(), "register_mem_host_pool_v2", None)
+            if base is not None:
+                base(host_pool, host_pool_name)
+        except Exception as e:            # noqa: BLE001 - never into SGLang's start-up
+            self._warn_once("pool-v2", "registering host pool %s: %s: %s" % (
+                host_pool_name, type(e).__name__, e))
         if str(getattr(host_pool_name, "value", host_pool_name)) == "kv":
             self.register_mem_pool_host(host_pool)
 
@@ -371,12 +419,15 @@ class KvtierHiCacheStorage(_Base):
         if not self._fits(n, host_indices):
             return [False] * n
         starts = _starts(host_indices, self._page_size)
+        regions = self._regions.at(host_indices) if self._regions is not None else None
 
         def sink(base, flats):
             pool = self.mem_pool_host
-            if self._direct:              # into the pool's page views, runs of pages at once
-                _move(_Pages(pool, starts[base:base + len(flats)], self._page_size), flats,
-                      False, self._rows, self._step)
+            if regions is not None:       # K and V runs of each page (no page views)
+                regions.select(range(base, base + len(flats))).move(flats, False)
+            elif self._direct:            # into the pool's page views, runs of pages at once
+                _Pages(pool, starts[base:base + len(flats)], self._page_size).move(
+                    flats, False, self._rows, self._step)
             else:
                 for j in range(len(flats)):
                     pool.set_from_flat_data_page(starts[base + j], flats.one(j))
@@ -391,8 +442,11 @@ class KvtierHiCacheStorage(_Base):
         n = len(keys)
         if not self._fits(n, host_indices):
             return [False] * n
-        pages = _Pages(self.mem_pool_host, _starts(host_indices, self._page_size),
-                       self._page_size)
+        if self._regions is not None:
+            pages = self._regions.at(host_indices)
+        else:
+            pages = _Pages(self.mem_pool_host, _starts(host_indices, self._page_size),
+                           self._page_size)
         return self._run(lambda conn, left: self._set(conn, keys, pages), [False] * n)
 
     @_guarded(lambda key: None)
@@ -713,7 +767,7 @@ class KvtierHiCacheStorage(_Base):
         es = arena.element_size()
         flats = _Flats(arena, [slots[i - lo][0] // es for i in todo], self.page_bytes // es)
         try:
-            _move(pages.select(todo), flats, True, self._rows, self._step)
+            pages.select(todo).move(flats, True, self._rows, self._step)
         except (RuntimeError, ValueError, TypeError) as e:
             self._warn_once("copy", "pages could not be copied into kvtier: %s" % e)
             return [], [i - lo for i in todo]
@@ -1024,6 +1078,129 @@ class _Pages:
         view that leaves the storage of the first."""
         pv = self.one(k).view(rows, -1)
         return torch.as_strided(pv, (m, rows, pv.size(1)), (step, pv.stride(0), 1))
+
+    def move(self, flats, out, rows, step):
+        _move(self, flats, out, rows, step)
+
+
+class _Regions:
+    """How a host pool without page views lays its pages out (SGLang's
+    AsymmetricMHATokenToKVPoolHost: head_dim != v_head_dim, K and V in buffers of their own):
+    get_page_buffer_meta(indices) names R runs of bytes per page (K, then V), each inside one
+    of the pool's CPU tensors; kvtier stores a page as its runs back to back. Checked once
+    here on page 0, and on every call against the sizes seen here and the buffers' bounds."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.page_size = int(pool.page_size)
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
+        self.sizes = [int(x) for x in sizes]
+        if not self.sizes or len(ptrs) != len(self.sizes) or min(self.sizes) <= 0:
+            raise ValueError("get_page_buffer_meta named no usable regions (%r)" % (sizes,))
+        self.bufs = _cpu_buffers(pool)
+        self.which = [self._find(int(p), n) for p, n in zip(ptrs, self.sizes)]
+        self.cum = [sum(self.sizes[:r]) for r in range(len(self.sizes))]
+        self.page_bytes = sum(self.sizes)
+        self.shape = "+".join(self._shape(r) for r in range(len(self.sizes)))
+
+    def _find(self, ptr, n):
+        for i, (base, nbytes, _, _) in enumerate(self.bufs):
+            if base <= ptr and ptr + n <= base + nbytes:
+                return i
+        raise ValueError("a page region (%d bytes at 0x%x) lies in none of the pool's "
+                         "contiguous CPU tensors" % (n, ptr))
+
+    def _shape(self, r):
+        """Region r as the dims of its buffer: 16x4x2x192 (tokens, layers, heads, dim)."""
+        t = self.bufs[self.which[r]][3]
+        es, n = t.element_size(), self.sizes[r]
+        row = t[0].numel() * es if t.dim() > 1 else 0
+        if row and n % row == 0:
+            return "x".join(str(d) for d in (n // row,) + tuple(t.shape[1:]))
+        return str(n // es)
+
+    def at(self, host_indices):
+        """The pages of host_indices (page_size slots each), one get_page_buffer_meta call."""
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        nr, n = len(self.sizes), len(host_indices) // self.page_size
+        if len(ptrs) != n * nr or [int(x) for x in sizes] != self.sizes * n:
+            raise ValueError("get_page_buffer_meta gave %d regions of other sizes for %d "
+                             "pages" % (len(ptrs), n))
+        offs = []
+        for j in range(n):
+            row = []
+            for r in range(nr):
+                base, nbytes = self.bufs[self.which[r]][:2]
+                o = int(ptrs[j * nr + r]) - base
+                if o < 0 or o + self.sizes[r] > nbytes:
+                    raise ValueError("a page region outside its buffer")
+                row.append(o)
+            offs.append(row)
+        return _RegionPages(self, offs)
+
+    def run(self, r, off, m):
+        """m regions r that follow each other from byte off, as an (m, size) uint8 view."""
+        size = self.sizes[r]
+        return self.bufs[self.which[r]][2][off:off + m * size].view(m, size)
+
+
+class _RegionPages:
+    """The pool side of one call on a _Regions pool: the byte offsets of each page's regions."""
+
+    def __init__(self, regions, offs):
+        self.regions, self.offs = regions, offs
+
+    def __len__(self):
+        return len(self.offs)
+
+    def one(self, k):
+        """Page k as one tensor (a copy: the paths without a shared arena)."""
+        g = self.regions
+        return torch.cat([g.run(r, o, 1)[0] for r, o in enumerate(self.offs[k])])
+
+    def select(self, ks):
+        return _RegionPages(self.regions, [self.offs[k] for k in ks])
+
+    def follows(self, k):
+        return all(o == p + n for o, p, n in zip(self.offs[k], self.offs[k - 1],
+                                                 self.regions.sizes))
+
+    def move(self, flats, out, rows=None, step=None):
+        """Page k -> flats.one(k) (out) or back; a run of pages that follow each other in the
+        pool and in the arena moves as one strided copy per region."""
+        g, pb = self.regions, self.regions.page_bytes
+        k, n = 0, len(self)
+        while k < n:
+            m = 1
+            while k + m < n and self.follows(k + m) and flats.follows(k + m):
+                m += 1
+            if flats.tensors is None:
+                o = flats.offs[k]
+                slab = flats.arena[o:o + m * pb].view(m, pb)
+            else:
+                slab = flats.one(k).view(torch.uint8).view(1, pb)
+            for r, off in enumerate(self.offs[k]):
+                pool_side = g.run(r, off, m)
+                arena_side = slab[:, g.cum[r]:g.cum[r] + g.sizes[r]]
+                if out:
+                    arena_side.copy_(pool_side)
+                else:
+                    pool_side.copy_(arena_side)
+            k += m
+
+
+def _cpu_buffers(pool):
+    """(data_ptr, bytes, flat uint8 view, tensor) of each contiguous CPU tensor the pool
+    holds as an attribute (alone or in a tuple/list: kv_buffer = (k_buffer, v_buffer))."""
+    out, seen = [], set()
+    for v in vars(pool).values():
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+                    and t.numel() and t.data_ptr() not in seen):
+                seen.add(t.data_ptr())
+                out.append((t.data_ptr(), t.numel() * t.element_size(),
+                            t.reshape(-1).view(torch.uint8), t))
+    return out
 
 
 def _move(pages, flats, out, rows, step=None):
