@@ -328,7 +328,7 @@ $(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS) -lcmocka
 
 TSAN_UNIT := test_l1_concurrent test_lease test_l2_conformance test_l2_fs test_l2mgr test_reqstats \
-             test_queue test_workers test_ring test_fastpath
+             test_queue test_workers test_ring test_fastpath test_cache
 TSAN_BIN  := $(addprefix $(BUILD)/tsan/tests/,$(TSAN_UNIT))
 
 $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)

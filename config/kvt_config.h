@@ -35,6 +35,11 @@ typedef struct kvt_config {
     uint64_t max_message; /* bytes in one whole request, all frames */
     uint32_t max_keys;    /* keys in one request */
     uint32_t max_prefetch_jobs; /* live prefetch jobs; past it LOOKUP starts none */
+    /* the L2 part of a lookup, either door: its deadline, and the service's threads for it;
+     * the threads that load prefetched objects */
+    uint32_t l2_lookup_timeout_ms;
+    uint32_t l2_lookup_threads;
+    uint32_t l2_prefetch_threads;
     uint32_t workers;     /* worker threads for slow requests */
     uint32_t io_threads;  /* zmq I/O threads */
     /* what one client, or all of them, may hold of the daemon */

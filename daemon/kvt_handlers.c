@@ -5,9 +5,9 @@
  * as each other and as the server thread's handlers: they only use thread-safe modules.
  *
  * Types of run class INLINE_THEN_LOOKUP (LOOKUP) also have a row in s_staged[]: whether the
- * inline part left work for the lookup pool, that part, and the undo of the inline part when
- * the pool cannot take it. The inline part keeps what they need in the request's typed state
- * (rq->lookup), and the undo sits beside the handler that took the lease. */
+ * inline part left work to the cache service (its L2 part, on the service's lookup threads),
+ * and the answer packed once the service handed the request back. The request's typed state
+ * (rq->lookup) is the service's kvt_lookup_t. */
 #include "kvt_handlers.h"
 
 #include "kvt_error.h"
@@ -297,81 +297,62 @@ static int s_release(kvt_rq_t *c)
     return rc;
 }
 
-/* Upper bound of a LOOKUP's time in L2 lookups: past it the prefix is cut short. */
-#define S_L2_LOOKUP_MS 1000
-
-static void s_pack_lookup(kvt_rq_t *c, uint32_t hits, uint64_t job)
+static void s_pack_lookup(kvt_rq_t *c)
 {
-    const kvt_lookup_state_t *st = &c->lookup;
-    kvt_reqstats_lookup(c->svc->reqstats, c->req.nkeys, st->l1_hits, hits - st->l1_hits);
-    kvt_pack_ok(&c->pk, 2 + (st->lease != 0) + (job != 0));
-    s_pack_uint_field(&c->pk, "hits", hits);
-    s_pack_uint_field(&c->pk, "l1", st->l1_hits);
-    if (st->lease)
-        s_pack_uint_field(&c->pk, "lease", st->lease);
-    if (job)
-        s_pack_uint_field(&c->pk, "job", job);
+    const kvt_lookup_t *lk = &c->lookup;
+    kvt_reqstats_lookup(c->svc->reqstats, c->req.nkeys, lk->l1_hits, lk->hits - lk->l1_hits);
+    kvt_pack_ok(&c->pk, 2 + (lk->lease != 0) + (lk->job != 0));
+    s_pack_uint_field(&c->pk, "hits", lk->hits);
+    s_pack_uint_field(&c->pk, "l1", lk->l1_hits);
+    if (lk->lease)
+        s_pack_uint_field(&c->pk, "lease", lk->lease);
+    if (lk->job)
+        s_pack_uint_field(&c->pk, "job", lk->job);
 }
 
-/* LOOKUP, part two (lookup worker): the keys past the L1 prefix, in L2; with `prefetch`, a job
- * loads them into L1. */
-static int s_lookup_l2(kvt_rq_t *c)
+/* The cache service's answer (now, or when the lookup came back): packed, or its error. */
+static int s_lookup_answer(kvt_rq_t *c)
 {
-    const kvt_req_t *r = &c->req;
-    uint32_t l1_hits = c->lookup.l1_hits;
-    uint32_t rest = r->nkeys - l1_hits;
-    uint64_t *sizes = calloc(rest, sizeof *sizes);
-    kvt_assert(sizes);
-    const kvt_key_t *keys = r->keys + l1_hits;
-    uint32_t in_l2 =
-        kvt_l2mgr_lookup(c->svc->l2, &r->ns, keys, rest, kvt_now_ms() + S_L2_LOOKUP_MS, sizes);
-    uint64_t job = 0;
-    if (r->prefetch) {
-        job = kvt_prefetch_start(c->svc->prefetch, l1_hits + in_l2, in_l2 == 0, kvt_now_ms());
-        if (in_l2 && job) /* no job: max_prefetch_jobs loads are running */
-            kvt_l2mgr_prefetch(c->svc->l2, job, &r->ns, keys, sizes, in_l2);
+    if (c->lookup.rc) {
+        snprintf(c->err, sizeof c->err, "%s: %s", kvt_proto_name(c->type), c->lookup.err);
+        return c->lookup.rc;
     }
-    free(sizes);
-    s_pack_lookup(c, l1_hits + in_l2, job);
+    s_pack_lookup(c);
     return 0;
 }
 
-static bool s_lookup_continues(const kvt_rq_t *c)
+static bool s_lookup_pending(const kvt_rq_t *c)
 {
-    return c->lookup.l2_rest;
+    return c->lookup_pending;
 }
 
-/* The lookup pool cannot take the L2 part: the lease of `lock` goes back, as the client never
- * learns its id. */
-static void s_lookup_undo(kvt_rq_t *c)
-{
-    if (c->lookup.lease)
-        kvt_l1_release(c->svc->l1, c->owner, c->lookup.lease);
-    c->lookup.lease = 0;
-}
-
+/* The L1 prefix now; keys past it are the cache service's to ask of L2 (its lookup threads),
+ * and the lookup comes back through svc->lookups_done. */
 static int s_lookup(kvt_rq_t *c)
 {
     const kvt_req_t *r = &c->req;
     int rc = r->lock ? s_need_owner(c) : 0;
     if (rc)
         return rc;
-    uint32_t hits = 0;
-    uint64_t lease = 0;
-    rc = kvt_l1_lookup(c->svc->l1, c->owner, &r->ns, r->keys, r->nkeys, r->lock, &hits, &lease);
-    if (rc == KVT_ENOSPC) /* max_leased_bytes */
-        kvt_l1_owner_limit_error(c->svc->l1, c->owner, c->err, sizeof c->err);
-    if (rc)
-        return rc;
-    c->lookup.l1_hits = hits;
-    c->lookup.lease = lease;
-    if (hits < r->nkeys && kvt_l2mgr_count(c->svc->l2)) {
-        c->lookup.l2_rest = true; /* the rest of the prefix may be in L2: not on the server loop */
+    kvt_lookup_t *lk = &c->lookup;
+    lk->owner = c->owner;
+    lk->ns = r->ns;
+    lk->keys = r->keys;
+    lk->n = r->nkeys;
+    lk->lock = r->lock;
+    lk->prefetch = r->prefetch;
+    lk->until_loaded = false;
+    lk->done = c->svc->lookups_done;
+    lk->ctx = c;
+    if (kvt_cache_lookup(c->svc->cache, lk)) {
+        c->lookup_pending = true; /* nothing is packed yet */
         return 0;
     }
-    uint64_t job = r->prefetch ? kvt_prefetch_start(c->svc->prefetch, hits, true, kvt_now_ms()) : 0;
-    s_pack_lookup(c, hits, job);
-    return 0;
+    if (lk->rc == KVT_ENOSPC) { /* max_leased_bytes: the sentence as it is */
+        snprintf(c->err, sizeof c->err, "%s", lk->err);
+        return lk->rc;
+    }
+    return s_lookup_answer(c);
 }
 
 static int s_remove(kvt_rq_t *c)
@@ -379,7 +360,7 @@ static int s_remove(kvt_rq_t *c)
     const kvt_req_t *r = &c->req;
     uint32_t removed = 0;
     int rc = kvt_l1_remove(c->svc->l1, &r->ns, r->keys, r->nkeys, &removed);
-    kvt_l2mgr_remove(c->svc->l2, &r->ns, r->keys, r->nkeys);
+    kvt_l2mgr_remove(kvt_cache_l2(c->svc->cache), &r->ns, r->keys, r->nkeys);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "removed", removed);
@@ -405,7 +386,7 @@ static int s_prefetch_status(kvt_rq_t *c)
 {
     bool done = false;
     uint32_t loaded = 0, hits = 0;
-    if (kvt_prefetch_status(c->svc->prefetch, c->req.job, &done, &loaded, &hits) != 0) {
+    if (kvt_prefetch_status(kvt_cache_prefetch(c->svc->cache), c->req.job, &done, &loaded, &hits) != 0) {
         snprintf(c->err, sizeof c->err,
                  "no prefetch job %llu (never started, or finished and swept: after 60 s, or 1 s "
                  "while over half of max_prefetch_jobs are in use)",
@@ -624,39 +605,30 @@ static const s_handler_fn s_handlers[KVT_REQ_SLOTS] = {
 
 /* Types of run class INLINE_THEN_LOOKUP: see the DESIGN note. */
 typedef struct {
-    bool (*continues)(const kvt_rq_t *c);
-    s_handler_fn rest;         /* on a lookup worker */
-    void (*undo)(kvt_rq_t *c); /* the pool cannot take it (server thread) */
+    bool (*pending)(const kvt_rq_t *c);
+    s_handler_fn answer; /* server thread, once the cache service handed it back */
 } s_staged_t;
 
 static const s_staged_t s_staged[KVT_REQ_SLOTS] = {
-    [KVT_REQ_LOOKUP] = {s_lookup_continues, s_lookup_l2, s_lookup_undo},
+    [KVT_REQ_LOOKUP] = {s_lookup_pending, s_lookup_answer},
 };
 
 /* The staged row of rq's type: only types of that run class reach here. */
 static const s_staged_t *s_staged_of(const kvt_rq_t *rq)
 {
     const kvt_req_info_t *info = kvt_proto_info(rq->type);
-    kvt_assert(info && info->run == KVT_RUN_INLINE_THEN_LOOKUP && s_staged[rq->type].rest);
+    kvt_assert(info && info->run == KVT_RUN_INLINE_THEN_LOOKUP && s_staged[rq->type].answer);
     return &s_staged[rq->type];
 }
 
 bool kvt_handle_continues(const kvt_rq_t *rq)
 {
-    return s_staged_of(rq)->continues(rq);
+    return s_staged_of(rq)->pending(rq);
 }
 
-int kvt_handle_continue(kvt_rq_t *rq)
+int kvt_handle_resume(kvt_rq_t *rq)
 {
-    return s_staged_of(rq)->rest(rq);
-}
-
-int kvt_handle_refuse(kvt_rq_t *rq)
-{
-    s_staged_of(rq)->undo(rq);
-    snprintf(rq->err, sizeof rq->err, "%s: the L2 lookup queue is full, retry later",
-             kvt_proto_name(rq->type));
-    return KVT_EBUSY;
+    return s_staged_of(rq)->answer(rq);
 }
 
 int kvt_handle(kvt_rq_t *rq)

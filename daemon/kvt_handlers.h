@@ -3,20 +3,20 @@
  *
  * The server loop (kvt_server.c) owns the socket: it builds a kvt_rq_t from a message, runs it
  * by the run class of its type in KVT_REQ_MAP (INLINE: kvt_handle() on the server thread;
- * WORKER: kvt_handle() on a worker; INLINE_THEN_LOOKUP: kvt_handle() on the server thread, then
- * maybe kvt_handle_continue() on a lookup worker) and sends the reply the handler packed.
- * Handlers that run on workers touch only thread-safe modules (L1, L2, prefetch, metrics). */
+ * WORKER: kvt_handle() on a worker; INLINE_THEN_LOOKUP: kvt_handle() on the server thread,
+ * and when the cache service took the rest, kvt_handle_resume() once it handed it back) and
+ * sends the reply the handler packed. Handlers that run on workers touch only thread-safe
+ * modules (the cache service, L1, metrics). */
 #ifndef KVT_HANDLERS_H
 #define KVT_HANDLERS_H
 
+#include "kvt_cache.h"
 #include "kvt_config.h"
 #include "kvt_fastpath.h"
 #include "kvt_gpu.h"
 #include "kvt_l1.h"
-#include "kvt_l2mgr.h"
 #include "kvt_metrics.h"
 #include "kvt_msg.h"
-#include "kvt_prefetch.h"
 #include "kvt_reqstats.h"
 #include "kvt_session.h"
 
@@ -30,19 +30,12 @@ typedef struct {
     kvt_metrics_t *metrics;
     kvt_reqstats_t *reqstats; /* LOOKUP hit counters */
     kvt_sessions_t *sessions;
-    kvt_l1_t *l1;
-    kvt_l2mgr_t *l2; /* NULL or no adapters: no L2 */
-    kvt_prefetch_t *prefetch;
+    kvt_cache_t *cache;          /* the tiers, owners and tiered lookups */
+    kvt_l1_t *l1;                /* kvt_cache_l1(cache) */
+    kvt_queue_t *lookups_done;   /* LOOKUPs the cache service hands back (the server polls it) */
     kvt_gpu_t *gpu; /* the GPU path (CUDA loaded on first use) */
     kvt_fastpath_t *fastpath; /* NULL: fastpath.enabled is false */
 } kvt_services_t;
-
-/* What a LOOKUP's inline part (L1, server thread) leaves to its part on the lookup pool (L2). */
-typedef struct {
-    uint32_t l1_hits; /* leading keys found in L1 */
-    uint64_t lease;   /* the read lease `lock` took on them, 0 when none */
-    bool l2_rest;     /* keys past the L1 prefix are to be asked of L2: nothing is packed yet */
-} kvt_lookup_state_t;
 
 /* One request from receipt to reply. Owns its frames, its decoded body (whose strings point
  * into `body`) and its reply. The frames are libzmq messages as received (no copies). */
@@ -64,7 +57,8 @@ typedef struct kvt_rq {
     kvt_slot_t *out;
     uint32_t nout;
     uint64_t out_lease;
-    kvt_lookup_state_t lookup; /* LOOKUP (run class INLINE_THEN_LOOKUP) */
+    kvt_lookup_t lookup; /* LOOKUP (run class INLINE_THEN_LOOKUP): the cache service's */
+    bool lookup_pending; /* the service has it: it comes back through svc->lookups_done */
     int rc;
     char err[200];
 } kvt_rq_t;
@@ -74,17 +68,13 @@ typedef struct kvt_rq {
  * run class INLINE_THEN_LOOKUP this is the inline part; see kvt_handle_continues. */
 int kvt_handle(kvt_rq_t *rq);
 
-/* After kvt_handle returned 0 for an INLINE_THEN_LOOKUP type: true when the request has a part
- * left for the lookup pool (nothing is packed yet). The caller then runs kvt_handle_continue on
- * a lookup worker, or kvt_handle_refuse when the pool cannot take the request. */
+/* After kvt_handle returned 0 for an INLINE_THEN_LOOKUP type: true when the cache service has
+ * the request's L2 part (nothing is packed yet); it comes back through svc->lookups_done. */
 bool kvt_handle_continues(const kvt_rq_t *rq);
 
-/* The part left for the lookup pool (a lookup worker); returns like kvt_handle. */
-int kvt_handle_continue(kvt_rq_t *rq);
-
-/* The lookup pool cannot take the request (queue full, or no pool): undoes what the inline part
- * took (LOOKUP's lease) and returns KVT_EBUSY with rq->err set. Server thread. */
-int kvt_handle_refuse(kvt_rq_t *rq);
+/* A request the cache service handed back: packs its answer; returns like kvt_handle. Server
+ * thread. */
+int kvt_handle_resume(kvt_rq_t *rq);
 
 /* Checks that need the data frames (PUT: one non-empty frame per key; others: none).
  * 0 or KVT_EBADREQ with rq->err set. Server thread, before kvt_handle. */

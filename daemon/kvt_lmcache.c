@@ -1,8 +1,12 @@
 /* DESIGN: one thread serves the door's ROUTER socket and answers each message before reading
- * the next; the only reply it defers is wait_prefetch_status, whose waiters are checked every
- * few milliseconds while there are any. Tables (contexts by instance_id, requests by
- * request_id with an age list, waiters) are the thread's, under one mutex so that /status can
- * read them. L1 calls are made under that mutex: L1 never calls back into the door.
+ * the next; the only reply it defers is wait_prefetch_status, answered when its lookup comes
+ * back or its time is up. A lookup is one tiered lookup of the cache service per worker of the
+ * deployment (prefetch, until_loaded): the L1 prefix at once, the L2 probe and the loads on
+ * the service's threads, each lookup pushed back to the door's queue, whose eventfd is in the
+ * door's poll; when the last one is back, the request takes its read locks. The door's thread
+ * never waits on a backend. Tables (contexts by instance_id, requests by request_id with an
+ * age list, waiters) are the thread's, under one mutex so that /status can read them. L1 and
+ * service calls are made under that mutex: neither calls back into the door.
  *
  * Failures are answered in-band where the reply type can say so (a miss, false, an empty slot
  * list, the registration's `error`), because the newest merged LMCache client does not know
@@ -37,17 +41,14 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 #define S_MAX_FRAMES 16      /* identity, uid, op and at most 13 arguments */
 #define S_MAX_XFERS 4096     /* prepared, uncommitted transfers of one worker */
 #define S_MAX_WAITS 1024     /* wait_prefetch_status replies held back */
-#define S_MAX_PENDING 256    /* lookups waiting for L2 loads at once */
+#define S_MAX_PENDING 256    /* requests waiting for L2 loads at once */
 #define S_MAX_WAIT_S 60.0    /* longest wait_prefetch_status */
-#define S_L2_LOOKUP_MS 500   /* one lookup's L2 part */
 #define S_SWEEP_MS 100
-#define S_WAIT_POLL_MS 5
 #define S_SNDHWM 10000       /* replies a client may leave unread before they are dropped */
 #define S_STATUS_MAX 100
 
-typedef enum { S_E_BAD, S_E_UNKTYPE, S_E_TOOBIG, S_E_INTERNAL, S_E_COUNT } s_etype_t;
-static const char *const s_etype_names[S_E_COUNT] = {"bad_request", "unknown_type", "too_large",
-                                                     "internal"};
+/* Error replies carry a KVT_ERRNO_MAP code; the wire's error type is its wire string
+ * ("bad_request", "unknown_type", "too_large", "internal"), as in protocol v1. */
 
 /* A prepared transfer of one worker: the lease its prepare_* took, found again by the
  * identity of (kind, namespace, range, last chunk key) when the commit names the same key. */
@@ -88,8 +89,11 @@ typedef struct s_req {
     uint32_t hits;    /* chunks every worker has (valid when !pending) */
     uint32_t target;  /* pending: chunks the L2 loads should complete */
     bool pending, consumed;
-    kvt_key_t *keys;  /* pending: the chunk keys, for the lock pass once loaded */
-    uint64_t *jobs;   /* pending: prefetch job per worker, 0 for none */
+    bool dropped;     /* out of the tables, its lookups still out: freed when they are back */
+    uint32_t out;     /* pending: the cache service's lookups not back yet */
+    kvt_key_t *keys;  /* pending: the chunk keys (the lookups borrow them) */
+    kvt_lookup_t *lks; /* pending: one tiered lookup per worker */
+    char *nsbufs;     /* their namespaces, KVT_MAX_NS + 1 bytes each */
     uint64_t *leases; /* daemon read lease per worker, 0 when none or released */
     uint32_t *reads;
     uint64_t deadline_ms;
@@ -111,16 +115,17 @@ typedef struct {
     s_rkind_t kind;
     msgpack_sbuffer sbuf;
     msgpack_packer pk;
-    s_etype_t etype;
+    int code; /* S_R_ERROR: a KVT_E* code */
     char msg[KVT_LMC_MAX_REQUEST + 128]; /* S_R_ERROR: the message; S_R_LATER: request_id */
     double wait_s; /* S_R_LATER: how long to hold the reply back */
 } s_reply_t;
 
 struct kvt_lmcache {
     const kvt_config_t *cfg;
-    kvt_l1_t *l1;
-    kvt_l2mgr_t *l2; /* NULL or without adapters: no L2 part */
-    kvt_prefetch_t *prefetch;
+    kvt_cache_t *cache;
+    kvt_l1_t *l1;              /* kvt_cache_l1(cache) */
+    kvt_queue_t *lookups_done; /* the service's lookups coming back (its fd is in the poll) */
+    s_req_t *orphans;          /* dropped requests with lookups still out (by `newer`) */
     zsock_t *router, *monitor;
     void *sock;
     bool bound;
@@ -141,12 +146,11 @@ struct kvt_lmcache {
     uint32_t npending;
     s_wait_t *waits;
     uint32_t nwaits;
-    uint64_t next_owner;
     uint64_t next_sweep_ms;
     uint64_t lookup_locks;         /* daemon read leases held by lookups */
 
     atomic_uint_fast64_t requests[KVT_LMC_NOPS]; /* by wire id; [0]: unknown or bad op */
-    atomic_uint_fast64_t errors[S_E_COUNT];
+    atomic_uint_fast64_t errors[KVT_WIRE_ERRORS]; /* by kvt_err_wire_index */
     atomic_uint_fast64_t lookup_chunks, hit_chunks, dropped;
     atomic_size_t nctxs, nreqs; /* table sizes, for the metrics */
     bool refused_logged[KVT_LMC_NOPS];
@@ -171,11 +175,11 @@ static msgpack_packer *s_value(s_reply_t *r)
     return &r->pk;
 }
 
-__attribute__((format(printf, 3, 4))) static void s_error(s_reply_t *r, s_etype_t type,
+__attribute__((format(printf, 3, 4))) static void s_error(s_reply_t *r, int code,
                                                           const char *fmt, ...)
 {
     r->kind = S_R_ERROR;
-    r->etype = type;
+    r->code = code;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(r->msg, sizeof r->msg, fmt, ap);
@@ -201,7 +205,7 @@ static void s_send(kvt_lmcache_t *self, zmq_msg_t *head, s_reply_t *r)
     } else if (r->kind == S_R_ERROR) {
         msgpack_packer pk;
         msgpack_packer_init(&pk, &ebuf, msgpack_sbuffer_write);
-        kvt_lmc_pack_error(&pk, s_etype_names[r->etype], r->msg);
+        kvt_lmc_pack_error(&pk, kvt_err_wire(r->code), r->msg);
         parts[n] = KVT_LMC_ERROR_MARKER;
         sizes[n++] = strlen(KVT_LMC_ERROR_MARKER);
         parts[n] = ebuf.data;
@@ -335,7 +339,7 @@ static void s_ctx_drop(kvt_lmcache_t *self, s_ctx_t *ctx, bool expired)
 {
     kvt_u64map_remove(self->ctxs, ctx->instance_id);
     atomic_store(&self->nctxs, kvt_u64map_size(self->ctxs));
-    kvt_l1_release_owner(self->l1, ctx->owner, expired);
+    kvt_cache_owner_close(self->cache, ctx->owner, expired);
     s_xfers_free(ctx);
     free(ctx);
 }
@@ -372,6 +376,18 @@ static void s_req_release_locks(kvt_lmcache_t *self, s_req_t *q)
         }
 }
 
+static void s_req_free(s_req_t *q)
+{
+    free(q->id);
+    free(q->keys);
+    free(q->lks);
+    free(q->nsbufs);
+    free(q->leases);
+    free(q->reads);
+    free(q);
+}
+
+/* Out of the tables; freed now, or when its last lookup is back (an orphan till then). */
 static void s_req_drop(kvt_lmcache_t *self, s_req_t *q)
 {
     s_req_release_locks(self, q);
@@ -387,12 +403,16 @@ static void s_req_drop(kvt_lmcache_t *self, s_req_t *q)
     if (q->pending)
         self->npending--;
     atomic_store(&self->nreqs, kvt_u64map_size(self->reqs));
-    free(q->id);
-    free(q->keys);
-    free(q->jobs);
-    free(q->leases);
-    free(q->reads);
-    free(q);
+    if (q->out) {
+        q->dropped = true;
+        q->older = NULL;
+        q->newer = self->orphans;
+        if (self->orphans)
+            self->orphans->older = q;
+        self->orphans = q;
+        return;
+    }
+    s_req_free(q);
 }
 
 /* Locks the first `n` chunks of every worker (what is still there of them): hits = the
@@ -405,7 +425,9 @@ static void s_req_lock(kvt_lmcache_t *self, s_req_t *q, const kvt_key_t *keys, u
         kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
         uint32_t got = 0;
         uint64_t lease = 0;
-        kvt_l1_lookup(self->l1, KVT_OWNER_DAEMON, &ns, keys, n, true, &got, &lease);
+        /* the daemon's own lease has no byte limit: nothing to refuse, but never unread */
+        if (kvt_l1_lookup(self->l1, KVT_OWNER_DAEMON, &ns, keys, n, true, &got, &lease) != 0)
+            got = 0, lease = 0;
         q->leases[w] = lease;
         if (lease)
             self->lookup_locks++;
@@ -416,24 +438,41 @@ static void s_req_lock(kvt_lmcache_t *self, s_req_t *q, const kvt_key_t *keys, u
     atomic_fetch_add(&self->hit_chunks, q->hits);
 }
 
-/* A pending lookup whose loads have all finished takes its locks. */
-static void s_req_progress(kvt_lmcache_t *self, s_req_t *q)
+static void s_waits_run(kvt_lmcache_t *self, bool all);
+
+/* One of a request's lookups is back from the cache service. The last one ends the wait: the
+ * request locks what every worker has in L1 now, up to the shortest prefix found. */
+static void s_lookup_back(kvt_lmcache_t *self, kvt_lookup_t *lk)
 {
-    if (!q->pending)
+    s_req_t *q = lk->ctx;
+    kvt_assert(q->out > 0);
+    if (--q->out)
         return;
-    for (uint32_t w = 0; w < q->world; w++) {
-        bool done = true;
-        uint32_t loaded = 0, hits = 0;
-        if (q->jobs[w] && kvt_prefetch_status(self->prefetch, q->jobs[w], &done, &loaded,
-                                              &hits) == 0 &&
-            !done)
-            return;
+    if (q->dropped) {
+        if (q->older)
+            q->older->newer = q->newer;
+        else
+            self->orphans = q->newer;
+        if (q->newer)
+            q->newer->older = q->older;
+        s_req_free(q);
+        return;
     }
+    uint32_t target = UINT32_MAX;
+    for (uint32_t w = 0; w < q->world; w++)
+        if (q->lks[w].hits < target)
+            target = q->lks[w].hits;
     q->pending = false;
     self->npending--;
-    s_req_lock(self, q, q->keys, q->target);
+    s_req_lock(self, q, q->keys, target);
     free(q->keys);
+    free(q->lks);
+    free(q->nsbufs);
     q->keys = NULL;
+    q->lks = NULL;
+    q->nsbufs = NULL;
+    if (self->nwaits)
+        s_waits_run(self, false);
 }
 
 static s_req_t *s_req_new(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t world)
@@ -453,10 +492,9 @@ static s_req_t *s_req_new(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_
     q->salt_len = key->salt_len;
     q->world = world;
     q->readers = key->num_kv_readers ? key->num_kv_readers : 1;
-    q->jobs = calloc(world ? world : 1, sizeof *q->jobs);
     q->leases = calloc(world ? world : 1, sizeof *q->leases);
     q->reads = calloc(world ? world : 1, sizeof *q->reads);
-    kvt_assert(q->jobs && q->leases && q->reads);
+    kvt_assert(q->leases && q->reads);
     q->deadline_ms = kvt_now_ms() + self->cfg->lease_ms;
     q->hash = h;
     kvt_u64map_set(self->reqs, h, q);
@@ -470,63 +508,13 @@ static s_req_t *s_req_new(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_
     return q;
 }
 
-/* Keys past the L1 prefix that some L2 adapter has: queue their loads (one prefetch job per
- * worker) and leave the lookup pending until they finish. */
-static void s_lookup_l2(kvt_lmcache_t *self, s_req_t *q, kvt_key_t *keys, uint32_t n,
-                        const uint32_t *l1)
-{
-    uint32_t min_l1 = n;
-    for (uint32_t w = 0; w < q->world; w++)
-        if (l1[w] < min_l1)
-            min_l1 = l1[w];
-    uint64_t deadline = kvt_now_ms() + S_L2_LOOKUP_MS;
-    uint64_t **sizes = calloc(q->world, sizeof *sizes);
-    kvt_assert(sizes);
-    char nsbuf[KVT_MAX_NS + 1];
-    uint32_t target = n;
-    for (uint32_t w = 0; w < q->world && target > min_l1; w++) {
-        if (l1[w] >= target)
-            continue;
-        sizes[w] = malloc((n - l1[w]) * sizeof **sizes);
-        kvt_assert(sizes[w]);
-        kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
-        /* backend I/O: /status must not wait for it (only this thread changes the tables) */
-        pthread_mutex_unlock(&self->lock);
-        uint32_t m = kvt_l2mgr_lookup(self->l2, &ns, keys + l1[w], target - l1[w], deadline,
-                                      sizes[w]);
-        pthread_mutex_lock(&self->lock);
-        if (l1[w] + m < target)
-            target = l1[w] + m;
-    }
-    if (target > min_l1) {
-        uint64_t now = kvt_now_ms();
-        for (uint32_t w = 0; w < q->world; w++) {
-            if (l1[w] >= target)
-                continue;
-            q->jobs[w] = kvt_prefetch_start(self->prefetch, l1[w], false, now);
-            if (!q->jobs[w])
-                break; /* the job table is full: loads started so far just warm L1 */
-            kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
-            kvt_l2mgr_prefetch(self->l2, q->jobs[w], &ns, keys + l1[w], sizes[w],
-                               target - l1[w]);
-        }
-        q->pending = true;
-        q->target = target;
-        q->keys = keys;
-        self->npending++;
-    }
-    for (uint32_t w = 0; w < q->world; w++)
-        free(sizes[w]);
-    free(sizes);
-}
-
 static void s_op_lookup(kvt_lmcache_t *self, const kvt_lmc_key_t *key, s_reply_t *r)
 {
     uint64_t end = key->end < key->ntokens ? key->end : key->ntokens;
     uint64_t nchunks = end / self->chunk;
     /* one index probe per chunk and worker: bounded like one v1 request's keys */
     if (nchunks * key->world_size > self->cfg->max_keys) {
-        s_error(r, S_E_TOOBIG,
+        s_error(r, KVT_ETOOBIG,
                 "lookup: %" PRIu64 " chunks x world_size %u exceed max_keys (%u)", nchunks,
                 key->world_size, self->cfg->max_keys);
         return;
@@ -539,26 +527,48 @@ static void s_op_lookup(kvt_lmcache_t *self, const kvt_lmc_key_t *key, s_reply_t
     uint32_t n = known ? (uint32_t)nchunks : 0;
     s_req_t *q = s_req_new(self, key, known ? key->world_size : 0);
     kvt_key_t *keys = s_hash(self, key, n);
-    uint32_t *l1 = calloc(q->world ? q->world : 1, sizeof *l1);
-    kvt_assert(l1);
-    char nsbuf[KVT_MAX_NS + 1];
-    uint32_t min_l1 = n;
-    for (uint32_t w = 0; w < q->world && n; w++) {
-        kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
-        uint64_t none = 0;
-        kvt_l1_lookup(self->l1, KVT_OWNER_DAEMON, &ns, keys, n, false, &l1[w], &none);
-        if (l1[w] < min_l1)
-            min_l1 = l1[w];
-    }
     atomic_fetch_add(&self->lookup_chunks, n);
-    if (min_l1 < n && self->l2 && kvt_l2mgr_count(self->l2) && self->npending < S_MAX_PENDING)
-        s_lookup_l2(self, q, keys, n, l1);
-    if (!q->pending) {
-        s_req_lock(self, q, keys, min_l1);
-        free(keys);
-    }
-    free(l1);
     r->kind = S_R_NONE;
+    if (!n || !q->world) {
+        s_req_lock(self, q, keys, 0);
+        free(keys);
+        return;
+    }
+    /* past S_MAX_PENDING requests loading, a lookup is its L1 part only */
+    bool l2 = self->npending < S_MAX_PENDING;
+    q->lks = calloc(q->world, sizeof *q->lks);
+    q->nsbufs = malloc((size_t)q->world * (KVT_MAX_NS + 1));
+    kvt_assert(q->lks && q->nsbufs);
+    q->keys = keys;
+    for (uint32_t w = 0; w < q->world; w++) {
+        kvt_lookup_t *lk = &q->lks[w];
+        lk->owner = KVT_OWNER_DAEMON;
+        lk->ns = s_ns(q->model, q->world, w, q->salt, q->salt_len,
+                      q->nsbufs + (size_t)w * (KVT_MAX_NS + 1), KVT_MAX_NS + 1);
+        lk->keys = keys;
+        lk->n = n;
+        lk->prefetch = lk->until_loaded = true;
+        lk->done = l2 ? self->lookups_done : NULL;
+        lk->ctx = q;
+        if (kvt_cache_lookup(self->cache, lk))
+            q->out++;
+    }
+    if (q->out) {
+        q->pending = true; /* s_lookup_back takes the locks */
+        self->npending++;
+        return;
+    }
+    uint32_t target = n;
+    for (uint32_t w = 0; w < q->world; w++)
+        if (q->lks[w].hits < target)
+            target = q->lks[w].hits;
+    s_req_lock(self, q, keys, target);
+    free(q->keys);
+    free(q->lks);
+    free(q->nsbufs);
+    q->keys = NULL;
+    q->lks = NULL;
+    q->nsbufs = NULL;
 }
 
 /* query_prefetch_status / query_prefetch_lookup_hits: None while loads run, then the hit
@@ -566,8 +576,6 @@ static void s_op_lookup(kvt_lmcache_t *self, const kvt_lmc_key_t *key, s_reply_t
 static void s_op_status(kvt_lmcache_t *self, const char *request_id, bool consume, s_reply_t *r)
 {
     s_req_t *q = s_req_find(self, request_id);
-    if (q)
-        s_req_progress(self, q);
     if (q && q->pending) {
         r->kind = S_R_NONE;
         return;
@@ -608,7 +616,7 @@ static void s_lookup_read(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_
 static bool s_worker_key(const kvt_lmc_key_t *key, const char *op, s_reply_t *r)
 {
     if (!key->has_worker) {
-        s_error(r, S_E_BAD, "%s: key.worker_id is nil (it names the worker's piece)", op);
+        s_error(r, KVT_EBADREQ, "%s: key.worker_id is nil (it names the worker's piece)", op);
         return false;
     }
     return true;
@@ -623,7 +631,7 @@ static void s_op_prepare_store(kvt_lmcache_t *self, const kvt_lmc_key_t *key, ui
     uint32_t c0 = 0, c1 = 0;
     char why[160];
     if (ctx && !s_range(self, key, &c0, &c1, why, sizeof why)) {
-        s_error(r, S_E_BAD, "prepare_store: %s", why);
+        s_error(r, KVT_EBADREQ, "prepare_store: %s", why);
         return;
     }
     if (ctx && ctx->nxfers >= S_MAX_XFERS) {
@@ -746,7 +754,7 @@ static void s_op_prepare_retrieve(kvt_lmcache_t *self, const kvt_lmc_key_t *key,
     uint32_t c0 = 0, c1 = 0;
     char why[160];
     if (ctx && !s_range(self, key, &c0, &c1, why, sizeof why)) {
-        s_error(r, S_E_BAD, "prepare_retrieve: %s", why);
+        s_error(r, KVT_EBADREQ, "prepare_retrieve: %s", why);
         return;
     }
     uint32_t n = c1 - c0, nslots = 0;
@@ -762,7 +770,14 @@ static void s_op_prepare_retrieve(kvt_lmcache_t *self, const kvt_lmc_key_t *key,
     kvt_ns_t ns = s_ns(key->model, key->world_size, key->worker_id, key->salt, key->salt_len,
                        nsbuf, sizeof nsbuf);
     uint64_t lease = 0;
-    kvt_l1_acquire(self->l1, ctx->owner, &ns, keys + c0, n, slots, &nslots, &lease);
+    int rc = kvt_l1_acquire(self->l1, ctx->owner, &ns, keys + c0, n, slots, &nslots, &lease);
+    if (rc) { /* max_leased_bytes: the worker holds too much already; a miss, said why */
+        char limit[200];
+        kvt_l1_owner_limit_error(self->l1, ctx->owner, limit, sizeof limit);
+        kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN, "lmcache: prepare_retrieve of instance %"
+                          PRId64 ": %s: a miss", (int64_t)instance, limit);
+        nslots = 0;
+    }
     bool ok = nslots == n;
     for (uint32_t i = 0; ok && i < n; i++) {
         if (slots[i].length != ctx->obj_size) {
@@ -862,11 +877,10 @@ static void s_op_register(kvt_lmcache_t *self, const kvt_lmc_ctx_t *p, s_reply_t
     uint64_t size = 0;
     const char *error = s_ctx_check(self, p, why, sizeof why, &size);
     s_ctx_t *ctx = kvt_u64map_get(self->ctxs, p->instance_id);
-    if (!error && !ctx && kvt_u64map_size(self->ctxs) >= self->cfg->max_instances) {
-        snprintf(why, sizeof why, "%zu workers are registered (max_instances)",
-                 kvt_u64map_size(self->ctxs));
+    uint64_t owner = 0; /* max_instances counts v1 instances and LMCache workers together */
+    if (!error && !ctx &&
+        kvt_cache_owner_open(self->cache, KVT_OWNER_LMCACHE, &owner, why, sizeof why) != 0)
         error = why;
-    }
     if (error) {
         kvt_log(KVT_LOG_WARN, "lmcache: registration of instance %" PRId64 " refused: %s",
                 (int64_t)p->instance_id, error);
@@ -878,7 +892,7 @@ static void s_op_register(kvt_lmcache_t *self, const kvt_lmc_ctx_t *p, s_reply_t
         ctx = calloc(1, sizeof *ctx);
         kvt_assert(ctx);
         ctx->instance_id = p->instance_id;
-        ctx->owner = self->next_owner++;
+        ctx->owner = owner;
         ctx->registered_ms = kvt_now_ms();
         kvt_u64map_set(self->ctxs, p->instance_id, ctx);
         atomic_store(&self->nctxs, kvt_u64map_size(self->ctxs));
@@ -942,8 +956,6 @@ static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int n
         if ((rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, sizeof why)) == 0 &&
             (rc = kvt_lmc_decode_double(S_ARG(1), &d, why, sizeof why)) == 0) {
             s_req_t *q = s_req_find(self, rid);
-            if (q)
-                s_req_progress(self, q);
             if (q && q->pending && d > 0 && self->nwaits < S_MAX_WAITS) {
                 r->kind = S_R_LATER;
                 snprintf(r->msg, sizeof r->msg, "%s", rid);
@@ -1041,12 +1053,12 @@ static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int n
         msgpack_pack_array(s_value(r), 0);
         break;
     default:
-        s_error(r, S_E_INTERNAL, "no handler"); /* the served table and this switch agree */
+        s_error(r, KVT_EINTERNAL, "no handler"); /* the served table and this switch agree */
         break;
     }
     kvt_lmc_key_free(&key);
     if (rc != 0)
-        s_error(r, rc == KVT_ETOOBIG ? S_E_TOOBIG : S_E_BAD, "%s: %s",
+        s_error(r, rc == KVT_ETOOBIG ? KVT_ETOOBIG : KVT_EBADREQ, "%s: %s",
                 kvt_lmc_opinfo(op)->name, why);
 }
 
@@ -1074,8 +1086,6 @@ static void s_waits_run(kvt_lmcache_t *self, bool all)
     for (s_wait_t **pp = &self->waits; *pp;) {
         s_wait_t *w = *pp;
         s_req_t *q = s_req_find(self, w->request_id);
-        if (q)
-            s_req_progress(self, q);
         bool ready = !q || !q->pending;
         if (!ready && !all && now < w->deadline_ms) {
             pp = &w->next;
@@ -1105,7 +1115,7 @@ static void s_message(kvt_lmcache_t *self, zmq_msg_t *f, int n, bool too_many)
         kvt_errrep_report(&s_rep_bad, KVT_LOG_WARN,
                           "lmcache: a message of %d frames (uid and op are needed) dropped", n - 1);
         atomic_fetch_add(&self->requests[0], 1);
-        atomic_fetch_add(&self->errors[S_E_BAD], 1);
+        atomic_fetch_add(&self->errors[kvt_err_wire_index(KVT_EBADREQ)], 1);
         return;
     }
     if (zmq_msg_size(&f[2]) == 0)
@@ -1121,7 +1131,7 @@ static void s_message(kvt_lmcache_t *self, zmq_msg_t *f, int n, bool too_many)
     if (!info) {
         kvt_errrep_report(&s_rep_unknown, KVT_LOG_WARN,
                           "lmcache: unknown operation %s refused", name);
-        s_error(&r, S_E_UNKTYPE, "unknown operation %s", name);
+        s_error(&r, KVT_EUNKTYPE, "unknown operation %s", name);
     } else if (!info->served) {
         if (!self->refused_logged[op]) {
             self->refused_logged[op] = true;
@@ -1130,11 +1140,11 @@ static void s_message(kvt_lmcache_t *self, zmq_msg_t *f, int n, bool too_many)
                     "path only (lmcache.mp.mp_transfer_mode = engine_driven)",
                     info->name);
         }
-        s_error(&r, S_E_UNKTYPE,
+        s_error(&r, KVT_EUNKTYPE,
                 "operation %s is not served by kvtier (engine-driven shared-memory mode only)",
                 info->name);
     } else if (too_many || nargs < info->min_args || nargs > info->max_args) {
-        s_error(&r, S_E_BAD, "%s: %s%d argument frames, expected %d to %d", info->name,
+        s_error(&r, KVT_EBADREQ, "%s: %s%d argument frames, expected %d to %d", info->name,
                 too_many ? "more than " : "", nargs, info->min_args, info->max_args);
     } else {
         pthread_mutex_lock(&self->lock);
@@ -1144,8 +1154,8 @@ static void s_message(kvt_lmcache_t *self, zmq_msg_t *f, int n, bool too_many)
         pthread_mutex_unlock(&self->lock);
     }
     if (r.kind == S_R_ERROR) {
-        atomic_fetch_add(&self->errors[r.etype], 1);
-        if (r.etype != S_E_UNKTYPE)
+        atomic_fetch_add(&self->errors[kvt_err_wire_index(r.code)], 1);
+        if (r.code != KVT_EUNKTYPE)
             kvt_errrep_report(&s_rep_bad, KVT_LOG_WARN, "lmcache: %s", r.msg);
     }
     if (r.kind != S_R_LATER)
@@ -1205,7 +1215,7 @@ static void s_sweep(kvt_lmcache_t *self, uint64_t now)
                     "lmcache: instance %" PRId64 " silent for %" PRIu64 " ms: its %u prepared "
                     "transfers are released",
                     (int64_t)c->instance_id, idle, c->nxfers);
-            kvt_l1_release_owner(self->l1, c->owner, true);
+            kvt_l1_release_owner(self->l1, c->owner, true); /* the worker stays registered */
             s_xfers_free(c);
         } else {
             for (s_xfer_t **pp = &c->xfers; *pp;) {
@@ -1253,20 +1263,48 @@ static void s_monitor(kvt_lmcache_t *self)
     }
 }
 
+/* The cache service's lookups that came back. Lock held. */
+static void s_collect(kvt_lmcache_t *self)
+{
+    kvt_lookup_t *lk;
+    while (kvt_queue_pop(self->lookups_done, (void **)&lk, 0) == 0) {
+        kvt_queue_task_done(self->lookups_done, 1);
+        s_lookup_back(self, lk);
+    }
+}
+
+/* How long the poll may sleep: the idle beat, or until the first held reply's deadline. */
+static long s_poll_ms(kvt_lmcache_t *self, kvt_thread_t *t)
+{
+    long ms = (long)kvt_thread_idle_ms(t);
+    uint64_t now = kvt_now_ms();
+    pthread_mutex_lock(&self->lock);
+    for (s_wait_t *w = self->waits; w; w = w->next) {
+        long left = w->deadline_ms > now ? (long)(w->deadline_ms - now) : 0;
+        if (left < ms)
+            ms = left;
+    }
+    pthread_mutex_unlock(&self->lock);
+    return ms;
+}
+
 static bool s_run(kvt_thread_t *t, void *arg)
 {
     kvt_lmcache_t *self = arg;
-    zmq_pollitem_t items[2] = {{self->sock, 0, ZMQ_POLLIN, 0},
-                               {zsock_resolve(self->monitor), 0, ZMQ_POLLIN, 0}};
+    zmq_pollitem_t items[3] = {{self->sock, 0, ZMQ_POLLIN, 0},
+                               {zsock_resolve(self->monitor), 0, ZMQ_POLLIN, 0},
+                               {NULL, kvt_queue_fd(self->lookups_done), ZMQ_POLLIN, 0}};
     while (!atomic_load(&self->stop)) {
         if (!kvt_thread_beat(t))
             return false;
-        long timeout = self->nwaits ? S_WAIT_POLL_MS : (long)kvt_thread_idle_ms(t);
-        if (zmq_poll(items, 2, timeout) < 0 && errno != EINTR) {
+        if (zmq_poll(items, 3, s_poll_ms(self, t)) < 0 && errno != EINTR) {
             kvt_log(KVT_LOG_ERROR, "lmcache: poll failed: %s", zmq_strerror(errno));
             return false;
         }
         s_monitor(self);
+        pthread_mutex_lock(&self->lock);
+        s_collect(self); /* before the messages: a status query then sees the loads done */
+        pthread_mutex_unlock(&self->lock);
         for (int i = 0; i < 256 && s_recv_one(self); i++)
             if (i % 16 == 15 && !kvt_thread_beat(t))
                 return false;
@@ -1285,10 +1323,10 @@ static bool s_run(kvt_thread_t *t, void *arg)
 
 /* ---- life cycle --------------------------------------------------------------------------- */
 
-kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_l1_t *l1,
-                               kvt_l2mgr_t *l2, kvt_prefetch_t *prefetch, char *err,
-                               size_t errlen)
+kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cache_t *cache,
+                               char *err, size_t errlen)
 {
+    kvt_l1_t *l1 = kvt_cache_l1(cache);
     const char *path = kvt_l1_shm_path(l1);
     const char *dir = "/dev/shm/";
     if (strncmp(path, dir, strlen(dir)) != 0 || strchr(path + strlen(dir), '/')) {
@@ -1300,9 +1338,8 @@ kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_l1_t
     kvt_lmcache_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->cfg = cfg;
+    self->cache = cache;
     self->l1 = l1;
-    self->l2 = l2;
-    self->prefetch = prefetch;
     snprintf(self->shm_name, sizeof self->shm_name, "%s", path + strlen(dir));
     self->pool_size = kvt_l1_capacity(l1);
     self->chunk = cfg->chunk_tokens;
@@ -1315,7 +1352,14 @@ kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_l1_t
     kvt_assert(self->ctxs && self->reqs);
     if (getrandom(&self->seed, sizeof self->seed, 0) != sizeof self->seed)
         self->seed = kvt_now_ns() ^ (uint64_t)getpid();
-    self->next_owner = (UINT64_C(1) << 62) + 1; /* apart from v1's session owners */
+    char qerr[160];
+    /* bounded by the lookups out: S_MAX_PENDING requests of at most KVT_LMC_MAX_WORLD each */
+    self->lookups_done = kvt_queue_new(KVT_QUEUE_BOUNDED_BY_CALLER, KVT_QUEUE_FD, qerr,
+                                       sizeof qerr);
+    if (!self->lookups_done) {
+        snprintf(err, errlen, "lmcache.listen: %s", qerr);
+        goto fail;
+    }
     const char *ep = cfg->lmcache_listen;
     self->router = zsock_new(ZMQ_ROUTER);
     if (!self->router) {
@@ -1380,6 +1424,28 @@ void kvt_lmcache_destroy(kvt_lmcache_t **self_p)
     s_waits_run(self, true);
     while (self->oldest)
         s_req_drop(self, self->oldest);
+    /* lookups still out: a wait for loads is called off, a probe is waited for (it comes back
+     * within l2_lookup_timeout_ms; kvt_cache_quiesce made queued ones come back at once) */
+    while (self->orphans) {
+        for (s_req_t *q = self->orphans, *next; q; q = next) {
+            next = q->newer;
+            for (uint32_t w = 0; w < q->world; w++) {
+                if (!kvt_cache_lookup_cancel(self->cache, &q->lks[w]))
+                    continue;
+                bool last = q->out == 1;
+                s_lookup_back(self, &q->lks[w]); /* it will not come back: count it */
+                if (last)
+                    break; /* q is freed */
+            }
+        }
+        s_collect(self);
+        if (self->orphans) {
+            pthread_mutex_unlock(&self->lock);
+            zmq_pollitem_t item = {NULL, kvt_queue_fd(self->lookups_done), ZMQ_POLLIN, 0};
+            zmq_poll(&item, 1, 10);
+            pthread_mutex_lock(&self->lock);
+        }
+    }
     for (s_ctx_t *c; (c = kvt_u64map_first(self->ctxs));)
         s_ctx_drop(self, c, false);
     pthread_mutex_unlock(&self->lock);
@@ -1391,6 +1457,7 @@ void kvt_lmcache_destroy(kvt_lmcache_t **self_p)
         unlink(self->cfg->lmcache_listen + 6);
     kvt_u64map_destroy(&self->ctxs);
     kvt_u64map_destroy(&self->reqs);
+    kvt_queue_destroy(&self->lookups_done);
     pthread_mutex_destroy(&self->lock);
     free(self);
     *self_p = NULL;
@@ -1451,8 +1518,8 @@ void kvt_lmcache_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
                        .help = "Error replies of the LMCache-compatible endpoint, by type",
                        .kind = KVT_METRIC_COUNTER,
                        .label = "type"};
-    for (int i = 0; i < S_E_COUNT; i++) {
-        s.label_value = s_etype_names[i];
+    for (int i = 0; i < KVT_WIRE_ERRORS; i++) {
+        s.label_value = kvt_err_wire_name(i);
         s.value = (double)atomic_load(&self->errors[i]);
         emit(emit_ctx, &s);
     }

@@ -5,7 +5,10 @@
  *
  * Owns the socket, its thread ("lmcache", supervised), the registered worker contexts (by
  * LMCache instance_id, each with its own lease owner), their prepared transfers, and the
- * per-request lookup state (by request_id, bounded, with a deadline). Every lock it takes in
+ * per-request lookup state (by request_id, bounded, with a deadline). Its lookups are the
+ * cache service's tiered lookups (the L2 part on the service's threads, the result pushed to
+ * the door's queue), and its workers are owners in the service's registry (max_instances
+ * counts them with v1's instances). Every lock it takes in
  * L1 is a lease: a worker's reservations and pins are its owner's (released when it
  * unregisters, stays silent past lease_ms, or after lease_ms unfinished), and a lookup's read
  * locks are daemon leases released when the workers have read them, the scheduler frees them,
@@ -16,11 +19,9 @@
 #ifndef KVT_LMCACHE_H
 #define KVT_LMCACHE_H
 
+#include "kvt_cache.h"
 #include "kvt_config.h"
-#include "kvt_l1.h"
-#include "kvt_l2mgr.h"
 #include "kvt_metrics.h"
-#include "kvt_prefetch.h"
 #include "kvt_supervisor.h"
 
 #include <jansson.h>
@@ -34,12 +35,11 @@ typedef struct kvt_lmcache kvt_lmcache_t;
 /* Binds cfg->lmcache_listen and starts the door's thread (start-up, before kvt_sup_start).
  * NULL with a sentence in err (endpoint in use or malformed, an arena the client cannot open
  * by name). */
-kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_l1_t *l1,
-                               kvt_l2mgr_t *l2, kvt_prefetch_t *prefetch, char *err,
-                               size_t errlen);
+kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cache_t *cache,
+                               char *err, size_t errlen);
 
-/* Stops the thread, releases every lease the door holds and closes the socket. Before L1 and
- * the L2 manager go. Accepts NULL. */
+/* Stops the thread, waits for (or calls off) its lookups in the cache service, closes its
+ * workers' owners (their leases go) and the socket. Before kvt_cache_stop. Accepts NULL. */
 void kvt_lmcache_destroy(kvt_lmcache_t **self_p);
 
 /* {endpoint, shm_name, pool_size, chunk_tokens, contexts: [...at most 100], contexts_total,

@@ -58,7 +58,7 @@ struct kvt_server {
     kvt_sup_thread_t *beat;
     kvt_services_t svc;
     kvt_workers_t *workers;
-    kvt_workers_t *lookups; /* LOOKUPs that need L2 (only with an L2 tier) */
+    size_t lookups_out; /* LOOKUPs the cache service has (lock held) */
     zsock_t *router;
     void *sock;          /* the router's libzmq socket */
     zsock_t *monitor;    /* its accepted connections (s_monitor), NULL without */
@@ -73,6 +73,9 @@ struct kvt_server {
     pthread_mutex_t lock;
     _Atomic uint32_t lock_waiting; /* this loop waits for it: the fastpath thread stands back */
 };
+
+static void s_lock(kvt_server_t *self);
+static void s_drain_lookups(kvt_server_t *self, uint64_t deadline_ms);
 
 static kvt_errrep_t s_rep_bad = KVT_ERRREP_INIT(10000);
 static kvt_errrep_t s_rep_send = KVT_ERRREP_INIT(10000);
@@ -93,6 +96,7 @@ static kvt_rq_t *s_rq_new(kvt_server_t *self)
         msgpack_packer_init(&rq->pk, &rq->sbuf, msgpack_sbuffer_write);
     }
     rq->svc = &self->svc;
+    rq->lookup_pending = false;
     zmq_msg_init(&rq->rid);
     zmq_msg_init(&rq->uid);
     zmq_msg_init(&rq->body);
@@ -285,12 +289,6 @@ static void s_run_job(void *job)
     rq->rc = kvt_handle(rq);
 }
 
-static void s_run_continue(void *job)
-{
-    kvt_rq_t *rq = job;
-    rq->rc = kvt_handle_continue(rq);
-}
-
 /* One received message: its routing id and uid are in rq, the type frame in `type`, the
  * body and data frames in rq; `parts` counts the frames after the routing id. */
 typedef struct {
@@ -418,10 +416,8 @@ static bool s_dispatch(kvt_server_t *self, kvt_rq_t *rq)
         rq->rc = kvt_handle(rq);
         if (rq->rc || !kvt_handle_continues(rq))
             return false;
-        if (self->lookups && kvt_workers_submit(self->lookups, s_run_continue, rq) == 0)
-            return true;
-        rq->rc = kvt_handle_refuse(rq);
-        return false;
+        self->lookups_out++; /* the cache service hands it back through lookups_done */
+        return true;
     case KVT_RUN_INLINE:
         break;
     }
@@ -534,20 +530,41 @@ static void s_intake(kvt_server_t *self, volatile sig_atomic_t *stop)
 static void s_collect(kvt_server_t *self)
 {
     kvt_rq_t *rq;
-    while ((rq = kvt_workers_done(self->workers)) != NULL)
+    while (self->workers && (rq = kvt_workers_done(self->workers)) != NULL)
         s_finish(self, rq);
-    while (self->lookups && (rq = kvt_workers_done(self->lookups)) != NULL)
+    kvt_lookup_t *lk;
+    while (self->svc.lookups_done && kvt_queue_pop(self->svc.lookups_done, (void **)&lk, 0) == 0) {
+        kvt_queue_task_done(self->svc.lookups_done, 1);
+        self->lookups_out--;
+        rq = lk->ctx;
+        rq->rc = kvt_handle_resume(rq);
         s_finish(self, rq);
+    }
 }
 
 /* ---- set-up ---- */
 
+/* A v1 instance ended (BYE, silence): the cache service releases its leases and tells the
+ * listeners, s_owner_gone among them. */
 static uint64_t s_on_gone(void *ctx, uint64_t owner, bool expired)
 {
     kvt_server_t *self = ctx;
-    kvt_gpu_owner_gone(self->svc.gpu, owner); /* never blocks: closing is the gpu's thread's */
-    kvt_fastpath_owner_gone(self->svc.fastpath, owner, expired);
-    return kvt_l1_release_owner(self->svc.l1, owner, expired);
+    return kvt_cache_owner_close(self->svc.cache, owner, expired);
+}
+
+static int s_on_new(void *ctx, uint64_t *owner, char *err, size_t errlen)
+{
+    kvt_server_t *self = ctx;
+    return kvt_cache_owner_open(self->svc.cache, KVT_OWNER_V1, owner, err, errlen);
+}
+
+/* A v1 owner closed (on this loop's thread, or the fastpath thread under the lock): its
+ * fast-path slots go. LMCache workers hold none. */
+static void s_owner_gone(void *ctx, kvt_owner_kind_t kind, uint64_t owner, bool expired)
+{
+    kvt_server_t *self = ctx;
+    if (kind == KVT_OWNER_V1)
+        kvt_fastpath_owner_gone(self->svc.fastpath, owner, expired);
 }
 
 /* The socket monitor reports the descriptor of every listener (its connections are counted and
@@ -622,10 +639,10 @@ static void s_monitor(kvt_server_t *self)
 }
 
 kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
-                             kvt_reqstats_t *stats, kvt_sup_t *sup,
-                             kvt_l1_t *l1, kvt_l2mgr_t *l2, kvt_prefetch_t *prefetch, char *err,
-                             size_t errlen)
+                             kvt_reqstats_t *stats, kvt_sup_t *sup, kvt_cache_t *cache,
+                             kvt_gpu_t *gpu, char *err, size_t errlen)
 {
+    kvt_l1_t *l1 = kvt_cache_l1(cache);
     kvt_server_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->cfg = cfg;
@@ -633,13 +650,23 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
     self->svc.cfg = cfg;
     self->svc.metrics = metrics;
     self->svc.reqstats = stats;
+    self->svc.cache = cache;
     self->svc.l1 = l1;
+    char qerr[160];
+    /* holds what the service handed back and the loop has not collected: at most the LOOKUPs
+     * out, which the request intake bounds */
+    self->svc.lookups_done = kvt_queue_new(KVT_QUEUE_BOUNDED_BY_CALLER, KVT_QUEUE_FD, qerr,
+                                           sizeof qerr);
+    if (!self->svc.lookups_done) {
+        snprintf(err, errlen, "server: %s", qerr);
+        free(self);
+        return NULL;
+    }
     kvt_session_limits_t slim = {.lease_ms = cfg->lease_ms,
-                                 .max_instances = cfg->max_instances,
                                  .max_instances_per_conn = cfg->max_instances_per_connection,
                                  .reply_timeout_ms = cfg->reply_timeout_ms,
                                  .max_reply_backlog = cfg->max_reply_backlog};
-    self->svc.sessions = kvt_sessions_new(&slim, s_on_gone, self);
+    self->svc.sessions = kvt_sessions_new(&slim, s_on_new, s_on_gone, self);
     kvt_metrics_add_source(metrics, kvt_sessions_metrics_source, self->svc.sessions);
     pthread_mutex_init(&self->lock, NULL);
     /* the rings live in the arena's tail, past the objects */
@@ -648,19 +675,12 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
                                           self->svc.sessions, s_ring_request, self);
     if (self->svc.fastpath)
         kvt_metrics_add_source(metrics, kvt_fastpath_metrics_source, self->svc.fastpath);
-    self->svc.l2 = l2;
-    self->svc.prefetch = prefetch;
-    self->svc.gpu = kvt_gpu_new(l1); /* touches no CUDA until a GPU request */
-    kvt_metrics_add_source(metrics, kvt_gpu_metrics_source, self->svc.gpu);
+    self->svc.gpu = gpu;
+    kvt_cache_on_owner_gone(cache, s_owner_gone, self);
     kvt_limits_init(&self->lim, cfg->max_message, cfg->max_keys);
     self->workers = kvt_workers_new("worker", (int)cfg->workers, S_WORKER_QUEUE, sup, err, errlen);
     if (!self->workers)
         goto fail;
-    if (kvt_l2mgr_count(l2)) {
-        self->lookups = kvt_workers_new("lookup", 2, S_WORKER_QUEUE, sup, err, errlen);
-        if (!self->lookups)
-            goto fail;
-    }
     self->router = zsock_new(ZMQ_ROUTER);
     if (!self->router) {
         snprintf(err, errlen, "cannot create the ROUTER socket: %s", zmq_strerror(errno));
@@ -718,8 +738,12 @@ void kvt_server_destroy(kvt_server_t **self_p)
         s_collect(self); /* kvt_server_run drained; this only catches a failed start */
         kvt_workers_destroy(&self->workers);
     }
-    kvt_workers_destroy(&self->lookups);
-    kvt_gpu_destroy(&self->svc.gpu); /* after the workers, before L1 goes */
+    if (self->svc.lookups_done) {
+        s_lock(self);
+        s_drain_lookups(self, 0); /* the service hands each back after its probe at most */
+        pthread_mutex_unlock(&self->lock);
+        kvt_queue_destroy(&self->svc.lookups_done);
+    }
     if (self->spare) {
         free(self->spare->data); /* its messages are closed already */
         msgpack_sbuffer_destroy(&self->spare->sbuf);
@@ -748,28 +772,34 @@ static void s_periodic(kvt_server_t *self)
         return;
     self->next_sweep_ms = now + S_SWEEP_MS;
     kvt_sessions_sweep(self->svc.sessions, now);
-    kvt_prefetch_sweep(self->svc.prefetch, now);
+    kvt_prefetch_sweep(kvt_cache_prefetch(self->svc.cache), now);
     kvt_reload_run_pending(); /* a SIGHUP's reload, on this (the main) thread */
 }
 
 static size_t s_in_flight(const kvt_server_t *self)
 {
-    return kvt_workers_pending(self->workers) +
-           (self->lookups ? kvt_workers_pending(self->lookups) : 0);
+    return (self->workers ? kvt_workers_pending(self->workers) : 0) + self->lookups_out;
 }
 
-/* After a stop: no new requests; answer the jobs already with the workers (bounded). */
+/* After a stop: no new requests; answer the jobs already with the workers and the lookups the
+ * cache service has (bounded: S_DRAIN_MS, or without a limit when `deadline_ms` is 0 and only
+ * lookups are out, which the service always hands back). Lock held. */
+static void s_drain_lookups(kvt_server_t *self, uint64_t deadline_ms)
+{
+    while (s_in_flight(self) > 0 && (!deadline_ms || kvt_now_ms() < deadline_ms)) {
+        zmq_pollitem_t items[2] = {
+            {NULL, self->workers ? kvt_workers_fd(self->workers) : -1, ZMQ_POLLIN, 0},
+            {NULL, kvt_queue_fd(self->svc.lookups_done), ZMQ_POLLIN, 0}};
+        zmq_poll(items, 2, 50);
+        s_collect(self);
+        if (self->beat)
+            kvt_sup_beat(self->beat);
+    }
+}
+
 static void s_drain(kvt_server_t *self)
 {
-    uint64_t deadline = kvt_now_ms() + S_DRAIN_MS;
-    while (s_in_flight(self) > 0 && kvt_now_ms() < deadline) {
-        zmq_pollitem_t items[2] = {
-            {NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0},
-            {NULL, self->lookups ? kvt_workers_fd(self->lookups) : -1, ZMQ_POLLIN, 0}};
-        zmq_poll(items, self->lookups ? 2 : 1, 50);
-        s_collect(self);
-        kvt_sup_beat(self->beat);
-    }
+    s_drain_lookups(self, kvt_now_ms() + S_DRAIN_MS);
     if (s_in_flight(self) > 0)
         kvt_log(KVT_LOG_WARN, "stopping with %zu requests still running", s_in_flight(self));
 }
@@ -788,7 +818,7 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
         {self->sock, 0, ZMQ_POLLIN, 0},
         {NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0},
         {self->monitor ? zsock_resolve(self->monitor) : NULL, -1, ZMQ_POLLIN, 0},
-        {NULL, self->lookups ? kvt_workers_fd(self->lookups) : -1, ZMQ_POLLIN, 0},
+        {NULL, kvt_queue_fd(self->svc.lookups_done), ZMQ_POLLIN, 0},
     };
     int rc = 0;
     while (!*stop) {
@@ -796,7 +826,7 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
             rc = KVT_EINTERNAL;
             break;
         }
-        if (zmq_poll(items, self->lookups ? 4 : 3, S_POLL_MS) < 0 && errno != EINTR) {
+        if (zmq_poll(items, 4, S_POLL_MS) < 0 && errno != EINTR) {
             kvt_log(KVT_LOG_ERROR, "server: poll failed: %s", zmq_strerror(errno));
             rc = KVT_EINTERNAL;
             break;
@@ -828,7 +858,7 @@ json_t *kvt_server_status_json(kvt_server_t *self)
         json_array_append_new(eps, json_string(self->cfg->listen[i]));
     json_t *st = json_pack("{s:o,s:I,s:I,s:o}", "endpoints", eps, "requests_in_workers",
                            (json_int_t)s_in_flight(self), "prefetch_jobs",
-                           (json_int_t)kvt_prefetch_jobs(self->svc.prefetch), "gpu",
+                           (json_int_t)kvt_prefetch_jobs(kvt_cache_prefetch(self->svc.cache)), "gpu",
                            kvt_gpu_status_json(self->svc.gpu));
     json_t *clients =
         kvt_sessions_json(self->svc.sessions, kvt_now_ms(), s_owner_bytes, self->svc.l1);

@@ -9,9 +9,9 @@
 #ifndef KVT_SERVER_H
 #define KVT_SERVER_H
 
+#include "kvt_cache.h"
 #include "kvt_config.h"
-#include "kvt_l1.h"
-#include "kvt_l2mgr.h"
+#include "kvt_gpu.h"
 #include "kvt_metrics.h"
 #include "kvt_reqstats.h"
 #include "kvt_supervisor.h"
@@ -22,14 +22,17 @@
 
 typedef struct kvt_server kvt_server_t;
 
-/* Creates the socket and binds every endpoint; finished requests are counted in `stats`
- * (owned by the caller, which outlives the server). NULL with a sentence in err on failure (an
+/* Creates the socket and binds every endpoint, serving requests on `cache` and `gpu` (the
+ * caller's, outliving the server; the server builds only what is the v1 door's own:
+ * sessions, workers, the fast path); finished requests are counted in `stats` (owned by the
+ * caller, which outlives the server). NULL with a sentence in err on failure (an
  * endpoint in use, another daemon on the ipc path, a bad endpoint). */
 kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
-                             kvt_reqstats_t *stats, kvt_sup_t *sup, kvt_l1_t *l1, kvt_l2mgr_t *l2,
-                             kvt_prefetch_t *prefetch, char *err, size_t errlen);
+                             kvt_reqstats_t *stats, kvt_sup_t *sup, kvt_cache_t *cache,
+                             kvt_gpu_t *gpu, char *err, size_t errlen);
 
-/* Closes the socket (pending replies get the linger time) and frees everything. */
+/* Closes the socket (pending replies get the linger time) and frees everything; waits for the
+ * LOOKUPs the cache service still has (kvt_cache_quiesce first makes that short). */
 void kvt_server_destroy(kvt_server_t **self_p);
 
 /* Serves until *stop becomes non-zero. Returns 0 on a requested stop, or a KVT_E* code when

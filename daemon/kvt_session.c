@@ -81,6 +81,7 @@ struct kvt_sessions {
     zhashx_t *by_rid;      /* &conn->rid -> kvt_conn_t (one reference) */
     kvt_conn_t **by_fd;    /* descriptor -> connection, NULL when none */
     size_t nfd;
+    kvt_session_new_fn on_new; /* NULL: ids from next_owner, no ceiling (unit tests) */
     uint64_t next_owner;
     uint64_t next_conn;
     kvt_session_gone_fn on_gone;
@@ -390,8 +391,8 @@ uint64_t kvt_conn_pinned(const kvt_conn_t *c)
 
 /* ---- life cycle ---- */
 
-kvt_sessions_t *kvt_sessions_new(const kvt_session_limits_t *lim, kvt_session_gone_fn on_gone,
-                                 void *ctx)
+kvt_sessions_t *kvt_sessions_new(const kvt_session_limits_t *lim, kvt_session_new_fn on_new,
+                                 kvt_session_gone_fn on_gone, void *ctx)
 {
     kvt_sessions_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
@@ -410,6 +411,7 @@ kvt_sessions_t *kvt_sessions_new(const kvt_session_limits_t *lim, kvt_session_go
     zhashx_set_key_comparator(self->by_rid, s_rid_cmp);
     zhashx_set_key_duplicator(self->by_rid, NULL); /* the key lives in the connection */
     zhashx_set_key_destructor(self->by_rid, NULL);
+    self->on_new = on_new;
     self->next_owner = 1;
     self->on_gone = on_gone;
     self->ctx = ctx;
@@ -460,20 +462,17 @@ int kvt_sessions_hello(kvt_sessions_t *self, kvt_conn_t *c, const char *instance
         rc = KVT_EBADREQ;
         goto out;
     }
-    if (!s && zhashx_size(self->by_instance) >= self->lim.max_instances) {
-        snprintf(err, errlen,
-                 "the daemon serves max_instances (%u) client instances: retry later, or end "
-                 "unused ones with BYE",
-                 self->lim.max_instances);
-        rc = KVT_EBUSY;
+    uint64_t id = 0;
+    if (!s && self->on_new && (rc = self->on_new(self->ctx, &id, err, errlen)) != 0)
         goto out;
-    }
+    if (!s && !self->on_new)
+        id = self->next_owner++;
     if (!s) {
         s = calloc(1, sizeof *s);
         kvt_assert(s);
         s->instance = strdup(instance);
         kvt_assert(s->instance);
-        s->owner = self->next_owner++;
+        s->owner = id;
         s_new_token(s->token);
         zhashx_insert(self->by_instance, instance, s);
         *created = true;

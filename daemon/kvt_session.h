@@ -41,7 +41,6 @@ typedef struct kvt_conn kvt_conn_t;
 
 typedef struct {
     uint64_t lease_ms;      /* silence after which an instance is dropped */
-    uint32_t max_instances; /* instances alive at once, in total */
     uint32_t max_instances_per_conn;
     uint64_t reply_timeout_ms;  /* replies that do not move for this long: the connection goes */
     uint64_t max_reply_backlog; /* bytes of daemon memory one connection's unread replies hold */
@@ -51,8 +50,12 @@ typedef struct {
  * returns how many leases were released for it. */
 typedef uint64_t (*kvt_session_gone_fn)(void *ctx, uint64_t owner, bool expired);
 
-kvt_sessions_t *kvt_sessions_new(const kvt_session_limits_t *lim, kvt_session_gone_fn on_gone,
-                                 void *ctx);
+/* Called (lock held) for a new instance: its lease owner id, or KVT_EBUSY with a sentence
+ * (the cache service's owner registry: max_instances across both doors). */
+typedef int (*kvt_session_new_fn)(void *ctx, uint64_t *owner, char *err, size_t errlen);
+
+kvt_sessions_t *kvt_sessions_new(const kvt_session_limits_t *lim, kvt_session_new_fn on_new,
+                                 kvt_session_gone_fn on_gone, void *ctx);
 
 /* Frees the tables. Connections still referenced by replies in flight are freed by their last
  * kvt_conn_unref. */

@@ -6,6 +6,7 @@
  * (Type=notify) READY=1 goes out only once every socket is bound, the arena is pinned and every
  * thread runs, and STOPPING=1 as soon as the loop ends (kvt_notify). */
 #include "kvt_accept.h"
+#include "kvt_cache.h"
 #include "kvt_config.h"
 #include "kvt_curve.h"
 #include "kvt_error.h"
@@ -95,38 +96,30 @@ static void s_warn_plain_tcp(const kvt_config_t *cfg)
                     cfg->listen[i]);
 }
 
-/* What the L1 listener and the HTTP hooks reach. */
+/* What the HTTP hooks reach. */
 typedef struct {
     const kvt_config_t *cfg;
     kvt_server_t *server;
     kvt_lmcache_t *lmcache; /* NULL without lmcache.listen */
     kvt_l1_t *l1;
     kvt_l2mgr_t *l2;
-    kvt_events_t *events;
     kvt_sup_t *sup;
 } s_parts_t;
 
-static const char *const s_event_names[] = {[KVT_L1_STORED] = "stored",
-                                            [KVT_L1_EVICTED] = "evicted",
-                                            [KVT_L1_REMOVED] = "removed",
-                                            [KVT_L1_LOADED] = "stored"};
-
-/* L1 changes feed the events socket and, for objects clients stored, L2 write-behind. */
-static void s_on_l1_event(void *ctx, kvt_l1_event_t event, const kvt_ns_t *ns,
-                          const kvt_key_t *keys, uint32_t n)
+/* A v1 instance ended: its GPU registrations go (never blocks: closing is the gpu's own
+ * thread's). LMCache workers register none. */
+static void s_gpu_owner_gone(void *ctx, kvt_owner_kind_t kind, uint64_t owner, bool expired)
 {
-    s_parts_t *p = ctx;
-    if (p->events)
-        kvt_events_publish(p->events, s_event_names[event], ns, keys, n, "l1");
-    if (event == KVT_L1_STORED)
-        kvt_l2mgr_on_stored(p->l2, ns, keys, n);
+    (void)expired;
+    if (kind == KVT_OWNER_V1)
+        kvt_gpu_owner_gone(ctx, owner);
 }
 
-static void s_on_l2_event(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_key_t *keys,
-                          uint32_t n, const char *adapter)
+/* The cache service's L1 and L2 changes feed the events socket. */
+static void s_on_event(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_key_t *keys,
+                       uint32_t n, const char *tier)
 {
-    (void)adapter;
-    kvt_events_publish(ctx, event, ns, keys, n, "l2");
+    kvt_events_publish(ctx, event, ns, keys, n, tier);
 }
 
 static json_t *s_status_hook(void *ctx)
@@ -259,8 +252,9 @@ int main(int argc, char **argv)
     kvt_sup_t *sup = NULL;
     kvt_server_t *server = NULL;
     kvt_lmcache_t *lmcache = NULL;
+    kvt_cache_t *cache = NULL;
+    kvt_gpu_t *gpu = NULL;
     kvt_l1_t *l1 = NULL;
-    kvt_prefetch_t *prefetch = NULL;
     kvt_l2mgr_t *l2 = NULL;
     kvt_events_t *events = NULL;
     kvt_http_t *http = NULL;
@@ -289,42 +283,43 @@ int main(int argc, char **argv)
                              .for_ms = cfg->debug_fault_for_ms};
     sup = kvt_sup_new(&fault);
     kvt_metrics_add_source(metrics, kvt_sup_metrics_source, sup);
-    l1 = kvt_l1_new(cfg, err, sizeof err);
-    if (!l1)
+    /* the tiers, the owner registry and the lookup threads: the service both doors call */
+    int crc = 0;
+    cache = kvt_cache_new(cfg, sup, &crc, err, sizeof err);
+    if (!cache) {
+        status = crc == KVT_EINVAL ? 2 : 1; /* a bad adapter spec is a bad configuration */
         goto done;
+    }
+    l1 = kvt_cache_l1(cache);
+    l2 = kvt_cache_l2(cache);
     kvt_metrics_add_source(metrics, kvt_l1_metrics_source, l1);
     if (cfg->events[0]) {
         events = kvt_events_new(cfg->events, sup, err, sizeof err);
         if (!events)
             goto done;
         kvt_metrics_add_source(metrics, kvt_events_metrics_source, events);
+        kvt_cache_set_events(cache, s_on_event, events);
     }
-    prefetch = kvt_prefetch_new(60000, cfg->max_prefetch_jobs);
-    kvt_metrics_add_source(metrics, kvt_prefetch_metrics_source, prefetch);
-    int l2rc = 0;
-    l2 = kvt_l2mgr_new(cfg, l1, prefetch, sup, &l2rc, err, sizeof err);
-    if (!l2) {
-        status = l2rc == KVT_EINVAL ? 2 : 1; /* a bad adapter spec is a bad configuration */
-        goto done;
-    }
+    kvt_metrics_add_source(metrics, kvt_prefetch_metrics_source, kvt_cache_prefetch(cache));
     kvt_metrics_add_source(metrics, kvt_l2mgr_metrics_source, l2);
+    kvt_metrics_add_source(metrics, kvt_cache_metrics_source, cache);
     /* before any thread that renders the metrics or answers /readyz starts */
     kvt_sup_set_ready_check(sup, s_ready_check, l2);
-    if (events)
-        kvt_l2mgr_set_events(l2, s_on_l2_event, events);
-    s_parts_t parts = {cfg, NULL, NULL, l1, l2, events, sup};
-    kvt_l1_set_listener(l1, s_on_l1_event, &parts);
-    server = kvt_server_new(cfg, metrics, reqstats, sup, l1, l2, prefetch, err, sizeof err);
+    gpu = kvt_gpu_new(l1); /* touches no CUDA until a GPU request */
+    kvt_metrics_add_source(metrics, kvt_gpu_metrics_source, gpu);
+    kvt_cache_on_owner_gone(cache, s_gpu_owner_gone, gpu);
+    s_parts_t parts = {cfg, NULL, NULL, l1, l2, sup};
+    server = kvt_server_new(cfg, metrics, reqstats, sup, cache, gpu, err, sizeof err);
     if (!server)
         goto done;
     if (cfg->lmcache_listen[0]) {
-        lmcache = kvt_lmcache_new(cfg, sup, l1, l2, prefetch, err, sizeof err);
+        lmcache = kvt_lmcache_new(cfg, sup, cache, err, sizeof err);
         if (!lmcache)
             goto done;
         kvt_metrics_add_source(metrics, kvt_lmcache_metrics_source, lmcache);
         parts.lmcache = lmcache;
     }
-    if (kvt_l1_start(l1, sup) != 0) {
+    if (kvt_cache_start(cache) != 0) {
         snprintf(err, sizeof err, "cannot start the eviction thread");
         goto done;
     }
@@ -356,20 +351,18 @@ done:
         kvt_notify_status("failed: %s", err);
     }
     kvt_http_destroy(&http);
+    kvt_cache_quiesce(cache); /* lookups still queued come back without probing L2 */
+    /* the door first: closing its workers tells the server's owner listeners (GPU, rings) */
+    kvt_lmcache_destroy(&lmcache);
     kvt_server_destroy(&server);
-    kvt_lmcache_destroy(&lmcache); /* its leases and prefetch jobs, before L1 and L2 go */
-    if (l1)
-        kvt_l1_stop(l1); /* no evictions (and their events) from here on */
-    /* before L1: queued write-behind reaches L2, running loads end */
-    kvt_l2mgr_destroy(&l2);
-    kvt_prefetch_destroy(&prefetch);
-    if (l1)
-        kvt_l1_set_listener(l1, NULL, NULL);
-    kvt_events_destroy(&events);
+    kvt_gpu_destroy(&gpu); /* after the server's workers, before L1 goes */
+    /* no evictions from here on; queued write-behind reaches L2, running loads end */
+    kvt_cache_stop(cache);
+    kvt_events_destroy(&events); /* after the last L1 and L2 event */
     /* GET replies still lingering in libzmq point into the arena and unpin it from their free
      * callbacks: the ZMQ context must be gone (all messages freed) before L1 is */
     zsys_shutdown();
-    kvt_l1_destroy(&l1);
+    kvt_cache_destroy(&cache); /* L1 */
     kvt_sup_destroy(&sup);
     kvt_metrics_destroy(&metrics);
     kvt_reqstats_destroy(&reqstats); /* after the server and HTTP, its writer and a reader */

@@ -1,7 +1,7 @@
 /* DESIGN: one s_adapter_t per configured spec, each with a kvt_queue of write-behind jobs (store
  * or remove, one namespace and a batch of keys each, weighed by their keys), served by
  * S_ADAPTER_THREADS supervised threads that also probe the backend's health every second.
- * Prefetch loads go to one manager-wide kvt_queue served by S_PREFETCH_THREADS threads. Stop
+ * Prefetch loads go to one manager-wide kvt_queue served by l2_prefetch_threads threads. Stop
  * closes every queue: adapter threads still run the jobs queued before it, prefetch threads
  * abandon theirs (each job is still reported done).
  * Lookups are synchronous on the caller's thread. Adapter operations are thread-safe by the
@@ -42,7 +42,7 @@
 /* One write-behind thread per adapter keeps each adapter's writes and removals in submission
  * order (a REMOVE right after a PUT must not be overtaken by the PUT's write). */
 #define S_ADAPTER_THREADS 1
-#define S_PREFETCH_THREADS 2
+#define S_PREFETCH_THREADS 64 /* the most l2_prefetch_threads allows */
 #define S_QUEUE_KEYS 65536   /* write-behind keys waiting per adapter before drops */
 #define S_TICK_MS 1000       /* health probe period */
 #define S_STORE_DEADLINE_MS 60000
@@ -758,7 +758,7 @@ kvt_l2mgr_t *kvt_l2mgr_new(const kvt_config_t *cfg, kvt_l1_t *l1, kvt_prefetch_t
         }
     }
     if (self->nadapters) {
-        for (int t = 0; t < S_PREFETCH_THREADS; t++) {
+        for (int t = 0; t < (int)cfg->l2_prefetch_threads && t < S_PREFETCH_THREADS; t++) {
             char name[32];
             snprintf(name, sizeof name, "prefetch-%d", t);
             self->pthreads[t] = kvt_thread_start(sup, name, 2000, s_prefetch_run, self);

@@ -27,6 +27,8 @@ typedef struct {
     uint32_t hits, loaded;
     bool done;
     void *handle; /* in `running` or `finished` */
+    kvt_prefetch_done_fn on_done; /* kvt_prefetch_watch: called once, at done */
+    void *on_done_ctx;
 } s_job_t;
 
 struct kvt_prefetch {
@@ -135,9 +137,37 @@ void kvt_prefetch_update(kvt_prefetch_t *self, uint64_t job, uint32_t loaded, bo
             zlistx_detach(self->running, j->handle);
             j->handle = zlistx_add_end(self->finished, j);
             kvt_assert(j->handle);
+            if (j->on_done) /* under the lock: kvt_prefetch_unwatch then never races it */
+                j->on_done(j->on_done_ctx, j->id, j->loaded);
+            j->on_done = NULL;
         }
     }
     pthread_mutex_unlock(&self->lock);
+}
+
+int kvt_prefetch_watch(kvt_prefetch_t *self, uint64_t job, kvt_prefetch_done_fn fn, void *ctx)
+{
+    pthread_mutex_lock(&self->lock);
+    s_job_t *j = kvt_u64map_get(self->jobs, job);
+    int rc = !j ? KVT_ENOTFOUND : j->done ? 1 : 0;
+    if (rc == 0) {
+        kvt_assert(!j->on_done);
+        j->on_done = fn;
+        j->on_done_ctx = ctx;
+    }
+    pthread_mutex_unlock(&self->lock);
+    return rc;
+}
+
+bool kvt_prefetch_unwatch(kvt_prefetch_t *self, uint64_t job)
+{
+    pthread_mutex_lock(&self->lock);
+    s_job_t *j = kvt_u64map_get(self->jobs, job);
+    bool was = j && j->on_done;
+    if (was)
+        j->on_done = NULL;
+    pthread_mutex_unlock(&self->lock);
+    return was;
 }
 
 int kvt_prefetch_status(kvt_prefetch_t *self, uint64_t job, bool *done, uint32_t *loaded,

@@ -30,6 +30,18 @@ uint64_t kvt_prefetch_start(kvt_prefetch_t *self, uint32_t hits, bool done, uint
 void kvt_prefetch_update(kvt_prefetch_t *self, uint64_t job, uint32_t loaded, bool done,
                          uint64_t now_ms);
 
+/* Told once, from the thread that finishes the job, with the job table's lock held (so it
+ * must only hand the news on: push to a queue, never call back into the table). */
+typedef void (*kvt_prefetch_done_fn)(void *ctx, uint64_t job, uint32_t loaded);
+
+/* Has fn(ctx, ...) called when the running job finishes (one watcher per job): 0, 1 when the
+ * job is done already (fn is not called), or KVT_ENOTFOUND. */
+int kvt_prefetch_watch(kvt_prefetch_t *self, uint64_t job, kvt_prefetch_done_fn fn, void *ctx);
+
+/* Takes the watcher off: true when it was still there (it will never be called), false when
+ * it ran already or there was none. */
+bool kvt_prefetch_unwatch(kvt_prefetch_t *self, uint64_t job);
+
 /* 0 with the job's state, or KVT_ENOTFOUND (never existed, or swept). */
 int kvt_prefetch_status(kvt_prefetch_t *self, uint64_t job, bool *done, uint32_t *loaded,
                         uint32_t *hits);

@@ -395,16 +395,16 @@ def test_four_times_l1_stays_reachable_through_fs(daemon_factory, client):
 
 
 def test_full_lookup_queue_answers_busy_and_gives_back_the_lease(daemon_factory, client):
-    """LOOKUPs past the L1 prefix wait for the lookup pool (2 workers, 1024 queued). With a
-    backend taking 10 ms per lookup, 1500 sent at once overflow it: the overflow is answered
-    busy at once and the lease `lock` took on the L1 part goes back with it; the others answer
-    ok with their lease. Once those are released, no lease is left."""
-    d = daemon_factory("--l2", "mock:latency_ms=10")
+    """LOOKUPs past the L1 prefix wait for the cache service's lookup threads (8, and 4096
+    queued). With a backend taking 10 ms per lookup, 4600 sent at once overflow it: the
+    overflow is answered busy at once and the lease `lock` took on the L1 part goes back with
+    it; the others answer ok with their lease. Once those are released, no lease is left."""
+    d = daemon_factory("--l2", "mock:latency_ms=10", "--l2-lookup-threads", "8")
     s, _ = client(d, "flood")
     k0 = key(0, b"flood")
     assert d.call(s, PUT, {"ns": NS, "keys": [k0]}, data_of(k0, 4096))["ok"]
     ks = [k0, key(1, b"flood")]                 # the second is nowhere: L2 is asked
-    total = 1500
+    total = 4600
     for i in range(total):
         s.send_multipart([pack(i), pack(LOOKUP), pack({"ns": NS, "keys": ks, "lock": True})])
     leases, busy = [], 0

@@ -935,3 +935,77 @@ def test_lookup_of_an_unregistered_deployment_finds_nothing(door):
     assert hits(sched, MODEL, 1024, toks) == 0          # a huge world_size costs nothing either
     Worker(door)
     assert hits(sched, MODEL, 1, toks) == 2
+
+
+# ----------------------------------------------------------------------------------------
+# One cache service under both doors
+
+
+def _l2_stored(door):
+    _, samples = door.d.metrics()
+    return sum(x.value for x in samples if x.name == "kvtier_l2_stored_total")
+
+
+def test_lookups_on_a_slow_l2_overlap_and_never_block_the_door(door):
+    """Eight deployments, their chunks only in an L2 that takes 400 ms per call: the eight
+    lookups sent at once are acknowledged at once and the door answers a noop meanwhile (its
+    thread never waits on L2: the cache service's lookup threads probe, and each lookup comes
+    back to the door's queue), and all eight have their chunk loaded after about one probe and
+    one load (~0.8 s), not eight probes in a row (>= 3.2 s, as when the door probed L2 on its
+    own thread)."""
+    door.start("--l2-lookup-threads", "8", "--l2-prefetch-threads", "8",
+               l2="mock:latency_ms=400")
+    workers = [Worker(door, model="slow/m%d" % i) for i in range(8)]
+    toks = tokens_of("slow", C)
+    for w in workers:
+        assert w.store(toks, 0, C, "slow") == [0]
+    wait_until(lambda: _l2_stored(door) >= 8, 30, what="write-behind of the 8 chunks")
+    probe = door.client()
+    probe.clear(True)                                   # L1 only: L2 keeps its copies
+    scheds = [door.client() for _ in workers]
+    rids = [rid("slow") for _ in workers]
+    t0 = time.monotonic()
+    sent = [s.send(OPS["lookup"], ipc_key(w.model, 1, None, toks, 0, C, r), 1)
+            for s, w, r in zip(scheds, workers, rids)]
+    for s, (uid, opf) in zip(scheds, sent):
+        s.recv(uid, opf)
+    acked = time.monotonic() - t0
+    t1 = time.monotonic()
+    assert probe.noop() == "OK"
+    noop_s = time.monotonic() - t1
+    waits = [s.send(OPS["wait_prefetch_status"], r, 10.0) for s, r in zip(scheds, rids)]
+    hits = [s.recv(uid, opf, timeout=15).value for s, (uid, opf) in zip(scheds, waits)]
+    total = time.monotonic() - t0
+    assert hits == [1] * 8, hits
+    assert acked < 0.4 and noop_s < 0.3, (acked, noop_s)
+    assert total < 2.4, "8 lookups on a 400 ms L2 took %.2f s: they queued" % total
+    for w in workers:
+        assert w.retrieve(toks, 0, C) == w.expected("slow", 0, 1)
+    _, samples = door.d.metrics()
+    assert metric_value(samples, "kvtier_lookup_l2_total") >= 8
+
+
+def test_max_instances_counts_both_doors(door):
+    """--max-instances 3: two v1 instances and one LMCache worker fill it; the next of either
+    door is refused (HELLO busy, the registration's `error`). A worker's prepared store is a
+    lease of its owner: unregistering releases it and makes room for a v1 instance."""
+    door.start("--max-instances", "3")
+    door.v1("cap")
+    door.v1("cap")
+    w = Worker(door, model="cap/m")
+    c = door.client()
+    reg = c.register(LAY.payload(new_instance_id(), "cap/m2", 1))
+    assert reg["error"] and "max_instances (3)" in reg["error"], reg
+    with pytest.raises(kvtier.KvtierError) as e:
+        door.v1("cap")
+    assert e.value.code == "busy" and "max_instances (3)" in str(e.value), e.value
+    _, samples = door.d.metrics()
+    owners = {s.labels.get("kind"): s.value for s in samples if s.name == "kvtier_owners"}
+    assert owners == {"v1": 2, "lmcache": 1}, owners
+    toks = tokens_of("cap", 2 * C)
+    slots, idx = w.prepare(toks, 0, 2 * C)
+    assert idx == [0, 1]
+    assert metric_value(door.d.metrics()[1], "kvtier_leases_active") == 1
+    w.c.unregister(w.iid)
+    assert metric_value(door.d.metrics()[1], "kvtier_leases_active") == 0
+    door.v1("cap")                                     # the worker's place is free again

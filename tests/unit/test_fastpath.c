@@ -107,11 +107,10 @@ static int s_setup(void **state)
     memset(f->tail, 0x5a, f->tail_size);
     pthread_mutex_init(&f->lock, NULL);
     kvt_session_limits_t lim = {.lease_ms = 60000,
-                                .max_instances = 16,
                                 .max_instances_per_conn = 4,
                                 .reply_timeout_ms = 5000,
                                 .max_reply_backlog = 1 << 20};
-    f->sessions = kvt_sessions_new(&lim, NULL, NULL);
+    f->sessions = kvt_sessions_new(&lim, NULL, NULL, NULL);
     f->fp = kvt_fastpath_new(f->cfg, f->tail, 1u << 30, &f->lock, &f->waiting, f->sessions,
                              s_request, &f->srv);
     assert_non_null(f->fp);

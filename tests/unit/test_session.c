@@ -33,7 +33,6 @@ static uint64_t s_on_gone(void *ctx, uint64_t owner, bool expired)
 }
 
 static kvt_session_limits_t s_lim = {.lease_ms = 1000,
-                                     .max_instances = 64,
                                      .max_instances_per_conn = 4,
                                      .reply_timeout_ms = 500,
                                      .max_reply_backlog = 1 << 20};
@@ -60,7 +59,7 @@ static void test_hello_token_and_bye(void **state)
 {
     (void)state;
     gone_t g = {0};
-    kvt_sessions_t *s = kvt_sessions_new(&s_lim, s_on_gone, &g);
+    kvt_sessions_t *s = kvt_sessions_new(&s_lim, NULL, s_on_gone, &g);
     kvt_conn_t *a = conn(s, "rid-a", 10, 1, 0), *b = conn(s, "rid-b", 11, 1, 0);
     char tok[KVT_TOKEN_HEX + 1], tok2[KVT_TOKEN_HEX + 1], err[256];
     assert_int_equal(kvt_conn_owner(a), 0);
@@ -100,12 +99,38 @@ static void test_hello_token_and_bye(void **state)
     kvt_sessions_destroy(&s);
 }
 
+/* The owner registry's side of HELLO and BYE (the cache service's in the daemon): ids from a
+ * counter, at most `cap` open. */
+typedef struct {
+    uint64_t next;
+    uint32_t open, cap;
+} caps_t;
+
+static int caps_new(void *ctx, uint64_t *owner, char *err, size_t errlen)
+{
+    caps_t *c = ctx;
+    if (c->open >= c->cap) {
+        snprintf(err, errlen, "max_instances (%u)", c->cap);
+        return KVT_EBUSY;
+    }
+    c->open++;
+    *owner = ++c->next;
+    return 0;
+}
+
+static uint64_t caps_gone(void *ctx, uint64_t owner, bool expired)
+{
+    (void)owner;
+    (void)expired;
+    ((caps_t *)ctx)->open--;
+    return 0;
+}
+
 static void test_caps(void **state)
 {
     (void)state;
-    kvt_session_limits_t lim = s_lim;
-    lim.max_instances = 6;
-    kvt_sessions_t *s = kvt_sessions_new(&lim, NULL, NULL);
+    caps_t caps = {.cap = 6};
+    kvt_sessions_t *s = kvt_sessions_new(&s_lim, caps_new, caps_gone, &caps);
     kvt_conn_t *a = conn(s, "a", 10, 1, 0), *b = conn(s, "b", 11, 1, 0);
     char name[32], err[256];
     for (int i = 0; i < 4; i++) {
@@ -129,7 +154,7 @@ static void test_caps(void **state)
 static void test_connection_identity(void **state)
 {
     (void)state;
-    kvt_sessions_t *s = kvt_sessions_new(&s_lim, NULL, NULL);
+    kvt_sessions_t *s = kvt_sessions_new(&s_lim, NULL, NULL, NULL);
     kvt_conn_t *a = conn(s, "engine-0", 20, 1, 0);
     assert_int_equal(hello(s, a, "victim", NULL, 0, NULL), 0);
     /* the same routing id on another descriptor is another connection */
@@ -167,9 +192,8 @@ static void test_every_silent_instance_expires_in_one_sweep(void **state)
     (void)state;
     gone_t g = {0};
     kvt_session_limits_t lim = s_lim;
-    lim.max_instances = 4096;
     lim.max_instances_per_conn = 16;
-    kvt_sessions_t *s = kvt_sessions_new(&lim, s_on_gone, &g);
+    kvt_sessions_t *s = kvt_sessions_new(&lim, NULL, s_on_gone, &g);
     kvt_conn_t *conns[150];
     char name[32];
     for (int i = 0; i < 150; i++) {
@@ -208,7 +232,7 @@ static void test_stalled_replies_cut_the_connection(void **state)
     (void)state;
     int sv[2];
     assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
-    kvt_sessions_t *s = kvt_sessions_new(&s_lim, NULL, NULL);
+    kvt_sessions_t *s = kvt_sessions_new(&s_lim, NULL, NULL, NULL);
     kvt_conn_t *c = conn(s, "slow", sv[0], 1, 0);
     kvt_conn_reply_start(c, 100, 4096, 1000);
     kvt_conn_reply_start(c, 100, 0, 1100);
@@ -244,7 +268,7 @@ static void test_backlog_over_the_limit_cuts(void **state)
     (void)state;
     int sv[2];
     assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
-    kvt_sessions_t *s = kvt_sessions_new(&s_lim, NULL, NULL);
+    kvt_sessions_t *s = kvt_sessions_new(&s_lim, NULL, NULL, NULL);
     kvt_conn_t *c = conn(s, "flood", sv[0], 1, 0);
     for (int i = 0; i < 11; i++)
         kvt_conn_reply_start(c, 100000, 0, 1000);
@@ -272,8 +296,7 @@ static void test_many_routing_ids(void **state)
     (void)state;
     enum { N = 2000, FD0 = 100 };
     kvt_session_limits_t lim = s_lim;
-    lim.max_instances = N;
-    kvt_sessions_t *s = kvt_sessions_new(&lim, NULL, NULL);
+    kvt_sessions_t *s = kvt_sessions_new(&lim, NULL, NULL, NULL);
     static uint8_t rids[N][255];
     static size_t lens[N];
     static kvt_conn_t *conns[N];
