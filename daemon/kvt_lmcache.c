@@ -376,6 +376,20 @@ static void s_req_release_locks(kvt_lmcache_t *self, s_req_t *q)
         }
 }
 
+/* Takes q out of a list linked by older/newer whose older end is *first and newer end *last
+ * (NULL: a list without one). */
+static void s_unlink(s_req_t *q, s_req_t **first, s_req_t **last)
+{
+    if (q->older)
+        q->older->newer = q->newer;
+    else
+        *first = q->newer;
+    if (q->newer)
+        q->newer->older = q->older;
+    else if (last)
+        *last = q->older;
+}
+
 static void s_req_free(s_req_t *q)
 {
     free(q->id);
@@ -392,14 +406,7 @@ static void s_req_drop(kvt_lmcache_t *self, s_req_t *q)
 {
     s_req_release_locks(self, q);
     kvt_u64map_remove(self->reqs, q->hash);
-    if (q->older)
-        q->older->newer = q->newer;
-    else
-        self->oldest = q->newer;
-    if (q->newer)
-        q->newer->older = q->older;
-    else
-        self->newest = q->older;
+    s_unlink(q, &self->oldest, &self->newest);
     if (q->pending)
         self->npending--;
     atomic_store(&self->nreqs, kvt_u64map_size(self->reqs));
@@ -449,12 +456,7 @@ static void s_lookup_back(kvt_lmcache_t *self, kvt_lookup_t *lk)
     if (--q->out)
         return;
     if (q->dropped) {
-        if (q->older)
-            q->older->newer = q->newer;
-        else
-            self->orphans = q->newer;
-        if (q->newer)
-            q->newer->older = q->older;
+        s_unlink(q, &self->orphans, NULL);
         s_req_free(q);
         return;
     }

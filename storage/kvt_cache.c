@@ -5,8 +5,8 @@
  * Closing releases the owner's leases in L1 first, then tells the listeners, outside the lock.
  *
  * Lookups: the L1 part runs on the caller's thread. A lookup with keys past the L1 prefix and
- * an L2 tier goes, whole, into one bounded kvt_queue served by l2_lookup_threads threads; a
- * thread probes the adapters (kvt_l2mgr_lookup, deadline l2_lookup_timeout_ms), starts the
+ * an L2 tier goes, whole, to a detached kvt_workers pool of l2_lookup_threads threads (4096
+ * queued at most); a thread probes the adapters (kvt_l2mgr_lookup, deadline l2_lookup_timeout_ms), starts the
  * prefetch job and its loads, and hands the lookup back: at once, or, with until_loaded, from
  * the job's watcher when the loads finish (on the prefetch thread that finished them). A
  * lookup's `stage` says where it is, so that a caller going away can call off the wait for
@@ -15,8 +15,8 @@
 
 #include "kvt_error.h"
 #include "kvt_log.h"
-#include "kvt_thread.h"
 #include "kvt_u64map.h"
+#include "kvt_workers.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -25,7 +25,6 @@
 #include <string.h>
 
 #define S_MAX_LISTENERS 4
-#define S_MAX_THREADS 64
 #define S_QUEUE 4096 /* lookups waiting for a lookup thread; past it: busy */
 
 enum { S_AT_CALLER, S_QUEUED, S_PROBING, S_LOADING, S_BACK };
@@ -51,10 +50,8 @@ struct kvt_cache {
     int nlisteners;
 
     kvt_sup_t *sup;
-    kvt_queue_t *todo; /* lookups with an L2 part */
-    atomic_bool stopping; /* queued lookups come back without probing */
-    kvt_thread_t *threads[S_MAX_THREADS];
-    int nthreads;
+    kvt_workers_t *lookups; /* a detached pool: each lookup hands itself back */
+    atomic_bool stopping;   /* queued lookups come back without probing */
     _Atomic uint64_t l2_lookups, l2_refused;
 };
 
@@ -129,28 +126,23 @@ static void s_lookup_l2(kvt_cache_t *self, kvt_lookup_t *lk)
     s_back(lk);
 }
 
-static bool s_run(kvt_thread_t *t, void *arg)
+/* A lookup thread's job (freed by the thread that runs it). */
+typedef struct {
+    kvt_cache_t *cache;
+    kvt_lookup_t *lk;
+} s_job_t;
+
+static void s_run(void *arg)
 {
-    kvt_cache_t *self = arg;
-    for (;;) {
-        kvt_lookup_t *lk;
-        int rc = kvt_queue_pop(self->todo, (void **)&lk, kvt_thread_idle_ms(t));
-        if (rc == KVT_EUNAVAIL) /* closed and drained */
-            return true;
-        if (rc != 0) {
-            if (!kvt_thread_beat(t))
-                return false;
-            continue;
-        }
-        kvt_thread_beat(t);
-        atomic_store(&lk->stage, S_PROBING);
-        if (atomic_load(&self->stopping))
-            s_back(lk); /* hits: the L1 prefix */
-        else
-            s_lookup_l2(self, lk);
-        kvt_queue_task_done(self->todo, 1);
-        kvt_thread_beat(t);
-    }
+    s_job_t *j = arg;
+    kvt_cache_t *self = j->cache;
+    kvt_lookup_t *lk = j->lk;
+    free(j);
+    atomic_store(&lk->stage, S_PROBING);
+    if (atomic_load(&self->stopping))
+        s_back(lk); /* hits: the L1 prefix */
+    else
+        s_lookup_l2(self, lk);
 }
 
 bool kvt_cache_lookup(kvt_cache_t *self, kvt_lookup_t *lk)
@@ -170,10 +162,14 @@ bool kvt_cache_lookup(kvt_cache_t *self, kvt_lookup_t *lk)
         return false;
     }
     lk->l1_hits = lk->hits = lk->loaded = hits;
-    if (hits < lk->n && self->nthreads && lk->done) {
+    if (hits < lk->n && self->lookups && lk->done) {
         atomic_store(&lk->stage, S_QUEUED);
-        if (kvt_queue_push(self->todo, lk, 1) == 0)
+        s_job_t *j = malloc(sizeof *j);
+        kvt_assert(j);
+        *j = (s_job_t){self, lk};
+        if (kvt_workers_submit(self->lookups, s_run, j) == 0)
             return true;
+        free(j);
         atomic_fetch_add(&self->l2_refused, 1);
         if (lk->lease)
             kvt_l1_release(self->l1, lk->owner, lk->lease);
@@ -273,26 +269,12 @@ kvt_cache_t *kvt_cache_new(const kvt_config_t *cfg, kvt_sup_t *sup, int *code, c
         goto fail;
     kvt_l2mgr_set_events(self->l2, s_on_l2, self);
     kvt_l1_set_listener(self->l1, s_on_l1, self);
-    if (kvt_l2mgr_count(self->l2)) {
-        char qerr[160];
-        self->todo = kvt_queue_new(S_QUEUE, 0, qerr, sizeof qerr);
-        if (!self->todo) {
-            snprintf(err, errlen, "cache: %s", qerr);
-            goto fail;
-        }
-        for (uint32_t i = 0; i < cfg->l2_lookup_threads && i < S_MAX_THREADS; i++) {
-            char name[32];
-            snprintf(name, sizeof name, "lookup-%u", i);
-            /* a probe may take l2_lookup_timeout_ms, and one adapter call past it */
-            self->threads[i] = kvt_thread_start(sup, name, 10000 + cfg->l2_lookup_timeout_ms,
-                                                s_run, self);
-            if (!self->threads[i]) {
-                snprintf(err, errlen, "cache: cannot start lookup thread %u", i);
-                goto fail;
-            }
-            self->nthreads = (int)i + 1;
-        }
-    }
+    /* a probe may take l2_lookup_timeout_ms, and one adapter call past it */
+    if (kvt_l2mgr_count(self->l2) &&
+        !(self->lookups = kvt_workers_new_detached("lookup", (int)cfg->l2_lookup_threads, S_QUEUE,
+                                                   10000 + cfg->l2_lookup_timeout_ms, sup, err,
+                                                   errlen)))
+        goto fail;
     *code = 0;
     return self;
 fail:
@@ -317,11 +299,7 @@ void kvt_cache_stop(kvt_cache_t *self)
     if (!self)
         return;
     atomic_store(&self->stopping, true);
-    if (self->todo)
-        kvt_queue_close(self->todo); /* the threads run what is queued, then return */
-    for (int i = 0; i < self->nthreads; i++)
-        kvt_thread_join(&self->threads[i]);
-    self->nthreads = 0;
+    kvt_workers_destroy(&self->lookups); /* what is queued comes back first, unprobed */
     if (self->l1)
         kvt_l1_stop(self->l1); /* no evictions (and their events) from here on */
     /* queued write-behind reaches L2; running loads end, their watchers told */
@@ -333,12 +311,11 @@ void kvt_cache_destroy(kvt_cache_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvt_cache_t *self = *self_p;
-    kvt_assert(!self->l2 && !self->nthreads); /* kvt_cache_stop ran */
+    kvt_assert(!self->l2 && !self->lookups); /* kvt_cache_stop ran */
     kvt_prefetch_destroy(&self->prefetch);
     if (self->l1)
         kvt_l1_set_listener(self->l1, NULL, NULL);
     kvt_l1_destroy(&self->l1);
-    kvt_queue_destroy(&self->todo);
     kvt_u64map_destroy(&self->owners);
     pthread_mutex_destroy(&self->lock);
     free(self);
@@ -390,8 +367,8 @@ void kvt_cache_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
                       .value = (double)atomic_load(&self->l2_refused)};
     emit(emit_ctx, &r);
     kvt_sample_t q = {.name = "lookup_l2_queued",
-                      .help = "Lookups waiting for a lookup thread.",
+                      .help = "Lookups waiting for or running on a lookup thread.",
                       .kind = KVT_METRIC_GAUGE,
-                      .value = self->todo ? (double)kvt_queue_depth(self->todo) : 0};
+                      .value = self->lookups ? (double)kvt_workers_pending(self->lookups) : 0};
     emit(emit_ctx, &q);
 }

@@ -1,7 +1,8 @@
-/* Unit tests of daemon/kvt_workers.c, the pool the server loop hands slow requests to: every
+/* Unit tests of common/kvt_workers.c, the pool the server loop hands slow requests to: every
  * job runs once on a pool thread and comes back through the done queue, whose eventfd is
  * readable exactly while finished jobs wait; a full queue answers KVT_EBUSY at once (the server
- * loop never blocks); destroy runs what was queued; the threads are supervised by name. */
+ * loop never blocks); destroy runs what was queued; the threads are supervised by name; a
+ * detached pool's jobs run once and come back through no queue. */
 #include "kvt_error.h"
 #include "kvt_supervisor.h"
 #include "kvt_workers.h"
@@ -204,12 +205,36 @@ static void test_destroy_runs_what_was_queued(void **state)
         assert_int_equal(atomic_load(&jobs[i].runs), 1);
 }
 
+/* A detached pool (the cache service's lookup threads): jobs run once and hand themselves on;
+ * nothing comes back through a done queue, and a job no longer counts once it has run. */
+static void test_detached_jobs_hand_themselves_on(void **state)
+{
+    (void)state;
+    char err[256];
+    kvt_workers_t *w = kvt_workers_new_detached("tdet", 2, 16, 5000, NULL, err, sizeof err);
+    assert_non_null(w);
+    assert_int_equal(kvt_workers_fd(w), -1);
+    job_t jobs[6];
+    memset(jobs, 0, sizeof jobs);
+    for (int i = 0; i < 6; i++)
+        assert_int_equal(kvt_workers_submit(w, s_run, &jobs[i]), 0);
+    for (int t = 0; t < 1000 && kvt_workers_pending(w) > 0; t++)
+        nanosleep(&(struct timespec){.tv_nsec = 5000000}, NULL);
+    assert_int_equal(kvt_workers_pending(w), 0);
+    assert_null(kvt_workers_done(w));
+    for (int i = 0; i < 6; i++)
+        assert_int_equal(atomic_load(&jobs[i].runs), 1);
+    kvt_workers_destroy(&w);
+    assert_null(w);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_jobs_run_once_and_come_back),
         cmocka_unit_test(test_full_queue_is_busy_not_blocking),
         cmocka_unit_test(test_destroy_runs_what_was_queued),
+        cmocka_unit_test(test_detached_jobs_hand_themselves_on),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

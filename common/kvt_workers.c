@@ -1,9 +1,10 @@
 /* DESIGN: two kvt_queues of job nodes — `todo` (bounded by max_queue; the workers pop it) and
- * `done` (its eventfd is what the server loop polls). A node moves from one to the other, so a
- * job needs no allocation on the way back. A worker beats for the supervisor between jobs and
- * at least every 200 ms while idle (kvt_thread_idle_ms); a job that runs longer than the
- * worker's silence limit (10 s) makes /readyz say so, which is the point. On destroy the todo
- * queue is closed: workers run what is queued, then return. */
+ * `done` (its eventfd is what the owner's loop polls; none in a detached pool, whose nodes are
+ * freed after the job ran). A node moves from one to the other, so a job needs no allocation
+ * on the way back. A worker beats for the supervisor between jobs and at least every 200 ms
+ * while idle (kvt_thread_idle_ms); a job that runs longer than the worker's silence limit (10 s,
+ * or the detached pool's) makes /readyz say so, which is the point. On destroy the todo queue
+ * is closed: workers run what is queued, then return. */
 #include "kvt_workers.h"
 
 #include "kvt_error.h"
@@ -16,7 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define S_MAX_THREADS 16
+#define S_MAX_THREADS 64
 
 typedef struct {
     kvt_job_fn fn;
@@ -46,13 +47,18 @@ static bool s_run(kvt_thread_t *t, void *arg)
         kvt_thread_beat(t);
         n->fn(n->job);
         kvt_thread_beat(t);
-        kvt_assert(kvt_queue_push(self->done, n, 1) == 0);
+        if (self->done) {
+            kvt_assert(kvt_queue_push(self->done, n, 1) == 0);
+        } else {
+            free(n);
+            atomic_fetch_sub(&self->pending, 1);
+        }
         kvt_queue_task_done(self->todo, 1);
     }
 }
 
-kvt_workers_t *kvt_workers_new(const char *name, int n, size_t max_queue, kvt_sup_t *sup,
-                               char *err, size_t errlen)
+static kvt_workers_t *s_new(const char *name, int n, size_t max_queue, uint32_t silence_ms,
+                            bool handback, kvt_sup_t *sup, char *err, size_t errlen)
 {
     if (n < 1 || n > S_MAX_THREADS) {
         snprintf(err, errlen, "workers: %d threads, want 1 to %d", n, S_MAX_THREADS);
@@ -63,15 +69,16 @@ kvt_workers_t *kvt_workers_new(const char *name, int n, size_t max_queue, kvt_su
     char qerr[160];
     self->todo = kvt_queue_new(max_queue, 0, qerr, sizeof qerr);
     /* holds what was submitted and not collected yet: at most the requests in flight */
-    self->done = kvt_queue_new(KVT_QUEUE_BOUNDED_BY_CALLER, KVT_QUEUE_FD, qerr, sizeof qerr);
-    if (!self->done) {
+    if (handback)
+        self->done = kvt_queue_new(KVT_QUEUE_BOUNDED_BY_CALLER, KVT_QUEUE_FD, qerr, sizeof qerr);
+    if (!self->todo || (handback && !self->done)) {
         snprintf(err, errlen, "workers: %s", qerr);
         goto fail;
     }
     for (int i = 0; i < n; i++) {
         char tname[32];
         snprintf(tname, sizeof tname, "%s-%d", name, i);
-        self->threads[i] = kvt_thread_start(sup, tname, 10000, s_run, self);
+        self->threads[i] = kvt_thread_start(sup, tname, silence_ms, s_run, self);
         if (!self->threads[i]) {
             snprintf(err, errlen, "workers: cannot start thread %d", i);
             goto fail;
@@ -82,6 +89,19 @@ kvt_workers_t *kvt_workers_new(const char *name, int n, size_t max_queue, kvt_su
 fail:
     kvt_workers_destroy(&self);
     return NULL;
+}
+
+kvt_workers_t *kvt_workers_new(const char *name, int n, size_t max_queue, kvt_sup_t *sup,
+                               char *err, size_t errlen)
+{
+    return s_new(name, n, max_queue, 10000, true, sup, err, errlen);
+}
+
+kvt_workers_t *kvt_workers_new_detached(const char *name, int n, size_t max_queue,
+                                        uint32_t silence_ms, kvt_sup_t *sup, char *err,
+                                        size_t errlen)
+{
+    return s_new(name, n, max_queue, silence_ms, false, sup, err, errlen);
 }
 
 void kvt_workers_destroy(kvt_workers_t **self_p)
@@ -121,7 +141,7 @@ int kvt_workers_submit(kvt_workers_t *self, kvt_job_fn fn, void *job)
 void *kvt_workers_done(kvt_workers_t *self)
 {
     s_node_t *n;
-    if (kvt_queue_pop(self->done, (void **)&n, 0) != 0)
+    if (!self->done || kvt_queue_pop(self->done, (void **)&n, 0) != 0)
         return NULL;
     kvt_queue_task_done(self->done, 1);
     void *job = n->job;
@@ -132,7 +152,7 @@ void *kvt_workers_done(kvt_workers_t *self)
 
 int kvt_workers_fd(const kvt_workers_t *self)
 {
-    return kvt_queue_fd(self->done);
+    return self->done ? kvt_queue_fd(self->done) : -1;
 }
 
 size_t kvt_workers_pending(const kvt_workers_t *self)
