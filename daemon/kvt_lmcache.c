@@ -14,12 +14,11 @@
  * the error form is kept for what has no in-band answer (malformed frames, refused ops). */
 #include "kvt_lmcache.h"
 
-#include "kvt_accept.h"
 #include "kvt_error.h"
 #include "kvt_hash.h"
-#include "kvt_instance.h"
 #include "kvt_lmc.h"
 #include "kvt_log.h"
+#include "kvt_router.h"
 #include "kvt_thread.h"
 #include "kvt_u64map.h"
 
@@ -126,9 +125,8 @@ struct kvt_lmcache {
     kvt_l1_t *l1;              /* kvt_cache_l1(cache) */
     kvt_queue_t *lookups_done; /* the service's lookups coming back (its fd is in the poll) */
     s_req_t *orphans;          /* dropped requests with lookups still out (by `newer`) */
-    zsock_t *router, *monitor;
+    kvt_router_t *router;
     void *sock;
-    bool bound;
     kvt_thread_t *thread;
     atomic_bool stop;
     char shm_name[256];
@@ -925,140 +923,249 @@ static void s_op_register(kvt_lmcache_t *self, const kvt_lmc_ctx_t *p, s_reply_t
 
 /* ---- dispatch ----------------------------------------------------------------------------- */
 
-#define S_ARG(i) zmq_msg_data(&f[3 + (i)]), zmq_msg_size(&f[3 + (i)])
+/* One op's handler: decodes its arguments (frames a->f[0..a->n)) and answers in r. Returns 0,
+ * or the decoder's KVT_E* code with the reason in why (the caller answers the error form). */
+typedef struct {
+    zmq_msg_t *f; /* the argument frames */
+    int n;
+} s_args_t;
 
+typedef int (*s_op_fn)(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                       char *why, size_t whylen);
+
+#define S_ARG(i) zmq_msg_data(&a->f[(i)]), zmq_msg_size(&a->f[(i)])
+
+/* lookup, free_lookup_locks: (key, tp_size). */
+static int s_do_lookup(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                       char *why, size_t whylen)
+{
+    kvt_lmc_key_t key = {0};
+    uint64_t tp = 0;
+    int rc = kvt_lmc_decode_key(S_ARG(0), &self->lim, &key, why, whylen);
+    if (!rc)
+        rc = kvt_lmc_decode_uint(S_ARG(1), UINT32_MAX, &tp, why, whylen);
+    if (!rc && op == KVT_LMC_LOOKUP)
+        s_op_lookup(self, &key, r);
+    else if (!rc)
+        s_op_free_locks(self, &key);
+    kvt_lmc_key_free(&key);
+    return rc;
+}
+
+/* query_prefetch_status, query_prefetch_lookup_hits: (request_id). */
+static int s_do_status(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                       char *why, size_t whylen)
+{
+    char rid[KVT_LMC_MAX_REQUEST + 1];
+    int rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, whylen);
+    if (!rc)
+        s_op_status(self, rid, op == KVT_LMC_QUERY_PREFETCH_STATUS, r);
+    return rc;
+}
+
+/* wait_prefetch_status: (request_id, timeout_s); held back while the lookup loads. */
+static int s_do_wait(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                     char *why, size_t whylen)
+{
+    (void)op;
+    char rid[KVT_LMC_MAX_REQUEST + 1];
+    double d = 0;
+    int rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, whylen);
+    if (!rc)
+        rc = kvt_lmc_decode_double(S_ARG(1), &d, why, whylen);
+    if (rc)
+        return rc;
+    s_req_t *q = s_req_find(self, rid);
+    if (q && q->pending && d > 0 && self->nwaits < S_MAX_WAITS) {
+        r->kind = S_R_LATER;
+        snprintf(r->msg, sizeof r->msg, "%s", rid);
+        r->wait_s = d < S_MAX_WAIT_S ? d : S_MAX_WAIT_S;
+    } else {
+        s_op_status(self, rid, true, r);
+    }
+    return 0;
+}
+
+/* end_session: (request_id[, end_info]). */
+static int s_do_end_session(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a,
+                            s_reply_t *r, char *why, size_t whylen)
+{
+    (void)op, (void)r;
+    char rid[KVT_LMC_MAX_REQUEST + 1];
+    int rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, whylen);
+    s_req_t *q = rc ? NULL : s_req_find(self, rid);
+    if (q)
+        s_req_drop(self, q); /* its waiters, if any, are answered 0 on the next tick */
+    return rc;
+}
+
+/* register_kv_cache_engine_driven_context: (payload). A payload that does not decode is
+ * refused in the response's `error`, a form every client reads. */
+static int s_do_register(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                         char *why, size_t whylen)
+{
+    (void)op;
+    kvt_lmc_ctx_t ctx;
+    if (kvt_lmc_decode_ctx(S_ARG(0), &self->lim, &ctx, why, whylen) == 0) {
+        s_op_register(self, &ctx, r);
+    } else {
+        kvt_log(KVT_LOG_WARN, "lmcache: registration refused: %s", why);
+        kvt_lmc_pack_register(s_value(r), self->shm_name, self->pool_size, why);
+    }
+    return 0;
+}
+
+/* unregister_kv_cache_engine_driven_context: (instance_id). */
+static int s_do_unregister(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a,
+                           s_reply_t *r, char *why, size_t whylen)
+{
+    (void)op, (void)r;
+    uint64_t u = 0;
+    bool nil = false;
+    int rc = kvt_lmc_decode_int(S_ARG(0), false, &u, &nil, why, whylen);
+    if (rc)
+        return rc;
+    s_ctx_t *c = kvt_u64map_get(self->ctxs, u);
+    if (c) {
+        kvt_log(KVT_LOG_INFO, "lmcache: instance %" PRId64 " unregistered", (int64_t)u);
+        s_ctx_drop(self, c, false);
+    } else {
+        kvt_log(KVT_LOG_INFO, "lmcache: unregister of instance %" PRId64
+                              ", which is not registered", (int64_t)u);
+    }
+    return 0;
+}
+
+/* prepare_store, prepare_retrieve, commit_retrieve: (key, instance_id); commit_store: (key,
+ * instance_id, data). */
+static int s_do_transfer(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                         char *why, size_t whylen)
+{
+    kvt_lmc_key_t key = {0};
+    uint64_t instance = 0, data_len = 0;
+    bool nil = false;
+    int rc = kvt_lmc_decode_key(S_ARG(0), &self->lim, &key, why, whylen);
+    if (!rc)
+        rc = kvt_lmc_decode_int(S_ARG(1), false, &instance, &nil, why, whylen);
+    if (!rc && op == KVT_LMC_COMMIT_STORE)
+        rc = kvt_lmc_decode_bin_len(S_ARG(2), &data_len, why, whylen);
+    if (!rc) {
+        if (op == KVT_LMC_PREPARE_STORE)
+            s_op_prepare_store(self, &key, instance, r);
+        else if (op == KVT_LMC_PREPARE_RETRIEVE)
+            s_op_prepare_retrieve(self, &key, instance, r);
+        else if (op == KVT_LMC_COMMIT_STORE)
+            s_op_commit_store(self, &key, instance, data_len, r);
+        else
+            s_op_commit_retrieve(self, &key, instance, r);
+    }
+    kvt_lmc_key_free(&key);
+    return rc;
+}
+
+/* clear: ([force]); without force, chunks under read locks stay. */
+static int s_do_clear(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                      char *why, size_t whylen)
+{
+    (void)op, (void)r;
+    bool force = false;
+    int rc = a->n ? kvt_lmc_decode_bool(S_ARG(0), &force, why, whylen) : 0;
+    if (rc)
+        return rc;
+    uint64_t removed = 0;
+    pthread_mutex_unlock(&self->lock); /* a walk of all of L1 */
+    kvt_l1_clear_prefix(self->l1, (const uint8_t *)KVT_LMCACHE_NS_PREFIX,
+                        strlen(KVT_LMCACHE_NS_PREFIX), !force, &removed);
+    pthread_mutex_lock(&self->lock);
+    kvt_log(KVT_LOG_INFO, "lmcache: clear(force=%s) removed %" PRIu64 " objects",
+            force ? "true" : "false", removed);
+    return 0;
+}
+
+/* ping: ([instance_id | None]); always true (the adapter takes false as "reaped"). */
+static int s_do_ping(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                     char *why, size_t whylen)
+{
+    (void)op;
+    uint64_t u = 0;
+    bool nil = true;
+    int rc = a->n ? kvt_lmc_decode_int(S_ARG(0), true, &u, &nil, why, whylen) : 0;
+    if (rc)
+        return rc;
+    s_ctx_t *c = nil ? NULL : kvt_u64map_get(self->ctxs, u);
+    if (c)
+        c->last_seen_ms = kvt_now_ms();
+    msgpack_pack_true(s_value(r));
+    return 0;
+}
+
+/* report_block_allocation: (instance_id, model_name, records): checked, counts as a sign of
+ * life; kvtier keeps no block tables. */
+static int s_do_report(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                       char *why, size_t whylen)
+{
+    (void)op, (void)r;
+    char model[KVT_LMC_MAX_REQUEST + 1];
+    uint64_t u = 0;
+    bool nil = false;
+    int rc = kvt_lmc_decode_int(S_ARG(0), false, &u, &nil, why, whylen);
+    if (!rc)
+        rc = kvt_lmc_decode_str(S_ARG(1), model, sizeof model, why, whylen);
+    if (!rc)
+        rc = kvt_lmc_check_records(S_ARG(2), &self->lim, why, whylen);
+    s_ctx_t *c = rc ? NULL : kvt_u64map_get(self->ctxs, u);
+    if (c)
+        c->last_seen_ms = kvt_now_ms();
+    return rc;
+}
+
+/* get_chunk_size, noop, get_experimental: no arguments, a constant answer. */
+static int s_do_const(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+                      char *why, size_t whylen)
+{
+    (void)a, (void)why, (void)whylen;
+    if (op == KVT_LMC_GET_CHUNK_SIZE)
+        msgpack_pack_uint32(s_value(r), self->chunk);
+    else if (op == KVT_LMC_NOOP)
+        msgpack_pack_str_with_body(s_value(r), "OK", 2);
+    else
+        msgpack_pack_array(s_value(r), 0);
+    return 0;
+}
+
+#undef S_ARG
+
+/* The handler of every op the wire table (protocol/kvt_lmc.h) marks served; kvt_lmcache_new
+ * checks that the two agree. */
+static const s_op_fn s_ops[KVT_LMC_NOPS] = {
+    [KVT_LMC_LOOKUP] = s_do_lookup,
+    [KVT_LMC_FREE_LOOKUP_LOCKS] = s_do_lookup,
+    [KVT_LMC_QUERY_PREFETCH_STATUS] = s_do_status,
+    [KVT_LMC_QUERY_PREFETCH_LOOKUP_HITS] = s_do_status,
+    [KVT_LMC_WAIT_PREFETCH_STATUS] = s_do_wait,
+    [KVT_LMC_END_SESSION] = s_do_end_session,
+    [KVT_LMC_REGISTER_CONTEXT] = s_do_register,
+    [KVT_LMC_UNREGISTER_CONTEXT] = s_do_unregister,
+    [KVT_LMC_PREPARE_STORE] = s_do_transfer,
+    [KVT_LMC_COMMIT_STORE] = s_do_transfer,
+    [KVT_LMC_PREPARE_RETRIEVE] = s_do_transfer,
+    [KVT_LMC_COMMIT_RETRIEVE] = s_do_transfer,
+    [KVT_LMC_CLEAR] = s_do_clear,
+    [KVT_LMC_GET_CHUNK_SIZE] = s_do_const,
+    [KVT_LMC_PING] = s_do_ping,
+    [KVT_LMC_REPORT_BLOCK_ALLOCATION] = s_do_report,
+    [KVT_LMC_NOOP] = s_do_const,
+    [KVT_LMC_GET_EXPERIMENTAL] = s_do_const,
+};
+
+/* A served op with its argument count checked: its handler, and the error form for what its
+ * arguments do not decode to. Lock held. */
 static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int nargs,
                        s_reply_t *r)
 {
     char why[200] = "";
-    kvt_lmc_key_t key = {0};
-    kvt_lmc_ctx_t ctx;
-    uint64_t u = 0, u2 = 0;
-    bool nil = false, b = false;
-    double d = 0;
-    char rid[KVT_LMC_MAX_REQUEST + 1];
-    int rc = 0;
-    switch (op) {
-    case KVT_LMC_LOOKUP:
-    case KVT_LMC_FREE_LOOKUP_LOCKS:
-        if ((rc = kvt_lmc_decode_key(S_ARG(0), &self->lim, &key, why, sizeof why)) == 0 &&
-            (rc = kvt_lmc_decode_uint(S_ARG(1), UINT32_MAX, &u, why, sizeof why)) == 0) {
-            if (op == KVT_LMC_LOOKUP)
-                s_op_lookup(self, &key, r);
-            else
-                s_op_free_locks(self, &key);
-        }
-        break;
-    case KVT_LMC_QUERY_PREFETCH_STATUS:
-    case KVT_LMC_QUERY_PREFETCH_LOOKUP_HITS:
-        if ((rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, sizeof why)) == 0)
-            s_op_status(self, rid, op == KVT_LMC_QUERY_PREFETCH_STATUS, r);
-        break;
-    case KVT_LMC_WAIT_PREFETCH_STATUS:
-        if ((rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, sizeof why)) == 0 &&
-            (rc = kvt_lmc_decode_double(S_ARG(1), &d, why, sizeof why)) == 0) {
-            s_req_t *q = s_req_find(self, rid);
-            if (q && q->pending && d > 0 && self->nwaits < S_MAX_WAITS) {
-                r->kind = S_R_LATER;
-                snprintf(r->msg, sizeof r->msg, "%s", rid);
-                r->wait_s = d < S_MAX_WAIT_S ? d : S_MAX_WAIT_S;
-            } else {
-                s_op_status(self, rid, true, r);
-            }
-        }
-        break;
-    case KVT_LMC_END_SESSION:
-        if ((rc = kvt_lmc_decode_str(S_ARG(0), rid, sizeof rid, why, sizeof why)) == 0) {
-            s_req_t *q = s_req_find(self, rid);
-            if (q)
-                s_req_drop(self, q); /* its waiters, if any, are answered 0 on the next tick */
-        }
-        break;
-    case KVT_LMC_REGISTER_CONTEXT:
-        if ((rc = kvt_lmc_decode_ctx(S_ARG(0), &self->lim, &ctx, why, sizeof why)) == 0) {
-            s_op_register(self, &ctx, r);
-        } else {
-            /* the response's `error` refuses a registration in a form every client reads */
-            kvt_log(KVT_LOG_WARN, "lmcache: registration refused: %s", why);
-            kvt_lmc_pack_register(s_value(r), self->shm_name, self->pool_size, why);
-            rc = 0;
-        }
-        break;
-    case KVT_LMC_UNREGISTER_CONTEXT:
-        if ((rc = kvt_lmc_decode_int(S_ARG(0), false, &u, &nil, why, sizeof why)) == 0) {
-            s_ctx_t *c = kvt_u64map_get(self->ctxs, u);
-            if (c) {
-                kvt_log(KVT_LOG_INFO, "lmcache: instance %" PRId64 " unregistered", (int64_t)u);
-                s_ctx_drop(self, c, false);
-            } else {
-                kvt_log(KVT_LOG_INFO, "lmcache: unregister of instance %" PRId64
-                                      ", which is not registered", (int64_t)u);
-            }
-        }
-        break;
-    case KVT_LMC_PREPARE_STORE:
-    case KVT_LMC_PREPARE_RETRIEVE:
-    case KVT_LMC_COMMIT_RETRIEVE:
-    case KVT_LMC_COMMIT_STORE:
-        if ((rc = kvt_lmc_decode_key(S_ARG(0), &self->lim, &key, why, sizeof why)) != 0 ||
-            (rc = kvt_lmc_decode_int(S_ARG(1), false, &u, &nil, why, sizeof why)) != 0)
-            break;
-        if (op == KVT_LMC_COMMIT_STORE &&
-            (rc = kvt_lmc_decode_bin_len(S_ARG(2), &u2, why, sizeof why)) != 0)
-            break;
-        if (op == KVT_LMC_PREPARE_STORE)
-            s_op_prepare_store(self, &key, u, r);
-        else if (op == KVT_LMC_PREPARE_RETRIEVE)
-            s_op_prepare_retrieve(self, &key, u, r);
-        else if (op == KVT_LMC_COMMIT_STORE)
-            s_op_commit_store(self, &key, u, u2, r);
-        else
-            s_op_commit_retrieve(self, &key, u, r);
-        break;
-    case KVT_LMC_CLEAR:
-        if (nargs == 0 || (rc = kvt_lmc_decode_bool(S_ARG(0), &b, why, sizeof why)) == 0) {
-            uint64_t removed = 0;
-            pthread_mutex_unlock(&self->lock); /* a walk of all of L1 */
-            kvt_l1_clear_prefix(self->l1, (const uint8_t *)KVT_LMCACHE_NS_PREFIX,
-                                strlen(KVT_LMCACHE_NS_PREFIX), !b, &removed);
-            pthread_mutex_lock(&self->lock);
-            kvt_log(KVT_LOG_INFO, "lmcache: clear(force=%s) removed %" PRIu64 " objects",
-                    b ? "true" : "false", removed);
-        }
-        break;
-    case KVT_LMC_GET_CHUNK_SIZE:
-        msgpack_pack_uint32(s_value(r), self->chunk);
-        break;
-    case KVT_LMC_PING:
-        if (nargs == 1 && (rc = kvt_lmc_decode_int(S_ARG(0), true, &u, &nil, why, sizeof why)) == 0 &&
-            !nil) {
-            s_ctx_t *c = kvt_u64map_get(self->ctxs, u);
-            if (c)
-                c->last_seen_ms = kvt_now_ms();
-        }
-        if (rc == 0)
-            msgpack_pack_true(s_value(r)); /* always: the adapter takes false as "reaped" */
-        break;
-    case KVT_LMC_REPORT_BLOCK_ALLOCATION:
-        if ((rc = kvt_lmc_decode_int(S_ARG(0), false, &u, &nil, why, sizeof why)) == 0 &&
-            (rc = kvt_lmc_decode_str(S_ARG(1), rid, sizeof rid, why, sizeof why)) == 0 &&
-            (rc = kvt_lmc_check_records(S_ARG(2), &self->lim, why, sizeof why)) == 0) {
-            s_ctx_t *c = kvt_u64map_get(self->ctxs, u);
-            if (c)
-                c->last_seen_ms = kvt_now_ms();
-        }
-        break;
-    case KVT_LMC_NOOP:
-        msgpack_pack_str_with_body(s_value(r), "OK", 2);
-        break;
-    case KVT_LMC_GET_EXPERIMENTAL:
-        msgpack_pack_array(s_value(r), 0);
-        break;
-    default:
-        s_error(r, KVT_EINTERNAL, "no handler"); /* the served table and this switch agree */
-        break;
-    }
-    kvt_lmc_key_free(&key);
+    s_args_t a = {f + 3, nargs};
+    int rc = s_ops[op](self, op, &a, r, why, sizeof why);
     if (rc != 0)
         s_error(r, rc == KVT_ETOOBIG ? KVT_ETOOBIG : KVT_EBADREQ, "%s: %s",
                 kvt_lmc_opinfo(op)->name, why);
@@ -1165,40 +1272,35 @@ static void s_message(kvt_lmcache_t *self, zmq_msg_t *f, int n, bool too_many)
     msgpack_sbuffer_destroy(&r.sbuf);
 }
 
+/* The frames of one message: at most S_MAX_FRAMES kept, the rest read and dropped. */
+typedef struct {
+    zmq_msg_t f[S_MAX_FRAMES];
+    int n;
+    bool too_many;
+} s_frames_t;
+
+static zmq_msg_t *s_frame_slot(void *ctx, uint32_t n)
+{
+    s_frames_t *fr = ctx;
+    if (n < S_MAX_FRAMES) {
+        fr->n = (int)n + 1;
+        return &fr->f[n];
+    }
+    fr->too_many = true;
+    return NULL;
+}
+
 /* Reads and answers one message; false when none is waiting. */
 static bool s_recv_one(kvt_lmcache_t *self)
 {
-    zmq_msg_t f[S_MAX_FRAMES];
-    int n = 0;
-    bool too_many = false;
-    for (;;) {
-        zmq_msg_t m;
-        zmq_msg_init(&m);
-        if (zmq_msg_recv(&m, self->sock, n == 0 ? ZMQ_DONTWAIT : 0) < 0) {
-            int e = errno;
-            zmq_msg_close(&m);
-            if (n == 0 && e == EAGAIN)
-                return false;
-            if (e == EINTR && n > 0)
-                continue; /* the rest of a message is there already */
-            break;
-        }
-        int more = zmq_msg_more(&m);
-        if (n < S_MAX_FRAMES)
-            f[n++] = m; /* the struct moves; m is not used again */
-        else {
-            too_many = true;
-            zmq_msg_close(&m);
-        }
-        if (!more)
-            break;
-    }
-    if (n == 0)
-        return false;
-    s_message(self, f, n, too_many);
-    for (int i = 0; i < n; i++)
-        zmq_msg_close(&f[i]);
-    return true;
+    s_frames_t fr = {.n = 0};
+    kvt_router_msg_t m;
+    int rc = kvt_router_recv(self->router, s_frame_slot, &fr, &m);
+    if (rc == 1)
+        s_message(self, fr.f, fr.n, fr.too_many);
+    for (int i = 0; i < fr.n; i++)
+        zmq_msg_close(&fr.f[i]);
+    return rc == 1;
 }
 
 /* ---- periodic ----------------------------------------------------------------------------- */
@@ -1244,27 +1346,6 @@ static void s_sweep(kvt_lmcache_t *self, uint64_t now)
         s_req_drop(self, self->oldest);
 }
 
-static void s_monitor(kvt_lmcache_t *self)
-{
-    for (;;) {
-        zmsg_t *ev = zmsg_recv_nowait(self->monitor);
-        if (!ev)
-            return;
-        zframe_t *fr = zmsg_first(ev);
-        if (fr && zframe_size(fr) == 6) {
-            uint16_t event;
-            int32_t fd;
-            memcpy(&event, zframe_data(fr), 2);
-            memcpy(&fd, zframe_data(fr) + 2, 4);
-            if (event == ZMQ_EVENT_LISTENING)
-                kvt_accept_watch(fd);
-            else if (event == ZMQ_EVENT_DISCONNECTED)
-                kvt_accept_closed(fd);
-        }
-        zmsg_destroy(&ev);
-    }
-}
-
 /* The cache service's lookups that came back. Lock held. */
 static void s_collect(kvt_lmcache_t *self)
 {
@@ -1294,7 +1375,7 @@ static bool s_run(kvt_thread_t *t, void *arg)
 {
     kvt_lmcache_t *self = arg;
     zmq_pollitem_t items[3] = {{self->sock, 0, ZMQ_POLLIN, 0},
-                               {zsock_resolve(self->monitor), 0, ZMQ_POLLIN, 0},
+                               {kvt_router_monitor(self->router), 0, ZMQ_POLLIN, 0},
                                {NULL, kvt_queue_fd(self->lookups_done), ZMQ_POLLIN, 0}};
     while (!atomic_load(&self->stop)) {
         if (!kvt_thread_beat(t))
@@ -1303,7 +1384,7 @@ static bool s_run(kvt_thread_t *t, void *arg)
             kvt_log(KVT_LOG_ERROR, "lmcache: poll failed: %s", zmq_strerror(errno));
             return false;
         }
-        s_monitor(self);
+        kvt_router_events(self->router);
         pthread_mutex_lock(&self->lock);
         s_collect(self); /* before the messages: a status query then sees the loads done */
         pthread_mutex_unlock(&self->lock);
@@ -1337,6 +1418,8 @@ kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cach
                  path);
         return NULL;
     }
+    for (int op = 1; op < KVT_LMC_NOPS; op++) /* the wire table and the handlers agree */
+        kvt_assert(!kvt_lmc_opinfo((kvt_lmc_op_t)op)->served == !s_ops[op]);
     kvt_lmcache_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->cfg = cfg;
@@ -1363,42 +1446,14 @@ kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cach
         goto fail;
     }
     const char *ep = cfg->lmcache_listen;
-    self->router = zsock_new(ZMQ_ROUTER);
-    if (!self->router) {
-        snprintf(err, errlen, "lmcache.listen: cannot create a socket: %s", zmq_strerror(errno));
+    kvt_router_opts_t ropts = {.label = "lmcache.listen",
+                               .sndhwm = S_SNDHWM,
+                               .linger_ms = 500,
+                               .max_message = cfg->max_message};
+    self->router = kvt_router_new(&ropts, err, errlen);
+    if (!self->router || kvt_router_bind(self->router, cfg, ep, err, errlen) != 0)
         goto fail;
-    }
-    self->sock = zsock_resolve(self->router);
-    zsock_set_router_mandatory(self->router, 1);
-    zsock_set_sndhwm(self->router, S_SNDHWM);
-    zsock_set_linger(self->router, 500);
-    zsock_set_maxmsgsize(
-        self->router,
-        (int)(cfg->max_message + 65536 > INT32_MAX ? INT32_MAX : cfg->max_message + 65536));
-    char mon[64];
-    snprintf(mon, sizeof mon, "inproc://kvt-lmcache-monitor-%p", (void *)self);
-    if (zmq_socket_monitor(self->sock, mon, ZMQ_EVENT_LISTENING | ZMQ_EVENT_DISCONNECTED) != 0 ||
-        !(self->monitor = zsock_new(ZMQ_PAIR))) {
-        snprintf(err, errlen, "lmcache.listen: cannot monitor the socket: %s",
-                 zmq_strerror(errno));
-        goto fail;
-    }
-    zsock_set_rcvhwm(self->monitor, 0);
-    if (zsock_connect(self->monitor, "%s", mon) != 0) {
-        snprintf(err, errlen, "lmcache.listen: cannot connect the socket's monitor");
-        goto fail;
-    }
-    if (strncmp(ep, "ipc://", 6) == 0 && kvt_instance_check_ipc(ep, err, errlen) != 0)
-        goto fail;
-    if (zsock_bind(self->router, "%s", ep) < 0) {
-        snprintf(err, errlen, "lmcache.listen: cannot bind %s: %s", ep, zmq_strerror(errno));
-        goto fail;
-    }
-    self->bound = true;
-    s_monitor(self); /* the listener's descriptor: its connections count against the cap */
-    if (strncmp(ep, "ipc://", 6) == 0 &&
-        kvt_instance_share_ipc(cfg, "lmcache.listen", ep + 6, err, errlen) != 0)
-        goto fail;
+    self->sock = kvt_router_socket(self->router);
     self->thread = kvt_thread_start(sup, "lmcache", 2000, s_run, self);
     if (!self->thread) {
         snprintf(err, errlen, "lmcache.listen: cannot start the door's thread");
@@ -1451,12 +1506,7 @@ void kvt_lmcache_destroy(kvt_lmcache_t **self_p)
     for (s_ctx_t *c; (c = kvt_u64map_first(self->ctxs));)
         s_ctx_drop(self, c, false);
     pthread_mutex_unlock(&self->lock);
-    zsock_destroy(&self->monitor);
-    if (self->sock)
-        zmq_socket_monitor(self->sock, NULL, 0);
-    zsock_destroy(&self->router);
-    if (self->bound && strncmp(self->cfg->lmcache_listen, "ipc://", 6) == 0)
-        unlink(self->cfg->lmcache_listen + 6);
+    kvt_router_destroy(&self->router); /* its ipc file goes with it */
     kvt_u64map_destroy(&self->ctxs);
     kvt_u64map_destroy(&self->reqs);
     kvt_queue_destroy(&self->lookups_done);

@@ -24,13 +24,12 @@
 #include "kvt_error.h"
 #include "kvt_fastpath.h"
 #include "kvt_handlers.h"
-#include "kvt_instance.h"
 #include "kvt_log.h"
 #include "kvt_msg.h"
-#include "kvt_prefetch.h"
 #include "kvt_proto.h"
 #include "kvt_reload.h"
 #include "kvt_reqstats.h"
+#include "kvt_router.h"
 #include "kvt_session.h"
 #include "kvt_workers.h"
 
@@ -39,7 +38,6 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -50,7 +48,6 @@
 #define S_WORKER_QUEUE 1024
 #define S_SPARE_FRAMES 64   /* a spare request keeps a data array up to this many frames */
 #define S_SPARE_REPLY 65536 /* and a reply buffer up to this size */
-#define S_SNDBUF (4 << 20)  /* send buffer of an accepted connection: a 4 MiB chunk at once */
 
 struct kvt_server {
     const kvt_config_t *cfg;
@@ -59,15 +56,13 @@ struct kvt_server {
     kvt_services_t svc;
     kvt_workers_t *workers;
     size_t lookups_out; /* LOOKUPs the cache service has (lock held) */
-    zsock_t *router;
+    kvt_router_t *router;
     void *sock;          /* the router's libzmq socket */
-    zsock_t *monitor;    /* its accepted connections (s_monitor), NULL without */
     kvt_rq_t *spare;     /* a finished request kept for reuse */
     uint32_t max_frames; /* data frames one request may carry (PUT: one per key) */
     kvt_curve_t *curve;  /* CURVE for the tcp endpoints, or NULL */
     kvt_limits_t lim;
     uint64_t next_sweep_ms;
-    int nbound; /* cfg->listen[0..nbound) are bound: their ipc files are ours to remove */
     /* held by this loop while it works and by the fastpath thread while it handles a ring
      * request: sessions, leases, the spare request and the rings see one thread at a time */
     pthread_mutex_t lock;
@@ -321,39 +316,30 @@ static zmq_msg_t *s_part_slot(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m, uint
     return &rq->data[rq->ndata++];
 }
 
+typedef struct {
+    kvt_server_t *self;
+    kvt_rq_t *rq;
+    s_msg_t *m;
+} s_slot_ctx_t;
+
+static zmq_msg_t *s_socket_slot(void *ctx, uint32_t n)
+{
+    s_slot_ctx_t *c = ctx;
+    return n == 0 ? &c->rq->rid : s_part_slot(c->self, c->rq, c->m, n - 1);
+}
+
 /* Receives one whole message if one is waiting: 1 when read, 0 when none is, -1 on a socket
- * error. Every part is read, whatever it holds, so the socket stays in step. */
+ * error. */
 static int s_recv(kvt_server_t *self, kvt_rq_t *rq, s_msg_t *m)
 {
-    if (zmq_msg_recv(&rq->rid, self->sock, ZMQ_DONTWAIT) < 0)
-        return errno == EAGAIN || errno == EINTR ? 0 : -1;
+    s_slot_ctx_t ctx = {self, rq, m};
+    kvt_router_msg_t got;
+    int rc = kvt_router_recv(self->router, s_socket_slot, &ctx, &got);
+    if (rc != 1)
+        return rc;
     rq->t0_ns = kvt_now_ns();
-    bool more = zmq_msg_more(&rq->rid);
-    while (more) {
-        zmq_msg_t drop;
-        zmq_msg_t *part = s_part_slot(self, rq, m, m->parts);
-        if (!part)
-            part = &drop;
-        zmq_msg_init(part);
-        int n;
-        while ((n = zmq_msg_recv(part, self->sock, ZMQ_DONTWAIT)) < 0 && errno == EINTR)
-            ; /* the rest of a message is already here: a signal only interrupts the call */
-        if (n < 0) {
-            /* cannot happen once the first part is in (libzmq delivers messages whole);
-             * the request is answered as truncated */
-            zmq_msg_close(part);
-            if (part != &drop && m->parts >= 3)
-                rq->ndata--;
-            else if (part != &drop)
-                zmq_msg_init(part); /* s_rq_free closes it again */
-            break;
-        }
-        more = zmq_msg_more(part);
-        m->total += zmq_msg_size(part);
-        m->parts++;
-        if (part == &drop)
-            zmq_msg_close(&drop);
-    }
+    m->parts = got.parts - 1; /* after the routing id */
+    m->total = got.total;
     return 1;
 }
 
@@ -567,75 +553,11 @@ static void s_owner_gone(void *ctx, kvt_owner_kind_t kind, uint64_t owner, bool 
         kvt_fastpath_owner_gone(self->svc.fastpath, owner, expired);
 }
 
-/* The socket monitor reports the descriptor of every listener (its connections are counted and
- * capped by kvt_accept), of every accepted connection and of every closed one. The monitor
- * socket's receive queue has no limit (libzmq's monitor would otherwise drop events and the
- * connection counts would drift); it holds a few dozen bytes per connection event. */
-static int s_monitor_start(kvt_server_t *self, char *err, size_t errlen)
+/* A client connection closed: the sessions forget it (kvt_router's monitor). */
+static void s_on_closed(void *ctx, int fd, uint32_t gen)
 {
-    char ep[64];
-    snprintf(ep, sizeof ep, "inproc://kvt-monitor-%p", (void *)self);
-    if (zmq_socket_monitor(self->sock, ep,
-                           ZMQ_EVENT_LISTENING | ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) !=
-        0) {
-        snprintf(err, errlen, "cannot monitor the ROUTER socket: %s", zmq_strerror(errno));
-        return KVT_EINTERNAL;
-    }
-    self->monitor = zsock_new(ZMQ_PAIR);
-    if (self->monitor) {
-        zsock_set_rcvhwm(self->monitor, 0);
-        if (zsock_connect(self->monitor, "%s", ep) != 0)
-            zsock_destroy(&self->monitor);
-    }
-    if (!self->monitor) {
-        snprintf(err, errlen, "cannot connect the ROUTER socket's monitor");
-        return KVT_EINTERNAL;
-    }
-    return 0;
-}
-
-/* libzmq applies ZMQ_SNDBUF to tcp connections only: on ipc a 4 MiB GET reply would leave
- * through the default unix socket buffer (208 KiB) in some twenty writes, each one waking the
- * client's I/O thread, so the send buffer of an accepted ipc connection is raised here (the
- * kernel caps it at net.core.wmem_max). Tcp keeps the kernel's autotuning, which a fixed
- * SO_SNDBUF would switch off; checking the domain also keeps a descriptor number reused since
- * the event (an L2 connection, the HTTP socket) out of it. */
-static void s_raise_sndbuf(int fd)
-{
-    int size = S_SNDBUF, domain = 0;
-    socklen_t dlen = sizeof domain;
-    if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 && domain == AF_UNIX &&
-        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof size))
-        kvt_log(KVT_LOG_DEBUG, "SO_SNDBUF on a new connection: %s", strerror(errno));
-}
-
-/* Handles the monitor's events (all of them: the queue is read before the requests of each
- * loop turn, so that a close is known before a message from a connection that reused its
- * descriptor). */
-static void s_monitor(kvt_server_t *self)
-{
-    for (;;) {
-        zmsg_t *ev = zmsg_recv_nowait(self->monitor);
-        if (!ev)
-            return;
-        zframe_t *f = zmsg_first(ev);
-        if (f && zframe_size(f) == 6) {
-            uint16_t event;
-            int32_t fd;
-            memcpy(&event, zframe_data(f), 2);
-            memcpy(&fd, zframe_data(f) + 2, 4);
-            if (event == ZMQ_EVENT_LISTENING) {
-                kvt_accept_watch(fd);
-            } else if (event == ZMQ_EVENT_ACCEPTED && fd >= 0) {
-                s_raise_sndbuf(fd);
-            } else if (event == ZMQ_EVENT_DISCONNECTED) {
-                uint32_t gen = kvt_accept_closed(fd);
-                if (gen)
-                    kvt_sessions_on_disconnect(self->svc.sessions, fd, gen);
-            }
-        }
-        zmsg_destroy(&ev);
-    }
+    kvt_server_t *self = ctx;
+    kvt_sessions_on_disconnect(self->svc.sessions, fd, gen);
 }
 
 kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
@@ -681,38 +603,25 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
     self->workers = kvt_workers_new("worker", (int)cfg->workers, S_WORKER_QUEUE, sup, err, errlen);
     if (!self->workers)
         goto fail;
-    self->router = zsock_new(ZMQ_ROUTER);
-    if (!self->router) {
-        snprintf(err, errlen, "cannot create the ROUTER socket: %s", zmq_strerror(errno));
-        goto fail;
-    }
-    self->sock = zsock_resolve(self->router);
-    self->max_frames = cfg->max_keys;
-    zsock_set_router_mandatory(self->router, 1);
     /* no queue limit in libzmq: a reply is never dropped because a client reads slowly; what a
      * connection may leave unread is bounded by kvt_session instead */
-    zsock_set_sndhwm(self->router, 0);
-    zsock_set_linger(self->router, 1000);
-    /* one frame far above max_message is cut at the transport instead of being buffered */
-    zsock_set_maxmsgsize(
-        self->router,
-        (int)(cfg->max_message + 65536 > INT32_MAX ? INT32_MAX : cfg->max_message + 65536));
-    if (cfg->curve_server_cert[0] && !(self->curve = kvt_curve_new(cfg, err, errlen)))
+    kvt_router_opts_t ropts = {.label = "listen",
+                               .sndhwm = 0,
+                               .linger_ms = 1000,
+                               .max_message = cfg->max_message,
+                               .on_closed = s_on_closed,
+                               .ctx = self};
+    self->router = kvt_router_new(&ropts, err, errlen);
+    if (!self->router)
         goto fail;
-    if (s_monitor_start(self, err, errlen) != 0) /* before the binds: nothing escapes it */
+    self->sock = kvt_router_socket(self->router);
+    self->max_frames = cfg->max_keys;
+    if (cfg->curve_server_cert[0] && !(self->curve = kvt_curve_new(cfg, err, errlen)))
         goto fail;
     for (int i = 0; i < cfg->n_listen; i++) {
         const char *ep = cfg->listen[i];
-        if (strncmp(ep, "ipc://", 6) == 0 && kvt_instance_check_ipc(ep, err, errlen) != 0)
-            goto fail;
-        kvt_curve_prepare_bind(self->curve, self->router, ep);
-        if (zsock_bind(self->router, "%s", ep) < 0) {
-            snprintf(err, errlen, "listen: cannot bind %s: %s", ep, zmq_strerror(errno));
-            goto fail;
-        }
-        self->nbound = i + 1;
-        s_monitor(self); /* the listener's descriptor, to count its connections from now on */
-        if (strncmp(ep, "ipc://", 6) == 0 && kvt_instance_share_ipc(cfg, "listen", ep + 6, err, errlen) != 0)
+        kvt_curve_prepare_bind(self->curve, kvt_router_zsock(self->router), ep);
+        if (kvt_router_bind(self->router, cfg, ep, err, errlen) != 0)
             goto fail;
         kvt_log(KVT_LOG_INFO, "listening on %s%s", ep,
                 self->curve && strncmp(ep, "tcp://", 6) == 0 ? " (CURVE)" : "");
@@ -750,14 +659,8 @@ void kvt_server_destroy(kvt_server_t **self_p)
         free(self->spare);
         self->spare = NULL;
     }
-    zsock_destroy(&self->monitor);
-    if (self->sock)
-        zmq_socket_monitor(self->sock, NULL, 0);
-    zsock_destroy(&self->router);
+    kvt_router_destroy(&self->router); /* its ipc files go with it */
     kvt_curve_destroy(&self->curve);
-    for (int i = 0; i < self->nbound; i++)
-        if (strncmp(self->cfg->listen[i], "ipc://", 6) == 0)
-            unlink(self->cfg->listen[i] + 6);
     kvt_fastpath_destroy(&self->svc.fastpath); /* its slots hold connections */
     kvt_sessions_destroy(&self->svc.sessions);
     pthread_mutex_destroy(&self->lock);
@@ -817,7 +720,7 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
     zmq_pollitem_t items[4] = {
         {self->sock, 0, ZMQ_POLLIN, 0},
         {NULL, kvt_workers_fd(self->workers), ZMQ_POLLIN, 0},
-        {self->monitor ? zsock_resolve(self->monitor) : NULL, -1, ZMQ_POLLIN, 0},
+        {kvt_router_monitor(self->router), -1, ZMQ_POLLIN, 0},
         {NULL, kvt_queue_fd(self->svc.lookups_done), ZMQ_POLLIN, 0},
     };
     int rc = 0;
@@ -832,7 +735,7 @@ int kvt_server_run(kvt_server_t *self, volatile sig_atomic_t *stop)
             break;
         }
         s_lock(self);
-        s_monitor(self);
+        kvt_router_events(self->router);
         s_intake(self, stop);
         s_collect(self);
         s_periodic(self);
