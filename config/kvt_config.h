@@ -67,7 +67,7 @@ typedef struct kvt_config {
     char *curve_server_cert;
     char *curve_clients;
     bool curve_require; /* every tcp:// listen endpoint must have CURVE, loopback ones too */
-    /* the LMCache-compatible door (daemon/kvt_lmcache): its ROUTER endpoint ("" = off), how
+    /* the LMCache-compatible door (daemon/kvt_lmcache_door): its ROUTER endpoint ("" = off), how
      * long a registered worker may stay silent before it is dropped (0: never), and how many
      * requests' lookup state it keeps at once */
     char *lmcache_listen;

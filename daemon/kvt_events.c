@@ -7,7 +7,7 @@
 #include "kvt_events.h"
 
 #include "kvt_error.h"
-#include "kvt_instance.h"
+#include "kvt_rundir.h"
 #include "kvt_log.h"
 #include "kvt_msg.h"
 #include "kvt_queue.h"
@@ -127,7 +127,7 @@ kvt_events_t *kvt_events_new(const char *endpoint, kvt_sup_t *sup, char *err, si
     zsock_set_linger(self->pub, 500);
     zsock_set_xpub_nodrop(self->pub, 1);
     /* libzmq would silently unlink a live daemon's socket file and cut its subscribers off */
-    if (kvt_instance_check_ipc(endpoint, err, errlen) != 0)
+    if (kvt_rundir_check_ipc(endpoint, err, errlen) != 0)
         goto fail;
     if (zsock_bind(self->pub, "%s", endpoint) < 0) {
         snprintf(err, errlen, "events: cannot bind %s: %s", endpoint, zmq_strerror(errno));

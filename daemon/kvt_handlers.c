@@ -621,7 +621,7 @@ static const s_staged_t *s_staged_of(const kvt_rq_t *rq)
     return &s_staged[rq->type];
 }
 
-bool kvt_handle_continues(const kvt_rq_t *rq)
+bool kvt_handle_pending(const kvt_rq_t *rq)
 {
     return s_staged_of(rq)->pending(rq);
 }

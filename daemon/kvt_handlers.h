@@ -65,12 +65,12 @@ typedef struct kvt_rq {
 
 /* Runs the handler of rq->type on a decoded request: packs the ok body into rq->pk and returns
  * 0, or returns a KVT_E* code with rq->err set (the caller packs the error body). For a type of
- * run class INLINE_THEN_LOOKUP this is the inline part; see kvt_handle_continues. */
+ * run class INLINE_THEN_LOOKUP this is the inline part; see kvt_handle_pending. */
 int kvt_handle(kvt_rq_t *rq);
 
 /* After kvt_handle returned 0 for an INLINE_THEN_LOOKUP type: true when the cache service has
  * the request's L2 part (nothing is packed yet); it comes back through svc->lookups_done. */
-bool kvt_handle_continues(const kvt_rq_t *rq);
+bool kvt_handle_pending(const kvt_rq_t *rq);
 
 /* A request the cache service handed back: packs its answer; returns like kvt_handle. Server
  * thread. */

@@ -6,7 +6,7 @@
 
 #include "kvt_accept.h"
 #include "kvt_error.h"
-#include "kvt_instance.h"
+#include "kvt_rundir.h"
 #include "kvt_log.h"
 
 #include <errno.h>
@@ -73,7 +73,7 @@ int kvt_router_bind(kvt_router_t *self, const kvt_config_t *cfg, const char *ep,
         snprintf(err, errlen, "%s: more than %d ipc endpoints", self->opts.label, S_MAX_BOUND);
         return KVT_EINVAL;
     }
-    int rc = ipc ? kvt_instance_check_ipc(ep, err, errlen) : 0;
+    int rc = ipc ? kvt_rundir_check_ipc(ep, err, errlen) : 0;
     if (rc)
         return rc;
     if (zsock_bind(self->router, "%s", ep) < 0) {
@@ -87,7 +87,7 @@ int kvt_router_bind(kvt_router_t *self, const kvt_config_t *cfg, const char *ep,
         self->nipc++;
     }
     kvt_router_events(self); /* the listener's descriptor: its connections count from now on */
-    return ipc ? kvt_instance_share_ipc(cfg, self->opts.label, ep + 6, err, errlen) : 0;
+    return ipc ? kvt_rundir_share_ipc(cfg, self->opts.label, ep + 6, err, errlen) : 0;
 }
 
 /* libzmq applies ZMQ_SNDBUF to tcp connections only: on ipc a 4 MiB GET reply would leave

@@ -1,5 +1,5 @@
 /* kvt_router: one client-facing ROUTER socket, as both doors (protocol v1: kvt_server; LMCache:
- * kvt_lmcache) use it. It creates the socket with the daemon's rules (mandatory routing, a
+ * kvt_lmcache_door) use it. It creates the socket with the daemon's rules (mandatory routing, a
  * frame far above max_message cut at the transport), watches it with a socket monitor (each
  * listener's and each accepted connection's descriptor goes to kvt_accept, which counts and caps
  * client connections across doors; accepted ipc connections get a 4 MiB send buffer), binds

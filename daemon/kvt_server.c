@@ -147,12 +147,12 @@ typedef struct {
     uint64_t bytes, pinned;
     _Atomic uint32_t frames;
     uint8_t body[];
-} s_reply_t;
+} s_outgoing_t;
 
-static void s_reply_frame_free(void *data, void *hint)
+static void s_outgoing_frame_free(void *data, void *hint)
 {
     (void)data;
-    s_reply_t *r = hint;
+    s_outgoing_t *r = hint;
     if (atomic_fetch_sub_explicit(&r->frames, 1, memory_order_acq_rel) == 1) {
         if (r->lease)
             kvt_l1_release(r->l1, KVT_OWNER_DAEMON, r->lease);
@@ -163,10 +163,10 @@ static void s_reply_frame_free(void *data, void *hint)
 
 /* The reply's body and data frames, counted against the connection from here until libzmq
  * frees them. The read lease of a GET moves into the reply. */
-static s_reply_t *s_reply_new(kvt_server_t *self, kvt_rq_t *rq, zmq_msg_t *frames)
+static s_outgoing_t *s_outgoing_new(kvt_server_t *self, kvt_rq_t *rq, zmq_msg_t *frames)
 {
     size_t blen = rq->sbuf.size;
-    s_reply_t *r = malloc(sizeof *r + blen);
+    s_outgoing_t *r = malloc(sizeof *r + blen);
     kvt_assert(r);
     memcpy(r->body, rq->sbuf.data, blen);
     r->conn = rq->conn;
@@ -176,11 +176,11 @@ static s_reply_t *s_reply_new(kvt_server_t *self, kvt_rq_t *rq, zmq_msg_t *frame
     r->bytes = sizeof *r + blen;
     r->pinned = 0;
     atomic_init(&r->frames, 1 + rq->nout);
-    zmq_msg_init_data(&frames[0], r->body, blen, s_reply_frame_free, r);
+    zmq_msg_init_data(&frames[0], r->body, blen, s_outgoing_frame_free, r);
     uint8_t *base = kvt_l1_base(self->svc.l1);
     for (uint32_t i = 0; i < rq->nout; i++) {
         zmq_msg_init_data(&frames[1 + i], base + rq->out[i].offset, rq->out[i].length,
-                          s_reply_frame_free, r);
+                          s_outgoing_frame_free, r);
         r->pinned += rq->out[i].length;
     }
     kvt_conn_reply_start(r->conn, r->bytes, r->pinned, kvt_now_ms());
@@ -255,7 +255,7 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
     zmq_msg_t stack_frames[8];
     zmq_msg_t *frames = nframes <= 8 ? stack_frames : malloc(nframes * sizeof *frames);
     kvt_assert(frames);
-    s_reply_new(self, rq, frames);
+    s_outgoing_new(self, rq, frames);
     void *sock = self->sock;
     uint32_t sent = 0;
     if (s_send_buf(sock, zmq_msg_data(&rq->rid), zmq_msg_size(&rq->rid), true) == 0 &&
@@ -400,7 +400,7 @@ static bool s_dispatch(kvt_server_t *self, kvt_rq_t *rq)
         return false;
     case KVT_RUN_INLINE_THEN_LOOKUP:
         rq->rc = kvt_handle(rq);
-        if (rq->rc || !kvt_handle_continues(rq))
+        if (rq->rc || !kvt_handle_pending(rq))
             return false;
         self->lookups_out++; /* the cache service hands it back through lookups_done */
         return true;

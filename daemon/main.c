@@ -12,10 +12,10 @@
 #include "kvt_error.h"
 #include "kvt_events.h"
 #include "kvt_http.h"
-#include "kvt_instance.h"
+#include "kvt_rundir.h"
 #include "kvt_l1.h"
 #include "kvt_l2mgr.h"
-#include "kvt_lmcache.h"
+#include "kvt_lmcache_door.h"
 #include "kvt_log.h"
 #include "kvt_metrics.h"
 #include "kvt_notify.h"
@@ -72,11 +72,11 @@ fail:
 /* Before anything another daemon could be using (arena, sockets, HTTP): run_dir's lock and the
  * ipc endpoints. A refused start exits 2: another daemon owns the run_dir or an endpoint, and a
  * restart would not change that (the unit's RestartPreventExitStatus=2). */
-static kvt_instance_t *s_single_instance(const kvt_config_t *cfg, int *status, char *err,
+static kvt_rundir_t *s_single_instance(const kvt_config_t *cfg, int *status, char *err,
                                          size_t errlen)
 {
     int rc = 0;
-    kvt_instance_t *inst = kvt_instance_claim(cfg, &rc, err, errlen);
+    kvt_rundir_t *inst = kvt_rundir_claim(cfg, &rc, err, errlen);
     if (!inst)
         *status = rc == KVT_EIO ? 1 : 2;
     return inst;
@@ -100,7 +100,7 @@ static void s_warn_plain_tcp(const kvt_config_t *cfg)
 typedef struct {
     const kvt_config_t *cfg;
     kvt_server_t *server;
-    kvt_lmcache_t *lmcache; /* NULL without lmcache.listen */
+    kvt_lmcache_door_t *lmcache; /* NULL without lmcache.listen */
     kvt_l1_t *l1;
     kvt_l2mgr_t *l2;
     kvt_sup_t *sup;
@@ -128,7 +128,7 @@ static json_t *s_status_hook(void *ctx)
     json_t *st = kvt_server_status_json(p->server);
     json_object_set_new(st, "l1", kvt_l1_status_json(p->l1));
     if (p->lmcache)
-        json_object_set_new(st, "lmcache", kvt_lmcache_status_json(p->lmcache));
+        json_object_set_new(st, "lmcache", kvt_lmcache_door_status_json(p->lmcache));
     json_object_set_new(st, "l2", kvt_l2mgr_status_json(p->l2));
     /* the effective config, with adapter secrets masked (--print-config keeps them) */
     char *text = kvt_config_to_json(p->cfg);
@@ -251,14 +251,14 @@ int main(int argc, char **argv)
     kvt_reqstats_t *reqstats = NULL;
     kvt_sup_t *sup = NULL;
     kvt_server_t *server = NULL;
-    kvt_lmcache_t *lmcache = NULL;
+    kvt_lmcache_door_t *lmcache = NULL;
     kvt_cache_t *cache = NULL;
     kvt_gpu_t *gpu = NULL;
     kvt_l1_t *l1 = NULL;
     kvt_l2mgr_t *l2 = NULL;
     kvt_events_t *events = NULL;
     kvt_http_t *http = NULL;
-    kvt_instance_t *instance = NULL;
+    kvt_rundir_t *instance = NULL;
     kvt_accept_budget_t fds = {0};
     if (s_mkdirs(cfg->run_dir, err, sizeof err, "run_dir") ||
         s_mkdirs(cfg->data_dir, err, sizeof err, "data_dir"))
@@ -313,10 +313,10 @@ int main(int argc, char **argv)
     if (!server)
         goto done;
     if (cfg->lmcache_listen[0]) {
-        lmcache = kvt_lmcache_new(cfg, sup, cache, err, sizeof err);
+        lmcache = kvt_lmcache_door_new(cfg, sup, cache, err, sizeof err);
         if (!lmcache)
             goto done;
-        kvt_metrics_add_source(metrics, kvt_lmcache_metrics_source, lmcache);
+        kvt_metrics_add_source(metrics, kvt_lmcache_door_metrics_source, lmcache);
         parts.lmcache = lmcache;
     }
     if (kvt_cache_start(cache) != 0) {
@@ -353,7 +353,7 @@ done:
     kvt_http_destroy(&http);
     kvt_cache_quiesce(cache); /* lookups still queued come back without probing L2 */
     /* the door first: closing its workers tells the server's owner listeners (GPU, rings) */
-    kvt_lmcache_destroy(&lmcache);
+    kvt_lmcache_door_destroy(&lmcache);
     kvt_server_destroy(&server);
     kvt_gpu_destroy(&gpu); /* after the server's workers, before L1 goes */
     /* no evictions from here on; queued write-behind reaches L2, running loads end */
@@ -367,7 +367,7 @@ done:
     kvt_metrics_destroy(&metrics);
     kvt_reqstats_destroy(&reqstats); /* after the server and HTTP, its writer and a reader */
     kvt_reload_destroy(&reload);
-    kvt_instance_release(&instance); /* the arena and the socket files are gone */
+    kvt_rundir_release(&instance); /* the arena and the socket files are gone */
     kvt_config_destroy(&cfg);
     if (status == 0)
         kvt_log(KVT_LOG_INFO, "kvtierd stopped");

@@ -1,6 +1,6 @@
 /* kvt_cache: the cache service under the front doors. It builds, owns and tears down together
  * the L1 tier, the prefetch job table and the L2 manager (with L1 -> L2 write-behind wired in),
- * and offers the doors (protocol v1: daemon/kvt_server, LMCache: daemon/kvt_lmcache) what they
+ * and offers the doors (protocol v1: daemon/kvt_server, LMCache: daemon/kvt_lmcache_door) what they
  * used to each do their own way:
  *
  *   - one registry of lease owners: every client owner (a v1 instance, an LMCache worker) gets

@@ -4,7 +4,7 @@
  * which both see a free path and both bind). The winner writes its pid into the file for the
  * loser's message; a loser reading in between the winner's lock and write retries briefly.
  * Main thread only, at start-up and exit. */
-#include "kvt_instance.h"
+#include "kvt_rundir.h"
 
 #include "kvt_error.h"
 #include "kvt_log.h"
@@ -24,11 +24,11 @@
 
 #define S_PID_TRIES 40 /* x 5 ms: how long a loser waits for the winner's pid to appear */
 
-struct kvt_instance {
+struct kvt_rundir {
     int fd;
 };
 
-int kvt_instance_check_ipc(const char *endpoint, char *err, size_t errlen)
+int kvt_rundir_check_ipc(const char *endpoint, char *err, size_t errlen)
 {
     if (strncmp(endpoint, "ipc://", 6) != 0)
         return 0;
@@ -101,13 +101,13 @@ static int s_lock(int fd, const char *path, char *err, size_t errlen)
     return 0;
 }
 
-kvt_instance_t *kvt_instance_claim(const kvt_config_t *cfg, int *rc, char *err, size_t errlen)
+kvt_rundir_t *kvt_rundir_claim(const kvt_config_t *cfg, int *rc, char *err, size_t errlen)
 {
     char path[4096];
     size_t n = strlen(cfg->run_dir);
     while (n > 1 && cfg->run_dir[n - 1] == '/')
         n--;
-    if (snprintf(path, sizeof path, "%.*s/%s", (int)n, cfg->run_dir, KVT_INSTANCE_LOCK) >=
+    if (snprintf(path, sizeof path, "%.*s/%s", (int)n, cfg->run_dir, KVT_RUNDIR_LOCK) >=
         (int)sizeof path) {
         snprintf(err, errlen, "run_dir: path too long");
         *rc = KVT_EINVAL;
@@ -122,22 +122,22 @@ kvt_instance_t *kvt_instance_claim(const kvt_config_t *cfg, int *rc, char *err, 
     }
     *rc = s_lock(fd, path, err, errlen);
     for (int i = 0; *rc == 0 && i < cfg->n_listen; i++)
-        *rc = kvt_instance_check_ipc(cfg->listen[i], err, errlen);
+        *rc = kvt_rundir_check_ipc(cfg->listen[i], err, errlen);
     if (*rc == 0)
-        *rc = kvt_instance_check_ipc(cfg->events, err, errlen);
+        *rc = kvt_rundir_check_ipc(cfg->events, err, errlen);
     if (*rc == 0)
-        *rc = kvt_instance_check_ipc(cfg->lmcache_listen, err, errlen);
+        *rc = kvt_rundir_check_ipc(cfg->lmcache_listen, err, errlen);
     if (*rc != 0) {
         close(fd); /* releases the lock when we held it */
         return NULL;
     }
-    kvt_instance_t *self = calloc(1, sizeof *self);
+    kvt_rundir_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->fd = fd;
     return self;
 }
 
-void kvt_instance_release(kvt_instance_t **self_p)
+void kvt_rundir_release(kvt_rundir_t **self_p)
 {
     if (!self_p || !*self_p)
         return;
@@ -146,7 +146,7 @@ void kvt_instance_release(kvt_instance_t **self_p)
     *self_p = NULL;
 }
 
-int kvt_instance_share_ipc(const kvt_config_t *cfg, const char *option, const char *path,
+int kvt_rundir_share_ipc(const kvt_config_t *cfg, const char *option, const char *path,
                            char *err, size_t errlen)
 {
     gid_t gid;

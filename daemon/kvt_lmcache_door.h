@@ -1,4 +1,4 @@
-/* kvt_lmcache: the LMCache-compatible front door — a second ROUTER endpoint (lmcache.listen)
+/* kvt_lmcache_door: the LMCache-compatible front door — a second ROUTER endpoint (lmcache.listen)
  * that answers LMCache's multiprocess client (vLLM's LMCacheMPConnector, engine-driven
  * shared-memory mode) on the same L1 arena, leases, L2 tiers, events and metrics as
  * protocol v1. docs/integrations.md says what it serves and how its objects map to v1's.
@@ -16,8 +16,8 @@
  *
  * Threads: new/destroy on the main thread; the door's own thread serves the socket; the
  * status and metrics calls are safe from the HTTP thread (one mutex guards the tables). */
-#ifndef KVT_LMCACHE_H
-#define KVT_LMCACHE_H
+#ifndef KVT_LMCACHE_DOOR_H
+#define KVT_LMCACHE_DOOR_H
 
 #include "kvt_cache.h"
 #include "kvt_config.h"
@@ -27,7 +27,7 @@
 #include <jansson.h>
 #include <stddef.h>
 
-typedef struct kvt_lmcache kvt_lmcache_t;
+typedef struct kvt_lmcache_door kvt_lmcache_door_t;
 
 /* The namespace prefix of every object the door stores: "lmcache/<model>/<world>/<worker>". */
 #define KVT_LMCACHE_NS_PREFIX "lmcache/"
@@ -35,20 +35,20 @@ typedef struct kvt_lmcache kvt_lmcache_t;
 /* Binds cfg->lmcache_listen and starts the door's thread (start-up, before kvt_sup_start).
  * NULL with a sentence in err (endpoint in use or malformed, an arena the client cannot open
  * by name). */
-kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cache_t *cache,
+kvt_lmcache_door_t *kvt_lmcache_door_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cache_t *cache,
                                char *err, size_t errlen);
 
 /* Stops the thread, waits for (or calls off) its lookups in the cache service, closes its
  * workers' owners (their leases go) and the socket. Before kvt_cache_stop. Accepts NULL. */
-void kvt_lmcache_destroy(kvt_lmcache_t **self_p);
+void kvt_lmcache_door_destroy(kvt_lmcache_door_t **self_p);
 
 /* {endpoint, shm_name, pool_size, chunk_tokens, contexts: [...at most 100], contexts_total,
  * requests_tracked, lookup_locks} for /status. */
-json_t *kvt_lmcache_status_json(kvt_lmcache_t *self);
+json_t *kvt_lmcache_door_status_json(kvt_lmcache_door_t *self);
 
 /* Metrics source: kvtier_lmcache_requests_total{op}, kvtier_lmcache_errors_total{type},
  * kvtier_lmcache_contexts, kvtier_lmcache_requests_tracked, kvtier_lmcache_lookup_chunks_total,
  * kvtier_lmcache_lookup_hit_chunks_total, kvtier_lmcache_replies_dropped_total. */
-void kvt_lmcache_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
+void kvt_lmcache_door_metrics_source(void *self, kvt_sample_fn emit, void *emit_ctx);
 
 #endif

@@ -12,7 +12,7 @@
  * list, the registration's `error`), because the newest merged LMCache client does not know
  * the LMCACHE_RPC_ERROR_V1 form and would wait out its mq_timeout (300 s) on anything else;
  * the error form is kept for what has no in-band answer (malformed frames, refused ops). */
-#include "kvt_lmcache.h"
+#include "kvt_lmcache_door.h"
 
 #include "kvt_error.h"
 #include "kvt_hash.h"
@@ -117,9 +117,9 @@ typedef struct {
     int code; /* S_R_ERROR: a KVT_E* code */
     char msg[KVT_LMC_MAX_REQUEST + 128]; /* S_R_ERROR: the message; S_R_LATER: request_id */
     double wait_s; /* S_R_LATER: how long to hold the reply back */
-} s_reply_t;
+} s_answer_t;
 
-struct kvt_lmcache {
+struct kvt_lmcache_door {
     const kvt_config_t *cfg;
     kvt_cache_t *cache;
     kvt_l1_t *l1;              /* kvt_cache_l1(cache) */
@@ -160,20 +160,20 @@ static kvt_errrep_t s_rep_bad = KVT_ERRREP_INIT(10000);
 
 /* ---- replies ------------------------------------------------------------------------------ */
 
-static void s_reply_init(s_reply_t *r)
+static void s_answer_init(s_answer_t *r)
 {
     memset(r, 0, sizeof *r);
     msgpack_sbuffer_init(&r->sbuf);
     msgpack_packer_init(&r->pk, &r->sbuf, msgpack_sbuffer_write);
 }
 
-static msgpack_packer *s_value(s_reply_t *r)
+static msgpack_packer *s_value(s_answer_t *r)
 {
     r->kind = S_R_VALUE;
     return &r->pk;
 }
 
-__attribute__((format(printf, 3, 4))) static void s_error(s_reply_t *r, int code,
+__attribute__((format(printf, 3, 4))) static void s_error(s_answer_t *r, int code,
                                                           const char *fmt, ...)
 {
     r->kind = S_R_ERROR;
@@ -186,7 +186,7 @@ __attribute__((format(printf, 3, 4))) static void s_error(s_reply_t *r, int code
 
 /* Sends identity, uid and op as received, then the value (or the error form). A client that
  * is gone or leaves S_SNDHWM replies unread loses this one (counted). */
-static void s_send(kvt_lmcache_t *self, zmq_msg_t *head, s_reply_t *r)
+static void s_send(kvt_lmcache_door_t *self, zmq_msg_t *head, s_answer_t *r)
 {
     msgpack_sbuffer ebuf;
     msgpack_sbuffer_init(&ebuf);
@@ -234,7 +234,7 @@ static kvt_ns_t s_ns(const char *model, uint32_t world, uint32_t worker, const c
 }
 
 /* The chunk keys 0..n of a key's token_ids (n full chunks must be there). */
-static kvt_key_t *s_hash(const kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t n)
+static kvt_key_t *s_hash(const kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint32_t n)
 {
     kvt_key_t *keys = malloc((n ? n : 1) * sizeof *keys);
     kvt_assert(keys);
@@ -245,7 +245,7 @@ static kvt_key_t *s_hash(const kvt_lmcache_t *self, const kvt_lmc_key_t *key, ui
 
 /* A transfer's [start, end) as chunk indices: both aligned, inside token_ids, at most max_keys
  * chunks. False with the reason in r->msg. */
-static bool s_range(const kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t *c0,
+static bool s_range(const kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint32_t *c0,
                     uint32_t *c1, char *why, size_t whylen)
 {
     uint64_t c = self->chunk;
@@ -319,7 +319,7 @@ static void s_xfers_free(s_ctx_t *ctx)
 
 /* ---- workers ------------------------------------------------------------------------------ */
 
-static s_ctx_t *s_ctx(kvt_lmcache_t *self, uint64_t instance_id, const char *op)
+static s_ctx_t *s_ctx(kvt_lmcache_door_t *self, uint64_t instance_id, const char *op)
 {
     s_ctx_t *ctx = kvt_u64map_get(self->ctxs, instance_id);
     if (ctx)
@@ -333,7 +333,7 @@ static s_ctx_t *s_ctx(kvt_lmcache_t *self, uint64_t instance_id, const char *op)
     return ctx;
 }
 
-static void s_ctx_drop(kvt_lmcache_t *self, s_ctx_t *ctx, bool expired)
+static void s_ctx_drop(kvt_lmcache_door_t *self, s_ctx_t *ctx, bool expired)
 {
     kvt_u64map_remove(self->ctxs, ctx->instance_id);
     atomic_store(&self->nctxs, kvt_u64map_size(self->ctxs));
@@ -353,18 +353,18 @@ static void s_slot(const s_ctx_t *ctx, const kvt_slot_t *s, kvt_lmc_slot_t *out)
 
 /* ---- lookups ------------------------------------------------------------------------------ */
 
-static uint64_t s_req_hash(const kvt_lmcache_t *self, const char *id)
+static uint64_t s_req_hash(const kvt_lmcache_door_t *self, const char *id)
 {
     return XXH3_64bits_withSeed(id, strlen(id), self->seed);
 }
 
-static s_req_t *s_req_find(kvt_lmcache_t *self, const char *id)
+static s_req_t *s_req_find(kvt_lmcache_door_t *self, const char *id)
 {
     s_req_t *q = kvt_u64map_get(self->reqs, s_req_hash(self, id));
     return q && strcmp(q->id, id) == 0 ? q : NULL;
 }
 
-static void s_req_release_locks(kvt_lmcache_t *self, s_req_t *q)
+static void s_req_release_locks(kvt_lmcache_door_t *self, s_req_t *q)
 {
     for (uint32_t w = 0; w < q->world; w++)
         if (q->leases[w]) {
@@ -400,7 +400,7 @@ static void s_req_free(s_req_t *q)
 }
 
 /* Out of the tables; freed now, or when its last lookup is back (an orphan till then). */
-static void s_req_drop(kvt_lmcache_t *self, s_req_t *q)
+static void s_req_drop(kvt_lmcache_door_t *self, s_req_t *q)
 {
     s_req_release_locks(self, q);
     kvt_u64map_remove(self->reqs, q->hash);
@@ -422,7 +422,7 @@ static void s_req_drop(kvt_lmcache_t *self, s_req_t *q)
 
 /* Locks the first `n` chunks of every worker (what is still there of them): hits = the
  * shortest prefix locked. */
-static void s_req_lock(kvt_lmcache_t *self, s_req_t *q, const kvt_key_t *keys, uint32_t n)
+static void s_req_lock(kvt_lmcache_door_t *self, s_req_t *q, const kvt_key_t *keys, uint32_t n)
 {
     char nsbuf[KVT_MAX_NS + 1];
     uint32_t hits = n;
@@ -443,11 +443,11 @@ static void s_req_lock(kvt_lmcache_t *self, s_req_t *q, const kvt_key_t *keys, u
     atomic_fetch_add(&self->hit_chunks, q->hits);
 }
 
-static void s_waits_run(kvt_lmcache_t *self, bool all);
+static void s_waits_run(kvt_lmcache_door_t *self, bool all);
 
 /* One of a request's lookups is back from the cache service. The last one ends the wait: the
  * request locks what every worker has in L1 now, up to the shortest prefix found. */
-static void s_lookup_back(kvt_lmcache_t *self, kvt_lookup_t *lk)
+static void s_lookup_back(kvt_lmcache_door_t *self, kvt_lookup_t *lk)
 {
     s_req_t *q = lk->ctx;
     kvt_assert(q->out > 0);
@@ -475,7 +475,7 @@ static void s_lookup_back(kvt_lmcache_t *self, kvt_lookup_t *lk)
         s_waits_run(self, false);
 }
 
-static s_req_t *s_req_new(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t world)
+static s_req_t *s_req_new(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint32_t world)
 {
     uint64_t h = s_req_hash(self, key->request_id);
     s_req_t *old = kvt_u64map_get(self->reqs, h); /* the same id (or, once in 2^64, not) */
@@ -508,7 +508,7 @@ static s_req_t *s_req_new(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_
     return q;
 }
 
-static void s_op_lookup(kvt_lmcache_t *self, const kvt_lmc_key_t *key, s_reply_t *r)
+static void s_op_lookup(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, s_answer_t *r)
 {
     uint64_t end = key->end < key->ntokens ? key->end : key->ntokens;
     uint64_t nchunks = end / self->chunk;
@@ -573,7 +573,7 @@ static void s_op_lookup(kvt_lmcache_t *self, const kvt_lmc_key_t *key, s_reply_t
 
 /* query_prefetch_status / query_prefetch_lookup_hits: None while loads run, then the hit
  * count; `consume` answers it once (later: 0), like an unknown request. */
-static void s_op_status(kvt_lmcache_t *self, const char *request_id, bool consume, s_reply_t *r)
+static void s_op_status(kvt_lmcache_door_t *self, const char *request_id, bool consume, s_answer_t *r)
 {
     s_req_t *q = s_req_find(self, request_id);
     if (q && q->pending) {
@@ -586,7 +586,7 @@ static void s_op_status(kvt_lmcache_t *self, const char *request_id, bool consum
     msgpack_pack_uint32(s_value(r), hits);
 }
 
-static void s_op_free_locks(kvt_lmcache_t *self, const kvt_lmc_key_t *key)
+static void s_op_free_locks(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key)
 {
     /* vLLM frees [0, n) when it loads none of the hits, or what it computed itself; a later
      * range (start > 0) is kept until read, the session ends or the deadline: holding a lock
@@ -598,7 +598,7 @@ static void s_op_free_locks(kvt_lmcache_t *self, const kvt_lmc_key_t *key)
 
 /* A worker read chunks of a request it looked up: once each worker was read by all its
  * readers up to the hits, its locks go. */
-static void s_lookup_read(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_t c1)
+static void s_lookup_read(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint32_t c1)
 {
     s_req_t *q = s_req_find(self, key->request_id);
     uint32_t w = key->worker_id;
@@ -613,7 +613,7 @@ static void s_lookup_read(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint32_
 
 /* ---- transfers ---------------------------------------------------------------------------- */
 
-static bool s_worker_key(const kvt_lmc_key_t *key, const char *op, s_reply_t *r)
+static bool s_worker_key(const kvt_lmc_key_t *key, const char *op, s_answer_t *r)
 {
     if (!key->has_worker) {
         s_error(r, KVT_EBADREQ, "%s: key.worker_id is nil (it names the worker's piece)", op);
@@ -622,8 +622,8 @@ static bool s_worker_key(const kvt_lmc_key_t *key, const char *op, s_reply_t *r)
     return true;
 }
 
-static void s_op_prepare_store(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint64_t instance,
-                               s_reply_t *r)
+static void s_op_prepare_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint64_t instance,
+                               s_answer_t *r)
 {
     if (!s_worker_key(key, "prepare_store", r))
         return;
@@ -700,7 +700,7 @@ static void s_op_prepare_store(kvt_lmcache_t *self, const kvt_lmc_key_t *key, ui
 }
 
 /* The prepared transfer a commit names (NULL when there is none), taken out of its list. */
-static s_xfer_t *s_commit_find(kvt_lmcache_t *self, s_ctx_t *ctx, const kvt_lmc_key_t *key,
+static s_xfer_t *s_commit_find(kvt_lmcache_door_t *self, s_ctx_t *ctx, const kvt_lmc_key_t *key,
                                bool store, uint32_t *c1_out)
 {
     uint32_t c0, c1;
@@ -717,8 +717,8 @@ static s_xfer_t *s_commit_find(kvt_lmcache_t *self, s_ctx_t *ctx, const kvt_lmc_
     return x;
 }
 
-static void s_op_commit_store(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uint64_t instance,
-                              uint64_t data_len, s_reply_t *r)
+static void s_op_commit_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint64_t instance,
+                              uint64_t data_len, s_answer_t *r)
 {
     s_ctx_t *ctx = s_ctx(self, instance, "commit_store");
     bool ok = false;
@@ -745,8 +745,8 @@ static void s_op_commit_store(kvt_lmcache_t *self, const kvt_lmc_key_t *key, uin
     ok ? msgpack_pack_true(s_value(r)) : msgpack_pack_false(s_value(r));
 }
 
-static void s_op_prepare_retrieve(kvt_lmcache_t *self, const kvt_lmc_key_t *key,
-                                  uint64_t instance, s_reply_t *r)
+static void s_op_prepare_retrieve(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
+                                  uint64_t instance, s_answer_t *r)
 {
     if (!s_worker_key(key, "prepare_retrieve", r))
         return;
@@ -809,8 +809,8 @@ static void s_op_prepare_retrieve(kvt_lmcache_t *self, const kvt_lmc_key_t *key,
     free(out);
 }
 
-static void s_op_commit_retrieve(kvt_lmcache_t *self, const kvt_lmc_key_t *key,
-                                 uint64_t instance, s_reply_t *r)
+static void s_op_commit_retrieve(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
+                                 uint64_t instance, s_answer_t *r)
 {
     s_ctx_t *ctx = s_ctx(self, instance, "commit_retrieve");
     uint32_t c1 = 0;
@@ -827,7 +827,7 @@ static void s_op_commit_retrieve(kvt_lmcache_t *self, const kvt_lmc_key_t *key,
 /* ---- registration ------------------------------------------------------------------------- */
 
 /* Checks a registration against what the door can serve; NULL, or why not. */
-static const char *s_ctx_check(const kvt_lmcache_t *self, const kvt_lmc_ctx_t *p, char *why,
+static const char *s_ctx_check(const kvt_lmcache_door_t *self, const kvt_lmc_ctx_t *p, char *why,
                                size_t whylen, uint64_t *obj_size)
 {
     uint32_t item = kvt_lmc_dtype_size(p->dtype);
@@ -871,7 +871,7 @@ static const char *s_ctx_check(const kvt_lmcache_t *self, const kvt_lmc_ctx_t *p
     return why;
 }
 
-static void s_op_register(kvt_lmcache_t *self, const kvt_lmc_ctx_t *p, s_reply_t *r)
+static void s_op_register(kvt_lmcache_door_t *self, const kvt_lmc_ctx_t *p, s_answer_t *r)
 {
     char why[256];
     uint64_t size = 0;
@@ -930,13 +930,13 @@ typedef struct {
     int n;
 } s_args_t;
 
-typedef int (*s_op_fn)(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+typedef int (*s_op_fn)(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                        char *why, size_t whylen);
 
 #define S_ARG(i) zmq_msg_data(&a->f[(i)]), zmq_msg_size(&a->f[(i)])
 
 /* lookup, free_lookup_locks: (key, tp_size). */
-static int s_do_lookup(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+static int s_do_lookup(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                        char *why, size_t whylen)
 {
     kvt_lmc_key_t key = {0};
@@ -953,7 +953,7 @@ static int s_do_lookup(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, 
 }
 
 /* query_prefetch_status, query_prefetch_lookup_hits: (request_id). */
-static int s_do_status(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+static int s_do_status(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                        char *why, size_t whylen)
 {
     char rid[KVT_LMC_MAX_REQUEST + 1];
@@ -964,7 +964,7 @@ static int s_do_status(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, 
 }
 
 /* wait_prefetch_status: (request_id, timeout_s); held back while the lookup loads. */
-static int s_do_wait(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+static int s_do_wait(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                      char *why, size_t whylen)
 {
     (void)op;
@@ -987,8 +987,8 @@ static int s_do_wait(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_
 }
 
 /* end_session: (request_id[, end_info]). */
-static int s_do_end_session(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a,
-                            s_reply_t *r, char *why, size_t whylen)
+static int s_do_end_session(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a,
+                            s_answer_t *r, char *why, size_t whylen)
 {
     (void)op, (void)r;
     char rid[KVT_LMC_MAX_REQUEST + 1];
@@ -1001,7 +1001,7 @@ static int s_do_end_session(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t
 
 /* register_kv_cache_engine_driven_context: (payload). A payload that does not decode is
  * refused in the response's `error`, a form every client reads. */
-static int s_do_register(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+static int s_do_register(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                          char *why, size_t whylen)
 {
     (void)op;
@@ -1016,8 +1016,8 @@ static int s_do_register(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a
 }
 
 /* unregister_kv_cache_engine_driven_context: (instance_id). */
-static int s_do_unregister(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a,
-                           s_reply_t *r, char *why, size_t whylen)
+static int s_do_unregister(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a,
+                           s_answer_t *r, char *why, size_t whylen)
 {
     (void)op, (void)r;
     uint64_t u = 0;
@@ -1038,7 +1038,7 @@ static int s_do_unregister(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t 
 
 /* prepare_store, prepare_retrieve, commit_retrieve: (key, instance_id); commit_store: (key,
  * instance_id, data). */
-static int s_do_transfer(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+static int s_do_transfer(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                          char *why, size_t whylen)
 {
     kvt_lmc_key_t key = {0};
@@ -1064,7 +1064,7 @@ static int s_do_transfer(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a
 }
 
 /* clear: ([force]); without force, chunks under read locks stay. */
-static int s_do_clear(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+static int s_do_clear(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                       char *why, size_t whylen)
 {
     (void)op, (void)r;
@@ -1083,7 +1083,7 @@ static int s_do_clear(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s
 }
 
 /* ping: ([instance_id | None]); always true (the adapter takes false as "reaped"). */
-static int s_do_ping(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+static int s_do_ping(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                      char *why, size_t whylen)
 {
     (void)op;
@@ -1101,7 +1101,7 @@ static int s_do_ping(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_
 
 /* report_block_allocation: (instance_id, model_name, records): checked, counts as a sign of
  * life; kvtier keeps no block tables. */
-static int s_do_report(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+static int s_do_report(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                        char *why, size_t whylen)
 {
     (void)op, (void)r;
@@ -1120,7 +1120,7 @@ static int s_do_report(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, 
 }
 
 /* get_chunk_size, noop, get_experimental: no arguments, a constant answer. */
-static int s_do_const(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s_reply_t *r,
+static int s_do_const(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                       char *why, size_t whylen)
 {
     (void)a, (void)why, (void)whylen;
@@ -1135,7 +1135,7 @@ static int s_do_const(kvt_lmcache_t *self, kvt_lmc_op_t op, const s_args_t *a, s
 
 #undef S_ARG
 
-/* The handler of every op the wire table (protocol/kvt_lmc.h) marks served; kvt_lmcache_new
+/* The handler of every op the wire table (protocol/kvt_lmc.h) marks served; kvt_lmcache_door_new
  * checks that the two agree. */
 static const s_op_fn s_ops[KVT_LMC_NOPS] = {
     [KVT_LMC_LOOKUP] = s_do_lookup,
@@ -1160,8 +1160,8 @@ static const s_op_fn s_ops[KVT_LMC_NOPS] = {
 
 /* A served op with its argument count checked: its handler, and the error form for what its
  * arguments do not decode to. Lock held. */
-static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int nargs,
-                       s_reply_t *r)
+static void s_dispatch(kvt_lmcache_door_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int nargs,
+                       s_answer_t *r)
 {
     char why[200] = "";
     s_args_t a = {f + 3, nargs};
@@ -1172,7 +1172,7 @@ static void s_dispatch(kvt_lmcache_t *self, kvt_lmc_op_t op, zmq_msg_t *f, int n
 }
 
 /* Holds a wait_prefetch_status reply back (the frames move into the waiter). */
-static void s_wait_add(kvt_lmcache_t *self, zmq_msg_t *f, const char *rid, double seconds)
+static void s_wait_add(kvt_lmcache_door_t *self, zmq_msg_t *f, const char *rid, double seconds)
 {
     s_wait_t *w = calloc(1, sizeof *w);
     kvt_assert(w);
@@ -1189,7 +1189,7 @@ static void s_wait_add(kvt_lmcache_t *self, zmq_msg_t *f, const char *rid, doubl
 }
 
 /* Answers the waiters whose lookup finished (or vanished) or whose time is up. */
-static void s_waits_run(kvt_lmcache_t *self, bool all)
+static void s_waits_run(kvt_lmcache_door_t *self, bool all)
 {
     uint64_t now = kvt_now_ms();
     for (s_wait_t **pp = &self->waits; *pp;) {
@@ -1200,8 +1200,8 @@ static void s_waits_run(kvt_lmcache_t *self, bool all)
             pp = &w->next;
             continue;
         }
-        s_reply_t r;
-        s_reply_init(&r);
+        s_answer_t r;
+        s_answer_init(&r);
         if (ready)
             s_op_status(self, w->request_id, true, &r);
         else
@@ -1218,7 +1218,7 @@ static void s_waits_run(kvt_lmcache_t *self, bool all)
 }
 
 /* One message: frames f[0..n) (identity, uid, op, arguments). */
-static void s_message(kvt_lmcache_t *self, zmq_msg_t *f, int n, bool too_many)
+static void s_message(kvt_lmcache_door_t *self, zmq_msg_t *f, int n, bool too_many)
 {
     if (n < 3) {
         kvt_errrep_report(&s_rep_bad, KVT_LOG_WARN,
@@ -1234,8 +1234,8 @@ static void s_message(kvt_lmcache_t *self, zmq_msg_t *f, int n, bool too_many)
                                         sizeof name);
     const kvt_lmc_opinfo_t *info = kvt_lmc_opinfo(op);
     atomic_fetch_add(&self->requests[info ? (int)op : 0], 1);
-    s_reply_t r;
-    s_reply_init(&r);
+    s_answer_t r;
+    s_answer_init(&r);
     int nargs = n - 3;
     if (!info) {
         kvt_errrep_report(&s_rep_unknown, KVT_LOG_WARN,
@@ -1291,7 +1291,7 @@ static zmq_msg_t *s_frame_slot(void *ctx, uint32_t n)
 }
 
 /* Reads and answers one message; false when none is waiting. */
-static bool s_recv_one(kvt_lmcache_t *self)
+static bool s_recv_one(kvt_lmcache_door_t *self)
 {
     s_frames_t fr = {.n = 0};
     kvt_router_msg_t m;
@@ -1305,7 +1305,7 @@ static bool s_recv_one(kvt_lmcache_t *self)
 
 /* ---- periodic ----------------------------------------------------------------------------- */
 
-static void s_sweep(kvt_lmcache_t *self, uint64_t now)
+static void s_sweep(kvt_lmcache_door_t *self, uint64_t now)
 {
     uint64_t lease = self->cfg->lease_ms, reap = (uint64_t)self->cfg->lmcache_reap_timeout_s * 1000;
     size_t nctx = kvt_u64map_size(self->ctxs), ndrop = 0;
@@ -1347,7 +1347,7 @@ static void s_sweep(kvt_lmcache_t *self, uint64_t now)
 }
 
 /* The cache service's lookups that came back. Lock held. */
-static void s_collect(kvt_lmcache_t *self)
+static void s_collect(kvt_lmcache_door_t *self)
 {
     kvt_lookup_t *lk;
     while (kvt_queue_pop(self->lookups_done, (void **)&lk, 0) == 0) {
@@ -1357,7 +1357,7 @@ static void s_collect(kvt_lmcache_t *self)
 }
 
 /* How long the poll may sleep: the idle beat, or until the first held reply's deadline. */
-static long s_poll_ms(kvt_lmcache_t *self, kvt_thread_t *t)
+static long s_poll_ms(kvt_lmcache_door_t *self, kvt_thread_t *t)
 {
     long ms = (long)kvt_thread_idle_ms(t);
     uint64_t now = kvt_now_ms();
@@ -1373,7 +1373,7 @@ static long s_poll_ms(kvt_lmcache_t *self, kvt_thread_t *t)
 
 static bool s_run(kvt_thread_t *t, void *arg)
 {
-    kvt_lmcache_t *self = arg;
+    kvt_lmcache_door_t *self = arg;
     zmq_pollitem_t items[3] = {{self->sock, 0, ZMQ_POLLIN, 0},
                                {kvt_router_monitor(self->router), 0, ZMQ_POLLIN, 0},
                                {NULL, kvt_queue_fd(self->lookups_done), ZMQ_POLLIN, 0}};
@@ -1406,7 +1406,7 @@ static bool s_run(kvt_thread_t *t, void *arg)
 
 /* ---- life cycle --------------------------------------------------------------------------- */
 
-kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cache_t *cache,
+kvt_lmcache_door_t *kvt_lmcache_door_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cache_t *cache,
                                char *err, size_t errlen)
 {
     kvt_l1_t *l1 = kvt_cache_l1(cache);
@@ -1420,7 +1420,7 @@ kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cach
     }
     for (int op = 1; op < KVT_LMC_NOPS; op++) /* the wire table and the handlers agree */
         kvt_assert(!kvt_lmc_opinfo((kvt_lmc_op_t)op)->served == !s_ops[op]);
-    kvt_lmcache_t *self = calloc(1, sizeof *self);
+    kvt_lmcache_door_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->cfg = cfg;
     self->cache = cache;
@@ -1466,15 +1466,15 @@ kvt_lmcache_t *kvt_lmcache_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cach
             strncmp(ep, "tcp://", 6) == 0 ? ": plain tcp, every local user can use it" : "");
     return self;
 fail:
-    kvt_lmcache_destroy(&self);
+    kvt_lmcache_door_destroy(&self);
     return NULL;
 }
 
-void kvt_lmcache_destroy(kvt_lmcache_t **self_p)
+void kvt_lmcache_door_destroy(kvt_lmcache_door_t **self_p)
 {
     if (!self_p || !*self_p)
         return;
-    kvt_lmcache_t *self = *self_p;
+    kvt_lmcache_door_t *self = *self_p;
     atomic_store(&self->stop, true);
     kvt_thread_join(&self->thread);
     pthread_mutex_lock(&self->lock);
@@ -1517,7 +1517,7 @@ void kvt_lmcache_destroy(kvt_lmcache_t **self_p)
 
 /* ---- operations --------------------------------------------------------------------------- */
 
-json_t *kvt_lmcache_status_json(kvt_lmcache_t *self)
+json_t *kvt_lmcache_door_status_json(kvt_lmcache_door_t *self)
 {
     uint64_t now = kvt_now_ms();
     json_t *list = json_array();
@@ -1550,9 +1550,9 @@ json_t *kvt_lmcache_status_json(kvt_lmcache_t *self)
     return st;
 }
 
-void kvt_lmcache_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
+void kvt_lmcache_door_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
 {
-    kvt_lmcache_t *self = ctx;
+    kvt_lmcache_door_t *self = ctx;
     kvt_sample_t s = {.name = "lmcache_requests_total",
                       .help = "Requests on the LMCache-compatible endpoint, by operation",
                       .kind = KVT_METRIC_COUNTER,
