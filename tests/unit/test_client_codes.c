@@ -7,7 +7,7 @@
  * that number and code, and numbers past the table are unknown ("internal"). Every
  * KVT_REQ_MAP row is what kvt_proto_info/kvt_proto_name answer for its id (the numbers
  * libkvtier sends), the ids are 1..KVT_REQ_SLOTS-1 without a gap, and every KVT_REQ_* that
- * client/kvtier.c names is a row. The Python client's side: tests/integration/
+ * libkvtier's files (client/kvtier*.c) name is a row. The Python client's side: tests/integration/
  * test_client_tables.py. Run from the repository root (make unit does). */
 #include "kvt_error.h"
 #include "kvt_proto.h"
@@ -163,11 +163,27 @@ static void test_request_rows(void **state)
     assert_null(kvt_proto_info(KVT_REQ_SLOTS));
 }
 
-/* The request types libkvtier sends are rows (it names them KVT_REQ_<NAME>). */
+/* The request types libkvtier sends are rows (it names them KVT_REQ_<NAME>, in any of its
+ * files). */
 static void test_libkvtier_requests_are_rows(void **state)
 {
     (void)state;
-    char *text = s_slurp("client/kvtier.c");
+    static const char *const files[] = {"client/kvtier.c", "client/kvtier_wire.c",
+                                        "client/kvtier_conn.c", "client/kvtier_hb.c"};
+    size_t len = 0;
+    char *text = NULL;
+    for (size_t f = 0; f < sizeof files / sizeof files[0]; f++) {
+        char *part = s_slurp(files[f]);
+        size_t n = strlen(part);
+        char *grown = realloc(text, len + n + 2);
+        assert_non_null(grown);
+        text = grown;
+        memcpy(text + len, part, n);
+        text[len + n] = '\n';
+        len += n + 1;
+        text[len] = '\0';
+        free(part);
+    }
     regex_t re;
     assert_int_equal(regcomp(&re, "KVT_REQ_([A-Z_]+)", REG_EXTENDED), 0);
     regmatch_t m[2];
@@ -181,7 +197,7 @@ static void test_libkvtier_requests_are_rows(void **state)
         for (size_t i = 0; i < S_NREQ && !row; i++)
             row = strcmp(s_reqs[i].name, name) == 0;
         if (!row)
-            fail_msg("client/kvtier.c sends KVT_REQ_%s: no such row in KVT_REQ_MAP", name);
+            fail_msg("libkvtier sends KVT_REQ_%s: no such row in KVT_REQ_MAP", name);
         uses++;
     }
     regfree(&re);
