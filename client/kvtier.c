@@ -1,57 +1,57 @@
-/* DESIGN: one libzmq DEALER per kvtier_t, used only by the calling thread (a kvtier_t has no
- * lock: one per thread). Requests carry an increasing uid; the reply loop drops replies with
- * other uids (answers to calls that timed out), data frames included. Bodies are encoded with
- * msgpack-c; a reply body is copied out of its frame and decoded into a zone, both freed per
- * call (kvc_reply_t, kvtier_wire.c).
+/* DESIGN: one libzmq DEALER per kvtier_t, used only by the calling thread (a kvtier_t has no lock:
+ * one per thread). Requests carry an increasing uid; the reply loop drops replies with other uids
+ * (answers to calls that timed out), data frames included. Bodies are encoded with msgpack-c; a
+ * reply body is copied out of its frame and decoded into a zone, both freed per call (kvc_reply_t,
+ * kvtier_wire.c).
  *
- * Two data paths. The shared-memory one is zero-copy: connect maps the arena HELLO names
- * (shm.path, MAP_SHARED, read-write) and RESERVE/ACQUIRE slots are pointers into that mapping.
- * When the arena cannot be mapped (a client on another host over tcp), connect still succeeds
- * and only RESERVE/ACQUIRE refuse, locally, with KVT_EUNAVAIL. The inline one (PUT/GET) carries
- * the bytes in raw frames: PUT lets zmq_send copy each buffer (libzmq may still be sending after
- * a timed-out call returns, when the caller has already freed its data), and GET copies each
- * reply frame into one malloc'd buffer that the caller owns.
+ * Two data paths. The shared-memory one is zero-copy: connect maps the arena HELLO names (shm.path,
+ * MAP_SHARED, read-write) and RESERVE/ACQUIRE slots are pointers into that mapping. When the arena
+ * cannot be mapped (a client on another host over tcp), connect still succeeds and only
+ * RESERVE/ACQUIRE refuse, locally, with KVT_EUNAVAIL. The inline one (PUT/GET) carries the bytes in
+ * raw frames: PUT lets zmq_send copy each buffer (libzmq may still be sending after a timed-out
+ * call returns, when the caller has already freed its data), and GET copies each reply frame into
+ * one malloc'd buffer that the caller owns.
  *
  * Every reply field is checked before it is used: a daemon that breaks the protocol gets
- * KVT_EINTERNAL with a sentence naming the field, never a crash or an out-of-arena pointer.
- * Outputs are zeroed on entry, so they read as "nothing" after any failure.
+ * KVT_EINTERNAL with a sentence naming the field, never a crash or an out-of-arena pointer. Outputs
+ * are zeroed on entry, so they read as "nothing" after any failure.
  *
- * Liveness (docs/protocol.md, "Client liveness"). The daemon drops an instance silent for
- * lease_ms, with its leases and GPU registrations. Each kvtier_t therefore has a heartbeat
- * (kvc_hb_t, kvtier_hb.c): a thread of its own with a DEALER of its own, which joins the instance with the
+ * Liveness (docs/protocol.md, "Client liveness"). The daemon drops an instance silent for lease_ms,
+ * with its leases and GPU registrations. Each kvtier_t therefore has a heartbeat (kvc_hb_t,
+ * kvtier_hb.c): a thread of its own with a DEALER of its own, which joins the instance with the
  * token HELLO returned and sends PING {instance} every interval. The caller's thread and the
  * heartbeat share only kvc_hb_t's token and generation (under its mutex, never taken on the hot
  * path) and one atomic flag, `dropped`, that a call reads with one load. When a call answers
- * instance_dropped, or the heartbeat raised the flag, kvc_reestablish (kvtier_conn.c) says HELLO again (same
- * name and token), remaps the arena if the daemon announced another, re-registers the GPU
- * layouts it keeps copies of, hands the new token to the heartbeat, and the call is sent once
- * more (kvtier_wire.c s_retried: not COMMIT/RELEASE, whose lease is gone). Lock order: kvc_hb_t.lock is a leaf;
- * kvtier_wire.c's s_ctx_lock is never held with it.
+ * instance_dropped, or the heartbeat raised the flag, kvc_reestablish (kvtier_conn.c) says HELLO
+ * again (same name and token), remaps the arena if the daemon announced another, re-registers the
+ * GPU layouts it keeps copies of, hands the new token to the heartbeat, and the call is sent once
+ * more (kvtier_wire.c s_retried: not COMMIT/RELEASE, whose lease is gone). Lock order:
+ * kvc_hb_t.lock is a leaf; kvtier_wire.c's s_ctx_lock is never held with it.
  *
- * Faulting the arena in (KVTIER_MAP_POPULATE): lazily by default (each page on first touch),
- * all at once with MAP_POPULATE ("1"), or by a thread of its own ("background", kvc_prefault_t in kvtier_conn.c)
- * that walks the mapping in chunks with MADV_POPULATE_WRITE while the caller goes on; the only
- * thing it shares is an atomic stop flag, and it is joined before the mapping is unmapped.
+ * Faulting the arena in (KVTIER_MAP_POPULATE): lazily by default (each page on first touch), all at
+ * once with MAP_POPULATE ("1"), or by a thread of its own ("background", kvc_prefault_t in
+ * kvtier_conn.c) that walks the mapping in chunks with MADV_POPULATE_WRITE while the caller goes
+ * on; the only thing it shares is an atomic stop flag, and it is joined before the mapping is
+ * unmapped.
  *
- * The fast path (issue 17; docs/protocol.md "Fast path"). HELLO asks for a ring pair
- * (`fastpath: true`, unless KVTIER_FASTPATH=0), the arena is mapped to shm.map_size so the
- * rings past the L1 objects are in it, and the offer's two regions are attached with
- * common/kvt_ring: this handle produces on the request ring and consumes the reply ring. Then
- * every request without data frames whose message fits in a record goes over the ring
- * (kvtier_wire.c: s_ring_push, s_ring_recv), the rest (PUT, GET, HELLO, BYE, big bodies) over the socket;
- * both carry the same frames and one uid sequence, so each transport's receive loop skips the
- * replies to timed-out or posted calls by uid. The daemon reads the two transports
- * independently, so a request posted on the ring (kvtier_release_async) is confirmed by a ring
- * reply before anything goes over the socket (s_ring_settle): the next call sees it done, as
- * on one socket. The pair is dropped (our sides closed, the handles freed) before every HELLO
- * and BYE (the daemon replaces or reclaims it then), before the arena is unmapped, when the
- * daemon closes it (KVT_EUNAVAIL), when the ring turns out malformed, and when a wait times
- * out and the arena file is gone (a dead daemon closes nothing); calls then use the socket
- * until a later HELLO brings a new pair. A child forked after connect never touches the pair
- * (the region is shared with its parent): kvc_fork_gen.
+ * The fast path (issue 17; docs/protocol.md "Fast path"). HELLO asks for a ring pair (`fastpath:
+ * true`, unless KVTIER_FASTPATH=0), the arena is mapped to shm.map_size so the rings past the L1
+ * objects are in it, and the offer's two regions are attached with common/kvt_ring: this handle
+ * produces on the request ring and consumes the reply ring. Then every request without data frames
+ * whose message fits in a record goes over the ring (kvtier_wire.c: s_ring_push, s_ring_recv), the
+ * rest (PUT, GET, HELLO, BYE, big bodies) over the socket; both carry the same frames and one uid
+ * sequence, so each transport's receive loop skips the replies to timed-out or posted calls by uid.
+ * The daemon reads the two transports independently, so a request posted on the ring
+ * (kvtier_release_async) is confirmed by a ring reply before anything goes over the socket
+ * (s_ring_settle): the next call sees it done, as on one socket. The pair is dropped (our sides
+ * closed, the handles freed) before every HELLO and BYE (the daemon replaces or reclaims it then),
+ * before the arena is unmapped, when the daemon closes it (KVT_EUNAVAIL), when the ring turns out
+ * malformed, and when a wait times out and the arena file is gone (a dead daemon closes nothing);
+ * calls then use the socket until a later HELLO brings a new pair. A child forked after connect
+ * never touches the pair (the region is shared with its parent): kvc_fork_gen.
  *
- * The files (kvtier_int.h says which owns what): kvtier_wire.c, kvtier_conn.c, kvtier_hb.c and
- * this one, the API. */
+ * The files (kvtier_int.h says which owns what): kvtier_wire.c, kvtier_conn.c, kvtier_hb.c and this
+ * one, the API. */
 #include "kvtier_int.h"
 
 #include "kvt_error.h"

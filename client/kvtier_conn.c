@@ -393,8 +393,8 @@ static int s_gpu_register_again(kvtier_t *self, kvc_gpu_reg_t *g)
 {
     kvc_reply_t r;
     kvc_reply_init(&r);
-    int rc =
-        kvc_call_once(self, KVT_REQ_REGISTER_GPU, g->body, g->len, NULL, NULL, 0, KVC_DATA_NONE, &r);
+    int rc = kvc_call_once(self, KVT_REQ_REGISTER_GPU, g->body, g->len, NULL, NULL, 0,
+                           KVC_DATA_NONE, &r);
     kvc_reply_free(&r);
     g->live = rc == 0;
     return rc;

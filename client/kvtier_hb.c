@@ -161,8 +161,8 @@ static int s_hb_exchange(kvc_hb_t *hb, void *sock, uint64_t uid, uint32_t type,
 /* After the heartbeat's HELLO for generation gen: it joined when its token came back; another
  * token means the instance was gone and this HELLO made it anew — the caller's thread must
  * join that one (it keeps nothing of the old) and re-register. */
-static void s_hb_joined(kvc_hb_t *hb, uint64_t gen, const char *presented, int rc, const kvc_reply_t *r,
-                        uint64_t *joined)
+static void s_hb_joined(kvc_hb_t *hb, uint64_t gen, const char *presented, int rc,
+                        const kvc_reply_t *r, uint64_t *joined)
 {
     const msgpack_object *t = rc == 0 ? kvc_get(&r->up.data, "token") : NULL;
     pthread_mutex_lock(&hb->lock);

@@ -537,7 +537,8 @@ int kvc_post(kvtier_t *self, uint32_t type, const void *body, size_t len)
     uint64_t uid = self->next_uid++;
     if (kvc_pair_mine(self)) {
         s_ring_drain(self);
-        int rc = kvc_pair_mine(self) ? s_ring_push(self, uid, type, body, len, s_deadline(self)) : 1;
+        int rc =
+            kvc_pair_mine(self) ? s_ring_push(self, uid, type, body, len, s_deadline(self)) : 1;
         if (rc == 0)
             self->ring_posted = uid;
         if (rc <= 0)

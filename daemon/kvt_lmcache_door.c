@@ -573,7 +573,8 @@ static void s_op_lookup(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, s_an
 
 /* query_prefetch_status / query_prefetch_lookup_hits: None while loads run, then the hit
  * count; `consume` answers it once (later: 0), like an unknown request. */
-static void s_op_status(kvt_lmcache_door_t *self, const char *request_id, bool consume, s_answer_t *r)
+static void s_op_status(kvt_lmcache_door_t *self, const char *request_id, bool consume,
+                        s_answer_t *r)
 {
     s_req_t *q = s_req_find(self, request_id);
     if (q && q->pending) {
@@ -622,8 +623,8 @@ static bool s_worker_key(const kvt_lmc_key_t *key, const char *op, s_answer_t *r
     return true;
 }
 
-static void s_op_prepare_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint64_t instance,
-                               s_answer_t *r)
+static void s_op_prepare_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
+                               uint64_t instance, s_answer_t *r)
 {
     if (!s_worker_key(key, "prepare_store", r))
         return;
@@ -1001,8 +1002,8 @@ static int s_do_end_session(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_a
 
 /* register_kv_cache_engine_driven_context: (payload). A payload that does not decode is
  * refused in the response's `error`, a form every client reads. */
-static int s_do_register(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
-                         char *why, size_t whylen)
+static int s_do_register(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a,
+                         s_answer_t *r, char *why, size_t whylen)
 {
     (void)op;
     kvt_lmc_ctx_t ctx;
@@ -1038,8 +1039,8 @@ static int s_do_unregister(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_ar
 
 /* prepare_store, prepare_retrieve, commit_retrieve: (key, instance_id); commit_store: (key,
  * instance_id, data). */
-static int s_do_transfer(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
-                         char *why, size_t whylen)
+static int s_do_transfer(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a,
+                         s_answer_t *r, char *why, size_t whylen)
 {
     kvt_lmc_key_t key = {0};
     uint64_t instance = 0, data_len = 0;
@@ -1406,8 +1407,8 @@ static bool s_run(kvt_thread_t *t, void *arg)
 
 /* ---- life cycle --------------------------------------------------------------------------- */
 
-kvt_lmcache_door_t *kvt_lmcache_door_new(const kvt_config_t *cfg, kvt_sup_t *sup, kvt_cache_t *cache,
-                               char *err, size_t errlen)
+kvt_lmcache_door_t *kvt_lmcache_door_new(const kvt_config_t *cfg, kvt_sup_t *sup,
+                                         kvt_cache_t *cache, char *err, size_t errlen)
 {
     kvt_l1_t *l1 = kvt_cache_l1(cache);
     const char *path = kvt_l1_shm_path(l1);

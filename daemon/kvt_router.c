@@ -6,8 +6,8 @@
 
 #include "kvt_accept.h"
 #include "kvt_error.h"
-#include "kvt_rundir.h"
 #include "kvt_log.h"
+#include "kvt_rundir.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -77,8 +77,7 @@ int kvt_router_bind(kvt_router_t *self, const kvt_config_t *cfg, const char *ep,
     if (rc)
         return rc;
     if (zsock_bind(self->router, "%s", ep) < 0) {
-        snprintf(err, errlen, "%s: cannot bind %s: %s", self->opts.label, ep,
-                 zmq_strerror(errno));
+        snprintf(err, errlen, "%s: cannot bind %s: %s", self->opts.label, ep, zmq_strerror(errno));
         return KVT_EIO;
     }
     if (ipc) {

@@ -23,10 +23,10 @@ typedef struct kvt_router kvt_router_t;
 typedef void (*kvt_router_closed_fn)(void *ctx, int fd, uint32_t gen);
 
 typedef struct {
-    const char *label;     /* the option naming the endpoints: "listen", "lmcache.listen" */
-    int sndhwm;            /* replies queued per connection before they drop; 0: no limit */
-    int linger_ms;         /* what unsent replies get at close */
-    uint64_t max_message;  /* a frame past max_message + 64 KiB is cut at the transport */
+    const char *label;    /* the option naming the endpoints: "listen", "lmcache.listen" */
+    int sndhwm;           /* replies queued per connection before they drop; 0: no limit */
+    int linger_ms;        /* what unsent replies get at close */
+    uint64_t max_message; /* a frame past max_message + 64 KiB is cut at the transport */
     kvt_router_closed_fn on_closed; /* may be NULL */
     void *ctx;
 } kvt_router_opts_t;
@@ -55,9 +55,9 @@ typedef struct {
  * socket stays in step), 0 when none is waiting, -1 on a socket error. */
 int kvt_router_recv(kvt_router_t *self, kvt_router_slot_fn slot, void *ctx, kvt_router_msg_t *m);
 
-void *kvt_router_socket(kvt_router_t *self);  /* the libzmq socket: send, poll */
+void *kvt_router_socket(kvt_router_t *self);   /* the libzmq socket: send, poll */
 zsock_t *kvt_router_zsock(kvt_router_t *self); /* for options set before a bind (CURVE) */
-void *kvt_router_monitor(kvt_router_t *self); /* to poll, with the socket */
+void *kvt_router_monitor(kvt_router_t *self);  /* to poll, with the socket */
 
 /* Closes the socket (unsent replies get linger_ms) and removes the ipc files it bound. */
 void kvt_router_destroy(kvt_router_t **self_p);

@@ -6,9 +6,9 @@
  *
  * Lookups: the L1 part runs on the caller's thread. A lookup with keys past the L1 prefix and
  * an L2 tier goes, whole, to a detached kvt_workers pool of l2_lookup_threads threads (4096
- * queued at most); a thread probes the adapters (kvt_l2mgr_lookup, deadline l2_lookup_timeout_ms), starts the
- * prefetch job and its loads, and hands the lookup back: at once, or, with until_loaded, from
- * the job's watcher when the loads finish (on the prefetch thread that finished them). A
+ * queued at most); a thread probes the adapters (kvt_l2mgr_lookup, deadline l2_lookup_timeout_ms),
+ * starts the prefetch job and its loads, and hands the lookup back: at once, or, with until_loaded,
+ * from the job's watcher when the loads finish (on the prefetch thread that finished them). A
  * lookup's `stage` says where it is, so that a caller going away can call off the wait for
  * loads (kvt_prefetch_unwatch decides the race with the watcher under the job table's lock). */
 #include "kvt_cache.h"
@@ -153,8 +153,8 @@ bool kvt_cache_lookup(kvt_cache_t *self, kvt_lookup_t *lk)
     lk->lease = lk->job = 0;
     lk->l1_hits = lk->hits = lk->loaded = 0;
     uint32_t hits = 0;
-    int rc = kvt_l1_lookup(self->l1, lk->owner, &lk->ns, lk->keys, lk->n, lk->lock, &hits,
-                           &lk->lease);
+    int rc =
+        kvt_l1_lookup(self->l1, lk->owner, &lk->ns, lk->keys, lk->n, lk->lock, &hits, &lk->lease);
     if (rc) {
         lk->rc = rc;
         if (rc == KVT_ENOSPC) /* max_leased_bytes */
@@ -270,10 +270,9 @@ kvt_cache_t *kvt_cache_new(const kvt_config_t *cfg, kvt_sup_t *sup, int *code, c
     kvt_l2mgr_set_events(self->l2, s_on_l2, self);
     kvt_l1_set_listener(self->l1, s_on_l1, self);
     /* a probe may take l2_lookup_timeout_ms, and one adapter call past it */
-    if (kvt_l2mgr_count(self->l2) &&
-        !(self->lookups = kvt_workers_new_detached("lookup", (int)cfg->l2_lookup_threads, S_QUEUE,
-                                                   10000 + cfg->l2_lookup_timeout_ms, sup, err,
-                                                   errlen)))
+    if (kvt_l2mgr_count(self->l2) && !(self->lookups = kvt_workers_new_detached(
+                                           "lookup", (int)cfg->l2_lookup_threads, S_QUEUE,
+                                           10000 + cfg->l2_lookup_timeout_ms, sup, err, errlen)))
         goto fail;
     *code = 0;
     return self;

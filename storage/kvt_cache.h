@@ -36,8 +36,7 @@ typedef enum { KVT_OWNER_V1 = 1, KVT_OWNER_LMCACHE = 2 } kvt_owner_kind_t;
 
 /* Told when an owner closes, after its leases went: drop what else it held. Called on the
  * thread that closed it (the door of its kind). */
-typedef void (*kvt_owner_gone_fn)(void *ctx, kvt_owner_kind_t kind, uint64_t owner,
-                                  bool expired);
+typedef void (*kvt_owner_gone_fn)(void *ctx, kvt_owner_kind_t kind, uint64_t owner, bool expired);
 
 /* L1 and L2 changes, for the events publisher (tier "l1" or "l2"). Any thread. */
 typedef void (*kvt_cache_event_fn)(void *ctx, const char *event, const kvt_ns_t *ns,
@@ -46,24 +45,24 @@ typedef void (*kvt_cache_event_fn)(void *ctx, const char *event, const kvt_ns_t 
 /* One tiered lookup. The caller fills the first part and keeps the struct, its namespace and
  * its keys alive until kvt_cache_lookup answers it at once or it comes back through `done`. */
 typedef struct kvt_lookup {
-    uint64_t owner;         /* whose read lease `lock` takes (KVT_OWNER_DAEMON allowed) */
+    uint64_t owner; /* whose read lease `lock` takes (KVT_OWNER_DAEMON allowed) */
     kvt_ns_t ns;
     const kvt_key_t *keys;
     uint32_t n;
-    bool lock;              /* pin the L1 prefix under a read lease of owner */
-    bool prefetch;          /* load the L2 part of the prefix into L1 (a prefetch job) */
-    bool until_loaded;      /* come back once those loads finished, not when they start */
-    kvt_queue_t *done;      /* where a lookup with an L2 part comes back */
-    void *ctx;              /* the caller's */
+    bool lock;         /* pin the L1 prefix under a read lease of owner */
+    bool prefetch;     /* load the L2 part of the prefix into L1 (a prefetch job) */
+    bool until_loaded; /* come back once those loads finished, not when they start */
+    kvt_queue_t *done; /* where a lookup with an L2 part comes back */
+    void *ctx;         /* the caller's */
     /* the answer */
-    int rc;                 /* 0, or KVT_EBUSY (the lookup threads' queue is full) ... */
-    uint32_t l1_hits;       /* the prefix in L1 when it was asked */
-    uint32_t hits;          /* l1_hits + the prefix found in L2 after it */
-    uint32_t loaded;        /* until_loaded: how many of those are in L1 now */
-    uint64_t lease;         /* lock: the read lease on the L1 prefix, 0 when none */
-    uint64_t job;           /* prefetch: the job (0: none, max_prefetch_jobs were running) */
-    char err[160];          /* with rc */
-    _Atomic int stage;      /* the service's: where the lookup is (kvt_cache_lookup_cancel) */
+    int rc;            /* 0, or KVT_EBUSY (the lookup threads' queue is full) ... */
+    uint32_t l1_hits;  /* the prefix in L1 when it was asked */
+    uint32_t hits;     /* l1_hits + the prefix found in L2 after it */
+    uint32_t loaded;   /* until_loaded: how many of those are in L1 now */
+    uint64_t lease;    /* lock: the read lease on the L1 prefix, 0 when none */
+    uint64_t job;      /* prefetch: the job (0: none, max_prefetch_jobs were running) */
+    char err[160];     /* with rc */
+    _Atomic int stage; /* the service's: where the lookup is (kvt_cache_lookup_cancel) */
 } kvt_lookup_t;
 
 /* The arena, the L2 adapters and their threads, the lookup threads. NULL with a sentence in

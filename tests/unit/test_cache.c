@@ -93,8 +93,8 @@ static void s_gone(void *ctx, kvt_owner_kind_t kind, uint64_t owner, bool expire
     g->last_gone = owner;
 }
 
-static int s_fill(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n,
-                  uint64_t *failed, uint32_t *nfailed, uint64_t *sums, char *err, size_t errlen)
+static int s_fill(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n, uint64_t *failed,
+                  uint32_t *nfailed, uint64_t *sums, char *err, size_t errlen)
 {
     (void)ctx, (void)sums, (void)failed, (void)nfailed, (void)err, (void)errlen;
     for (uint32_t i = 0; i < n; i++)
@@ -112,20 +112,19 @@ static void s_in_l2_only(rig_t *g)
     for (int i = 0; i < N; i++)
         sizes[i] = OBJ;
     kvt_l1_t *l1 = kvt_cache_l1(g->cache);
-    assert_int_equal(kvt_l1_write(l1, &ns, g->keys, N, sizes, 0, false, s_fill, NULL, &stored,
-                                  NULL, err, sizeof err),
+    assert_int_equal(kvt_l1_write(l1, &ns, g->keys, N, sizes, 0, false, s_fill, NULL, &stored, NULL,
+                                  err, sizeof err),
                      0);
     assert_int_equal(stored, N);
     uint64_t found[N];
     for (int t = 0; t < 1000; t++) {
-        if (kvt_l2mgr_lookup(kvt_cache_l2(g->cache), &ns, g->keys, N, kvt_now_ms() + 1000,
-                             found) == N)
+        if (kvt_l2mgr_lookup(kvt_cache_l2(g->cache), &ns, g->keys, N, kvt_now_ms() + 1000, found) ==
+            N)
             break;
         usleep(10000);
     }
-    assert_int_equal(kvt_l2mgr_lookup(kvt_cache_l2(g->cache), &ns, g->keys, N,
-                                      kvt_now_ms() + 1000, found),
-                     N);
+    assert_int_equal(
+        kvt_l2mgr_lookup(kvt_cache_l2(g->cache), &ns, g->keys, N, kvt_now_ms() + 1000, found), N);
     uint64_t removed = 0;
     assert_int_equal(kvt_l1_clear(l1, (const uint8_t *)NS, (uint32_t)strlen(NS), &removed), 0);
     assert_int_equal(removed, N);
@@ -175,8 +174,8 @@ static void test_owners(void **state)
     kvt_slot_t slots[N];
     uint32_t n = 0;
     uint64_t lease = 0;
-    assert_int_equal(kvt_l1_reserve(kvt_cache_l1(g.cache), b, &ns, g.keys, N, NULL, OBJ, slots,
-                                    &n, &lease, err, sizeof err),
+    assert_int_equal(kvt_l1_reserve(kvt_cache_l1(g.cache), b, &ns, g.keys, N, NULL, OBJ, slots, &n,
+                                    &lease, err, sizeof err),
                      0);
     assert_int_equal(n, N);
     assert_int_equal(kvt_cache_owner_close(g.cache, b, false), 1);
@@ -206,9 +205,8 @@ static void test_lookup_without_l2_is_answered_at_once(void **state)
     assert_true(lk.job != 0); /* done at once: PREFETCH_STATUS answers it */
     bool done = false;
     uint32_t loaded = 9, hits = 9;
-    assert_int_equal(kvt_prefetch_status(kvt_cache_prefetch(g.cache), lk.job, &done, &loaded,
-                                         &hits),
-                     0);
+    assert_int_equal(
+        kvt_prefetch_status(kvt_cache_prefetch(g.cache), lk.job, &done, &loaded, &hits), 0);
     assert_true(done);
     assert_int_equal(hits, 0);
     s_close(&g);
