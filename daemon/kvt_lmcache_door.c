@@ -623,18 +623,31 @@ static bool s_worker_key(const kvt_lmc_key_t *key, const char *op, s_answer_t *r
     return true;
 }
 
+/* The checks both prepares start with: a worker key, the worker (NULL: unknown, answered
+ * in-band by the caller) and its chunk range. False when r holds the error. */
+static bool s_prepare_begin(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
+                            uint64_t instance, const char *op, s_answer_t *r, s_ctx_t **ctx,
+                            uint32_t *c0, uint32_t *c1)
+{
+    if (!s_worker_key(key, op, r))
+        return false;
+    *ctx = s_ctx(self, instance, op);
+    *c0 = *c1 = 0;
+    char why[160];
+    if (*ctx && !s_range(self, key, c0, c1, why, sizeof why)) {
+        s_error(r, KVT_EBADREQ, "%s: %s", op, why);
+        return false;
+    }
+    return true;
+}
+
 static void s_op_prepare_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
                                uint64_t instance, s_answer_t *r)
 {
-    if (!s_worker_key(key, "prepare_store", r))
+    s_ctx_t *ctx;
+    uint32_t c0, c1;
+    if (!s_prepare_begin(self, key, instance, "prepare_store", r, &ctx, &c0, &c1))
         return;
-    s_ctx_t *ctx = s_ctx(self, instance, "prepare_store");
-    uint32_t c0 = 0, c1 = 0;
-    char why[160];
-    if (ctx && !s_range(self, key, &c0, &c1, why, sizeof why)) {
-        s_error(r, KVT_EBADREQ, "prepare_store: %s", why);
-        return;
-    }
     if (ctx && ctx->nxfers >= S_MAX_XFERS) {
         kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
                           "lmcache: instance %" PRId64 " has %u transfers prepared and not "
@@ -749,15 +762,10 @@ static void s_op_commit_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key
 static void s_op_prepare_retrieve(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
                                   uint64_t instance, s_answer_t *r)
 {
-    if (!s_worker_key(key, "prepare_retrieve", r))
+    s_ctx_t *ctx;
+    uint32_t c0, c1;
+    if (!s_prepare_begin(self, key, instance, "prepare_retrieve", r, &ctx, &c0, &c1))
         return;
-    s_ctx_t *ctx = s_ctx(self, instance, "prepare_retrieve");
-    uint32_t c0 = 0, c1 = 0;
-    char why[160];
-    if (ctx && !s_range(self, key, &c0, &c1, why, sizeof why)) {
-        s_error(r, KVT_EBADREQ, "prepare_retrieve: %s", why);
-        return;
-    }
     uint32_t n = c1 - c0, nslots = 0;
     if (!ctx || !n || ctx->nxfers >= S_MAX_XFERS) {
         kvt_lmc_pack_prepare_retrieve(s_value(r), false, NULL, 0);
