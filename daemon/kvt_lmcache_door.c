@@ -1314,16 +1314,19 @@ static bool s_recv_one(kvt_lmcache_door_t *self)
 
 /* ---- periodic ----------------------------------------------------------------------------- */
 
+/* The cache service's liveness rule for each worker; below it, a prepared transfer not
+ * committed within lease_ms is void on its own (LMCache has no call that abandons one). */
 static void s_sweep(kvt_lmcache_door_t *self, uint64_t now)
 {
-    uint64_t lease = self->cfg->lease_ms, reap = (uint64_t)self->cfg->lmcache_reap_timeout_s * 1000;
+    uint64_t lease = self->cfg->lease_ms;
     size_t nctx = kvt_u64map_size(self->ctxs), ndrop = 0;
     s_ctx_t **drop = nctx ? calloc(nctx, sizeof *drop) : NULL;
     for (s_ctx_t *c = kvt_u64map_first(self->ctxs); c; c = kvt_u64map_next(self->ctxs)) {
         uint64_t idle = now > c->last_seen_ms ? now - c->last_seen_ms : 0;
-        if (reap && idle > reap) {
+        kvt_liveness_t live = kvt_cache_owner_liveness(self->cache, KVT_OWNER_LMCACHE, idle);
+        if (live == KVT_OWNER_EXPIRED) {
             drop[ndrop++] = c;
-        } else if (idle > lease && c->nxfers) {
+        } else if (live == KVT_OWNER_LEASES_VOID && c->nxfers) {
             kvt_log(KVT_LOG_INFO,
                     "lmcache: instance %" PRId64 " silent for %" PRIu64 " ms: its %u prepared "
                     "transfers are released",

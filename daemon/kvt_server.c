@@ -584,7 +584,8 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
         free(self);
         return NULL;
     }
-    kvt_session_limits_t slim = {.lease_ms = cfg->lease_ms,
+    /* the service's liveness rule: a v1 instance's keep-alive is its lease */
+    kvt_session_limits_t slim = {.lease_ms = kvt_cache_owner_keepalive_ms(cache, KVT_OWNER_V1),
                                  .max_instances_per_conn = cfg->max_instances_per_connection,
                                  .reply_timeout_ms = cfg->reply_timeout_ms,
                                  .max_reply_backlog = cfg->max_reply_backlog};

@@ -247,6 +247,23 @@ uint32_t kvt_cache_owners(kvt_cache_t *self, int kind)
     return n;
 }
 
+uint64_t kvt_cache_owner_keepalive_ms(const kvt_cache_t *self, kvt_owner_kind_t kind)
+{
+    uint64_t lease = self->cfg->lease_ms;
+    if (kind != KVT_OWNER_LMCACHE)
+        return lease;
+    uint64_t reap = (uint64_t)self->cfg->lmcache_reap_timeout_s * 1000;
+    return reap == 0 ? UINT64_MAX : reap > lease ? reap : lease;
+}
+
+kvt_liveness_t kvt_cache_owner_liveness(const kvt_cache_t *self, kvt_owner_kind_t kind,
+                                        uint64_t silent_ms)
+{
+    if (silent_ms > kvt_cache_owner_keepalive_ms(self, kind))
+        return KVT_OWNER_EXPIRED;
+    return silent_ms > self->cfg->lease_ms ? KVT_OWNER_LEASES_VOID : KVT_OWNER_ALIVE;
+}
+
 /* ---- life cycle ---- */
 
 kvt_cache_t *kvt_cache_new(const kvt_config_t *cfg, kvt_sup_t *sup, int *code, char *err,

@@ -107,6 +107,25 @@ void kvt_cache_on_owner_gone(kvt_cache_t *self, kvt_owner_gone_fn fn, void *ctx)
 /* Open owners of `kind` (0: all kinds). */
 uint32_t kvt_cache_owners(kvt_cache_t *self, int kind);
 
+/* The one liveness rule, for every owner whichever door serves it. An owner is alive while it
+ * is heard from (any request; a v1 heartbeat, an LMCache ping). Silent past lease_ms, the leases
+ * it holds are void; silent past its kind's keep-alive it is closed (kvt_cache_owner_close,
+ * expired), registration and all. The keep-alive is lease_ms for a v1 instance (libkvtier beats
+ * every lease_ms / 3) and lmcache.reap_timeout_s for an LMCache worker (LMCache pings every
+ * 10 s and cannot tell it was dropped; 0: never closed), never below lease_ms. Each door
+ * keeps its owners' last-heard times and asks here on its sweep, so closing runs on its thread. */
+typedef enum {
+    KVT_OWNER_ALIVE = 0,
+    KVT_OWNER_LEASES_VOID, /* release its leases (counted as expired), keep it */
+    KVT_OWNER_EXPIRED,     /* close it */
+} kvt_liveness_t;
+
+kvt_liveness_t kvt_cache_owner_liveness(const kvt_cache_t *self, kvt_owner_kind_t kind,
+                                        uint64_t silent_ms);
+
+/* Its kind's keep-alive in ms (UINT64_MAX: never closed for silence). */
+uint64_t kvt_cache_owner_keepalive_ms(const kvt_cache_t *self, kvt_owner_kind_t kind);
+
 /* ---- lookups ---- */
 
 /* Runs the L1 part of lk now. Returns false when lk is answered (lk->rc and the counts set):

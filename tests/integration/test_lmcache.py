@@ -1019,3 +1019,52 @@ def test_max_instances_counts_both_doors(door):
     w.c.unregister(w.iid)
     assert metric_value(door.d.metrics()[1], "kvtier_leases_active") == 0
     door.v1("cap")                                     # the worker's place is free again
+
+
+def test_one_liveness_rule_for_both_doors(door):
+    """The cache service's rule, applied by each door to its owners: silent past lease_ms an
+    owner's leases are void; silent past its kind's keep-alive (v1: lease_ms; an LMCache worker:
+    lmcache.reap_timeout_s) it is closed. A pinging worker keeps everything; a silent one first
+    loses its prepared transfer, then its registration; a v1 instance with its heartbeat off
+    goes at lease_ms."""
+    lease_ms = 600
+    door.start("--lease-ms", str(lease_ms), "--lmcache-reap-timeout-s", "2")
+    live, silent = Worker(door, model="live/m"), Worker(door, model="silent/m")
+    os.environ["KVTIER_HEARTBEAT_MS"] = "0"
+    try:
+        v1 = door.v1("quiet")
+        v1.ping()
+    finally:
+        del os.environ["KVTIER_HEARTBEAT_MS"]
+
+    def owners():
+        return {s.labels.get("kind"): s.value for s in door.d.metrics()[1]
+                if s.name == "kvtier_owners"}
+
+    assert owners() == {"v1": 1, "lmcache": 2}
+    toks = tokens_of("alive", 2 * C)
+    assert silent.prepare(toks, 0, 2 * C)[1] == [0, 1]
+    t0 = time.monotonic()
+    leases = metric_value(door.d.metrics()[1], "kvtier_leases_active")
+    assert leases == 1
+    # lease_ms of silence: the v1 instance is gone, the silent worker's transfer is void, its
+    # registration stays
+    while time.monotonic() - t0 < 1.5:
+        live.c.ping(live.iid)
+        if (owners().get("v1", 0) == 0 and
+                metric_value(door.d.metrics()[1], "kvtier_leases_active") == 0):
+            break
+        time.sleep(0.1)
+    assert owners() == {"v1": 0, "lmcache": 2}, owners()
+    assert metric_value(door.d.metrics()[1], "kvtier_leases_active") == 0
+    assert time.monotonic() - t0 >= lease_ms / 1000.0 - 0.05
+    # past reap_timeout_s the silent worker is closed; the pinging one is not
+    while time.monotonic() - t0 < 4.5 and owners().get("lmcache") != 1:
+        live.c.ping(live.iid)
+        time.sleep(0.1)
+    assert owners() == {"v1": 0, "lmcache": 1}, owners()
+    assert time.monotonic() - t0 >= 1.9
+    assert silent.c.prepare_store(silent.key(toks, 0, C), silent.iid) == NO_SLOTS
+    assert "silent past lmcache.reap_timeout_s" in door.d.stderr_text()
+    assert live.store(toks, 0, 2 * C, "alive") == [0, 1]
+

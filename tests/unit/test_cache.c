@@ -191,6 +191,34 @@ static void test_owners(void **state)
     s_close(&g);
 }
 
+/* One rule for both kinds: leases void past lease_ms, the owner closed past its keep-alive
+ * (v1: lease_ms; LMCache: lmcache.reap_timeout_s, never below lease_ms, 0 = never). */
+static void test_liveness_rule(void **state)
+{
+    (void)state;
+    rig_t g;
+    s_open(&g, "none", "3");
+    s_set(&g, "lease_ms", "1000");
+    s_set(&g, "lmcache.reap_timeout_s", "5");
+    assert_int_equal(kvt_cache_owner_keepalive_ms(g.cache, KVT_OWNER_V1), 1000);
+    assert_int_equal(kvt_cache_owner_keepalive_ms(g.cache, KVT_OWNER_LMCACHE), 5000);
+    assert_int_equal(kvt_cache_owner_liveness(g.cache, KVT_OWNER_V1, 1000), KVT_OWNER_ALIVE);
+    assert_int_equal(kvt_cache_owner_liveness(g.cache, KVT_OWNER_V1, 1001), KVT_OWNER_EXPIRED);
+    assert_int_equal(kvt_cache_owner_liveness(g.cache, KVT_OWNER_LMCACHE, 1000), KVT_OWNER_ALIVE);
+    assert_int_equal(kvt_cache_owner_liveness(g.cache, KVT_OWNER_LMCACHE, 1001),
+                     KVT_OWNER_LEASES_VOID);
+    assert_int_equal(kvt_cache_owner_liveness(g.cache, KVT_OWNER_LMCACHE, 5001),
+                     KVT_OWNER_EXPIRED);
+    s_set(&g, "lmcache.reap_timeout_s", "0"); /* never for silence; leases still go */
+    assert_int_equal(kvt_cache_owner_liveness(g.cache, KVT_OWNER_LMCACHE, 86400000),
+                     KVT_OWNER_LEASES_VOID);
+    s_set(&g, "lease_ms", "30000"); /* a reap shorter than the lease waits for the lease */
+    s_set(&g, "lmcache.reap_timeout_s", "1");
+    assert_int_equal(kvt_cache_owner_keepalive_ms(g.cache, KVT_OWNER_LMCACHE), 30000);
+    assert_int_equal(kvt_cache_owner_liveness(g.cache, KVT_OWNER_LMCACHE, 2000), KVT_OWNER_ALIVE);
+    s_close(&g);
+}
+
 static void test_lookup_without_l2_is_answered_at_once(void **state)
 {
     (void)state;
@@ -286,6 +314,7 @@ int main(void)
     kvt_log_set_level(KVT_LOG_ERROR);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_owners),
+        cmocka_unit_test(test_liveness_rule),
         cmocka_unit_test(test_lookup_without_l2_is_answered_at_once),
         cmocka_unit_test(test_lookup_l2_part_comes_back),
         cmocka_unit_test(test_cancel_and_quiesce),
