@@ -70,7 +70,7 @@ UNIT_SRC   := $(wildcard tests/unit/test_*.c)
 obj = $(patsubst %.c,$(1)/obj/%.o,$(2))
 
 CORE_OBJ   := $(call obj,$(BUILD),$(CORE_SRC) $(DAEMON_SRC))
-CLIENT_OBJ := $(call obj,$(BUILD),$(CLIENT_SRC) common/kvt_error.c common/kvt_ring.c \
+CLIENT_OBJ := $(call obj,$(BUILD),$(CLIENT_SRC) common/kvt_error.c common/kvt_ring.c common/kvt_fdpass.c \
                 protocol/kvt_msg.c protocol/kvt_proto.c protocol/kvt_hash.c)
 CLIENT_LIBS = $(shell pkg-config --libs libzmq msgpack jansson libxxhash 2>/dev/null)
 ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))

@@ -35,8 +35,9 @@
  * unmapped.
  *
  * The fast path (issue 17; docs/protocol.md "Fast path"). HELLO asks for a ring pair (`fastpath:
- * true`, unless KVTIER_FASTPATH=0), the arena is mapped to shm.map_size so the rings past the L1
- * objects are in it, and the offer's two regions are attached with common/kvt_ring: this handle
+ * true`, unless KVTIER_FASTPATH=0); the pair, a memfd of its own, is collected from the daemon's
+ * handoff socket with the offer's ticket (common/kvt_fdpass), mapped, and its two regions are
+ * attached with common/kvt_ring: this handle
  * produces on the request ring and consumes the reply ring. Then every request without data frames
  * whose message fits in a record goes over the ring (kvtier_wire.c: s_ring_push, s_ring_recv), the
  * rest (PUT, GET, HELLO, BYE, big bodies) over the socket; both carry the same frames and one uid

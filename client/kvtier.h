@@ -172,7 +172,7 @@ typedef struct {
 } kvtier_buf_t;
 
 /* The arena as this client mapped it at connect (read-write, MAP_SHARED); *size is the L1
- * capacity (the fast path's rings past it are not the caller's). */
+ * capacity. */
 void *kvtier_arena(const kvtier_t *self, size_t *size);
 
 /* 1 when this handle's requests go over the fast path's ring pair (see "Fast path" above), 0

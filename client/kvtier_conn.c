@@ -5,6 +5,7 @@
 #include "kvtier_int.h"
 
 #include "kvt_error.h"
+#include "kvt_fdpass.h"
 #include "kvt_hash.h"
 #include "kvt_msg.h"
 #include "kvt_proto.h"
@@ -212,29 +213,54 @@ static void s_follow_arena(kvtier_t *self, const msgpack_object *hello)
     s_map_arena(self, self->arena_path, size, map_len);
 }
 
-/* Attaches the pair HELLO offered, `fastpath: {request, reply, capacity}` (the previous one is
- * dropped already: kvc_exchange, before the HELLO went out). Each region must lie in the mapped
- * arena past the L1 objects, apart from the other, and hold a ring of that capacity; offsets
- * need only the 8-byte alignment a ring needs (kvtierd packs a pair as one region: its reply
- * ring starts right after the request ring, not on a page). false, with nothing attached, when
- * the offer does not check out: the socket serves, as it does without an offer. */
+/* A string field of a msgpack map, copied into buf (NUL-terminated); false when absent, not a
+ * string, too long or holding a NUL. */
+static bool s_str(const msgpack_object *map, const char *key, char *buf, size_t cap)
+{
+    const msgpack_object *o = kvc_get(map, key);
+    if (!o || o->type != MSGPACK_OBJECT_STR || o->via.str.size >= cap ||
+        memchr(o->via.str.ptr, 0, o->via.str.size))
+        return false;
+    memcpy(buf, o->via.str.ptr, o->via.str.size);
+    buf[o->via.str.size] = '\0';
+    return true;
+}
+
+/* Attaches the pair HELLO offered, `fastpath: {socket, ticket, size, request, reply,
+ * capacity}` (the previous one is dropped already: kvc_exchange, before the HELLO went out):
+ * collects the pair's memory from the daemon's handoff socket with the ticket (a memfd no
+ * other process holds), maps it and attaches both rings, which must lie inside it apart from
+ * each other. The handoff connection stays open: its end tells this client that the daemon
+ * went, and the daemon that this client did. false, with nothing attached, when the offer
+ * does not check out or the handoff fails: the socket serves, as it does without an offer. */
 static bool s_pair_attach(kvtier_t *self, const msgpack_object *offer)
 {
+    char path[256], ticket[64], why[256];
     uint64_t req = s_uint(kvc_get(offer, "request")), rep = s_uint(kvc_get(offer, "reply"));
-    uint64_t cap = s_uint(kvc_get(offer, "capacity"));
-    if (!self->arena || cap < KVT_RING_MIN_CAPACITY || cap > KVT_RING_MAX_CAPACITY ||
-        (cap & (cap - 1)))
+    uint64_t cap = s_uint(kvc_get(offer, "capacity")), size = s_uint(kvc_get(offer, "size"));
+    if (cap < KVT_RING_MIN_CAPACITY || cap > KVT_RING_MAX_CAPACITY || (cap & (cap - 1)) ||
+        size > SIZE_MAX || !s_str(offer, "socket", path, sizeof path) ||
+        !s_str(offer, "ticket", ticket, sizeof ticket))
         return false;
-    uint64_t region = kvt_ring_region_size((uint32_t)cap), lo = self->arena_size,
-             hi = self->arena_map_len;
-    bool placed = req % 8 == 0 && rep % 8 == 0 && req >= lo && rep >= lo && req <= hi &&
-                  rep <= hi && region <= hi - req && region <= hi - rep &&
-                  (req + region <= rep || rep + region <= req);
-    char why[160];
-    uint8_t *base = self->arena;
-    kvt_ring_t *p = placed ? kvt_ring_new(base + req, (size_t)region, (uint32_t)cap,
-                                          KVT_RING_PRODUCER, why, sizeof why)
-                           : NULL;
+    uint64_t region = kvt_ring_region_size((uint32_t)cap);
+    if (!(req % 8 == 0 && rep % 8 == 0 && req <= size && rep <= size && region <= size - req &&
+          region <= size - rep && (req + region <= rep || rep + region <= req)))
+        return false;
+    int fd = -1, sock = -1;
+    if (kvt_fdpass_fetch(path, ticket, self->timeout_ms, &fd, &sock, why, sizeof why) != 0) {
+        snprintf(self->error, sizeof self->error, "fast path: %.200s", why);
+        return false;
+    }
+    struct stat st;
+    uint8_t *base = NULL;
+    if (fstat(fd, &st) == 0 && (uint64_t)st.st_size == size) {
+        void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        base = p == MAP_FAILED ? NULL : p;
+    }
+    close(fd); /* the mapping keeps the memory */
+    kvt_ring_t *p = base ? kvt_ring_new(base + req, (size_t)region, (uint32_t)cap,
+                                        KVT_RING_PRODUCER, why, sizeof why)
+                         : NULL;
     kvt_ring_t *c = p ? kvt_ring_new(base + rep, (size_t)region, (uint32_t)cap,
                                      KVT_RING_CONSUMER, why, sizeof why)
                       : NULL;
@@ -249,10 +275,16 @@ static bool s_pair_attach(kvtier_t *self, const msgpack_object *offer)
     if (!c || self->ring_buf_cap < need) {
         kvt_ring_destroy(&p);
         kvt_ring_destroy(&c);
+        if (base)
+            munmap(base, (size_t)size);
+        close(sock);
         return false;
     }
     self->req_ring = p;
     self->rep_ring = c;
+    self->ring_map = base;
+    self->ring_map_len = (size_t)size;
+    self->ring_sock = sock;
     self->ring_gen = atomic_load_explicit(&kvc_fork_gen, memory_order_relaxed);
     self->ring_posted = 0;
     self->ring_seen_ns = kvc_mono_ns();
@@ -485,6 +517,7 @@ kvtier_t *kvtier_connect_curve(const char *endpoint, const char *client, const c
     self->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
     self->next_uid = 1;
     self->pid = getpid();
+    self->ring_sock = -1;
     snprintf(self->client, sizeof self->client, "%s", client);
     if (instance)
         snprintf(self->instance, sizeof self->instance, "%s", instance);

@@ -54,7 +54,7 @@ struct kvtier {
     kvtier_info_t info;
     void *arena; /* MAP_SHARED mapping of HELLO's shm.path; NULL when it could not be mapped */
     size_t arena_size;
-    size_t arena_map_len;         /* bytes mapped: shm.map_size (rings included) or arena_size */
+    size_t arena_map_len;         /* bytes mapped: shm.map_size or arena_size */
     char *arena_path;             /* the shm.path HELLO announced last (NULL: none) ... */
     uint64_t arena_announced;     /* ... and its shm.size: a restarted daemon announces another */
     uint64_t arena_map_announced; /* ... and the length mapped for it */
@@ -71,6 +71,9 @@ struct kvtier {
     bool fastpath_on;      /* KVTIER_FASTPATH is not "0": HELLO asks for a pair */
     kvt_ring_t *req_ring;  /* producer of the request ring */
     kvt_ring_t *rep_ring;  /* consumer of the reply ring */
+    uint8_t *ring_map;     /* the pair's memory (the daemon's memfd), ring_map_len bytes */
+    size_t ring_map_len;
+    int ring_sock;         /* the handoff connection, open while the pair is (-1: none) */
     unsigned ring_gen;     /* kvc_fork_gen when attached */
     uint64_t ring_posted;  /* uid of the last request posted on the ring not yet confirmed */
     uint64_t ring_seen_ns; /* when the pair last answered (or was attached) */

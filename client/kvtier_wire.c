@@ -5,6 +5,7 @@
 #include "kvtier_int.h"
 
 #include "kvt_error.h"
+#include "kvt_fdpass.h"
 #include "kvt_hash.h"
 #include "kvt_msg.h"
 #include "kvt_proto.h"
@@ -338,6 +339,13 @@ void kvc_pair_drop(kvtier_t *self)
     }
     kvt_ring_destroy(&self->req_ring);
     kvt_ring_destroy(&self->rep_ring);
+    if (self->ring_map)
+        munmap(self->ring_map, self->ring_map_len);
+    self->ring_map = NULL;
+    self->ring_map_len = 0;
+    if (self->ring_sock >= 0)
+        close(self->ring_sock); /* the daemon sees this client let go */
+    self->ring_sock = -1;
     self->ring_posted = 0;
 }
 
@@ -349,6 +357,10 @@ void kvc_pair_drop(kvtier_t *self)
 static void s_pair_check_owner(kvtier_t *self)
 {
     struct stat st;
+    if (self->ring_sock >= 0 && kvt_fdpass_peer_gone(self->ring_sock)) {
+        kvc_pair_drop(self); /* the daemon let the pair go, or died */
+        return;
+    }
     if (self->arena_path && stat(self->arena_path, &st) == 0 && st.st_dev == self->arena_dev &&
         st.st_ino == self->arena_ino)
         return;

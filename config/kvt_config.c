@@ -1559,12 +1559,3 @@ uint64_t kvt_config_fastpath_pair_bytes(const kvt_config_t *self)
     uint64_t ring = KVT_RING_HDR_SIZE + self->fastpath_ring_bytes; /* kvt_ring_region_size */
     return (2 * ring + 4095) / 4096 * 4096;
 }
-
-uint64_t kvt_config_fastpath_bytes(const kvt_config_t *self)
-{
-    /* whole 2 MiB pages, so that on hugetlbfs the objects' part (what clients that do not use
-     * the fast path map) ends at a huge page boundary too */
-    uint64_t huge = 2u << 20;
-    uint64_t n = self->fastpath_rings * kvt_config_fastpath_pair_bytes(self);
-    return self->fastpath_enabled ? (n + huge - 1) / huge * huge : 0;
-}

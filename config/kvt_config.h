@@ -145,11 +145,7 @@ void kvt_config_usage(void *out);
  * KVT_EINVAL when no such group exists. */
 int kvt_config_shm_gid(const kvt_config_t *self, gid_t *gid);
 
-/* Bytes of the arena's tail that hold the fast path's ring pairs (0 when it is disabled): a
- * multiple of 2 MiB, after the L1 objects. */
-uint64_t kvt_config_fastpath_bytes(const kvt_config_t *self);
-
-/* Bytes of one ring pair in that tail (page-rounded). */
+/* Bytes of one fast-path ring pair's memory (a memfd of its own; page-rounded). */
 uint64_t kvt_config_fastpath_pair_bytes(const kvt_config_t *self);
 
 #endif

@@ -1,4 +1,5 @@
-/* DESIGN: a fixed table of slots over the arena's tail; one thread. The thread takes the server
+/* DESIGN: a fixed table of slots, each pair in a sealed memfd of its own made at HELLO and
+ * handed to that client alone through kvt_handoff; one thread. The thread takes the server
  * lock, sweeps every open slot (connection gone? held replies to flush? up to S_POP_BATCH
  * requests, each handed to the server), and lets it go. While requests keep coming it sweeps
  * again at once; after fastpath.spin_us without one it arms every request ring (kvt_ring_arm:
@@ -14,18 +15,21 @@
 #include "kvt_fastpath.h"
 
 #include "kvt_error.h"
+#include "kvt_fdpass.h"
 #include "kvt_log.h"
 #include "kvt_thread.h"
 
 #include <errno.h>
-#include <sched.h>
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
+#include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -38,6 +42,8 @@
 #define S_SPURIOUS_MAX 8      /* wake-ups for nothing in a row before a slot is left out */
 #define S_QUIET_MS 200        /* ... for this long */
 #define S_BEAT_NS 10000000    /* beat at most every 10 ms while busy */
+#define S_CLAIM_MS 5000       /* a pair not collected from the handoff socket by then closes */
+#define S_CHECK_MS 50         /* how often a slot looks whether its client's handoff is gone */
 
 #ifndef FUTEX_32
 #define FUTEX_32 2
@@ -61,12 +67,18 @@ typedef enum {
     S_DROP_CLIENT_CLOSED,
     S_DROP_BACKLOG,
     S_DROP_SHUTDOWN,
+    S_DROP_UNCLAIMED,
+    S_DROP_CLIENT_GONE,
     S_DROP_REASONS
 } s_drop_t;
 
 static const char *const s_drop_names[S_DROP_REASONS] = {
-    "bye", "expired", "disconnected", "rehello", "malformed", "client_closed", "reply_backlog",
-    "shutdown"};
+    "bye",           "expired",       "disconnected", "rehello",   "malformed",
+    "client_closed", "reply_backlog", "shutdown",     "unclaimed", "client_gone"};
+
+/* Pairs broken by their clients (malformed records, replies never read): one line per 10 s
+ * whatever a client does in a loop, the rest counted in it (issue 28, item 4). */
+static kvt_errrep_t s_rep_broken = KVT_ERRREP_INIT(10000);
 
 /* A reply that found the reply ring full: its frames, copied. */
 typedef struct s_held {
@@ -83,6 +95,12 @@ typedef struct {
     s_drop_t closing_why;
     uint32_t gen;      /* bumped at each close: replies to an earlier use are dropped */
     uint64_t freed_ms; /* when it closed (0: never used) */
+    int memfd;         /* the pair's memory, -1 while closed */
+    uint8_t *map;      /* its mapping: request ring at 0, reply ring right after */
+    uint64_t handoff;  /* its offer on the handoff socket */
+    bool claimed;      /* the client collected it */
+    char ticket[KVT_FDPASS_TICKET_HEX + 1];
+    uint64_t checked_ms; /* when the offer's state was last looked at */
     uint8_t *req_region, *rep_region;
     kvt_ring_t *req, *rep; /* the daemon's sides: consumer, producer */
     kvt_ring_t *armed;     /* the side s_sleep armed (req, or rep while replies are held) */
@@ -99,8 +117,8 @@ typedef struct {
 
 struct kvt_fastpath {
     const kvt_config_t *cfg;
-    uint8_t *tail;
-    uint64_t tail_off, pair_bytes, ring_region;
+    kvt_handoff_t *handoff;
+    uint64_t pair_bytes, ring_region;
     uint32_t cap, nslots;
     uint64_t held_bytes_max;
     uint64_t spin_ns;
@@ -156,18 +174,39 @@ static void s_free_held(s_slot_t *s)
     s->held_bytes = 0;
 }
 
+/* Lets the pair's memory go: the handoff offer ends (the client's handoff connection sees
+ * EOF), the daemon's mapping and descriptor go; the client's mapping keeps the pages alive
+ * while it still looks at them. */
+static void s_pair_free(kvt_fastpath_t *self, s_slot_t *s)
+{
+    if (s->handoff)
+        kvt_handoff_cancel(self->handoff, s->handoff);
+    s->handoff = 0;
+    s->claimed = false;
+    if (s->map)
+        munmap(s->map, self->pair_bytes);
+    s->map = s->req_region = s->rep_region = NULL;
+    if (s->memfd >= 0)
+        close(s->memfd);
+    s->memfd = -1;
+}
+
 /* Closes both daemon sides (the client's calls answer unavailable and it goes back to ZMQ)
  * and frees the slot for a later HELLO (lock held). */
 static void s_close(kvt_fastpath_t *self, s_slot_t *s, s_drop_t why)
 {
     if (!s->open)
         return;
+    /* counted before the client can see its rings closed */
+    atomic_fetch_sub_explicit(&self->open_count, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&self->dropped[why], 1, memory_order_relaxed);
     kvt_ring_close(s->req);
     kvt_ring_close(s->rep);
     kvt_ring_destroy(&s->req);
     kvt_ring_destroy(&s->rep);
     s_free_held(s);
     kvt_conn_unref(&s->conn);
+    s_pair_free(self, s);
     s->open = s->closing = false;
     atomic_store_explicit(&s->live, false, memory_order_relaxed);
     s->armed = NULL;
@@ -175,11 +214,13 @@ static void s_close(kvt_fastpath_t *self, s_slot_t *s, s_drop_t why)
     s->quiet_until_ms = 0;
     s->gen++;
     s->freed_ms = kvt_now_ms();
-    atomic_fetch_sub_explicit(&self->open_count, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&self->dropped[why], 1, memory_order_relaxed);
-    kvt_log(why == S_DROP_MALFORMED || why == S_DROP_BACKLOG ? KVT_LOG_WARN : KVT_LOG_DEBUG,
-            "fastpath: ring pair %ld of owner %llu closed (%s)", (long)(s - self->slots),
-            (unsigned long long)s->owner, s_drop_names[why]);
+    if (why == S_DROP_BACKLOG)
+        kvt_errrep_report(&s_rep_broken, KVT_LOG_WARN,
+                          "fastpath: ring pair %ld of owner %llu closed (%s)",
+                          (long)(s - self->slots), (unsigned long long)s->owner, s_drop_names[why]);
+    else /* a malformed ring was reported (rate-limited) where it was found */
+        kvt_log(KVT_LOG_DEBUG, "fastpath: ring pair %ld of owner %llu closed (%s)",
+                (long)(s - self->slots), (unsigned long long)s->owner, s_drop_names[why]);
 }
 
 /* Closes now, or after the request being handled is answered when it is this slot's. */
@@ -249,6 +290,16 @@ static uint32_t s_serve(kvt_fastpath_t *self, uint32_t i)
         s_close(self, s, S_DROP_DISCONNECTED);
         return 0;
     }
+    uint64_t now = kvt_now_ms();
+    if (now - s->checked_ms >= S_CHECK_MS) {
+        s->checked_ms = now;
+        kvt_handoff_state_t st = kvt_handoff_state(self->handoff, s->handoff);
+        s->claimed = s->claimed || st == KVT_HANDOFF_CLAIMED;
+        if (st == KVT_HANDOFF_EXPIRED || st == KVT_HANDOFF_GONE) {
+            s_close(self, s, st == KVT_HANDOFF_GONE ? S_DROP_CLIENT_GONE : S_DROP_UNCLAIMED);
+            return 0;
+        }
+    }
     int rc = s_flush(s);
     if (rc) {
         s_close(self, s, s_ring_error(rc));
@@ -262,8 +313,9 @@ static uint32_t s_serve(kvt_fastpath_t *self, uint32_t i)
             break;
         if (rc) {
             if (rc != KVT_EUNAVAIL)
-                kvt_log(KVT_LOG_WARN, "fastpath: request ring %u of owner %llu: %s", i,
-                        (unsigned long long)s->owner, kvt_ring_why(s->req));
+                kvt_errrep_report(&s_rep_broken, KVT_LOG_WARN,
+                                  "fastpath: request ring %u of owner %llu: %s", i,
+                                  (unsigned long long)s->owner, kvt_ring_why(s->req));
             s_close(self, s, s_ring_error(rc));
             break;
         }
@@ -418,7 +470,7 @@ static bool s_run(kvt_thread_t *t, void *arg)
 
 /* ---- API ---- */
 
-kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_t tail_offset,
+kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, kvt_handoff_t *handoff,
                                  pthread_mutex_t *lock, _Atomic uint32_t *server_waiting,
                                  kvt_sessions_t *sessions, kvt_fastpath_request_fn fn, void *ctx)
 {
@@ -427,11 +479,10 @@ kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_
     kvt_fastpath_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->cfg = cfg;
-    self->tail = tail;
-    self->tail_off = tail_offset;
+    self->handoff = handoff;
     self->cap = (uint32_t)cfg->fastpath_ring_bytes;
     self->ring_region = kvt_ring_region_size(self->cap);
-    self->pair_bytes = kvt_config_fastpath_pair_bytes(cfg);
+    self->pair_bytes = kvt_config_fastpath_pair_bytes(cfg); /* whole pages */
     self->nslots = cfg->fastpath_rings < S_MAX_SLOTS ? cfg->fastpath_rings : S_MAX_SLOTS;
     self->held_bytes_max = 4 * (uint64_t)self->cap;
     self->spin_ns = (uint64_t)cfg->fastpath_spin_us * 1000u;
@@ -449,8 +500,7 @@ kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_
         epoch0 = (uint32_t)s_now_ns();
     for (uint32_t i = 0; i < self->nslots; i++) {
         s_slot_t *s = &self->slots[i];
-        s->req_region = tail + (uint64_t)i * self->pair_bytes;
-        s->rep_region = s->req_region + self->ring_region;
+        s->memfd = -1;
         s->epoch = epoch0 + i * 0x10000u;
     }
     return self;
@@ -461,8 +511,8 @@ int kvt_fastpath_start(kvt_fastpath_t *self, kvt_sup_t *sup)
     self->thread = kvt_thread_start(sup, "fastpath", 2000, s_run, self);
     if (!self->thread)
         return KVT_EINTERNAL;
-    kvt_log(KVT_LOG_INFO, "fastpath: %u ring pairs of 2 x %u bytes at arena offset %llu",
-            self->nslots, self->cap, (unsigned long long)self->tail_off);
+    kvt_log(KVT_LOG_INFO, "fastpath: up to %u ring pairs of 2 x %u bytes, handed over at %s",
+            self->nslots, self->cap, kvt_handoff_path(self->handoff));
     return 0;
 }
 
@@ -514,6 +564,60 @@ bool kvt_fastpath_local(int fd)
     return false;
 }
 
+/* Who may collect a pair offered on conn: the process at the other end of its unix socket;
+ * anyone who can reach the handoff socket when the connection is TCP (loopback). */
+static kvt_handoff_peer_t s_peer_of(kvt_conn_t *conn)
+{
+    kvt_handoff_peer_t peer = {0, 0};
+    struct ucred cr;
+    socklen_t len = sizeof cr;
+    int fd = kvt_conn_fd(conn);
+    struct sockaddr_storage ss;
+    socklen_t slen = sizeof ss;
+    if (fd >= 0 && getsockname(fd, (struct sockaddr *)&ss, &slen) == 0 && ss.ss_family == AF_UNIX &&
+        getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0 && cr.pid > 0)
+        peer = (kvt_handoff_peer_t){cr.pid, cr.uid};
+    return peer;
+}
+
+/* The pair's memory: a memfd sealed at its size (no one can shrink it under the other side's
+ * mapping: no SIGBUS either way), formatted, and offered to conn's process alone. */
+static int s_pair_new(kvt_fastpath_t *self, s_slot_t *s, kvt_conn_t *conn)
+{
+    char err[160];
+    s->memfd = memfd_create("kvtier-ring-pair", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (s->memfd < 0 || ftruncate(s->memfd, (off_t)self->pair_bytes) != 0 ||
+        fcntl(s->memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        kvt_log(KVT_LOG_WARN, "fastpath: cannot make a ring pair: %s", strerror(errno));
+        goto fail;
+    }
+    void *p = mmap(NULL, self->pair_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->memfd, 0);
+    if (p == MAP_FAILED) {
+        kvt_log(KVT_LOG_WARN, "fastpath: cannot map a ring pair: %s", strerror(errno));
+        goto fail;
+    }
+    s->map = p;
+    s->req_region = s->map;
+    s->rep_region = s->map + self->ring_region;
+    s->epoch++;
+    if (kvt_ring_format(s->req_region, self->ring_region, self->cap, s->epoch) != 0 ||
+        kvt_ring_format(s->rep_region, self->ring_region, self->cap, s->epoch) != 0 ||
+        !(s->req = kvt_ring_new(s->req_region, self->ring_region, self->cap, KVT_RING_CONSUMER, err,
+                                sizeof err)) ||
+        !(s->rep = kvt_ring_new(s->rep_region, self->ring_region, self->cap, KVT_RING_PRODUCER, err,
+                                sizeof err)))
+        goto fail; /* cannot happen: the regions are ours and aligned */
+    s->handoff = kvt_handoff_offer(self->handoff, s->memfd, s_peer_of(conn), S_CLAIM_MS, s->ticket);
+    if (!s->handoff)
+        goto fail;
+    return 0;
+fail:
+    kvt_ring_destroy(&s->req);
+    kvt_ring_destroy(&s->rep);
+    s_pair_free(self, s);
+    return KVT_EINTERNAL;
+}
+
 int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
                       kvt_fastpath_offer_t *offer)
 {
@@ -540,15 +644,7 @@ int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
         atomic_fetch_add_explicit(&self->declined, 1, memory_order_relaxed);
         return KVT_EBUSY;
     }
-    char err[160];
-    pick->epoch++;
-    if (kvt_ring_format(pick->req_region, self->ring_region, self->cap, pick->epoch) != 0 ||
-        kvt_ring_format(pick->rep_region, self->ring_region, self->cap, pick->epoch) != 0 ||
-        !(pick->req = kvt_ring_new(pick->req_region, self->ring_region, self->cap,
-                                   KVT_RING_CONSUMER, err, sizeof err)) ||
-        !(pick->rep = kvt_ring_new(pick->rep_region, self->ring_region, self->cap,
-                                   KVT_RING_PRODUCER, err, sizeof err))) {
-        kvt_ring_destroy(&pick->req); /* cannot happen: the regions are ours and aligned */
+    if (s_pair_new(self, pick, conn) != 0) {
         atomic_fetch_add_explicit(&self->declined, 1, memory_order_relaxed);
         return KVT_EINTERNAL;
     }
@@ -557,9 +653,14 @@ int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
     pick->closing = false;
     pick->conn = kvt_conn_ref(conn);
     pick->owner = owner;
+    pick->checked_ms = kvt_now_ms();
     atomic_fetch_add_explicit(&self->open_count, 1, memory_order_relaxed);
-    uint64_t off = self->tail_off + (uint64_t)(pick->req_region - self->tail);
-    *offer = (kvt_fastpath_offer_t){off, off + self->ring_region, self->cap};
+    *offer = (kvt_fastpath_offer_t){.socket = kvt_handoff_path(self->handoff),
+                                    .size = self->pair_bytes,
+                                    .request = 0,
+                                    .reply = self->ring_region,
+                                    .capacity = self->cap};
+    memcpy(offer->ticket, pick->ticket, sizeof offer->ticket);
     s_ring_bell(self); /* a sleeping thread adds the new ring to its wait */
     return 0;
 }
@@ -616,8 +717,8 @@ void kvt_fastpath_reject(kvt_fastpath_t *self, kvt_fastpath_ref_t ref, const cha
     s_slot_t *s = s_slot_of(self, ref);
     if (!s)
         return;
-    kvt_log(KVT_LOG_WARN, "fastpath: ring %u of owner %llu: %s", ref.slot - 1,
-            (unsigned long long)s->owner, why);
+    kvt_errrep_report(&s_rep_broken, KVT_LOG_WARN, "fastpath: ring %u of owner %llu: %s",
+                      ref.slot - 1, (unsigned long long)s->owner, why);
     s_close_soon(self, s, S_DROP_MALFORMED);
 }
 

@@ -1,8 +1,11 @@
-/* kvt_fastpath: the same-machine fast path (issue 17) — ring pairs in the arena's tail, offered
- * at HELLO, and the `fastpath` thread that serves them (docs/protocol.md "Fast path").
+/* kvt_fastpath: the same-machine fast path (issue 17) — ring pairs offered at HELLO, and the
+ * `fastpath` thread that serves them (docs/protocol.md "Fast path").
  *
- * The arena's tail past the L1 objects holds fastpath.rings slots; a slot is a request ring
- * (the client produces, the daemon consumes) and a reply ring (the daemon produces). A slot
+ * Up to fastpath.rings slots; a slot is a request ring (the client produces, the daemon
+ * consumes) and a reply ring (the daemon produces) in a sealed memfd of its own, made at HELLO
+ * and handed to the process that said it through kvt_handoff (a ticket in the HELLO reply,
+ * the descriptor over the handoff socket): no other process can map a client's rings, so no
+ * one can write its requests or read and forge its replies (issue 28). A slot
  * belongs to the connection whose HELLO asked for it and acts for that connection: its
  * requests renew the connection's instances and take leases for them, exactly as if they had
  * come through the socket. The thread pops each request into its own copy and hands it to the
@@ -17,12 +20,15 @@
  *
  * Reclaim: a slot is closed (both daemon sides, so the client falls back to ZMQ) on BYE or
  * silence of its instance, its connection's close, a new HELLO asking again, a malformed ring,
- * the client closing its side, a reply backlog past its bound, and shutdown. A closed slot is
- * formatted again (a new epoch: a stale client handle finds it closed) only after a quarantine. */
+ * the client closing its side, its process dying (the handoff connection closes), a pair not
+ * collected within 5 s, a reply backlog past its bound, and shutdown. A closed slot's memory
+ * goes with it; the slot takes a new pair only after a quarantine. */
 #ifndef KVT_FASTPATH_H
 #define KVT_FASTPATH_H
 
 #include "kvt_config.h"
+#include "kvt_fdpass.h"
+#include "kvt_handoff.h"
 #include "kvt_metrics.h"
 #include "kvt_ring.h"
 #include "kvt_session.h"
@@ -48,10 +54,9 @@ typedef struct {
 typedef void (*kvt_fastpath_request_fn)(void *ctx, kvt_fastpath_ref_t ref, kvt_conn_t *conn,
                                         const uint8_t *payload, size_t len);
 
-/* `tail` is the arena's tail (kvt_config_fastpath_bytes(cfg) bytes at arena offset
- * `tail_offset`, as clients see it). `server_waiting` is non-zero while the server loop waits
- * for `lock` (the thread lets it in first). NULL when the fast path is disabled. */
-kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, uint8_t *tail, uint64_t tail_offset,
+/* Pairs are handed over through `handoff`. `server_waiting` is non-zero while the server loop
+ * waits for `lock` (the thread lets it in first). NULL when the fast path is disabled. */
+kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, kvt_handoff_t *handoff,
                                  pthread_mutex_t *lock, _Atomic uint32_t *server_waiting,
                                  kvt_sessions_t *sessions, kvt_fastpath_request_fn fn, void *ctx);
 
@@ -65,9 +70,12 @@ void kvt_fastpath_stop(kvt_fastpath_t *self);
 
 void kvt_fastpath_destroy(kvt_fastpath_t **self_p);
 
-/* What HELLO offers: arena offsets of the two rings and their capacity. */
+/* What HELLO offers: where and with which ticket to collect the pair, the size of its memory
+ * and the offsets of the two rings in it, their capacity. */
 typedef struct {
-    uint64_t request, reply;
+    const char *socket; /* the handoff socket (kvt_handoff's, lives as long as it) */
+    char ticket[KVT_FDPASS_TICKET_HEX + 1];
+    uint64_t size, request, reply;
     uint32_t capacity;
 } kvt_fastpath_offer_t;
 

@@ -79,7 +79,13 @@ static int s_hello(kvt_rq_t *c)
     msgpack_pack_uint64(pk, kvt_l1_page_size(c->svc->l1));
     if (offered) {
         kvt_pack_str(pk, "fastpath");
-        msgpack_pack_map(pk, 3);
+        msgpack_pack_map(pk, 6);
+        kvt_pack_str(pk, "socket");
+        kvt_pack_str(pk, offer.socket);
+        kvt_pack_str(pk, "ticket");
+        kvt_pack_str(pk, offer.ticket);
+        kvt_pack_str(pk, "size");
+        msgpack_pack_uint64(pk, offer.size);
         kvt_pack_str(pk, "request");
         msgpack_pack_uint64(pk, offer.request);
         kvt_pack_str(pk, "reply");

@@ -24,6 +24,7 @@
 #include "kvt_error.h"
 #include "kvt_fastpath.h"
 #include "kvt_handlers.h"
+#include "kvt_handoff.h"
 #include "kvt_log.h"
 #include "kvt_msg.h"
 #include "kvt_proto.h"
@@ -54,6 +55,7 @@ struct kvt_server {
     kvt_reqstats_t *stats; /* not owned */
     kvt_sup_thread_t *beat;
     kvt_services_t svc;
+    kvt_handoff_t *handoff; /* the fast path's ring pairs go out through it */
     kvt_workers_t *workers;
     size_t lookups_out; /* LOOKUPs the cache service has (lock held) */
     kvt_router_t *router;
@@ -592,9 +594,15 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
     self->svc.sessions = kvt_sessions_new(&slim, s_on_new, s_on_gone, self);
     kvt_metrics_add_source(metrics, kvt_sessions_metrics_source, self->svc.sessions);
     pthread_mutex_init(&self->lock, NULL);
-    /* the rings live in the arena's tail, past the objects */
-    self->svc.fastpath = kvt_fastpath_new(cfg, (uint8_t *)kvt_l1_base(l1) + kvt_l1_capacity(l1),
-                                          kvt_l1_capacity(l1), &self->lock, &self->lock_waiting,
+    /* each ring pair is a memfd handed to its client alone over the handoff socket */
+    if (cfg->fastpath_enabled &&
+        !(self->handoff = kvt_handoff_new(cfg, cfg->fastpath_rings, err, errlen))) {
+        kvt_sessions_destroy(&self->svc.sessions);
+        kvt_queue_destroy(&self->svc.lookups_done);
+        free(self);
+        return NULL;
+    }
+    self->svc.fastpath = kvt_fastpath_new(cfg, self->handoff, &self->lock, &self->lock_waiting,
                                           self->svc.sessions, s_ring_request, self);
     if (self->svc.fastpath)
         kvt_metrics_add_source(metrics, kvt_fastpath_metrics_source, self->svc.fastpath);
@@ -628,7 +636,8 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
                 self->curve && strncmp(ep, "tcp://", 6) == 0 ? " (CURVE)" : "");
     }
     self->beat = kvt_sup_register(sup, "server", 1000);
-    if (self->svc.fastpath && kvt_fastpath_start(self->svc.fastpath, sup) != 0) {
+    if (self->svc.fastpath && (kvt_handoff_start(self->handoff, sup) != 0 ||
+                               kvt_fastpath_start(self->svc.fastpath, sup) != 0)) {
         snprintf(err, errlen, "cannot start the fastpath thread");
         goto fail;
     }
@@ -662,7 +671,8 @@ void kvt_server_destroy(kvt_server_t **self_p)
     }
     kvt_router_destroy(&self->router); /* its ipc files go with it */
     kvt_curve_destroy(&self->curve);
-    kvt_fastpath_destroy(&self->svc.fastpath); /* its slots hold connections */
+    kvt_fastpath_destroy(&self->svc.fastpath); /* its slots hold connections and offers */
+    kvt_handoff_destroy(&self->handoff);
     kvt_sessions_destroy(&self->svc.sessions);
     pthread_mutex_destroy(&self->lock);
     free(self);
@@ -770,6 +780,9 @@ json_t *kvt_server_status_json(kvt_server_t *self)
     json_decref(clients);
     json_object_set_new(json_object_get(st, "connections"), "open",
                         json_integer((json_int_t)kvt_accept_open()));
-    json_object_set_new(st, "fastpath", kvt_fastpath_json(self->svc.fastpath));
+    json_t *fp = kvt_fastpath_json(self->svc.fastpath);
+    if (self->handoff)
+        json_object_set_new(fp, "handoff", kvt_handoff_json(self->handoff));
+    json_object_set_new(st, "fastpath", fp);
     return st;
 }

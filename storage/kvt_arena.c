@@ -400,8 +400,8 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
     char hdir[PATH_MAX] = "", why[KVT_ERR_LEN * 2] = "";
     bool want = strcmp(cfg->l1_hugepages, "off") != 0;
     bool must = strcmp(cfg->l1_hugepages, "on") == 0;
-    /* L1's objects, then the fast path's rings (kvt_l1 splits them) */
-    uint64_t want_size = cfg->l1_size + kvt_config_fastpath_bytes(cfg);
+    /* L1's objects only: the fast path's rings are private memfds (daemon/kvt_fastpath) */
+    uint64_t want_size = cfg->l1_size;
     uint64_t hsize = (want_size + S_HUGE - 1) / S_HUGE * S_HUGE;
     /* segments of crashed daemons of this run dir go first, wherever they are: they hold
      * memory (in hugetlbfs, the very pages about to be counted) */

@@ -1076,9 +1076,7 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
     kvt_assert(self);
     self->cfg = cfg;
     self->arena = arena;
-    /* the arena's tail past the objects holds the fast path's rings (kvt_l1_map_size) */
-    self->capacity =
-        (kvt_arena_size(arena) - kvt_config_fastpath_bytes(cfg)) / KVT_PAGE * KVT_PAGE;
+    self->capacity = kvt_arena_size(arena) / KVT_PAGE * KVT_PAGE;
     self->alloc = kvt_alloc_new(self->capacity);
     self->leases = kvt_leases_new();
     kvt_assert(self->alloc);

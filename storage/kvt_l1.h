@@ -65,8 +65,8 @@ const char *kvt_l1_shm_path(const kvt_l1_t *self);
 /* The arena's page size in bytes (4096, or 2097152 on huge pages): HELLO's shm.page_size. */
 uint64_t kvt_l1_page_size(const kvt_l1_t *self);
 uint64_t kvt_l1_capacity(const kvt_l1_t *self);
-/* Bytes of the arena file clients map: the objects' capacity, then the fast path's rings
- * (kvt_config_fastpath_bytes) from offset kvt_l1_capacity on. */
+/* Bytes of the arena file clients map (the objects' capacity, rounded to the arena's pages;
+ * HELLO's shm.map_size). */
 uint64_t kvt_l1_map_size(const kvt_l1_t *self);
 void *kvt_l1_base(const kvt_l1_t *self);
 

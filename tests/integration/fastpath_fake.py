@@ -4,8 +4,10 @@ answer instance_dropped on either transport, offer a pair that does not check ou
 
 It is one Python thread with a ROUTER socket and, when a pair is open, the daemon's sides of
 it (consumer of the request ring, producer of the reply ring) through libkvtier's own
-kvtier_ring_* (ctypes). The arena is a plain file: 1 MiB of "L1", then the pair packed as one
-region (the reply ring right after the request ring, so its offset is 8- but not 4096-aligned).
+kvtier_ring_* (ctypes). The arena is a plain file of 1 MiB of "L1"; the pair is a memfd of its
+own handed over as kvtierd does (a ticket in HELLO's offer, the descriptor over a unix socket,
+the connection kept open while the pair is), packed as one region (the reply ring right after
+the request ring, so its offset is 8- but not 4096-aligned).
 Ring replies go out in order, each when due (`delay_next_ring`, RELEASE always 0.3 s late), so
 a late reply is still queued when the client's next request comes. What the client did wrong
 goes into `problems`; the driver asserts it is empty.
@@ -14,6 +16,8 @@ goes into `problems`; the driver asserts it is empty.
 import ctypes
 import mmap
 import os
+import secrets
+import socket
 import struct
 import threading
 import time
@@ -65,13 +69,21 @@ class FakeFastpathDaemon:
         self.arena_path = os.path.join(tmpdir, "arena")
         self.l1, self.cap = l1, capacity
         self.region = HDR + capacity
-        self.req_off, self.rep_off = l1, l1 + self.region
-        self.map_size = (self.rep_off + self.region + 4095) // 4096 * 4096
+        self.req_off, self.rep_off = 0, self.region
+        self.map_size = l1
+        self.pair_size = (2 * self.region + 4095) // 4096 * 4096
         with open(self.arena_path, "wb") as f:
             f.truncate(self.map_size)
-        fd = os.open(self.arena_path, os.O_RDWR)
-        self.mm = mmap.mmap(fd, self.map_size)
-        os.close(fd)
+        self.pair_fd = os.memfd_create("fake-pair")
+        os.ftruncate(self.pair_fd, self.pair_size)
+        self.mm = mmap.mmap(self.pair_fd, self.pair_size)
+        self.handoff_path = os.path.join(tmpdir, "handoff.sock")
+        self.hsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.hsock.bind(self.handoff_path)
+        self.hsock.listen(4)
+        self.hsock.setblocking(False)
+        self.hconn = None   # the client's handoff connection while it holds the pair
+        self.ticket = None
         self._view = ctypes.c_char.from_buffer(self.mm)
         self.base = ctypes.addressof(self._view)
         self.log = []       # (transport, type) of every request
@@ -109,6 +121,8 @@ class FakeFastpathDaemon:
         self._drop_pair()
         del self._view
         self.mm.close()
+        os.close(self.pair_fd)
+        self.hsock.close()
 
     # -- the pair ----------------------------------------------------------------------------
 
@@ -133,6 +147,9 @@ class FakeFastpathDaemon:
                 self.lib.kvtier_ring_close(r)
                 self.lib.kvtier_ring_detach(r)
         self.pair = None
+        if self.hconn:
+            self.hconn.close()
+            self.hconn = None
         self.pending = []
 
     def _push(self, frames):
@@ -173,14 +190,39 @@ class FakeFastpathDaemon:
         reply["shm"]["map_size"] = self.map_size
         if not body.get("fastpath"):
             return reply
+        self.ticket = secrets.token_hex(16)
+        reply["fastpath"] = {"socket": self.handoff_path, "ticket": self.ticket,
+                             "size": self.pair_size, "request": self.req_off,
+                             "reply": self.rep_off, "capacity": self.cap}
         if self.offer == "bad":
-            reply["fastpath"] = {"request": self.req_off + 4, "reply": self.rep_off,
-                                 "capacity": self.cap}
+            reply["fastpath"]["request"] = self.req_off + 4
             return reply
         self._open_pair()
-        reply["fastpath"] = {"request": self.req_off, "reply": self.rep_off,
-                             "capacity": self.cap}
         return reply
+
+    def _handoff(self):
+        """A client collecting its pair: the descriptor for the current ticket."""
+        try:
+            conn, _ = self.hsock.accept()
+        except BlockingIOError:
+            return
+        conn.settimeout(2)
+        got = b""
+        while len(got) < 32:
+            b = conn.recv(32 - len(got))
+            if not b:
+                break
+            got += b
+        if self.ticket and got == self.ticket.encode():
+            socket.send_fds(conn, [b"K"], [self.pair_fd])
+            self.ticket = None
+            if self.hconn:
+                self.hconn.close()
+            self.hconn = conn
+        else:
+            self.problems.append("a handoff with ticket %r (expected %r)" % (got, self.ticket))
+            conn.sendall(b"Eno such ticket")
+            conn.close()
 
     def _handle(self, transport, typ, body):
         """The reply body, or None for no reply."""
@@ -242,6 +284,7 @@ class FakeFastpathDaemon:
                     self._drop_pair()
                     self.closed_idle.set()
                 self._flush()
+                self._handoff()
                 if sock.poll(1):
                     self._zmq(sock, sock.recv_multipart())
                 if not self.pair or self.ring_dead:

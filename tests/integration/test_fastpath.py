@@ -129,17 +129,20 @@ def test_default_client_gets_a_pair_and_is_byte_exact(daemon_factory, clients):
     assert c.fastpath_why == ""
     offer = c.info["fastpath"]
     shm = c.info["shm"]
-    assert set(offer) >= {"request", "reply", "capacity"}
+    assert set(offer) == {"socket", "ticket", "size", "request", "reply", "capacity"}
     assert offer["capacity"] == before["ring_bytes"]
     region = HDR_SIZE + offer["capacity"]
-    # docs/protocol.md: the request ring page-aligned, the reply ring right after it
-    assert offer["request"] % 4096 == 0 and offer["reply"] == offer["request"] + region
-    for off in (offer["request"], offer["reply"]):
-        assert off >= shm["size"] and off + region <= shm["map_size"]
-    assert abs(offer["request"] - offer["reply"]) >= region
-    assert len(c.arena) == shm["map_size"] >= shm["size"]
+    # docs/protocol.md: the pair is a memory of its own, collected from the handoff socket:
+    # the request ring at 0, the reply ring right after it; nothing of it in the arena
+    assert offer["request"] == 0 and offer["reply"] == region
+    assert offer["size"] % 4096 == 0 and offer["size"] >= 2 * region
+    assert offer["socket"] == os.path.join(d.run_dir, "kvtier-handoff.sock")
+    assert len(offer["ticket"]) == 32 and int(offer["ticket"], 16) >= 0
+    assert len(c.arena) == shm["map_size"] == shm["size"]
+    assert os.stat(shm["path"]).st_size == shm["size"]
     st = fp_status(d)
     assert st["rings_open"] == 1
+    assert st["handoff"]["claimed"] == 1 and st["handoff"]["offers"] == 1
     requests = st["requests"]
 
     roundtrip(c, b"seq")
@@ -421,10 +424,11 @@ def _futex_wake(addr):
 
 
 def _scribble(c, how, rnd):
-    """Writes garbage into c's request ring through its own mapping of the arena."""
+    """Writes garbage into c's request ring through its own mapping of its pair (a hostile
+    client can harm only its own pair: no other process maps it)."""
     off = c.info["fastpath"]["request"]
     cap = c.info["fastpath"]["capacity"]
-    a = c.arena
+    a = c._ring._mm
     if how == "random":
         # random bytes over head, tail and the first records
         a[off + OFF_HEAD:off + OFF_HEAD + 8] = rnd.randbytes(8)
@@ -573,3 +577,119 @@ def test_arena_mapping_outlives_no_ring(daemon_factory, clients):
 if __name__ == "__main__":
     role, arg = sys.argv[1], json.loads(sys.argv[2])
     {"looper": _looper}[role](arg)
+
+
+# ----------------------------------------------------------------------------------------
+# Issue 28: holding the arena gives no way into another client's requests or replies
+
+
+def _claim(path, ticket):
+    """Presents a ticket at the handoff socket as a hostile process would: 'K' (and closes
+    the descriptor it got) or the refusal's text."""
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(3)
+    try:
+        s.connect(path)
+        s.sendall(ticket.encode())
+        msg, fds, _, _ = socket.recv_fds(s, 256, 4)
+        for fd in fds:
+            os.close(fd)
+        return msg.decode("utf-8", "replace")
+    finally:
+        s.close()
+
+
+_CLAIM_SCRIPT = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(3)
+s.connect(sys.argv[1])
+s.sendall(sys.argv[2].encode())
+msg, fds, _, _ = socket.recv_fds(s, 256, 4)
+print(msg.decode(), len(fds))
+"""
+
+
+def test_arena_holder_cannot_act_for_another_client(daemon_factory, clients):
+    """A process that maps the arena read-write (as every client may) and scribbles over all
+    of it cannot end another client's connection, release its leases, read its instance
+    token or forge its replies: the rings are not in the arena. A pair goes only to the
+    process that said HELLO, once; guessed, replayed or borrowed tickets get nothing."""
+    d = daemon_factory()
+    b = clients(d, instance="fp-victim")
+    assert b.fastpath, b.fastpath_why
+    keys, datas = roundtrip(b, b"victim")
+    views, lease = b.acquire(NS, keys)         # a pinned view the victim keeps
+    del views
+    token = b.token.encode()
+    shm = b.info["shm"]
+    leases = metric_value(d.metrics()[1], "kvtier_leases_active")
+    assert leases >= 1
+    # the attacker: the arena file, read-write, every byte
+    import mmap as _mmap
+    fd = os.open(shm["path"], os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        assert size == shm["size"]                     # nothing past the objects
+        mm = _mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    try:
+        assert mm.find(token) < 0, "the victim's instance token is in the arena"
+        mm[:] = b"\xff" * size                         # every byte, every possible ring
+    finally:
+        mm.close()
+    # the victim's connection, instance, lease and pair are intact; it still talks over its ring
+    before = fp_status(d)["requests"]
+    b.ping()
+    assert b.lookup(NS, keys).hits == len(keys)
+    b.release(lease)
+    assert b.fastpath is True and fp_status(d)["requests"] > before
+    assert metric_value(d.metrics()[1], "kvtier_leases_active") == leases - 1
+    assert "(bye)" not in d.stderr_text()
+    # tickets: guessed, replayed, or presented by another process than the one that asked
+    path = b.info["fastpath"]["socket"]
+    assert _claim(path, "0" * 32).startswith("Eno such ticket")
+    assert _claim(path, b.info["fastpath"]["ticket"]).startswith("Eno such ticket")  # used
+    s = d.dealer()
+    body = d.call(s, 1, {"version": 1, "client": "raw", "instance": "fp-raw", "fastpath": True})
+    offer = body["fastpath"]
+    out = subprocess.run([sys.executable, "-c", _CLAIM_SCRIPT, path, offer["ticket"]],
+                         capture_output=True, text=True, timeout=30)
+    assert out.stdout.startswith("Eprocess ") and "not the process that said HELLO" in \
+        out.stdout and out.stdout.rstrip().endswith(" 0"), (out.stdout, out.stderr)
+    assert _claim(path, offer["ticket"]) == "K"        # the process that asked: its pair
+    st = fp_status(d)["handoff"]
+    assert st["refused"]["wrong_process"] == 1 and st["refused"]["unknown_ticket"] == 2, st
+    # the raw client's pair, collected and let go at once, is dropped (client_gone)
+    wait_until(lambda: fp_status(d)["dropped"]["client_gone"] >= 1, 5,
+               what="the collected-and-closed pair to be dropped")
+    assert b.fastpath is True
+    roundtrip(b, b"victim-after")
+
+
+def test_breaking_pairs_in_a_loop_logs_a_line_per_window(daemon_factory, clients):
+    """Issue 28 item 4: a client that breaks its pair again and again (a malformed record, a
+    new HELLO, again) gets each pair dropped, but the daemon logs one line per 10 s for it,
+    not one per break."""
+    d = daemon_factory()
+    bad = clients(d, instance="fp-breaker", timeout_ms=2000)
+    rnd = random.Random(28)
+    breaks = 12
+    for i in range(breaks):
+        assert bad.fastpath, bad.fastpath_why
+        dropped = fp_status(d)["dropped"]["malformed"]
+        _scribble(bad, "record", rnd)
+        wait_until(lambda: fp_status(d)["dropped"]["malformed"] > dropped, 5,
+                   what="break %d to be found" % i)
+        try:
+            bad.ping()                       # finds its pair closed: over the socket
+        except kvtier.KvtierError:
+            pass
+        bad.hello()                          # and asks for a new one
+    assert fp_status(d)["dropped"]["malformed"] == breaks
+    lines = [ln for ln in d.stderr_text().splitlines()
+             if "fastpath:" in ln and ("ring" in ln) and "warn" in ln]
+    assert 1 <= len(lines) <= 2, lines
+    assert d.alive()

@@ -82,10 +82,8 @@ def test_arena_file(daemon_factory):
     assert stat.S_ISREG(st.st_mode), oct(st.st_mode)
     assert st.st_mode & 0o777 == 0o600, "arena mode %o, want 600" % (st.st_mode & 0o777)
     assert st.st_uid == _daemon_euid(d.proc.pid), (st.st_uid, d.proc.pid)
-    # the file is the objects (size), then the fast path's rings: map_size in all
-    pair = -(-2 * (384 + 65536) // 4096) * 4096          # two rings, page-rounded
-    tail = -(-64 * pair // (2 << 20)) * (2 << 20)        # 64 pairs by default, in 2 MiB
-    assert shm["map_size"] == CAP + tail, shm
+    # the file is the objects alone: the fast path's rings are each client's own memfd
+    assert shm["map_size"] == CAP, shm
     assert st.st_size == shm["map_size"]
     assert d.hello(d.dealer(), "inst-arena-2")["shm"] == shm   # every client maps the same one
 

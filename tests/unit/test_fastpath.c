@@ -1,6 +1,8 @@
-/* Unit tests of daemon/kvt_fastpath.c with its real thread: a "server" callback that answers
- * each request under the lock the module was given, client sides attached to the offered
- * regions as a client would. Covered: offers and their offsets, round trips while the thread
+/* Unit tests of daemon/kvt_fastpath.c with its real thread and its real handoff socket: a
+ * "server" callback that answers each request under the lock the module was given, client
+ * sides collected from the handoff socket with the offer's ticket and attached as a client
+ * would. Covered: offers (a pair of its own, single-use tickets, a wrong ticket refused, the
+ * client's handoff connection closing drops the pair), round trips while the thread
  * sleeps (futex_waitv wake-ups) and spins, the per-slot order of replies, a new HELLO closing
  * the old pair and a BYE coming through the ring closing its own pair after its reply, owner
  * gone, a retired connection, the client closing its side, a malformed record and a hostile
@@ -11,11 +13,14 @@
 #include "kvt_config.h"
 #include "kvt_error.h"
 #include "kvt_fastpath.h"
+#include "kvt_fdpass.h"
+#include "kvt_handoff.h"
 #include "kvt_ring.h"
 #include "kvt_session.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -26,8 +31,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <linux/futex.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -50,8 +56,8 @@ typedef struct {
 
 typedef struct {
     kvt_config_t *cfg;
-    uint8_t *tail;
-    size_t tail_size;
+    char dir[64];
+    kvt_handoff_t *handoff;
     pthread_mutex_t lock;
     _Atomic uint32_t waiting;
     kvt_sessions_t *sessions;
@@ -100,19 +106,21 @@ static int s_setup(void **state)
     assert_int_equal(kvt_config_set(f->cfg, "fastpath.ring_bytes", bytes, false, err, sizeof err),
                      0);
     assert_int_equal(kvt_config_set(f->cfg, "fastpath.spin_us", "20", false, err, sizeof err), 0);
-    f->tail_size = kvt_config_fastpath_bytes(f->cfg);
-    assert_int_equal(f->tail_size, 2u << 20);
-    f->tail = aligned_alloc(4096, f->tail_size);
-    assert_non_null(f->tail);
-    memset(f->tail, 0x5a, f->tail_size);
+    snprintf(f->dir, sizeof f->dir, "/tmp/kvt-fp-XXXXXX");
+    assert_non_null(mkdtemp(f->dir));
+    assert_int_equal(kvt_config_set(f->cfg, "run_dir", f->dir, false, err, sizeof err), 0);
+    f->handoff = kvt_handoff_new(f->cfg, S_RINGS, err, sizeof err);
+    if (!f->handoff)
+        fail_msg("handoff: %s", err);
+    assert_int_equal(kvt_handoff_start(f->handoff, NULL), 0);
     pthread_mutex_init(&f->lock, NULL);
     kvt_session_limits_t lim = {.lease_ms = 60000,
                                 .max_instances_per_conn = 4,
                                 .reply_timeout_ms = 5000,
                                 .max_reply_backlog = 1 << 20};
     f->sessions = kvt_sessions_new(&lim, NULL, NULL, NULL);
-    f->fp = kvt_fastpath_new(f->cfg, f->tail, 1u << 30, &f->lock, &f->waiting, f->sessions,
-                             s_request, &f->srv);
+    f->fp = kvt_fastpath_new(f->cfg, f->handoff, &f->lock, &f->waiting, f->sessions, s_request,
+                             &f->srv);
     assert_non_null(f->fp);
     f->srv.fp = f->fp;
     assert_int_equal(kvt_fastpath_start(f->fp, NULL), 0);
@@ -124,33 +132,47 @@ static int s_teardown(void **state)
 {
     fx_t *f = *state;
     kvt_fastpath_destroy(&f->fp);
+    kvt_handoff_destroy(&f->handoff);
+    rmdir(f->dir);
     kvt_sessions_destroy(&f->sessions);
     pthread_mutex_destroy(&f->lock);
-    free(f->tail);
     kvt_config_destroy(&f->cfg);
     free(f);
     return 0;
 }
 
-/* A client's view of an offered pair. */
+/* A client's view of an offered pair: its mapping of the pair's memory, its handoff
+ * connection. */
 typedef struct {
     kvt_ring_t *req, *rep;
+    uint8_t *map;
+    size_t len;
+    int sock;
     uint8_t buf[S_RING];
 } cli_t;
 
 static void s_attach(fx_t *f, const kvt_fastpath_offer_t *o, cli_t *c)
 {
-    char err[160];
-    uint64_t base = 1u << 30;
-    assert_int_equal(o->capacity, S_RING);
-    assert_true(o->request >= base && o->reply == o->request + kvt_ring_region_size(S_RING));
-    assert_int_equal(o->request % 4096, 0);
-    assert_true(o->reply + kvt_ring_region_size(S_RING) <= base + f->tail_size);
+    char err[256];
     size_t rs = kvt_ring_region_size(S_RING);
-    c->req = kvt_ring_new(f->tail + (o->request - base), rs, S_RING, KVT_RING_PRODUCER, err,
-                          sizeof err);
-    c->rep = kvt_ring_new(f->tail + (o->reply - base), rs, S_RING, KVT_RING_CONSUMER, err,
-                          sizeof err);
+    assert_int_equal(o->capacity, S_RING);
+    assert_string_equal(o->socket, kvt_handoff_path(f->handoff));
+    assert_int_equal(strlen(o->ticket), KVT_FDPASS_TICKET_HEX);
+    assert_true(o->request == 0 && o->reply == rs && o->size >= 2 * rs && o->size % 4096 == 0);
+    int fd = -1;
+    if (kvt_fdpass_fetch(o->socket, o->ticket, 2000, &fd, &c->sock, err, sizeof err) != 0)
+        fail_msg("fetch: %s", err);
+    struct stat st;
+    assert_int_equal(fstat(fd, &st), 0);
+    assert_int_equal((uint64_t)st.st_size, o->size);
+    /* sealed: the client cannot shrink the daemon's mapping from under it */
+    assert_int_not_equal(ftruncate(fd, 0), 0);
+    c->len = o->size;
+    c->map = mmap(NULL, c->len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    assert_true(c->map != MAP_FAILED);
+    close(fd);
+    c->req = kvt_ring_new(c->map + o->request, rs, S_RING, KVT_RING_PRODUCER, err, sizeof err);
+    c->rep = kvt_ring_new(c->map + o->reply, rs, S_RING, KVT_RING_CONSUMER, err, sizeof err);
     assert_non_null(c->req);
     assert_non_null(c->rep);
 }
@@ -159,6 +181,8 @@ static void s_detach(cli_t *c)
 {
     kvt_ring_destroy(&c->req);
     kvt_ring_destroy(&c->rep);
+    munmap(c->map, c->len);
+    close(c->sock);
 }
 
 static int s_send(cli_t *c, const char *msg)
@@ -278,7 +302,7 @@ static void test_rehello_and_bye_through_the_ring(void **state)
     s_attach(f, &o1, &c1);
     /* a second HELLO on the socket: a new pair, the old one closed at once */
     assert_int_equal(s_open(f, c, 8, &o2), 0);
-    assert_true(o2.request != o1.request);
+    assert_string_not_equal(o2.ticket, o1.ticket);
     s_attach(f, &o2, &c2);
     assert_int_equal(s_send(&c1, "old"), KVT_EUNAVAIL);
     assert_int_equal(s_status(f, "dropped", "rehello"), 1);
@@ -370,8 +394,7 @@ static void test_hostile_client(void **state)
     s_attach(f, &o, &h);
     /* a record that is not a list of frames (written by hand, as a hostile client would):
      * the server's parse rejects it and the pair closes */
-    uint64_t base = 1u << 30;
-    uint8_t *hdr = f->tail + (o.request - base);
+    uint8_t *hdr = h.map + o.request;
     uint32_t rec[4] = {8, KVT_RING_KIND_MSG, 0x7fffffffu, 5}; /* count 2^31 - 1 */
     memcpy(hdr + KVT_RING_HDR_SIZE, rec, sizeof rec);
     uint64_t head = 16;
@@ -381,7 +404,9 @@ static void test_hostile_client(void **state)
     kvt_fastpath_offer_t o2;
     usleep(150000);
     assert_int_equal(s_open(f, c, 31, &o2), 0);
-    hdr = f->tail + (o2.request - base);
+    cli_t h2;
+    s_attach(f, &o2, &h2);
+    hdr = h2.map + o2.request;
     __atomic_store_n((uint64_t *)(hdr + KVT_RING_OFF_HEAD), 0x7777777777777777ull,
                      __ATOMIC_RELEASE); /* no wake: the thread's idle sweep finds it */
     s_wait_status(f, "dropped", "malformed", 2);
@@ -389,6 +414,7 @@ static void test_hostile_client(void **state)
     assert_int_equal(s_send(&good, "fine"), 0);
     assert_int_equal(s_expect(&good, "fine"), 0);
     s_detach(&h);
+    s_detach(&h2);
     s_detach(&good);
     kvt_conn_unref(&c);
     kvt_conn_unref(&g);
@@ -556,8 +582,7 @@ static void test_spurious_wakes_are_quieted(void **state)
     kvt_conn_t *g = s_client(f, "v", 23, 72, &good);
     s_attach(f, &o, &bad);
     usleep(50000); /* past the spin: the thread sleeps */
-    poke_t pk = {.word = (uint32_t *)(f->tail + (o.request - (1u << 30)) +
-                                      KVT_RING_OFF_CONS_WAIT)};
+    poke_t pk = {.word = (uint32_t *)(bad.map + o.request + KVT_RING_OFF_CONS_WAIT)};
     pthread_t th;
     pthread_create(&th, NULL, s_poke, &pk);
     for (int i = 0; i < 400 && s_status(f, "quieted", NULL) == 0; i++)
@@ -590,7 +615,7 @@ static void test_rehello_with_no_slot_free(void **state)
     cli_t old, fresh;
     s_attach(f, &o[0], &old);
     assert_int_equal(s_open(f, c[0], 80, &again), 0);
-    assert_int_equal(again.request, o[0].request); /* its own slot, formatted again */
+    assert_string_not_equal(again.ticket, o[0].ticket); /* its own slot, a new pair */
     assert_int_equal(s_send(&old, "stale"), KVT_EUNAVAIL);
     s_attach(f, &again, &fresh);
     assert_int_equal(s_send(&fresh, "new"), 0);
@@ -667,7 +692,7 @@ static void test_metrics(void **state)
     fx_t *f = *state;
     int n = 0;
     kvt_fastpath_metrics_source(f->fp, s_count, &n);
-    assert_int_equal(n, 8);
+    assert_int_equal(n, 10);
     json_t *j = kvt_fastpath_json(f->fp);
     assert_true(json_is_true(json_object_get(j, "enabled")));
     assert_int_equal(json_integer_value(json_object_get(j, "rings_max")), S_RINGS);
@@ -678,24 +703,112 @@ static void test_metrics(void **state)
     json_decref(j);
 }
 
+/* Issue 28: a pair goes to the ticket's holder once; a wrong or used ticket gets nothing; the
+ * client's process going (its handoff connection closing) drops its pair at once, lease or
+ * not; a pair nobody collects is dropped (unclaimed). */
+static void test_handoff_tickets(void **state)
+{
+    fx_t *f = *state;
+    char err[256];
+    int fd = -1, sock = -1;
+    kvt_conn_t *c = s_conn(f, "t", 40);
+    kvt_fastpath_offer_t o;
+    assert_int_equal(s_open(f, c, 61, &o), 0);
+    /* a guessed ticket */
+    char wrong[KVT_FDPASS_TICKET_HEX + 1];
+    memcpy(wrong, o.ticket, sizeof wrong);
+    wrong[0] = wrong[0] == 'a' ? 'b' : 'a';
+    assert_int_equal(kvt_fdpass_fetch(o.socket, wrong, 2000, &fd, &sock, err, sizeof err),
+                     KVT_EUNAVAIL);
+    assert_non_null(strstr(err, "no such ticket"));
+    assert_int_equal(kvt_fdpass_fetch(o.socket, "not-hex-at-all-not-hex-at-all-!!", 2000, &fd,
+                                      &sock, err, sizeof err),
+                     KVT_EUNAVAIL);
+    assert_non_null(strstr(err, "not a ticket"));
+    cli_t cl;
+    s_attach(f, &o, &cl); /* the holder: the pair */
+    /* the same ticket again (a process that read it somewhere): nothing */
+    assert_int_equal(kvt_fdpass_fetch(o.socket, o.ticket, 2000, &fd, &sock, err, sizeof err),
+                     KVT_EUNAVAIL);
+    assert_true(fd < 0);
+    assert_int_equal(s_send(&cl, "mine"), 0);
+    assert_int_equal(s_expect(&cl, "mine"), 0);
+    json_t *j = kvt_handoff_json(f->handoff);
+    assert_int_equal(json_integer_value(json_object_get(j, "claimed")), 1);
+    json_t *r = json_object_get(j, "refused");
+    assert_int_equal(json_integer_value(json_object_get(r, "unknown_ticket")), 2);
+    assert_int_equal(json_integer_value(json_object_get(r, "malformed")), 1);
+    json_decref(j);
+    /* the client's process dies: its handoff connection closes, the pair goes with it */
+    close(cl.sock);
+    cl.sock = -1;
+    s_wait_status(f, "dropped", "client_gone", 1);
+    assert_int_equal(kvt_ring_wait(cl.rep, 0, 0), KVT_EUNAVAIL);
+    kvt_ring_destroy(&cl.req);
+    kvt_ring_destroy(&cl.rep);
+    munmap(cl.map, cl.len);
+    kvt_conn_unref(&c);
+}
+
+/* An offer not collected in time is gone; the handoff's table is bounded. */
+static void test_handoff_expiry_and_bound(void **state)
+{
+    fx_t *f = *state;
+    char ticket[KVT_FDPASS_TICKET_HEX + 1], err[256];
+    int fd = open("/dev/null", O_RDONLY), got = -1, sock = -1;
+    kvt_handoff_peer_t anyone = {0, 0};
+    uint64_t id = kvt_handoff_offer(f->handoff, fd, anyone, 50, ticket);
+    assert_true(id != 0);
+    assert_int_equal(kvt_handoff_state(f->handoff, id), KVT_HANDOFF_WAITING);
+    usleep(80000);
+    assert_int_equal(kvt_handoff_state(f->handoff, id), KVT_HANDOFF_EXPIRED);
+    assert_int_equal(
+        kvt_fdpass_fetch(kvt_handoff_path(f->handoff), ticket, 2000, &got, &sock, err, sizeof err),
+        KVT_EUNAVAIL);
+    kvt_handoff_cancel(f->handoff, id);
+    /* S_RINGS offers at once, then no more until one ends */
+    uint64_t ids[S_RINGS];
+    for (unsigned i = 0; i < S_RINGS; i++)
+        assert_true((ids[i] = kvt_handoff_offer(f->handoff, fd, anyone, 60000, ticket)) != 0);
+    assert_int_equal(kvt_handoff_offer(f->handoff, fd, anyone, 60000, ticket), 0);
+    kvt_handoff_cancel(f->handoff, ids[0]);
+    uint64_t again = kvt_handoff_offer(f->handoff, fd, anyone, 60000, ticket);
+    assert_true(again != 0);
+    /* the holder of the newest ticket gets a descriptor */
+    assert_int_equal(
+        kvt_fdpass_fetch(kvt_handoff_path(f->handoff), ticket, 2000, &got, &sock, err, sizeof err),
+        0);
+    assert_true(got >= 0);
+    assert_int_equal(kvt_handoff_state(f->handoff, again), KVT_HANDOFF_CLAIMED);
+    close(got);
+    close(sock);
+    for (int i = 0; i < 400 && kvt_handoff_state(f->handoff, again) != KVT_HANDOFF_GONE; i++)
+        usleep(5000);
+    assert_int_equal(kvt_handoff_state(f->handoff, again), KVT_HANDOFF_GONE);
+    for (unsigned i = 1; i < S_RINGS; i++)
+        kvt_handoff_cancel(f->handoff, ids[i]);
+    kvt_handoff_cancel(f->handoff, again);
+    close(fd);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_round_trips_sleeping_and_spinning, s_setup,
                                         s_teardown),
-        cmocka_unit_test_setup_teardown(test_rehello_and_bye_through_the_ring, s_setup,
-                                        s_teardown),
+        cmocka_unit_test_setup_teardown(test_rehello_and_bye_through_the_ring, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_reclaim_reasons, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_hostile_client, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_held_replies_are_bounded, s_setup, s_teardown),
-        cmocka_unit_test_setup_teardown(test_reply_to_a_closed_slot_and_stop, s_setup,
-                                        s_teardown),
+        cmocka_unit_test_setup_teardown(test_reply_to_a_closed_slot_and_stop, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_metrics, s_setup, s_teardown),
         cmocka_unit_test(test_local_peers),
         cmocka_unit_test_setup_teardown(test_server_loop_is_never_starved, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_spurious_wakes_are_quieted, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_rehello_with_no_slot_free, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_held_replies_flow_when_read, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_handoff_tickets, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_handoff_expiry_and_bound, s_setup, s_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

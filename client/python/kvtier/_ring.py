@@ -8,16 +8,20 @@ unavailable: library() answers None and `why` says why; nothing raises.
 The library: KVTIER_LIBRARY (a path) when set, else "libkvtier.so.0" from the dynamic loader's
 path, else whatever ctypes.util.find_library("kvtier") finds.
 
-A Pair is one client's two rings inside its mapping of the arena: the request ring (this
-client is its producer) and the reply ring (its consumer). It holds ctypes views of both
-regions, which are exports of the mmap: the mapping cannot be closed while a Pair points into
-it (mmap.close() raises BufferError), so the Client drops the Pair (drop()) before unmapping.
-Only the Client's thread uses a Pair (a ring handle is single-threaded).
+A Pair is one client's two rings in the pair's own memory, a memfd the daemon hands to this
+process alone (fetch(): the ticket from HELLO, over the daemon's handoff socket): the request
+ring (this client is its producer) and the reply ring (its consumer). The Pair owns that
+mapping and the handoff connection (whose end says the daemon let the pair go, or died). It
+holds ctypes views of both regions, exports of the mmap, released by drop() before the mapping
+is closed. Only the Client's thread uses a Pair (a ring handle is single-threaded).
 """
 
 import ctypes
 import ctypes.util
+import mmap
 import os
+import select
+import socket
 import struct
 import threading
 
@@ -153,15 +157,72 @@ def parse(payload):
     return frames
 
 
+TICKET_HEX = 32                 # KVT_FDPASS_TICKET_HEX
+
+
+def fetch(offer, timeout_s):
+    """Collects the pair's memory that a HELLO offered (`fastpath: {socket, ticket, size, ...}`)
+    from the daemon's handoff socket: (mmap of `size` bytes, the open handoff connection).
+    Raises OSError / ValueError (the Client then stays on ZMQ)."""
+    path, ticket, size = offer.get("socket"), offer.get("ticket"), offer.get("size")
+    if not isinstance(path, str) or not isinstance(ticket, str) or len(ticket) != TICKET_HEX \
+            or not isinstance(size, int) or size <= 0:
+        raise ValueError("the fastpath offer names no handoff socket, ticket and size")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        sock.sendall(ticket.encode("ascii"))
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 256, 4)
+        try:
+            if msg[:1] == b"E":
+                raise ValueError("the daemon refused the ring pair: %s"
+                                 % msg[1:].decode("utf-8", "replace"))
+            if msg != b"K" or len(fds) != 1:
+                raise ValueError("the handoff socket answered no ring pair")
+            if os.fstat(fds[0]).st_size != size:
+                raise ValueError("the ring pair's memory is not the %d bytes offered" % size)
+            mm = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            for fd in fds:
+                os.close(fd)                  # the mapping keeps the memory
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return mm, sock
+
+
+def peer_gone(sock):
+    """Whether the daemon's end of a handoff connection has gone (it never sends while it
+    serves the pair). Never blocks."""
+    try:
+        r, _, x = select.select([sock], [], [sock], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(r or x)
+
+
 class Pair:
     """The request ring (producer) and the reply ring (consumer) of one HELLO's `fastpath`
-    offer, in `arena` (a writable mmap). Raises RingError / ValueError when the offer does not
+    offer, in the pair's memory collected with fetch() (the Pair owns the mapping and the
+    handoff connection from then on). Raises RingError / ValueError when the offer does not
     describe rings inside the mapping (the Client then stays on ZMQ)."""
 
-    def __init__(self, lib, arena, request, reply, capacity):
+    def __init__(self, lib, offer, timeout_s):
         self._lib = lib
         self._req = self._rep = None
         self._views = []
+        self._mm, self._sock = fetch(offer, timeout_s)
+        try:
+            self._setup(offer.get("request"), offer.get("reply"), offer.get("capacity"))
+        except BaseException:
+            self.drop(close=False)
+            raise
+
+    def _setup(self, request, reply, capacity):
+        lib, arena = self._lib, self._mm
         capacity = int(capacity)
         region = HDR_SIZE + capacity
         for off in (request, reply):
@@ -170,15 +231,11 @@ class Pair:
                                  % (off, region, len(arena)))
         if abs(request - reply) < region:
             raise ValueError("fastpath rings at %d and %d overlap" % (request, reply))
-        try:
-            # exports of the mmap: it cannot be closed under the rings (drop() releases them)
-            self._views = [(ctypes.c_char * region).from_buffer(arena, off)
-                           for off in (request, reply)]
-            self._req = self._attach(self._views[0], region, capacity, 1)
-            self._rep = self._attach(self._views[1], region, capacity, 0)
-        except BaseException:
-            self.drop(close=False)
-            raise
+        # exports of the mmap: it cannot be closed under the rings (drop() releases them)
+        self._views = [(ctypes.c_char * region).from_buffer(arena, off)
+                       for off in (request, reply)]
+        self._req = self._attach(self._views[0], region, capacity, 1)
+        self._rep = self._attach(self._views[1], region, capacity, 0)
         self.capacity = capacity
         self.request_offset = request
         self.reply_offset = reply
@@ -239,6 +296,10 @@ class Pair:
     def attached(self):
         return self._req is not None
 
+    def daemon_gone(self):
+        """True once the daemon let the pair go or died (its handoff connection ended)."""
+        return self._sock is None or peer_gone(self._sock)
+
     def drop(self, close):
         """Ends the pair: close=True first closes both of this client's sides (the daemon
         then drops the pair); close=False only detaches (the daemon closed it, or it is broken:
@@ -253,6 +314,12 @@ class Pair:
         self._req = self._rep = None
         views, self._views = self._views, []
         del views                             # the last references: the mmap is free again
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            mm.close()
+        sock, self._sock = getattr(self, "_sock", None), None
+        if sock is not None:
+            sock.close()                      # the daemon sees this client let go
 
     def __del__(self):
         # a Client collected without close(): free the handles (detaching never touches the

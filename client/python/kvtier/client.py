@@ -214,7 +214,7 @@ class Client:
                False: never (ZMQ only); True: ask (when the arena is mapped)
 
     Attributes: info (the HELLO reply body), instance, token (the instance's, from HELLO),
-    arena (mmap or None; with the fast path it also covers the rings past shm.size),
+    arena (mmap or None; shm.map_size bytes: shm.size rounded to pages),
     chunk_tokens, lease_ms, max_message, heartbeat_ms (0: none), fastpath (True while a ring
     pair is attached), fastpath_why (why not, when it is not).
     """
@@ -350,8 +350,7 @@ class Client:
             self.fastpath_why = "offered, but the arena is not mapped"
             return
         try:
-            self._ring = _ring.Pair(_ring.library(), self.arena, offer.get("request"),
-                                    offer.get("reply"), offer.get("capacity"))
+            self._ring = _ring.Pair(_ring.library(), offer, self.timeout_ms / 1000.0)
         except Exception as e:               # noqa: BLE001 - any bad offer: stay on ZMQ
             self.fastpath_why = "offered, but not attached: %s" % e
             return
@@ -441,8 +440,8 @@ class Client:
             return
         size = shm["size"]
         length = size
-        # the fast path's rings live past the L1 objects: map_size covers them (old daemons
-        # send none)
+        # daemons before issue 28 kept the fast path's rings past the objects: map_size
+        # covered them (older ones send none)
         map_size = shm.get("map_size")
         if self._want_fastpath and isinstance(map_size, int) and map_size > size:
             length = map_size
@@ -610,6 +609,9 @@ class Client:
         """A daemon that died closed nothing, but its arena file goes (the next daemon removes
         it as stale): then the ring is never served again, and the pair is dropped (calls go
         over ZMQ, where a restarted daemon answers and a new HELLO brings a new pair)."""
+        if self._ring is not None and self._ring.daemon_gone():
+            self._drop_ring("the daemon let the ring pair go (or died)")
+            return
         path, dev, ino = self._arena_ident
         try:
             st = os.stat(path)
