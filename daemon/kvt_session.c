@@ -58,6 +58,7 @@ struct kvt_conn {
     _Atomic uint64_t backlog;       /* daemon memory they hold */
     _Atomic uint64_t pinned;        /* arena bytes they pin */
     _Atomic uint64_t progress_ms;   /* a reply last completed (or the first one started) */
+    uint32_t held;                  /* kvt_conn_hold: its caller keeps state on it */
 };
 
 struct s_session {
@@ -226,6 +227,16 @@ static uint64_t s_session_remove(kvt_sessions_t *self, s_session_t *s, bool drop
 }
 
 /* ---- connections ---- */
+
+void kvt_conn_hold(kvt_sessions_t *self, kvt_conn_t *c, bool hold)
+{
+    pthread_mutex_lock(&self->lock);
+    if (hold)
+        c->held++;
+    else if (c->held)
+        c->held--;
+    pthread_mutex_unlock(&self->lock);
+}
 
 kvt_conn_t *kvt_conn_ref(kvt_conn_t *c)
 {
@@ -591,7 +602,7 @@ size_t kvt_sessions_sweep(kvt_sessions_t *self, uint64_t now_ms)
         } else if (pending && atomic_load_explicit(&c->backlog, memory_order_relaxed) >
                                   self->lim.max_reply_backlog) {
             s_cut(self, c, S_CUT_BACKLOG, now_ms);
-        } else if (!pending && !c->ninst && now_ms - c->last_ms > S_CONN_IDLE_MS &&
+        } else if (!pending && !c->ninst && !c->held && now_ms - c->last_ms > S_CONN_IDLE_MS &&
                    nidle < sizeof idle / sizeof idle[0]) {
             idle[nidle++] = c; /* retired after the walk: the table must not change under it */
         }

@@ -79,6 +79,10 @@ int kvt_conn_fd(const kvt_conn_t *c);
 /* The connection is gone (out of the tables); references may outlive it. Any thread. */
 bool kvt_conn_retired(const kvt_conn_t *c);
 
+/* The caller keeps state on c (an LMCache worker's registration) or lets it go: a held
+ * connection is not forgotten for silence, only when its close is reported. */
+void kvt_conn_hold(kvt_sessions_t *self, kvt_conn_t *c, bool hold);
+
 kvt_conn_t *kvt_conn_ref(kvt_conn_t *c);
 void kvt_conn_unref(kvt_conn_t **c_p);
 

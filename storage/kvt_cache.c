@@ -45,7 +45,7 @@ struct kvt_cache {
     pthread_mutex_t lock; /* owners; a leaf */
     kvt_u64map_t *owners; /* id -> kind, as a pointer-sized integer */
     uint64_t next_owner;
-    uint32_t nkind[3];
+    uint32_t nkind[4];
     s_listener_t listeners[S_MAX_LISTENERS];
     int nlisteners;
 
@@ -194,7 +194,7 @@ bool kvt_cache_lookup_cancel(kvt_cache_t *self, kvt_lookup_t *lk)
 int kvt_cache_owner_open(kvt_cache_t *self, kvt_owner_kind_t kind, uint64_t *owner, char *err,
                          size_t errlen)
 {
-    kvt_assert(kind == KVT_OWNER_V1 || kind == KVT_OWNER_LMCACHE);
+    kvt_assert(kind >= KVT_OWNER_V1 && kind <= KVT_OWNER_LMCACHE_CLIENT);
     pthread_mutex_lock(&self->lock);
     size_t open = kvt_u64map_size(self->owners);
     if (open >= self->cfg->max_instances) {
@@ -240,7 +240,7 @@ void kvt_cache_on_owner_gone(kvt_cache_t *self, kvt_owner_gone_fn fn, void *ctx)
 uint32_t kvt_cache_owners(kvt_cache_t *self, int kind)
 {
     pthread_mutex_lock(&self->lock);
-    uint32_t n = kind == KVT_OWNER_V1 || kind == KVT_OWNER_LMCACHE
+    uint32_t n = kind >= KVT_OWNER_V1 && kind <= KVT_OWNER_LMCACHE_CLIENT
                      ? self->nkind[kind]
                      : (uint32_t)kvt_u64map_size(self->owners);
     pthread_mutex_unlock(&self->lock);
@@ -362,8 +362,10 @@ void kvt_cache_set_events(kvt_cache_t *self, kvt_cache_event_fn fn, void *ctx)
 void kvt_cache_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
 {
     kvt_cache_t *self = ctx;
-    static const char *const kinds[] = {[KVT_OWNER_V1] = "v1", [KVT_OWNER_LMCACHE] = "lmcache"};
-    for (int k = KVT_OWNER_V1; k <= KVT_OWNER_LMCACHE; k++) {
+    static const char *const kinds[] = {[KVT_OWNER_V1] = "v1",
+                                        [KVT_OWNER_LMCACHE] = "lmcache",
+                                        [KVT_OWNER_LMCACHE_CLIENT] = "lmcache_client"};
+    for (int k = KVT_OWNER_V1; k <= KVT_OWNER_LMCACHE_CLIENT; k++) {
         kvt_sample_t s = {.name = "owners",
                           .help = "Open lease owners, by door (max_instances counts them all).",
                           .kind = KVT_METRIC_GAUGE,

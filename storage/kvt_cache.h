@@ -30,9 +30,14 @@
 
 typedef struct kvt_cache kvt_cache_t;
 
-/* Who holds leases: a protocol v1 client instance, an LMCache worker. The daemon itself is
+/* Who holds leases: a protocol v1 client instance, an LMCache worker, an LMCache client
+ * connection (the scheduler's lookups lock chunks for it). The daemon itself is
  * KVT_OWNER_DAEMON and never registered. */
-typedef enum { KVT_OWNER_V1 = 1, KVT_OWNER_LMCACHE = 2 } kvt_owner_kind_t;
+typedef enum {
+    KVT_OWNER_V1 = 1,
+    KVT_OWNER_LMCACHE = 2,        /* a registered LMCache worker */
+    KVT_OWNER_LMCACHE_CLIENT = 3, /* an LMCache door connection holding lookup locks */
+} kvt_owner_kind_t;
 
 /* Told when an owner closes, after its leases went: drop what else it held. Called on the
  * thread that closed it (the door of its kind). */

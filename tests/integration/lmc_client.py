@@ -282,7 +282,7 @@ class LmcClient:
     frame and returns the decoded value (None for a 2-frame reply), raising RemoteError for
     an error reply and NoReply when nothing comes within `timeout` s."""
 
-    def __init__(self, endpoint, ctx=None, timeout=RECV_TIMEOUT_S):
+    def __init__(self, endpoint, ctx=None, timeout=RECV_TIMEOUT_S, sockopts=None):
         self.endpoint = endpoint
         self.timeout = timeout
         self._own_ctx = ctx is None
@@ -291,6 +291,8 @@ class LmcClient:
         self.sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         self.sock.setsockopt(zmq.LINGER, 0)          # test hygiene; not on the wire
+        for opt, value in (sockopts or {}).items():   # a test's (a client that reads slowly)
+            self.sock.setsockopt(opt, value)
         self.sock.connect(endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)

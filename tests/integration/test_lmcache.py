@@ -293,20 +293,37 @@ def test_register_pool_and_idempotence(door):
     payload = LAY.payload(iid, MODEL, 1)
     reg = c.register(payload)
     check_register(reg)
-    # the same instance again (a worker after a reconnect): the same pool, from another DEALER
-    assert door.client().register(payload) == reg
-    assert c.register(payload) == reg
+    assert c.register(payload) == reg                 # again from its connection: the same
     # a payload with a field from a later version: ignored
     later = dict(payload, transfer_metadata_wire=None, kernel_groups=[])
     assert c.register(later) == reg
+    # issue 28: another DEALER cannot take a live worker's id, nor anyone change its layout
+    other = door.client().register(payload)
+    assert "another connection" in (other["error"] or ""), other
+    changed = c.register(Layout(3, 64, "float16", C).payload(iid, MODEL, 1))
+    assert "another layout" in (changed["error"] or ""), changed
+    # the worker after a reconnect: its old DEALER gone, a new one takes the registration over
+    c.close()
+    new = door.client()
+    wait_until(lambda: new.register(payload) == reg, 5,
+               what="the registration to pass to the worker's new connection")
+    new.close()
     # it maps read-write, and two mappings see each other's writes
     with Shm(reg["shm_name"], reg["pool_size"]) as a, Shm(reg["shm_name"], reg["pool_size"]) as b:
-        w = Worker(door, instance_id=iid)
+        w = wait_until(lambda: _worker_when_free(door, iid), 5, what="a Worker for the id")
         slots, idx = w.prepare(tokens_of("reg", 2 * C), 0, 2 * C)
         assert idx == [0, 1]
         a.write(slots[1]["offset"], b"kvtier-lmcache" * 10)
         assert b.read(slots[1]["offset"], 140) == b"kvtier-lmcache" * 10
         w.c.unregister(iid)
+
+
+def _worker_when_free(door, iid, **kw):
+    """A Worker registering `iid`, or None while another open connection holds it."""
+    try:
+        return Worker(door, instance_id=iid, **kw)
+    except AssertionError:
+        return None
 
 
 @pytest.mark.parametrize("layout", [
@@ -865,8 +882,13 @@ def test_status_lists_contexts(door):
         assert isinstance(lm, dict), "/status has no lmcache object"
         assert lm.get("endpoint") == door.endpoint, lm
         assert isinstance(lm.get("contexts"), list), lm
-        found = [x for x in lm["contexts"] if str(x.get("instance_id")) == str(w.iid)]
+        # issue 28: the id, the only credential of LMCache's wire, is not published
+        assert all("instance_id" not in x for x in lm["contexts"]), lm["contexts"]
+        assert str(w.iid) not in json.dumps(lm), lm
+        found = [x for x in lm["contexts"] if x.get("model_name") == MODEL]
         assert len(found) <= 1, lm["contexts"]
+        if found:
+            assert isinstance(found[0]["worker"], str) and len(found[0]["worker"]) == 12
         return found[0] if found else None
 
     e = entry()
@@ -1011,7 +1033,7 @@ def test_max_instances_counts_both_doors(door):
     assert e.value.code == "busy" and "max_instances (3)" in str(e.value), e.value
     _, samples = door.d.metrics()
     owners = {s.labels.get("kind"): s.value for s in samples if s.name == "kvtier_owners"}
-    assert owners == {"v1": 2, "lmcache": 1}, owners
+    assert owners == {"v1": 2, "lmcache": 1, "lmcache_client": 0}, owners
     toks = tokens_of("cap", 2 * C)
     slots, idx = w.prepare(toks, 0, 2 * C)
     assert idx == [0, 1]
@@ -1041,7 +1063,7 @@ def test_one_liveness_rule_for_both_doors(door):
         return {s.labels.get("kind"): s.value for s in door.d.metrics()[1]
                 if s.name == "kvtier_owners"}
 
-    assert owners() == {"v1": 1, "lmcache": 2}
+    assert owners() == {"v1": 1, "lmcache": 2, "lmcache_client": 0}
     toks = tokens_of("alive", 2 * C)
     assert silent.prepare(toks, 0, 2 * C)[1] == [0, 1]
     t0 = time.monotonic()
@@ -1055,16 +1077,117 @@ def test_one_liveness_rule_for_both_doors(door):
                 metric_value(door.d.metrics()[1], "kvtier_leases_active") == 0):
             break
         time.sleep(0.1)
-    assert owners() == {"v1": 0, "lmcache": 2}, owners()
+    assert owners() == {"v1": 0, "lmcache": 2, "lmcache_client": 0}, owners()
     assert metric_value(door.d.metrics()[1], "kvtier_leases_active") == 0
     assert time.monotonic() - t0 >= lease_ms / 1000.0 - 0.05
     # past reap_timeout_s the silent worker is closed; the pinging one is not
     while time.monotonic() - t0 < 4.5 and owners().get("lmcache") != 1:
         live.c.ping(live.iid)
         time.sleep(0.1)
-    assert owners() == {"v1": 0, "lmcache": 1}, owners()
+    assert owners() == {"v1": 0, "lmcache": 1, "lmcache_client": 0}, owners()
     assert time.monotonic() - t0 >= 1.9
     assert silent.c.prepare_store(silent.key(toks, 0, C), silent.iid) == NO_SLOTS
     assert "silent past lmcache.reap_timeout_s" in door.d.stderr_text()
     assert live.store(toks, 0, 2 * C, "alive") == [0, 1]
 
+
+
+# ----------------------------------------------------------------------------------------
+# Issue 28: no door client acts for another
+
+
+def test_a_worker_belongs_to_the_connection_that_registered_it(door):
+    """Another DEALER that knows a live worker's instance_id can neither unregister it, nor
+    store or read as it, nor renew it, nor re-register the id with another layout; the worker
+    never notices. Nothing in /status gives the id away."""
+    door.start()
+    w = Worker(door)
+    toks = tokens_of("owned", 2 * C)
+    assert w.store(toks, 0, C, "owned") == [0]
+    hostile = door.client()
+    hostile.unregister(w.iid)                          # an ack, and nothing happens
+    assert hostile.prepare_store(w.key(toks, C, 2 * C), w.iid) == NO_SLOTS
+    assert hostile.commit_store(w.key(toks, 0, C), w.iid, b"") is False
+    got = hostile.prepare_retrieve(w.key(toks, 0, C), w.iid)
+    assert got["success"] is False and got["context"]["slots"] == [], got
+    assert hostile.commit_retrieve(w.key(toks, 0, C), w.iid) is False
+    assert hostile.ping(w.iid) is True                 # always true, as LMCache requires
+    bad = hostile.register(Layout(3, 64, "float16", C).payload(w.iid, MODEL, 1))
+    assert bad["error"], bad
+    # the worker carries on with its registration, layout and data
+    assert w.store(toks, C, 2 * C, "owned") == [0]    # chunk 1, index 0 of the range
+    assert w.retrieve(toks, 0, 2 * C) == w.expected("owned", 0, 2)
+    assert "registered by another connection" in door.d.stderr_text() or \
+        "other than the one that registered it" in door.d.stderr_text()
+    assert str(w.iid) not in json.dumps(door.d.http_json("GET", "/status"))
+
+
+def test_registrations_per_connection_are_capped(door):
+    """One DEALER cannot register thousands of workers and lock real ones out: it gets
+    max_instances_per_connection, as a v1 connection gets that many instances."""
+    door.start("--max-instances-per-connection", "3")
+    c = door.client()
+    for i in range(3):
+        check_register(c.register(LAY.payload(new_instance_id(), "cap/%d" % i, 1)))
+    reg = c.register(LAY.payload(new_instance_id(), "cap/3", 1))
+    assert "max_instances_per_connection" in (reg["error"] or ""), reg
+    Worker(door, model="cap/other")                    # another connection still registers
+    _, samples = door.d.metrics()
+    owners = {s.labels.get("kind"): s.value for s in samples if s.name == "kvtier_owners"}
+    assert owners["lmcache"] == 4, owners
+
+
+def test_a_door_client_that_stops_reading_is_cut(door):
+    """A worker that sends and never reads its replies is disconnected once they hold more
+    than max_reply_backlog bytes of daemon memory (or stop moving for reply_timeout_ms), as on
+    protocol v1, instead of piling them up in the daemon (1,000 unread replies of 1.1 MiB grew
+    its RSS by a GiB before). Here: prepare_retrieve of 2,048 stored chunks, ~100 KB a reply."""
+    door.start("--max-reply-backlog", "1M", transport="tcp")
+    small = Layout(1, 8, "float16", C)
+    n = 2048
+    w = Worker(door, model="flood", layout=small)
+    toks = tokens_of("flood", n * C)
+    assert len(w.store(toks, 0, n * C, "flood")) == n
+    c = LmcClient(door.endpoint, ctx=door.ctx,
+                  sockopts={zmq.RCVHWM: 1, zmq.RCVBUF: 4096, zmq.SNDHWM: 0})
+    door._clients.append(c)
+    iid = new_instance_id()
+    check_register(c.register(small.payload(iid, "flood", 1)))
+    key = ipc_key("flood", 1, 0, toks, 0, n * C, "flood-req")
+    for _ in range(200):                                 # ~20 MB of replies, none read
+        c.send(OPS["prepare_retrieve"], key, iid)
+    wait_until(lambda: "more reply bytes unread than max_reply_backlog" in door.d.stderr_text()
+               or "stopped reading its replies" in door.d.stderr_text(),
+               20, what="the connection that does not read to be cut")
+    assert door.client().noop() == "OK"
+    assert w.retrieve(toks, 0, C) == w.expected("flood", 0, 1)
+    assert door.d.alive()
+
+
+def test_lookup_locks_are_charged_to_the_asking_connection(door):
+    """Read locks a lookup takes are leases of the asking connection's own owner: held to
+    max_leased_bytes like a v1 client's (one DEALER pinned 12 MiB past a 1 MiB limit before),
+    and released when that connection closes."""
+    big = Layout(2, 1024, "float16", C)                 # 128 KiB per chunk
+    door.start("--max-leased-bytes", "1M")
+    w = Worker(door, model="locks", layout=big)
+    toks = tokens_of("locks", 4 * C)
+    assert w.store(toks, 0, 4 * C, "locks") == [0, 1, 2, 3]     # 512 KiB per lookup
+    sched = door.client()
+    got = [hits(sched, "locks", 1, toks) for _ in range(1)]
+    # the session ends (end_session) in hits(): look up without ending, to keep the locks
+    rids = []
+    for i in range(5):
+        r = rid("hold")
+        sched.lookup(ipc_key("locks", 1, None, toks, 0, 4 * C, r), 1)
+        rids.append((r, sched.query_prefetch_status(r)))
+    counts = [n for _, n in rids]
+    assert counts[:2] == [4, 4] and all(n < 4 for n in counts[2:]), counts
+    assert got == [4]
+    _, samples = door.d.metrics()
+    owners = {s.labels.get("kind"): s.value for s in samples if s.name == "kvtier_owners"}
+    assert owners["lmcache_client"] >= 1, owners
+    sched.close()                                       # its locks go with it
+    other = door.client()
+    wait_until(lambda: hits(other, "locks", 1, toks) == 4, 5,
+               what="the closed connection's locks to be released")
