@@ -128,6 +128,9 @@ static const s_opt_t s_options[] = {
           "most HTTP connections at once (at most half the free file descriptors)"),
     S_NUM("http_timeout_s", "--http-timeout-s", "KVTIER_HTTP_TIMEOUT_S", S_UINT32, http_timeout_s,
           1, 3600, "3", 0, "S", "an HTTP connection idle (or sending nothing) this long is closed"),
+    S_STR("http_hosts", "--http-hosts", "KVTIER_HTTP_HOSTS", http_hosts, "", 0, NULL, "NAMES",
+          "host names besides IP addresses, localhost and this machine's name that HTTP answers "
+          "to (comma-separated)"),
     S_STR("events", "--events", "KVTIER_EVENTS", events, "", 0, s_check_optional_endpoint,
           "ENDPOINT", "ZMQ PUB endpoint for cache events; \"\" for none"),
     S_STR("run_dir", "--run-dir", "KVTIER_RUN_DIR", run_dir, "./var/run", 0, s_check_nonempty,

@@ -21,6 +21,7 @@ typedef struct kvt_config {
     char *http;     /* "ADDR:PORT", or "" to disable HTTP */
     uint32_t http_max_connections; /* bounded at start by RLIMIT_NOFILE (kvt_http) */
     uint32_t http_timeout_s;       /* idle HTTP connections are closed after this */
+    char *http_hosts;              /* extra Host names HTTP answers to, comma-separated */
     char *events;   /* ZMQ PUB endpoint, or "" for none */
     char *run_dir;  /* ipc socket, pid-style runtime files */
     char *data_dir; /* default home of the fs L2 */

@@ -28,9 +28,12 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #define S_TICK_MS 200
+
+static kvt_errrep_t s_rep_refused = KVT_ERRREP_INIT(10000);
 
 /* The status page (daemon/kvt_status_page.html), as bytes the Makefile generates from it at
  * build time, so that the page stays an HTML file to edit and the binary needs no file at run
@@ -206,6 +209,113 @@ static json_t *s_status(kvt_http_t *self)
     return st;
 }
 
+/* The request headers the checks below look at. */
+typedef struct {
+    int content_length, transfer_encoding, host;
+    const char *host_value, *origin, *content_type;
+} s_hdrs_t;
+
+static enum MHD_Result s_hdr(void *cls, enum MHD_ValueKind kind, const char *key,
+                             const char *value)
+{
+    (void)kind;
+    s_hdrs_t *h = cls;
+    if (strcasecmp(key, "Content-Length") == 0)
+        h->content_length++;
+    else if (strcasecmp(key, "Transfer-Encoding") == 0)
+        h->transfer_encoding++;
+    else if (strcasecmp(key, "Host") == 0) {
+        h->host++;
+        h->host_value = value;
+    } else if (strcasecmp(key, "Origin") == 0)
+        h->origin = value;
+    else if (strcasecmp(key, "Content-Type") == 0)
+        h->content_type = value;
+    return MHD_YES;
+}
+
+/* Whether `host` (a Host header: name or address, with or without a port) names this daemon
+ * the way a client on this machine or network would: an IP address, localhost, or this
+ * machine's name. A web page that rebinds its own DNS name to 127.0.0.1 sends its own name,
+ * and is refused. */
+static bool s_host_ok(const char *host, const char *extra)
+{
+    char name[256];
+    size_t n = strlen(host);
+    if (n == 0 || n >= sizeof name)
+        return false;
+    if (host[0] == '[') /* an IPv6 literal, [addr] or [addr]:port */
+        return strchr(host, ']') != NULL;
+    memcpy(name, host, n + 1);
+    char *colon = strchr(name, ':');
+    if (colon) {
+        if (strchr(colon + 1, ':'))
+            return false; /* a bare IPv6 address is not a valid Host */
+        *colon = '\0';
+    }
+    struct in_addr a4;
+    if (inet_pton(AF_INET, name, &a4) == 1 || strcasecmp(name, "localhost") == 0)
+        return true;
+    for (const char *p = extra; p && *p;) { /* http_hosts */
+        size_t len = strcspn(p, ",");
+        if (len && len == strlen(name) && strncasecmp(p, name, len) == 0)
+            return true;
+        p += len + (p[len] == ',');
+    }
+    char me[256];
+    if (gethostname(me, sizeof me) == 0) {
+        me[sizeof me - 1] = '\0';
+        size_t m = strlen(me);
+        if (strcasecmp(name, me) == 0 ||
+            (strncasecmp(name, me, m) == 0 && name[m] == '.')) /* its FQDN */
+            return true;
+    }
+    return false;
+}
+
+/* Refuses what a web page in a browser on this machine could make it do, and ambiguous
+ * framing: a sentence and the status, or NULL when the request may go on. */
+static const char *s_refuse(kvt_http_t *self, struct MHD_Connection *conn, const char *url,
+                            bool post, unsigned *status)
+{
+    s_hdrs_t h = {0};
+    MHD_get_connection_values(conn, MHD_HEADER_KIND, s_hdr, &h);
+    *status = 400;
+    if (h.content_length > 1)
+        return "bad request: more than one Content-Length header\n";
+    if (h.content_length && h.transfer_encoding)
+        return "bad request: both Content-Length and Transfer-Encoding\n";
+    if (h.host > 1)
+        return "bad request: more than one Host header\n";
+    *status = 403;
+    /* health probes say nothing and change nothing: any Host (kubelet, load balancers) */
+    bool probe = strcmp(url, "/healthz") == 0 || strcmp(url, "/readyz") == 0;
+    if (h.host_value && !probe && !s_host_ok(h.host_value, self->cfg->http_hosts))
+        return "forbidden: the Host header does not name this daemon (use its IP address, "
+               "localhost, this machine's name or a name in http_hosts); a web page that points "
+               "its own name at this address is refused\n";
+    if (!post)
+        return NULL;
+    if (h.origin && h.host_value) {
+        /* a browser's POST says where the page came from: only this daemon's own page */
+        const char *o = h.origin;
+        if (strncmp(o, "http://", 7) != 0 || strcmp(o + 7, h.host_value) != 0)
+            return "forbidden: a cross-origin POST (a web page's) is refused\n";
+    } else if (h.origin) {
+        return "forbidden: a cross-origin POST (a web page's) is refused\n";
+    }
+    if (h.content_type) {
+        /* the bodies a page may send anywhere without asking first (CORS "simple" types) */
+        static const char *const simple[] = {"application/x-www-form-urlencoded",
+                                             "multipart/form-data", "text/plain"};
+        for (size_t i = 0; i < sizeof simple / sizeof simple[0]; i++)
+            if (strncasecmp(h.content_type, simple[i], strlen(simple[i])) == 0)
+                return "forbidden: POST takes no form or text body (what a web page can send "
+                       "anywhere); send it without one, e.g. curl -X POST\n";
+    }
+    return NULL;
+}
+
 static enum MHD_Result s_route(void *cls, struct MHD_Connection *conn, const char *url,
                                const char *method, const char *version, const char *upload,
                                size_t *upload_size, void **con_cls)
@@ -215,6 +325,21 @@ static enum MHD_Result s_route(void *cls, struct MHD_Connection *conn, const cha
     kvt_http_t *self = cls;
     bool get = strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0;
     bool post = strcmp(method, "POST") == 0;
+    static char refused; /* *con_cls of a request answered by s_refuse: nothing more runs */
+    if (*con_cls == &refused) {
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (*con_cls == NULL) {
+        unsigned status;
+        const char *why = s_refuse(self, conn, url, post, &status);
+        if (why) {
+            kvt_errrep_report(&s_rep_refused, KVT_LOG_WARN, "http: %s %s refused: %.*s", method,
+                              url, (int)strcspn(why, "\n"), why);
+            *con_cls = &refused;
+            return s_text(conn, status, why);
+        }
+    }
     if (post && *con_cls == NULL) {
         /* first call of a POST: headers only; the body (ignored) follows */
         *con_cls = self;

@@ -131,3 +131,68 @@ def test_clear_refuses_an_ns_the_wire_refuses(daemon_factory):
     status, doc = _clear(d, "")
     assert status == 200 and doc["removed"] == 2, doc
     wait_until(lambda: d.hits(s, "keep", [key(1)]) == 0, 2, what="CLEAR of everything")
+
+
+def _raw(d, request):
+    """One raw HTTP exchange: (status, body)."""
+    c = socket.create_connection(("127.0.0.1", d.http_port), timeout=5)
+    try:
+        c.sendall(request)
+        data = b""
+        while True:
+            chunk = c.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            if b"\r\n\r\n" in data:
+                head, _, rest = data.partition(b"\r\n\r\n")
+                m = re.search(rb"content-length:\s*(\d+)", head, re.I)
+                if m and len(rest) >= int(m.group(1)):
+                    break
+    finally:
+        c.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body
+
+
+def test_a_web_page_cannot_clear_the_cache_or_read_status(daemon_factory):
+    """Issue 28 item 10: what a page open in a browser on the node could send is refused — a
+    cross-origin POST /clear (Origin http://evil, text/plain, no preflight), a form or text
+    body, a GET /status under the page's own rebound name — and ambiguous framing (two
+    Content-Length headers) is a 400. curl, the CLI and the daemon's own page still work."""
+    d = daemon_factory("--l2", "none", "--http-hosts", "kvtier.example,scrape.local")
+    s = d.dealer()
+    d.ok(s, PUT, {"ns": "web", "keys": [key(1)]}, b"x" * 100)
+    port = d.http_port
+    evil = [{"Origin": "http://evil", "Content-Type": "text/plain"},
+            {"Origin": "http://evil"},
+            {"Content-Type": "application/x-www-form-urlencoded"},
+            {"Content-Type": "text/plain;charset=UTF-8"},
+            {"Origin": "null", "Content-Type": "multipart/form-data; boundary=x"}]
+    for headers in evil:
+        status, _, body = d.http("POST", "/clear", body=b"x=1", headers=headers)
+        assert status == 403, (headers, status, body)
+    assert d.hits(s, "web", [key(1)]) == 1, "a refused POST /clear removed objects"
+    # DNS rebinding: the page's name for 127.0.0.1
+    for host in ("evil.example:%d" % port, "evil.example", "127.0.0.1.evil.example"):
+        status, _, body = d.http("GET", "/status", headers={"Host": host})
+        assert status == 403 and b"Host" in body, (host, status, body)
+    for host in ("127.0.0.1:%d" % port, "localhost:%d" % port, "[::1]:%d" % port,
+                 socket.gethostname(), "kvtier.example:%d" % port, "SCRAPE.local"):
+        assert d.http("GET", "/status", headers={"Host": host})[0] == 200, host
+    # probes answer under any name (kubelet, load balancers)
+    assert d.http("GET", "/healthz", headers={"Host": "evil.example"})[0] == 200
+    # framing
+    status, body = _raw(d, b"POST /clear HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n"
+                           b"Content-Length: 5\r\n\r\nhello")
+    assert status == 400 and b"Content-Length" in body, (status, body)
+    status, body = _raw(d, b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil\r\n\r\n")
+    assert status == 400, (status, body)
+    assert d.hits(s, "web", [key(1)]) == 1
+    # what is allowed: no body (curl -X POST), the daemon's own page (same origin)
+    status, _, body = d.http("POST", "/clear?ns=other")
+    assert status == 200, body
+    status, _, body = d.http("POST", "/clear?ns=web",
+                             headers={"Origin": "http://127.0.0.1:%d" % port})
+    assert status == 200 and json.loads(body)["removed"] == 1, body
+    assert d.alive()
