@@ -30,7 +30,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/un.h>
+#include <unistd.h>
 
 typedef enum {
     S_STRING,      /* char * (may carry a validator, e.g. log_level) */
@@ -1103,9 +1106,26 @@ int kvt_config_apply_json(kvt_config_t *self, const char *text, size_t len, cons
 
 int kvt_config_apply_file(kvt_config_t *self, const char *path, char *err, size_t errlen)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f)
+    /* O_NONBLOCK: a FIFO (or a device) at the path must not hang whoever reads it (at start,
+     * or the SIGHUP reload); it is refused below, by what fstat says it is */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0)
         return s_fail(err, errlen, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return s_fail(err, errlen, "%s: not a regular file (a config file is one)", path);
+    }
+    if ((uint64_t)st.st_size > S_MAX_FILE) {
+        close(fd);
+        return s_fail(err, errlen, "%s: larger than %u bytes, not a config file", path,
+                      S_MAX_FILE);
+    }
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return s_fail(err, errlen, "%s: cannot read: %s", path, strerror(errno));
+    }
     size_t cap = 4096, len = 0;
     char *buf = malloc(cap);
     kvt_assert(buf != NULL);

@@ -9,7 +9,10 @@
 #include "kvt_log.h"
 
 #include <jansson.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +21,9 @@ struct kvt_reload {
     int argc;
     char *const *argv;
     const kvt_config_t *running;
+    pthread_t thread;     /* the reload running, while `busy` */
+    atomic_bool busy;     /* a reload thread runs (or ran and was not joined yet) */
+    atomic_bool finished; /* it returned: join it */
 };
 
 static volatile sig_atomic_t s_requested;
@@ -55,10 +61,22 @@ void kvt_reload_destroy(kvt_reload_t **self_p)
     if (!self_p || !*self_p)
         return;
     signal(SIGHUP, SIG_IGN); /* a late SIGHUP must not kill a daemon that is stopping */
-    if (s_active == *self_p)
+    kvt_reload_t *self = *self_p;
+    if (s_active == self)
         s_active = NULL;
-    free(*self_p);
     *self_p = NULL;
+    if (atomic_load(&self->busy)) {
+        /* a reload stuck on a file system is not waited for past 2 s: it and its context are
+         * left to the process's end */
+        struct timespec at;
+        clock_gettime(CLOCK_REALTIME, &at);
+        at.tv_sec += 2;
+        if (pthread_timedjoin_np(self->thread, NULL, &at) != 0) {
+            kvt_log(KVT_LOG_WARN, "config: a SIGHUP reload is still reading its files at stop");
+            return;
+        }
+    }
+    free(self);
 }
 
 /* The options (dotted names for grouped ones) whose values differ; returns how many. */
@@ -140,11 +158,41 @@ static void s_reload(const kvt_reload_t *self)
     kvt_config_destroy(&fresh);
 }
 
+static void *s_reload_thread(void *arg)
+{
+    kvt_reload_t *self = arg;
+    s_reload(self);
+    atomic_store(&self->finished, true);
+    return NULL;
+}
+
+/* The reload reads files (the config, and what it names): on a thread of its own, so that a
+ * slow or hung file system never stalls the server loop that calls this. */
 void kvt_reload_run_pending(void)
 {
+    kvt_reload_t *self = s_active;
+    if (!self)
+        return;
+    if (atomic_load(&self->busy) && atomic_load(&self->finished)) {
+        pthread_join(self->thread, NULL);
+        atomic_store(&self->busy, false);
+    }
     if (!s_requested)
         return;
+    static bool told; /* once per reload waited for */
+    if (atomic_load(&self->busy)) {
+        if (!told)
+            kvt_log(KVT_LOG_WARN, "config: SIGHUP: the previous reload is still reading its "
+                                  "files; this one runs after it");
+        told = true;
+        return; /* s_requested stays: it runs once that one ends */
+    }
+    told = false;
     s_requested = 0;
-    if (s_active)
-        s_reload(s_active);
+    atomic_store(&self->finished, false);
+    atomic_store(&self->busy, true);
+    if (pthread_create(&self->thread, NULL, s_reload_thread, self) != 0) {
+        atomic_store(&self->busy, false);
+        kvt_log(KVT_LOG_ERROR, "config: SIGHUP: cannot start the reload; nothing changed");
+    }
 }

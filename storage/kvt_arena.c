@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -295,6 +296,10 @@ static int s_map_shm(kvt_arena_t *self, const kvt_config_t *cfg, int fd, char *e
     int rc = 0;
     if (madvise(self->base, self->size, MADV_POPULATE_WRITE) != 0) {
         rc = errno;
+        /* a page tmpfs cannot allocate is a SIGBUS on access, which MADV_POPULATE_WRITE
+         * reports as EFAULT ("Bad address"): what it means here is a full /dev/shm */
+        if (rc == EFAULT)
+            rc = ENOSPC;
         if (rc == EINVAL) { /* before Linux 5.14: reserve, then touch every page */
             rc = posix_fallocate(fd, 0, (off_t)self->size);
             for (uint64_t off = 0; rc == 0 && off < self->size; off += S_SMALL)
@@ -302,10 +307,15 @@ static int s_map_shm(kvt_arena_t *self, const kvt_config_t *cfg, int fd, char *e
         }
     }
     if (rc != 0) {
+        struct statvfs vfs;
+        char room[96] = "";
+        if (statvfs(S_SHM_DIR, &vfs) == 0)
+            snprintf(room, sizeof room, "; the file system holds %llu bytes in all",
+                     (unsigned long long)vfs.f_blocks * vfs.f_frsize);
         snprintf(err, errlen,
-                 "l1: cannot reserve %llu bytes in %s: %s (is /dev/shm large enough? see "
-                 "docs/operations.md)",
-                 (unsigned long long)self->size, S_SHM_DIR, strerror(rc));
+                 "l1: cannot reserve %llu bytes in %s: %s%s (make l1_size smaller or %s "
+                 "larger: see docs/operations.md)",
+                 (unsigned long long)self->size, S_SHM_DIR, strerror(rc), room, S_SHM_DIR);
         return KVT_ENOSPC;
     }
     uint64_t page = 0, pmd = 0;

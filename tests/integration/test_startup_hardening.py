@@ -343,6 +343,35 @@ def test_sighup_reloads_the_log_level_and_keeps_serving(daemon_factory):
     assert d.stop() == 0
 
 
+def test_sighup_with_a_fifo_at_the_config_path_keeps_serving(daemon_factory):
+    """Issue 28 item 11: a FIFO (no writer) put where the config file was used to block the
+    server loop in open() at SIGHUP (no PING answered, /readyz "thread server stuck"). It is
+    refused as not a regular file, off the server loop, and serving goes on; at start the same
+    path is a configuration error (exit 2), not a hang."""
+    d = daemon_factory("--l2", "none", start=False)
+    cfg = os.path.join(d.dir, "kvtier.json")
+    with open(cfg, "w") as f:
+        f.write('{"lease_ms": 30000}\n')
+    d.args += ["--config", cfg]
+    d.start()
+    s = d.dealer()
+    os.remove(cfg)
+    os.mkfifo(cfg)
+    d.send_signal(signal.SIGHUP)
+    t0 = time.monotonic()
+    for _ in range(5):
+        d.ping(s)
+    assert time.monotonic() - t0 < 2.0
+    wait_until(lambda: [l for l in d.log_lines(5) if "SIGHUP" in l and "not a regular file" in l],
+               5, what="the reload to refuse the FIFO")
+    assert d.http("GET", "/readyz")[0] == 200
+    assert d.stop() == 0
+    e = daemon_factory("--l2", "none", "--config", cfg, start=False)
+    proc = subprocess.run(e.argv, capture_output=True, text=True, timeout=20, env=e.env)
+    assert proc.returncode == 2 and "not a regular file" in proc.stderr, (proc.returncode,
+                                                                         proc.stderr[-500:])
+
+
 def test_sighup_without_a_config_file(daemon_factory):
     d = daemon_factory("--l2", "none")
     d.send_signal(signal.SIGHUP)
@@ -455,3 +484,22 @@ def test_curve_require_refuses_plain_tcp(daemon_factory, kvt_cli_bin, tmp_path):
                        "--curve-clients", str(clients))
     c.ping(c.dealer())
     assert not [l for l in c.log_lines(4) if "CURVE" in l and c.tcp in l], c.stderr_tail()
+
+
+def test_a_short_dev_shm_says_no_space(daemon_factory):
+    """Issue 28 item 12: an arena larger than /dev/shm fails at start with "No space left on
+    device" and the sizes, not "Bad address" (what MADV_POPULATE_WRITE reports for it). The
+    daemon runs in a mount namespace of its own with a 16 MiB /dev/shm."""
+    import shutil
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c",
+             "mount -t tmpfs none /dev/shm"], capture_output=True, timeout=10).returncode != 0:
+        pytest.skip("needs unshare -m and mount (root or CAP_SYS_ADMIN) for a private /dev/shm")
+    d = daemon_factory("--l2", "none", start=False,
+                       prefix=["unshare", "-m", "--propagation", "private", "sh", "-c",
+                               'mount -t tmpfs -o size=16m none /dev/shm && exec "$0" "$@"'])
+    proc = subprocess.run(d.argv, capture_output=True, text=True, timeout=60, env=d.env)
+    assert proc.returncode != 0
+    assert "No space left on device" in proc.stderr and "Bad address" not in proc.stderr, \
+        proc.stderr[-800:]
+    assert "16777216" in proc.stderr, proc.stderr[-800:]
