@@ -26,6 +26,7 @@
 #include <limits.h>
 #include <mntent.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,8 +59,60 @@ struct kvt_arena {
     bool pinned;
     bool hugetlb;
     bool unlink;    /* path is ours: unlink it on failure and at destroy */
+    int fd;         /* kept open: the file's size is restored through it (kvt_arena_check) */
     char pages[80]; /* for the log: "2 MiB pages, hugetlbfs", "4 KiB pages, THP requested" */
 };
+
+/* ---- the truncation guard ---------------------------------------------------------------
+ * Whoever may write the arena file may truncate it, and every access to the lost part of a
+ * mapping is then a SIGBUS. The daemon keeps the file's descriptor and, in its SIGBUS handler,
+ * for a fault inside the arena, gives the file its size back (fstat and ftruncate are
+ * async-signal-safe) and lets the access run again on a fresh page; the lowest size seen goes
+ * to s_cut, for kvt_arena_check's caller to drop the objects whose bytes were lost. A fault
+ * elsewhere, or a size that cannot be restored, goes to the handler that was there before
+ * (the default: a core). One arena per process. */
+static kvt_arena_t *s_guarded;
+static struct sigaction s_prev_bus;
+static _Atomic uint64_t s_cut = UINT64_MAX;
+
+static void s_cut_note(uint64_t size)
+{
+    uint64_t cur = atomic_load(&s_cut);
+    while (size < cur && !atomic_compare_exchange_weak(&s_cut, &cur, size))
+        ;
+}
+
+static void s_on_sigbus(int sig, siginfo_t *si, void *uc)
+{
+    kvt_arena_t *a = s_guarded;
+    uint8_t *p = si ? (uint8_t *)si->si_addr : NULL;
+    struct stat st;
+    if (a && p >= (uint8_t *)a->base && p < (uint8_t *)a->base + a->size &&
+        fstat(a->fd, &st) == 0) {
+        if ((uint64_t)st.st_size >= a->size)
+            return; /* restored meanwhile (another thread, kvt_arena_check): run it again */
+        s_cut_note((uint64_t)st.st_size);
+        if (ftruncate(a->fd, (off_t)a->size) == 0)
+            return;
+    }
+    sigaction(SIGBUS, &s_prev_bus, NULL);
+    if (s_prev_bus.sa_flags & SA_SIGINFO) {
+        if (s_prev_bus.sa_sigaction)
+            s_prev_bus.sa_sigaction(sig, si, uc);
+    } else if (s_prev_bus.sa_handler != SIG_DFL && s_prev_bus.sa_handler != SIG_IGN) {
+        s_prev_bus.sa_handler(sig);
+    } /* SIG_DFL: returning faults again, now to the default action */
+}
+
+static void s_guard(kvt_arena_t *self)
+{
+    if (s_guarded)
+        return;
+    struct sigaction sa = {.sa_sigaction = s_on_sigbus, .sa_flags = SA_SIGINFO | SA_NODEFER};
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &s_prev_bus) == 0)
+        s_guarded = self;
+}
 
 /* The pid in a segment name "<prefix><16 hex>-<pid>", or 0 when the name is not in that form. */
 static long s_name_pid(const char *name, size_t plen)
@@ -450,8 +503,9 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
             s_map_shm(self, cfg, fd, err, errlen) != 0 || s_pin(self, cfg, err, errlen) != 0)
             goto fail;
     }
-    close(fd);
+    self->fd = fd;
     fd = -1;
+    s_guard(self);
     if (self->size != want_size)
         kvt_log(KVT_LOG_INFO, "l1: l1_size %llu rounded up to %llu, a multiple of the page size",
                 (unsigned long long)want_size, (unsigned long long)self->size);
@@ -470,10 +524,30 @@ void kvt_arena_destroy(kvt_arena_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvt_arena_t *self = *self_p;
+    if (s_guarded == self) {
+        sigaction(SIGBUS, &s_prev_bus, NULL);
+        s_guarded = NULL;
+    }
+    close(self->fd);
     munmap(self->base, self->size);
     unlink(self->path);
     free(self);
     *self_p = NULL;
+}
+
+uint64_t kvt_arena_check(kvt_arena_t *self)
+{
+    struct stat st;
+    if (fstat(self->fd, &st) == 0 && (uint64_t)st.st_size < self->size) {
+        s_cut_note((uint64_t)st.st_size);
+        if (ftruncate(self->fd, (off_t)self->size) != 0)
+            kvt_log(KVT_LOG_ERROR, "l1: cannot restore the size of %s: %s", self->path,
+                    strerror(errno));
+        else if (!self->hugetlb)
+            /* the lost pages come back as new ones: allocate them now, not at a fault */
+            (void)madvise(self->base, self->size, MADV_POPULATE_WRITE);
+    }
+    return atomic_exchange(&s_cut, UINT64_MAX);
 }
 
 void *kvt_arena_base(const kvt_arena_t *self)

@@ -46,4 +46,10 @@ uint64_t kvt_arena_page_size(const kvt_arena_t *self);
 /* The arena really is on 2 MiB (or larger) pages. */
 bool kvt_arena_huge(const kvt_arena_t *self);
 
+/* Another process truncated the arena file (anyone who may write it can): its size is given
+ * back here, or already was by the SIGBUS guard when the daemon touched the lost part (see
+ * kvt_arena.c). Returns the lowest size the file was seen cut to since the last call (bytes
+ * past it are zeros now), or UINT64_MAX when it was never cut. Any thread; cheap (one fstat). */
+uint64_t kvt_arena_check(kvt_arena_t *self);
+
 #endif

@@ -98,6 +98,7 @@ struct kvt_l1 {
     zhashx_t *ns_table;
     uint64_t capacity, high_bytes, low_bytes;
     _Atomic uint64_t objects, reserved, evictions, evicted_bytes, corrupt;
+    _Atomic uint64_t truncations; /* the arena file found cut short by another process */
     /* eviction controller: woken through a queue of one token (a full queue is a wake-up
      * already pending, so wake-ups coalesce and none is lost); closed to stop it */
     kvt_thread_t *evictor;
@@ -1027,12 +1028,63 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
 
 /* ---- eviction controller ---- */
 
+/* Removes every READY object with bytes at or past `cut` (lost to a truncation of the arena
+ * file); returns how many. Pinned ones go when their readers let go, as with CLEAR. */
+static uint64_t s_drop_past(kvt_l1_t *self, uint64_t cut)
+{
+    uint64_t removed = 0;
+    s_batches_t bs = {0};
+    for (uint32_t s = 0; s < S_SHARDS; s++) {
+        s_shard_t *sh = &self->shards[s];
+        s_obj_t *victims = NULL;
+        pthread_mutex_lock(&sh->lock);
+        for (uint32_t b = 0; b < sh->nbuckets; b++) {
+            for (s_obj_t *o = sh->buckets[b], *next; o; o = next) {
+                next = o->hnext;
+                if (o->state != S_READY || kvt_block_offset(o->block) + o->length <= cut)
+                    continue;
+                removed++;
+                s_batches_add(self, &bs, o->ns, &o->key);
+                if (s_remove_ready(self, sh, o)) {
+                    o->hnext = victims;
+                    victims = o;
+                }
+            }
+        }
+        pthread_mutex_unlock(&sh->lock);
+        for (s_obj_t *o = victims, *next; o; o = next) {
+            next = o->hnext;
+            s_destroy_obj(self, o);
+        }
+    }
+    s_batches_emit(self, &bs, KVT_L1_REMOVED);
+    return removed;
+}
+
+/* The arena file cut short by another process: its size is back (kvt_arena_check), the
+ * objects whose bytes went are dropped, and the operator is told. */
+static void s_check_arena(kvt_l1_t *self)
+{
+    uint64_t cut = kvt_arena_check(self->arena);
+    if (cut == UINT64_MAX)
+        return;
+    uint64_t dropped = s_drop_past(self, cut);
+    s_inc(&self->truncations, 1);
+    kvt_log(KVT_LOG_ERROR,
+            "l1: the arena file %s was truncated to %llu bytes by another process (any process "
+            "that may write it can): its size is restored and the %llu objects past that offset "
+            "are dropped; objects being written then may hold zeros (l1_checksum does not catch "
+            "bytes lost before COMMIT)",
+            kvt_arena_path(self->arena), (unsigned long long)cut, (unsigned long long)dropped);
+}
+
 static bool s_evictor(kvt_thread_t *t, void *arg)
 {
     kvt_l1_t *self = arg;
     while (!kvt_queue_closed(self->ev_wake)) {
         if (!kvt_thread_beat(t))
             return false;
+        s_check_arena(self);
         uint64_t used = kvt_alloc_used(self->alloc);
         if (used > self->high_bytes) {
             uint64_t freed = kvt_l1_evict(self, used - self->low_bytes);
@@ -1210,6 +1262,10 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
         {"l1_corrupt_total",
          "Objects whose bytes no longer matched their COMMIT checksum (l1_checksum): removed.",
          KVT_METRIC_COUNTER, (double)s_get(&self->corrupt)},
+        {"l1_arena_truncated_total",
+         "Times another process truncated the arena file: its size was restored and the objects "
+         "past the cut dropped.",
+         KVT_METRIC_COUNTER, (double)s_get(&self->truncations)},
         {"leases_active", "Leases held by clients.", KVT_METRIC_GAUGE, (double)c.leases_active},
         {"leases_expired_total", "Leases lost because their instance went silent.",
          KVT_METRIC_COUNTER, (double)c.leases_expired},

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from kvtest import (assert_error, ACQUIRE, BYE, COMMIT, RELEASE, RESERVE, STATS, MiB, PAGE, Arena,
+from kvtest import (assert_error, ACQUIRE, BYE, COMMIT, GET, RELEASE, RESERVE, STATS, MiB, PAGE, Arena,
                     WorkerProcess, check_slots, key, metric_value, pattern, payload, sha256,
                     slot_range, wait_until)
 
@@ -962,3 +962,38 @@ def test_allow_unpinned_starts_with_warning(daemon_factory, connect):
     k = key(1, b"unp")
     d.store(s, arena, NS, [k], [payload(3, MiB)])
     assert d.fetch(s, arena, NS, [k]) == [payload(3, MiB)]
+
+
+def test_a_truncated_arena_is_restored_and_what_it_lost_dropped(daemon_factory):
+    """Issue 28 item 5: any process that may write the arena file may truncate it. The daemon
+    gives the file its size back within its 50 ms check (its own threads' accesses to the lost
+    part meanwhile are caught by its SIGBUS guard: tests/unit/test_arena.c), drops the objects
+    whose bytes were lost, says so, and serves on; objects before the cut are intact, a GET of
+    a lost one is a miss."""
+    d = daemon_factory()
+    s = d.dealer()
+    shm = d.hello(s, "inst-trunc")["shm"]
+    keys = [key(i, b"trunc") for i in range(16)]
+    datas = [payload("trunc-%d" % i, 2 * MiB) for i in range(16)]
+    with Arena(shm) as a:
+        slots = d.store(s, a, NS, keys, datas)
+    cut = sorted(sl["offset"] for sl in slots)[len(slots) // 2] // 4096 * 4096
+    past = [k for k, sl in zip(keys, slots) if sl["offset"] + sl["length"] > cut]
+    before = [(k, x) for k, x, sl in zip(keys, datas, slots) if sl["offset"] + sl["length"] <= cut]
+    assert past and before
+    os.truncate(shm["path"], cut)                       # a hostile (or careless) arena holder
+    wait_until(lambda: os.stat(shm["path"]).st_size == shm["size"], 5,
+               what="the arena's size to be restored")
+    wait_until(lambda: metric_value(d.metrics()[1], "kvtier_l1_arena_truncated_total") >= 1, 5,
+               what="the truncation to be counted")
+    assert d.alive()
+    assert not any(d.present(s, NS, past)), "objects whose bytes were lost are still served"
+    assert d.call(s, GET, {"ns": NS, "keys": past[:1]})["found"] == 0
+    with Arena(shm) as a:
+        for k, x in before:
+            assert d.fetch(s, a, NS, [k]) == [x]
+        # the daemon serves on, in the restored part too
+        fresh = [key(i, b"after") for i in range(8)]
+        d.store(s, a, NS, fresh, [payload("after-%d" % i, 2 * MiB) for i in range(8)])
+        assert d.fetch(s, a, NS, fresh[-1:]) == [payload("after-7", 2 * MiB)]
+    assert any("was truncated to %d bytes" % cut in ln for ln in d.log_lines())

@@ -161,12 +161,50 @@ static void test_hugepages_modes(void **state)
     assert_int_equal(rmdir(dir), 0); /* nothing was left in it */
 }
 
+/* Issue 28 item 5: another process truncates the arena file. A daemon thread touching the
+ * lost part is not killed: the SIGBUS guard gives the file its size back and the access reads
+ * a fresh (zero) page; kvt_arena_check reports the lowest size seen once, and restores the
+ * size itself when nothing touched the lost part. */
+static void test_truncation_guard(void **state)
+{
+    (void)state;
+    kvt_config_t *cfg = s_cfg("4M", "true");
+    char err[KVT_ERR_LEN] = "";
+    assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
+    kvt_arena_t *a = kvt_arena_new(cfg, err, sizeof err);
+    if (!a)
+        fail_msg("kvt_arena_new: %s", err);
+    volatile uint8_t *base = kvt_arena_base(a);
+    uint64_t size = kvt_arena_size(a);
+    memset((void *)base, 0xab, size);
+    assert_int_equal(kvt_arena_check(a), UINT64_MAX); /* never cut */
+    /* cut to half, then touch the lost part: the guard, not a crash */
+    assert_int_equal(truncate(kvt_arena_path(a), (off_t)(size / 2)), 0);
+    assert_int_equal(base[size - 1], 0);
+    assert_int_equal(base[size / 2 - 1], 0xab); /* before the cut: intact */
+    struct stat st;
+    assert_int_equal(stat(kvt_arena_path(a), &st), 0);
+    assert_int_equal((uint64_t)st.st_size, size);
+    assert_int_equal(kvt_arena_check(a), size / 2);
+    assert_int_equal(kvt_arena_check(a), UINT64_MAX); /* reported once */
+    /* cut again, nothing touches it: the check restores the size and reports it */
+    assert_int_equal(truncate(kvt_arena_path(a), 4096), 0);
+    assert_int_equal(kvt_arena_check(a), 4096);
+    assert_int_equal(stat(kvt_arena_path(a), &st), 0);
+    assert_int_equal((uint64_t)st.st_size, size);
+    base[size - 1] = 7; /* writable again */
+    assert_int_equal(base[size - 1], 7);
+    kvt_arena_destroy(&a);
+    kvt_config_destroy(&cfg);
+}
+
 int main(void)
 {
     kvt_log_set_level(KVT_LOG_ERROR);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_segment),
         cmocka_unit_test(test_no_fastpath_tail),
+        cmocka_unit_test(test_truncation_guard),
         cmocka_unit_test(test_pinning),
         cmocka_unit_test(test_hugepages_modes),
     };
