@@ -27,7 +27,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#define S_PENDING 16     /* connections that have not presented their ticket yet */
+#define S_PENDING 64     /* connections that have not presented their ticket yet */
 #define S_TICKET_MS 1000 /* ... each has this long */
 #define S_TICKET_LEN (KVT_FDPASS_TICKET_HEX / 2)
 
@@ -178,8 +178,14 @@ static void s_accept(kvt_handoff_t *self, uint64_t now)
         if (s < 0)
             return;
         if (self->npending == S_PENDING) {
-            s_refuse(self, s, S_R_BUSY, "too many claims at once: try again");
-            continue;
+            /* the one waiting longest goes: a real claimant sends its ticket at once, so
+             * connections held open empty cannot keep it out */
+            uint32_t old = 0;
+            for (uint32_t i = 1; i < self->npending; i++)
+                if (self->pending[i].deadline_ms < self->pending[old].deadline_ms)
+                    old = i;
+            s_refuse(self, self->pending[old].sock, S_R_BUSY, "too many claims at once");
+            s_pending_drop(self, old);
         }
         self->pending[self->npending++] = (s_pending_t){s, now + S_TICKET_MS, 0, {0}};
     }

@@ -262,12 +262,11 @@ static bool s_host_ok(const char *host, const char *extra)
             return true;
         p += len + (p[len] == ',');
     }
+    /* the machine's own name, exactly: a prefix match would let `NAME.evil.example` in */
     char me[256];
     if (gethostname(me, sizeof me) == 0) {
         me[sizeof me - 1] = '\0';
-        size_t m = strlen(me);
-        if (strcasecmp(name, me) == 0 ||
-            (strncasecmp(name, me, m) == 0 && name[m] == '.')) /* its FQDN */
+        if (strcasecmp(name, me) == 0)
             return true;
     }
     return false;

@@ -26,6 +26,7 @@
 
 #include <czmq.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -376,6 +377,17 @@ static void s_xfers_free(s_ctx_t *ctx)
 
 /* ---- workers ------------------------------------------------------------------------------ */
 
+/* Whether c's descriptor still holds that connection: closed (EBADF) or given to another one
+ * (a new accept generation) before the monitor's report of the close reached this thread,
+ * which a worker reconnecting at once must not wait for. */
+static bool s_conn_open(const kvt_conn_t *c)
+{
+    int fd = kvt_conn_fd(c);
+    if (fd < 0)
+        return true; /* unknown: only the report tells */
+    return fcntl(fd, F_GETFD) != -1 && kvt_accept_generation(fd) == kvt_conn_gen(c);
+}
+
 /* ctx belongs to conn from now on (NULL: to none). */
 static void s_ctx_bind(kvt_lmcache_door_t *self, s_ctx_t *ctx, kvt_conn_t *conn)
 {
@@ -395,7 +407,7 @@ static bool s_ctx_mine(kvt_lmcache_door_t *self, s_ctx_t *ctx, const char *op)
 {
     if (!self->cur || ctx->conn == self->cur)
         return true;
-    if (ctx->conn && !kvt_conn_retired(ctx->conn)) {
+    if (ctx->conn && !kvt_conn_retired(ctx->conn) && s_conn_open(ctx->conn)) {
         kvt_errrep_report(&s_rep_foreign, KVT_LOG_WARN,
                           "lmcache: %s for a worker from a connection other than the one that "
                           "registered it, which is still open: refused",
@@ -1717,7 +1729,7 @@ void kvt_lmcache_door_destroy(kvt_lmcache_door_t **self_p)
     }
     for (s_ctx_t *c; (c = kvt_u64map_first(self->ctxs));)
         s_ctx_drop(self, c, false);
-    if (self->askers)
+    while (self->askers && kvt_u64map_size(self->askers))
         s_askers_sweep(self, kvt_now_ms(), true);
     pthread_mutex_unlock(&self->lock);
     kvt_router_destroy(&self->router); /* its ipc file goes with it */

@@ -1,8 +1,9 @@
 /* DESIGN: the two configurations are compared through kvt_config_to_json, the form
  * --print-config writes, so every option (and any added later) is covered without a list kept
  * here. Values other than log_level are not logged: an l2 spec may hold a password. The state is
- * static because a signal is process-wide: the handler can reach nothing else. Everything but
- * kvt_reload_request runs on the main thread. */
+ * static because a signal is process-wide: the handler can reach nothing else. The main thread
+ * (the server loop) starts each reload on a thread of its own with a copy of what it reads
+ * (s_job_t), joins it at the next call after it ended, and at stop waits 2 s at most for it. */
 #include "kvt_reload.h"
 
 #include "kvt_error.h"
@@ -118,9 +119,27 @@ static json_t *s_json(const kvt_config_t *cfg)
     return obj ? obj : json_object();
 }
 
-static void s_reload(const kvt_reload_t *self)
+/* What one reload reads, its own copy: the thread may outlive the daemon's stop (a hung file
+ * system), and the running configuration is freed then. */
+typedef struct {
+    int argc;
+    char *const *argv; /* main's: lives as long as the process */
+    char *file;        /* the running configuration's file, NULL when none */
+    json_t *running;   /* kvt_config_to_json of the running configuration */
+    bool curve;        /* curve.clients is set */
+    kvt_reload_t *owner; /* told when done; kept past a stop that did not wait for this */
+} s_job_t;
+
+static void s_job_free(s_job_t *job)
 {
-    const char *file = self->running->config_file;
+    free(job->file);
+    json_decref(job->running);
+    free(job);
+}
+
+static void s_reload(const s_job_t *self)
+{
+    const char *file = self->file;
     if (!file) {
         kvt_log(KVT_LOG_INFO, "config: SIGHUP: no config file (--config, KVTIER_CONFIG) to "
                               "re-read; nothing changed");
@@ -146,13 +165,12 @@ static void s_reload(const kvt_reload_t *self)
         kvt_log_set_level(now);
         changed++;
     }
-    json_t *a = s_json(self->running), *b = s_json(fresh);
-    changed += s_report_changes(a, b, "", file);
-    json_decref(a);
+    json_t *b = s_json(fresh);
+    changed += s_report_changes(self->running, b, "", file);
     json_decref(b);
     kvt_log(KVT_LOG_INFO, "config: SIGHUP: re-read %s: %d change%s%s", file, changed,
             changed == 1 ? "" : "s",
-            self->running->curve_clients[0]
+            self->curve
                 ? " (CURVE client certificates need no reload: zauth re-reads curve.clients)"
                 : "");
     kvt_config_destroy(&fresh);
@@ -160,9 +178,11 @@ static void s_reload(const kvt_reload_t *self)
 
 static void *s_reload_thread(void *arg)
 {
-    kvt_reload_t *self = arg;
-    s_reload(self);
-    atomic_store(&self->finished, true);
+    s_job_t *job = arg;
+    kvt_reload_t *owner = job->owner;
+    s_reload(job);
+    s_job_free(job);
+    atomic_store(&owner->finished, true);
     return NULL;
 }
 
@@ -189,10 +209,19 @@ void kvt_reload_run_pending(void)
     }
     told = false;
     s_requested = 0;
+    s_job_t *job = calloc(1, sizeof *job);
+    kvt_assert(job);
+    job->argc = self->argc;
+    job->argv = self->argv;
+    job->file = self->running->config_file ? strdup(self->running->config_file) : NULL;
+    job->running = s_json(self->running);
+    job->curve = self->running->curve_clients[0] != '\0';
+    job->owner = self;
     atomic_store(&self->finished, false);
     atomic_store(&self->busy, true);
-    if (pthread_create(&self->thread, NULL, s_reload_thread, self) != 0) {
+    if (pthread_create(&self->thread, NULL, s_reload_thread, job) != 0) {
         atomic_store(&self->busy, false);
+        s_job_free(job);
         kvt_log(KVT_LOG_ERROR, "config: SIGHUP: cannot start the reload; nothing changed");
     }
 }

@@ -7,8 +7,9 @@
  * no reload: czmq's zauth re-reads curve.clients as it changes. A file that does not load is
  * reported and changes nothing.
  *
- * The SIGHUP handler only sets a flag (kvt_reload_request); the reload runs on the main thread
- * when the server loop calls kvt_reload_run_pending between message batches. One reload context
+ * The SIGHUP handler only sets a flag (kvt_reload_request); the server loop's
+ * kvt_reload_run_pending starts the reload on a thread of its own (reading files must never
+ * stall requests), one at a time. One reload context
  * per process (a signal is process-wide), created by main before the server loop runs. */
 #ifndef KVT_RELOAD_H
 #define KVT_RELOAD_H

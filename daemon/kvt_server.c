@@ -596,12 +596,8 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
     pthread_mutex_init(&self->lock, NULL);
     /* each ring pair is a memfd handed to its client alone over the handoff socket */
     if (cfg->fastpath_enabled &&
-        !(self->handoff = kvt_handoff_new(cfg, cfg->fastpath_rings, err, errlen))) {
-        kvt_sessions_destroy(&self->svc.sessions);
-        kvt_queue_destroy(&self->svc.lookups_done);
-        free(self);
-        return NULL;
-    }
+        !(self->handoff = kvt_handoff_new(cfg, cfg->fastpath_rings, err, errlen)))
+        goto fail;
     self->svc.fastpath = kvt_fastpath_new(cfg, self->handoff, &self->lock, &self->lock_waiting,
                                           self->svc.sessions, s_ring_request, self);
     if (self->svc.fastpath)

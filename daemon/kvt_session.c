@@ -344,6 +344,11 @@ int kvt_conn_fd(const kvt_conn_t *c)
     return c ? c->fd : -1;
 }
 
+uint32_t kvt_conn_gen(const kvt_conn_t *c)
+{
+    return c->gen;
+}
+
 bool kvt_conn_retired(const kvt_conn_t *c)
 {
     return atomic_load_explicit(&c->retired, memory_order_relaxed);

@@ -73,8 +73,10 @@ kvt_conn_t *kvt_sessions_conn(kvt_sessions_t *self, const uint8_t *rid, size_t r
  * for the connection that asked for them): renews its instances as kvt_sessions_conn does. */
 void kvt_sessions_touch(kvt_sessions_t *self, kvt_conn_t *c, uint64_t now_ms);
 
-/* The descriptor the connection's messages are read from (-1: unknown). */
+/* The descriptor the connection's messages are read from (-1: unknown), and which connection
+ * on it (kvt_accept's generation). */
 int kvt_conn_fd(const kvt_conn_t *c);
+uint32_t kvt_conn_gen(const kvt_conn_t *c);
 
 /* The connection is gone (out of the tables); references may outlive it. Any thread. */
 bool kvt_conn_retired(const kvt_conn_t *c);

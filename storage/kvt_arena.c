@@ -84,17 +84,26 @@ static void s_cut_note(uint64_t size)
 
 static void s_on_sigbus(int sig, siginfo_t *si, void *uc)
 {
+    /* the address this thread last let run again: a second fault there with the file whole
+     * is not a truncation (a full /dev/shm, a lost hugetlbfs reservation): not retried */
+    static __thread void *t_retried;
     kvt_arena_t *a = s_guarded;
     uint8_t *p = si ? (uint8_t *)si->si_addr : NULL;
     struct stat st;
-    if (a && p >= (uint8_t *)a->base && p < (uint8_t *)a->base + a->size &&
-        fstat(a->fd, &st) == 0) {
-        if ((uint64_t)st.st_size >= a->size)
-            return; /* restored meanwhile (another thread, kvt_arena_check): run it again */
-        s_cut_note((uint64_t)st.st_size);
-        if (ftruncate(a->fd, (off_t)a->size) == 0)
+    if (a && si && si->si_code == BUS_ADRERR && p >= (uint8_t *)a->base &&
+        p < (uint8_t *)a->base + a->size && fstat(a->fd, &st) == 0) {
+        if ((uint64_t)st.st_size < a->size) {
+            s_cut_note((uint64_t)st.st_size);
+            if (ftruncate(a->fd, (off_t)a->size) == 0) {
+                t_retried = p;
+                return;
+            }
+        } else if (t_retried != p) {
+            t_retried = p; /* restored meanwhile (another thread, kvt_arena_check): once more */
             return;
+        }
     }
+    t_retried = NULL;
     sigaction(SIGBUS, &s_prev_bus, NULL);
     if (s_prev_bus.sa_flags & SA_SIGINFO) {
         if (s_prev_bus.sa_sigaction)

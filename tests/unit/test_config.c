@@ -869,7 +869,7 @@ static void test_flag_errors(void **state)
     s_rm_tmp(&path);
     char *argv2[] = {"kvtierd", "--config", "/", NULL};
     assert_int_equal(s_load(&c, ARGC(argv2), argv2, &action, err, sizeof err), KVT_EINVAL);
-    assert_string_equal(err, "/: cannot read: Is a directory");
+    assert_string_equal(err, "/: not a regular file (a config file is one)");
     kvt_config_destroy(&c);
 }
 

@@ -198,10 +198,11 @@ def peer_gone(sock):
     """Whether the daemon's end of a handoff connection has gone (it never sends while it
     serves the pair). Never blocks."""
     try:
-        r, _, x = select.select([sock], [], [sock], 0)
+        p = select.poll()                     # not select(): descriptors past 1023
+        p.register(sock, select.POLLIN | select.POLLPRI)
+        return bool(p.poll(0))
     except (OSError, ValueError):
         return True
-    return bool(r or x)
 
 
 class Pair:
@@ -314,12 +315,15 @@ class Pair:
         self._req = self._rep = None
         views, self._views = self._views, []
         del views                             # the last references: the mmap is free again
-        mm, self._mm = getattr(self, "_mm", None), None
-        if mm is not None:
-            mm.close()
         sock, self._sock = getattr(self, "_sock", None), None
         if sock is not None:
             sock.close()                      # the daemon sees this client let go
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:               # a view still held (a traceback's): the GC's
+                pass
 
     def __del__(self):
         # a Client collected without close(): free the handles (detaching never touches the
