@@ -931,12 +931,13 @@ int kvt_l1_clear_prefix(kvt_l1_t *self, const uint8_t *prefix, uint32_t prefix_l
     return s_clear(self, prefix, prefix_len, true, keep_pinned, removed);
 }
 
-/* CLEAR's walk: READY objects of every namespace, of the one named `ns`, or (`prefix`) of
- * those whose name starts with it; `keep_pinned` leaves objects someone reads alone. */
-static int s_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, bool prefix,
-                   bool keep_pinned, uint64_t *removed)
+/* Removes every READY object `pick` chooses (pinned ones go when their readers let go) and
+ * reports them as removed; returns how many. */
+typedef bool (*s_pick_fn)(const s_obj_t *o, const void *ctx);
+
+static uint64_t s_remove_if(kvt_l1_t *self, s_pick_fn pick, const void *ctx)
 {
-    *removed = 0;
+    uint64_t removed = 0;
     s_batches_t bs = {0};
     for (uint32_t s = 0; s < S_SHARDS; s++) {
         s_shard_t *sh = &self->shards[s];
@@ -945,14 +946,9 @@ static int s_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, bool pref
         for (uint32_t b = 0; b < sh->nbuckets; b++) {
             for (s_obj_t *o = sh->buckets[b], *next; o; o = next) {
                 next = o->hnext;
-                if (o->state != S_READY || (keep_pinned && o->pins))
+                if (o->state != S_READY || !pick(o, ctx))
                     continue;
-                uint32_t len = o->ns->key.name_len;
-                if (ns && (prefix ? len < ns_len : len != ns_len))
-                    continue;
-                if (ns && memcmp(o->ns->key.name, ns, ns_len))
-                    continue;
-                (*removed)++;
+                removed++;
                 s_batches_add(self, &bs, o->ns, &o->key);
                 if (s_remove_ready(self, sh, o)) {
                     o->hnext = victims;
@@ -967,6 +963,33 @@ static int s_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, bool pref
         }
     }
     s_batches_emit(self, &bs, KVT_L1_REMOVED);
+    return removed;
+}
+
+typedef struct {
+    const uint8_t *ns;
+    uint32_t ns_len;
+    bool prefix, keep_pinned;
+} s_clear_t;
+
+static bool s_clear_pick(const s_obj_t *o, const void *ctx)
+{
+    const s_clear_t *c = ctx;
+    if (c->keep_pinned && o->pins)
+        return false;
+    uint32_t len = o->ns->key.name_len;
+    if (c->ns && (c->prefix ? len < c->ns_len : len != c->ns_len))
+        return false;
+    return !c->ns || memcmp(o->ns->key.name, c->ns, c->ns_len) == 0;
+}
+
+/* CLEAR's walk: READY objects of every namespace, of the one named `ns`, or (`prefix`) of
+ * those whose name starts with it; `keep_pinned` leaves objects someone reads alone. */
+static int s_clear(kvt_l1_t *self, const uint8_t *ns, uint32_t ns_len, bool prefix,
+                   bool keep_pinned, uint64_t *removed)
+{
+    s_clear_t c = {ns, ns_len, prefix, keep_pinned};
+    *removed = s_remove_if(self, s_clear_pick, &c);
     return 0;
 }
 
@@ -1028,37 +1051,10 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
 
 /* ---- eviction controller ---- */
 
-/* Removes every READY object with bytes at or past `cut` (lost to a truncation of the arena
- * file); returns how many. Pinned ones go when their readers let go, as with CLEAR. */
-static uint64_t s_drop_past(kvt_l1_t *self, uint64_t cut)
+/* Objects with bytes at or past the cut (lost to a truncation of the arena file). */
+static bool s_past_pick(const s_obj_t *o, const void *ctx)
 {
-    uint64_t removed = 0;
-    s_batches_t bs = {0};
-    for (uint32_t s = 0; s < S_SHARDS; s++) {
-        s_shard_t *sh = &self->shards[s];
-        s_obj_t *victims = NULL;
-        pthread_mutex_lock(&sh->lock);
-        for (uint32_t b = 0; b < sh->nbuckets; b++) {
-            for (s_obj_t *o = sh->buckets[b], *next; o; o = next) {
-                next = o->hnext;
-                if (o->state != S_READY || kvt_block_offset(o->block) + o->length <= cut)
-                    continue;
-                removed++;
-                s_batches_add(self, &bs, o->ns, &o->key);
-                if (s_remove_ready(self, sh, o)) {
-                    o->hnext = victims;
-                    victims = o;
-                }
-            }
-        }
-        pthread_mutex_unlock(&sh->lock);
-        for (s_obj_t *o = victims, *next; o; o = next) {
-            next = o->hnext;
-            s_destroy_obj(self, o);
-        }
-    }
-    s_batches_emit(self, &bs, KVT_L1_REMOVED);
-    return removed;
+    return kvt_block_offset(o->block) + o->length > *(const uint64_t *)ctx;
 }
 
 /* The arena file cut short by another process: its size is back (kvt_arena_check), the
@@ -1068,7 +1064,7 @@ static void s_check_arena(kvt_l1_t *self)
     uint64_t cut = kvt_arena_check(self->arena);
     if (cut == UINT64_MAX)
         return;
-    uint64_t dropped = s_drop_past(self, cut);
+    uint64_t dropped = s_remove_if(self, s_past_pick, &cut);
     s_inc(&self->truncations, 1);
     kvt_log(KVT_LOG_ERROR,
             "l1: the arena file %s was truncated to %llu bytes by another process (any process "
