@@ -1087,6 +1087,88 @@ static bool s_big_round_trips(kvtier_t *c, const key16_t *keys, uint32_t nobj, u
     return true;
 }
 
+/* A CPU-bound neighbour (a tokenizer, a scheduler's busy loop): a child process that spins
+ * until killed. */
+static pid_t s_spinner(void)
+{
+    pid_t p = fork();
+    if (p == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        for (volatile uint64_t x = 0;; x++)
+            ;
+    }
+    return p;
+}
+
+/* 9e (issue 29): with 0, N and 2N CPU-bound neighbours (N = online CPUs; --quick: N only), the
+ * fast path against the socket in the same run: PING/s with 1 and 4 client threads, LOOKUP
+ * p50/p99, one 4 MiB store/load per call. The target is the fast path at least as fast as the
+ * socket under every load. */
+static void s_fastpath_under_load(const daemon_t *d, const key16_t *lk)
+{
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int loads[3] = {0, (int)(ncpu > 0 ? ncpu : 1), (int)(ncpu > 0 ? 2 * ncpu : 2)};
+    double dur = s_opt.quick ? 0.3 : 2.0;
+    uint32_t nlk = s_opt.quick ? 200 : 3000, nobj = s_opt.quick ? 2 : 8;
+    uint8_t *src = s_xmalloc(BIG), *dst = s_xmalloc(BIG);
+    for (size_t i = 0; i < BIG; i++)
+        src[i] = (uint8_t)s_mix(i * 11);
+    key16_t *keys = s_keys(nobj, 10);
+    double *lat = s_xmalloc(nlk * sizeof *lat);
+    for (int li = s_opt.quick ? 1 : 0; li < (s_opt.quick ? 2 : 3); li++) {
+        int k = loads[li];
+        pid_t kids[64];
+        int nk = 0;
+        for (int i = 0; i < k && i < 64; i++)
+            if ((kids[nk] = s_spinner()) > 0)
+                nk++;
+        usleep(100000); /* the spinners are running */
+        double ping[2][2], p50[2] = {NAN, NAN}, p99[2] = {NAN, NAN}, gbs[2][2];
+        for (int fast = 0; fast < 2; fast++) {
+            double q99, cpu;
+            ping[fast][0] = s_load(d, lk, false, 1, dur, &q99, &cpu, fast);
+            ping[fast][1] = s_load(d, lk, false, 4, dur, &q99, &cpu, fast);
+            kvtier_t *c = s_connect_tp(d, fast ? "c9e-fast" : "c9e-zmq", fast);
+            gbs[fast][0] = gbs[fast][1] = NAN;
+            if (!c)
+                continue;
+            uint32_t got = s_lookups(c, "bench", lk, nlk, lat, 60);
+            p50[fast] = s_pct(lat, got, 0.50);
+            p99[fast] = s_pct(lat, got, 0.99);
+            if (!s_big_round_trips(c, keys, nobj, 1, src, dst, gbs[fast]))
+                s_nerr++;
+            kvtier_close(&c);
+        }
+        for (int i = 0; i < nk; i++) {
+            kill(kids[i], SIGKILL);
+            waitpid(kids[i], NULL, 0);
+        }
+        char what[96];
+        snprintf(what, sizeof what, "%d busy: PING/s, 1 thread, fast (b: socket)", k);
+        s_row(9, what, ping[1][0], ping[0][0], "req/s", ping[1][0] / ping[0][0],
+              ">= 1x socket", true, ping[1][0] >= ping[0][0]);
+        snprintf(what, sizeof what, "%d busy: PING/s, 4 threads, fast (b: socket)", k);
+        s_row(9, what, ping[1][1], ping[0][1], "req/s", ping[1][1] / ping[0][1],
+              ">= 1x socket", true, ping[1][1] >= ping[0][1]);
+        snprintf(what, sizeof what, "%d busy: LOOKUP p50, fast (b: socket)", k);
+        s_row(9, what, p50[1], p50[0], "us", p50[1] / p50[0], "<= 1x socket", true,
+              p50[1] <= p50[0]);
+        snprintf(what, sizeof what, "%d busy: LOOKUP p99, fast (b: socket)", k);
+        s_row(9, what, p99[1], p99[0], "us", p99[1] / p99[0], "<= 1x socket", true,
+              p99[1] <= p99[0]);
+        snprintf(what, sizeof what, "%d busy: store 4 MiB, fast (b: socket)", k);
+        s_row(9, what, gbs[1][0], gbs[0][0], "GB/s", gbs[1][0] / gbs[0][0], ">= 1x socket",
+              true, gbs[1][0] >= gbs[0][0]);
+        snprintf(what, sizeof what, "%d busy: load 4 MiB, fast (b: socket)", k);
+        s_row(9, what, gbs[1][1], gbs[0][1], "GB/s", gbs[1][1] / gbs[0][1], ">= 1x socket",
+              true, gbs[1][1] >= gbs[0][1]);
+    }
+    free(lat);
+    free(keys);
+    free(src);
+    free(dst);
+}
+
 static void s_case_fastpath(const daemon_t *d, const key16_t *lk)
 {
     s_header("case 9: the fast path (shared-memory rings) vs the socket, same daemon");
@@ -1209,6 +1291,7 @@ static void s_case_fastpath(const daemon_t *d, const key16_t *lk)
     s_row(9, what, pct, NAN, "% core", NAN, "<= 2% of a core", true, nidle == 32 && pct <= 2.0);
     for (int i = 0; i < 32; i++)
         kvtier_close(&idle[i]);
+    s_fastpath_under_load(d, lk);
 }
 
 /* ---- case 6: LOOKUP p99 under load -------------------------------------------------------- */

@@ -280,6 +280,13 @@ static bool s_pair_attach(kvtier_t *self, const msgpack_object *offer)
         close(sock);
         return false;
     }
+    /* KVTIER_RING_SPIN: the most spin iterations a ring wait makes before it sleeps (the
+     * budget adapts below it; 0 sleeps at once) */
+    int spin = kvc_env_int("KVTIER_RING_SPIN", -1, 0, 1 << 20);
+    if (spin >= 0) {
+        kvt_ring_set_spin(p, (uint32_t)spin);
+        kvt_ring_set_spin(c, (uint32_t)spin);
+    }
     self->req_ring = p;
     self->rep_ring = c;
     self->ring_map = base;

@@ -33,7 +33,6 @@
 
 #include <linux/futex.h>
 #include <stdarg.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,6 +46,8 @@
 #define S_MIN_SPIN 32u
 #define S_SPIN_WORTH_NS 50000       /* a sleep that ended sooner would have been caught spinning */
 #define S_SPIN_CLOCK_EVERY 256u     /* spin iterations between looks at the clock */
+#define S_PREEMPTED_NS 200000       /* a look at the clock this late: the spinner lost its CPU */
+#define S_COOL_NS 50000000LL        /* ... then no spinning for this long (the CPUs are full) */
 #define S_MAX_SLEEP_NS 1000000000LL /* one futex sleep at most; the loop re-checks after it */
 
 /* The header as it lies in the region (offsets are part of the format: see kvt_ring.h). */
@@ -93,6 +94,7 @@ struct kvt_ring {
     uint32_t epoch; /* the region's epoch at attach */
     uint32_t spin_max;
     bool broken;
+    int64_t cool_until; /* s_now_ns() before which waits sleep at once: spinning lost the CPU */
     kvt_ring_stats_t st;
     char why[128];
 };
@@ -481,6 +483,15 @@ int kvt_ring_parse(const uint8_t *buf, size_t len, kvt_ring_frame_t *frames, uin
 
 /* ---- waiting ---- */
 
+/* This side's spinning lost the CPU: sleep at once for a while, then start small. */
+static void s_cool(kvt_ring_t *self, int64_t now)
+{
+    self->cool_until = now + S_COOL_NS;
+    self->st.cooled++;
+    uint32_t floor = S_MIN_SPIN < self->spin_max ? S_MIN_SPIN : self->spin_max;
+    self->st.spin = floor;
+}
+
 int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
 {
     s_check(self && self->tag == S_TAG);
@@ -491,22 +502,35 @@ int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
         return KVT_ETIMEDOUT;
     int64_t t0 = s_now_ns();
     int64_t deadline = timeout_ns < 0 || timeout_ns > INT64_MAX - t0 ? INT64_MAX : t0 + timeout_ns;
-    for (uint32_t i = 0; i < self->st.spin; i++) {
+    /* Spinning pays only while this side and the peer both have a CPU. When the CPUs are
+     * busy (CPU-bound neighbours, more spinners than cores) a spinner is descheduled mid-spin
+     * and holds the CPU the peer needs: it then sleeps at once for S_COOL_NS, and spins again
+     * (from the small budget up) only after that. */
+    uint32_t spin = t0 < self->cool_until ? 0 : self->st.spin;
+    int64_t last = t0;
+    for (uint32_t i = 0; i < spin; i++) {
         s_relax();
         if ((rc = s_ready(self, need))) {
             if (rc > 0) {
                 self->st.spin_hits++;
-                self->st.spin =
-                    self->st.spin * 2 > self->spin_max ? self->spin_max : self->st.spin * 2;
+                int64_t now = s_now_ns();
+                if (now - last > S_PREEMPTED_NS) /* served, but after losing the CPU */
+                    s_cool(self, now);
+                else
+                    self->st.spin =
+                        self->st.spin * 2 > self->spin_max ? self->spin_max : self->st.spin * 2;
             }
             return rc < 0 ? rc : 0;
         }
         if ((i + 1) % S_SPIN_CLOCK_EVERY == 0) {
-            if (s_now_ns() >= deadline)
+            int64_t now = s_now_ns();
+            if (now - last > S_PREEMPTED_NS) { /* lost the CPU (whatever the deadline says) */
+                s_cool(self, now);
                 break;
-            /* more spinners than cores (clients and the daemon's thread on a small machine):
-             * let the peer run; with a core to spare this returns at once */
-            sched_yield();
+            }
+            if (now >= deadline)
+                break;
+            last = now;
         }
     }
     _Atomic uint32_t *word =
@@ -528,7 +552,7 @@ int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
         slept = true;
     }
     atomic_store_explicit(word, 0, memory_order_relaxed);
-    if (slept && self->spin_max) {
+    if (slept && self->spin_max && s_now_ns() >= self->cool_until) {
         /* adapt: a wait short enough that spinning would have served it earns a longer spin */
         if (rc > 0 && s_now_ns() - t0 < S_SPIN_WORTH_NS)
             self->st.spin = self->st.spin * 2 > self->spin_max ? self->spin_max : self->st.spin * 2;

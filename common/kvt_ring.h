@@ -64,6 +64,7 @@ typedef struct {
     uint64_t records;   /* pushed (producer) or popped (consumer) */
     uint64_t bytes;     /* record bytes, headers and padding included */
     uint64_t spin_hits; /* waits that ended while spinning */
+    uint64_t cooled;    /* times spinning lost the CPU: waits then slept at once for 50 ms */
     uint64_t sleeps;    /* futex waits entered */
     uint64_t wakes;     /* futex wakes issued to the peer */
     uint32_t spin;      /* the current spin budget (iterations) */
@@ -152,7 +153,9 @@ const char *kvt_ring_why(const kvt_ring_t *self);
 
 /* The most spin iterations a wait makes before sleeping (default 4096; 0: sleep at once).
  * The budget adapts below it: halved after a wait that had to sleep, doubled after one that
- * the spin served. */
+ * the spin served. A spin that lost its CPU (a look at the clock more than 200 µs after the
+ * previous one: descheduled) stops, and the waits of the next 50 ms sleep at once (`cooled`):
+ * with the CPUs busy, a spinner only keeps its peer off them. */
 void kvt_ring_set_spin(kvt_ring_t *self, uint32_t max_iterations);
 
 void kvt_ring_stats(const kvt_ring_t *self, kvt_ring_stats_t *out);

@@ -42,6 +42,8 @@
 #define S_SPURIOUS_MAX 8      /* wake-ups for nothing in a row before a slot is left out */
 #define S_QUIET_MS 200        /* ... for this long */
 #define S_BEAT_NS 10000000    /* beat at most every 10 ms while busy */
+#define S_PREEMPTED_NS 200000 /* a spin step this late: the thread lost its CPU meanwhile */
+#define S_COOL_NS 50000000u   /* ... then it sleeps at once after work for this long */
 #define S_CLAIM_MS 5000       /* a pair not collected from the handoff socket by then closes */
 #define S_CHECK_MS 50         /* how often a slot looks whether its client's handoff is gone */
 
@@ -135,7 +137,7 @@ struct kvt_fastpath {
     _Atomic uint32_t doorbell;
     _Atomic bool stop;
     bool no_waitv; /* the kernel lacks futex_waitv: doorbell sleeps of S_HELD_POLL_NS */
-    _Atomic uint64_t open_count, requests, declined, quieted, dropped[S_DROP_REASONS];
+    _Atomic uint64_t open_count, requests, declined, quieted, cooled, dropped[S_DROP_REASONS];
 };
 
 static uint64_t s_now_ns(void)
@@ -446,7 +448,7 @@ static void s_sleep(kvt_fastpath_t *self, int64_t timeout_ns)
 static bool s_run(kvt_thread_t *t, void *arg)
 {
     kvt_fastpath_t *self = arg;
-    uint64_t last_work = 0;
+    uint64_t last_work = 0, last_spin = 0, cool_until = 0;
     bool stop = false;
     while (!stop && !atomic_load_explicit(&self->stop, memory_order_acquire)) {
         if (!kvt_thread_beat(t))
@@ -457,12 +459,23 @@ static bool s_run(kvt_thread_t *t, void *arg)
             last_work = s_now_ns();
             continue;
         }
-        if (s_now_ns() - last_work < self->spin_ns) {
-            for (int i = 0; i < 32; i++)
-                s_relax();
-            sched_yield(); /* clients waiting for their replies may need this core */
-            continue;
+        /* Spin for the next request while this thread keeps its CPU; once it was descheduled
+         * mid-spin (CPU-bound neighbours, more spinners than cores) the clients need that
+         * CPU more: sleep at once for S_COOL_NS (issue 29). */
+        uint64_t now = s_now_ns();
+        if (now - last_work < self->spin_ns && now >= cool_until) {
+            if (last_spin && now - last_spin > S_PREEMPTED_NS) {
+                cool_until = now + S_COOL_NS;
+                atomic_fetch_add_explicit(&self->cooled, 1, memory_order_relaxed);
+                last_spin = 0;
+            } else {
+                last_spin = now;
+                for (int i = 0; i < 32; i++)
+                    s_relax();
+                continue;
+            }
         }
+        last_spin = 0;
         s_sleep(self, kvt_thread_idle_ms(t) * 1000000);
     }
     return !stop;
@@ -740,13 +753,14 @@ json_t *kvt_fastpath_json(kvt_fastpath_t *self)
         json_object_set_new(dropped, s_drop_names[i],
                             json_integer(self ? (json_int_t)atomic_load(&self->dropped[i]) : 0));
     return json_pack(
-        "{s:b,s:I,s:I,s:I,s:I,s:I,s:I,s:o}", "enabled", self != NULL, "rings_max",
+        "{s:b,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:o}", "enabled", self != NULL, "rings_max",
         (json_int_t)(self ? self->nslots : 0), "rings_open",
         (json_int_t)(self ? atomic_load(&self->open_count) : 0), "ring_bytes",
         (json_int_t)(self ? self->cap : 0), "requests",
         (json_int_t)(self ? atomic_load(&self->requests) : 0), "declined",
         (json_int_t)(self ? atomic_load(&self->declined) : 0), "quieted",
-        (json_int_t)(self ? atomic_load(&self->quieted) : 0), "dropped", dropped);
+        (json_int_t)(self ? atomic_load(&self->quieted) : 0), "cooled",
+        (json_int_t)(self ? atomic_load(&self->cooled) : 0), "dropped", dropped);
 }
 
 void kvt_fastpath_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)

@@ -9,8 +9,10 @@
 #include "kvt_ring.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -765,6 +767,60 @@ static void test_close_wakes(void **state)
     s_close(&r);
 }
 
+/* Issue 29: a spinner that loses its CPU (a CPU-bound neighbour on the same core) stops
+ * spinning: its waits sleep at once for a while (cooled), so the peer gets the CPU. Pinned to
+ * one CPU with a hog thread, a waiter that spins (a long budget) on an empty ring is
+ * descheduled mid-spin within a few scheduler slices, and then stops spinning. */
+static atomic_int s_hog_stop;
+
+static void *s_hog(void *arg)
+{
+    (void)arg;
+    while (!atomic_load_explicit(&s_hog_stop, memory_order_relaxed))
+        ;
+    return NULL;
+}
+
+static void test_spinning_stops_when_the_cpu_is_taken(void **state)
+{
+    (void)state;
+    s_ring_t r;
+    s_open(&r, S_CAP);
+    kvt_ring_set_spin(r.cons, 1u << 20); /* spin up to ~ms: long enough to be preempted */
+    cpu_set_t one, was;
+    CPU_ZERO(&one);
+    CPU_SET(sched_getcpu() >= 0 ? sched_getcpu() : 0, &one);
+    assert_int_equal(pthread_getaffinity_np(pthread_self(), sizeof was, &was), 0);
+    assert_int_equal(pthread_setaffinity_np(pthread_self(), sizeof one, &one), 0);
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setaffinity_np(&at, sizeof one, &one);
+    pthread_t hog;
+    atomic_store(&s_hog_stop, 0);
+    assert_int_equal(pthread_create(&hog, &at, s_hog, NULL), 0);
+    kvt_ring_stats_t st = {0};
+    int64_t t0 = s_now_ns();
+    for (int i = 0; i < 2000 && s_now_ns() - t0 < 5000000000LL; i++) {
+        assert_int_equal(kvt_ring_wait(r.cons, 0, 2000000), KVT_ETIMEDOUT); /* 2 ms */
+        kvt_ring_stats(r.cons, &st);
+        if (st.cooled)
+            break;
+    }
+    assert_true(st.cooled >= 1);
+    /* cooled: the next waits (within 50 ms) sleep at once, no spin at all */
+    uint64_t sleeps = st.sleeps;
+    t0 = s_now_ns();
+    assert_int_equal(kvt_ring_wait(r.cons, 0, 1000000), KVT_ETIMEDOUT);
+    kvt_ring_stats(r.cons, &st);
+    assert_true(st.sleeps > sleeps);
+    assert_int_equal(st.spin, 32); /* back to the small budget it grows from */
+    atomic_store(&s_hog_stop, 1);
+    pthread_join(hog, NULL);
+    pthread_attr_destroy(&at);
+    pthread_setaffinity_np(pthread_self(), sizeof was, &was);
+    s_close(&r);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -781,6 +837,7 @@ int main(void)
         cmocka_unit_test(test_threads_spinning),
         cmocka_unit_test(test_ping_pong),
         cmocka_unit_test(test_close_wakes),
+        cmocka_unit_test(test_spinning_stops_when_the_cpu_is_taken),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
