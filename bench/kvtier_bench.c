@@ -1087,6 +1087,43 @@ static bool s_big_round_trips(kvtier_t *c, const key16_t *keys, uint32_t nobj, u
     return true;
 }
 
+/* One 4 MiB object per call as s_big_round_trips, each call timed on its own: the median
+ * store and load GB/s into out[0..2). With busy CPUs a copy is sometimes preempted whatever
+ * the transport; the median says what a call usually costs. False on an error. */
+static bool s_big_medians(kvtier_t *c, const key16_t *keys, uint32_t nobj, const uint8_t *src,
+                          uint8_t *dst, double out[2])
+{
+    double *ts = s_xmalloc(nobj * sizeof *ts), *tl = s_xmalloc(nobj * sizeof *tl);
+    bool ok = true;
+    s_remove_all(c, "bench9e", keys, nobj);
+    for (uint32_t i = 0; i < nobj && ok; i++) {
+        double t0 = s_now();
+        ok = s_store(c, "bench9e", keys + i, 1, BIG, src, 1, NULL) == 1;
+        ts[i] = BIG / (s_now() - t0) / 1e9;
+    }
+    for (uint32_t i = 0; i < nobj && ok; i++) {
+        kvtier_slot_t slot;
+        uint32_t got = 0;
+        uint64_t lease = 0;
+        double t0 = s_now();
+        int rc = kvtier_acquire(c, "bench9e", NULL, keys + i, 1, &slot, &got, &lease);
+        ok = rc == 0 && got == 1;
+        if (ok) {
+            memcpy(dst, slot.ptr, BIG);
+            ok = kvtier_release(c, lease) == 0;
+        }
+        tl[i] = BIG / (s_now() - t0) / 1e9;
+    }
+    s_remove_all(c, "bench9e", keys, nobj);
+    if (ok) {
+        out[0] = s_pct(ts, nobj, 0.50);
+        out[1] = s_pct(tl, nobj, 0.50);
+    }
+    free(ts);
+    free(tl);
+    return ok;
+}
+
 /* A CPU-bound neighbour (a tokenizer, a scheduler's busy loop): a child process that spins
  * until killed. */
 static pid_t s_spinner(void)
@@ -1109,7 +1146,7 @@ static void s_fastpath_under_load(const daemon_t *d, const key16_t *lk)
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     int loads[3] = {0, (int)(ncpu > 0 ? ncpu : 1), (int)(ncpu > 0 ? 2 * ncpu : 2)};
     double dur = s_opt.quick ? 0.3 : 2.0;
-    uint32_t nlk = s_opt.quick ? 200 : 3000, nobj = s_opt.quick ? 2 : 8;
+    uint32_t nlk = s_opt.quick ? 200 : 3000, nobj = s_opt.quick ? 3 : 21;
     uint8_t *src = s_xmalloc(BIG), *dst = s_xmalloc(BIG);
     for (size_t i = 0; i < BIG; i++)
         src[i] = (uint8_t)s_mix(i * 11);
@@ -1135,7 +1172,7 @@ static void s_fastpath_under_load(const daemon_t *d, const key16_t *lk)
             uint32_t got = s_lookups(c, "bench", lk, nlk, lat, 60);
             p50[fast] = s_pct(lat, got, 0.50);
             p99[fast] = s_pct(lat, got, 0.99);
-            if (!s_big_round_trips(c, keys, nobj, 1, src, dst, gbs[fast]))
+            if (!s_big_medians(c, keys, nobj, src, dst, gbs[fast]))
                 s_nerr++;
             kvtier_close(&c);
         }
@@ -1156,10 +1193,10 @@ static void s_fastpath_under_load(const daemon_t *d, const key16_t *lk)
         snprintf(what, sizeof what, "%d busy: LOOKUP p99, fast (b: socket)", k);
         s_row(9, what, p99[1], p99[0], "us", p99[1] / p99[0], "<= 1x socket", true,
               p99[1] <= p99[0]);
-        snprintf(what, sizeof what, "%d busy: store 4 MiB, fast (b: socket)", k);
+        snprintf(what, sizeof what, "%d busy: store 4 MiB median, fast (b: socket)", k);
         s_row(9, what, gbs[1][0], gbs[0][0], "GB/s", gbs[1][0] / gbs[0][0], ">= 1x socket",
               true, gbs[1][0] >= gbs[0][0]);
-        snprintf(what, sizeof what, "%d busy: load 4 MiB, fast (b: socket)", k);
+        snprintf(what, sizeof what, "%d busy: load 4 MiB median, fast (b: socket)", k);
         s_row(9, what, gbs[1][1], gbs[0][1], "GB/s", gbs[1][1] / gbs[0][1], ">= 1x socket",
               true, gbs[1][1] >= gbs[0][1]);
     }
