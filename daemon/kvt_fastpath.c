@@ -100,8 +100,6 @@ typedef struct {
     int memfd;         /* the pair's memory, -1 while closed */
     uint8_t *map;      /* its mapping: request ring at 0, reply ring right after */
     uint64_t handoff;  /* its offer on the handoff socket */
-    bool claimed;      /* the client collected it */
-    char ticket[KVT_FDPASS_TICKET_HEX + 1];
     uint64_t checked_ms; /* when the offer's state was last looked at */
     uint8_t *req_region, *rep_region;
     kvt_ring_t *req, *rep; /* the daemon's sides: consumer, producer */
@@ -184,7 +182,6 @@ static void s_pair_free(kvt_fastpath_t *self, s_slot_t *s)
     if (s->handoff)
         kvt_handoff_cancel(self->handoff, s->handoff);
     s->handoff = 0;
-    s->claimed = false;
     if (s->map)
         munmap(s->map, self->pair_bytes);
     s->map = s->req_region = s->rep_region = NULL;
@@ -296,7 +293,6 @@ static uint32_t s_serve(kvt_fastpath_t *self, uint32_t i)
     if (now - s->checked_ms >= S_CHECK_MS) {
         s->checked_ms = now;
         kvt_handoff_state_t st = kvt_handoff_state(self->handoff, s->handoff);
-        s->claimed = s->claimed || st == KVT_HANDOFF_CLAIMED;
         if (st == KVT_HANDOFF_EXPIRED || st == KVT_HANDOFF_GONE) {
             s_close(self, s, st == KVT_HANDOFF_GONE ? S_DROP_CLIENT_GONE : S_DROP_UNCLAIMED);
             return 0;
@@ -595,7 +591,7 @@ static kvt_handoff_peer_t s_peer_of(kvt_conn_t *conn)
 
 /* The pair's memory: a memfd sealed at its size (no one can shrink it under the other side's
  * mapping: no SIGBUS either way), formatted, and offered to conn's process alone. */
-static int s_pair_new(kvt_fastpath_t *self, s_slot_t *s, kvt_conn_t *conn)
+static int s_pair_new(kvt_fastpath_t *self, s_slot_t *s, kvt_conn_t *conn, char *ticket)
 {
     char err[160];
     s->memfd = memfd_create("kvtier-ring-pair", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -620,7 +616,7 @@ static int s_pair_new(kvt_fastpath_t *self, s_slot_t *s, kvt_conn_t *conn)
         !(s->rep = kvt_ring_new(s->rep_region, self->ring_region, self->cap, KVT_RING_PRODUCER, err,
                                 sizeof err)))
         goto fail; /* cannot happen: the regions are ours and aligned */
-    s->handoff = kvt_handoff_offer(self->handoff, s->memfd, s_peer_of(conn), S_CLAIM_MS, s->ticket);
+    s->handoff = kvt_handoff_offer(self->handoff, s->memfd, s_peer_of(conn), S_CLAIM_MS, ticket);
     if (!s->handoff)
         goto fail;
     return 0;
@@ -657,7 +653,8 @@ int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
         atomic_fetch_add_explicit(&self->declined, 1, memory_order_relaxed);
         return KVT_EBUSY;
     }
-    if (s_pair_new(self, pick, conn) != 0) {
+    char ticket[KVT_FDPASS_TICKET_HEX + 1];
+    if (s_pair_new(self, pick, conn, ticket) != 0) {
         atomic_fetch_add_explicit(&self->declined, 1, memory_order_relaxed);
         return KVT_EINTERNAL;
     }
@@ -673,7 +670,7 @@ int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
                                     .request = 0,
                                     .reply = self->ring_region,
                                     .capacity = self->cap};
-    memcpy(offer->ticket, pick->ticket, sizeof offer->ticket);
+    memcpy(offer->ticket, ticket, sizeof offer->ticket);
     s_ring_bell(self); /* a sleeping thread adds the new ring to its wait */
     return 0;
 }
