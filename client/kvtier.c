@@ -1045,6 +1045,19 @@ int kvtier_ring_wait(kvtier_ring_t *self, size_t need, int64_t timeout_ns)
     return kvt_ring_wait(self->ring, need, timeout_ns);
 }
 
+void kvtier_ring_set_spin(kvtier_ring_t *self, uint32_t max_iterations)
+{
+    kvt_ring_set_spin(self->ring, max_iterations);
+}
+
+void kvtier_ring_stats(const kvtier_ring_t *self, kvtier_ring_stats_t *out)
+{
+    kvt_ring_stats_t st;
+    kvt_ring_stats(self->ring, &st);
+    *out = (kvtier_ring_stats_t){st.records, st.bytes, st.spin_hits, st.cooled,
+                                 st.sleeps,  st.wakes, st.spin};
+}
+
 void kvtier_ring_close(kvtier_ring_t *self)
 {
     kvt_ring_close(self->ring);

@@ -343,6 +343,24 @@ int kvtier_ring_wait(kvtier_ring_t *ring, size_t need, int64_t timeout_ns);
 /* Closes this side (the daemon's calls on its side then answer that the client has gone). */
 void kvtier_ring_close(kvtier_ring_t *ring);
 
+/* The most spin iterations a wait makes before it sleeps on the futex (default 4096; 0: sleep
+ * at once). The budget adapts below it, and a spin that lost its CPU pauses spinning
+ * (docs/operations.md "Fast path"). libkvtier's own rings take KVTIER_RING_SPIN. */
+void kvtier_ring_set_spin(kvtier_ring_t *ring, uint32_t max_iterations);
+
+/* What one side's waits did (kvt_ring's counters, for a client's diagnostics and tests). */
+typedef struct {
+    uint64_t records;   /* pushed (producer) or popped (consumer) */
+    uint64_t bytes;     /* record bytes, headers and padding included */
+    uint64_t spin_hits; /* waits that ended while spinning */
+    uint64_t cooled;    /* spins that lost their CPU (spinning paused) */
+    uint64_t sleeps;    /* futex waits entered */
+    uint64_t wakes;     /* futex wakes issued to the daemon */
+    uint32_t spin;      /* the current spin budget (iterations) */
+} kvtier_ring_stats_t;
+
+void kvtier_ring_stats(const kvtier_ring_t *ring, kvtier_ring_stats_t *out);
+
 /* The server's message (or a local one) for the last failed call; "" after a success. */
 const char *kvtier_last_error(const kvtier_t *self);
 

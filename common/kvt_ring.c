@@ -46,8 +46,11 @@
 #define S_MIN_SPIN 32u
 #define S_SPIN_WORTH_NS 50000       /* a sleep that ended sooner would have been caught spinning */
 #define S_SPIN_CLOCK_EVERY 256u     /* spin iterations between looks at the clock */
-#define S_PREEMPTED_NS 200000       /* a look at the clock this late: the spinner lost its CPU */
-#define S_COOL_NS 50000000LL        /* ... then no spinning for this long (the CPUs are full) */
+#define S_COOL_MIN_NS 1000000LL     /* the first pause after a spin lost its CPU */
+#define S_COOL_MAX_NS 50000000LL    /* the longest (the CPUs stay full) */
+#define S_COOL_AGAIN_NS                                                                            \
+    100000000LL                     /* a loss this soon after a pause ended doubles the next;      \
+                                     * each quiet stretch this long halves it */
 #define S_MAX_SLEEP_NS 1000000000LL /* one futex sleep at most; the loop re-checks after it */
 
 /* The header as it lies in the region (offsets are part of the format: see kvt_ring.h). */
@@ -94,7 +97,7 @@ struct kvt_ring {
     uint32_t epoch; /* the region's epoch at attach */
     uint32_t spin_max;
     bool broken;
-    int64_t cool_until; /* s_now_ns() before which waits sleep at once: spinning lost the CPU */
+    kvt_ring_cool_t cool; /* waits sleep at once before cool.until: spinning lost the CPU */
     kvt_ring_stats_t st;
     char why[128];
 };
@@ -374,7 +377,7 @@ size_t kvt_ring_msg_size(const kvt_ring_iov_t *frames, uint32_t nframes)
     return (size_t)n;
 }
 
-int kvt_ring_push(kvt_ring_t *self, const kvt_ring_iov_t *frames, uint32_t nframes)
+int kvt_ring_push_later(kvt_ring_t *self, const kvt_ring_iov_t *frames, uint32_t nframes)
 {
     s_check(self && self->tag == S_TAG && self->role == KVT_RING_PRODUCER);
     if (self->broken)
@@ -408,8 +411,21 @@ int kvt_ring_push(kvt_ring_t *self, const kvt_ring_iov_t *frames, uint32_t nfram
     atomic_store_explicit(&self->hdr->head, self->pos, memory_order_release);
     self->st.records++;
     self->st.bytes += total;
-    s_wake(self, &self->hdr->cons_wait);
     return 0;
+}
+
+void kvt_ring_wake(kvt_ring_t *self)
+{
+    s_check(self && self->tag == S_TAG && self->role == KVT_RING_PRODUCER);
+    s_wake(self, &self->hdr->cons_wait);
+}
+
+int kvt_ring_push(kvt_ring_t *self, const kvt_ring_iov_t *frames, uint32_t nframes)
+{
+    int rc = kvt_ring_push_later(self, frames, nframes);
+    if (rc == 0)
+        s_wake(self, &self->hdr->cons_wait);
+    return rc;
 }
 
 /* ---- consumer ---- */
@@ -483,10 +499,24 @@ int kvt_ring_parse(const uint8_t *buf, size_t len, kvt_ring_frame_t *frames, uin
 
 /* ---- waiting ---- */
 
+void kvt_ring_cool(kvt_ring_cool_t *c, int64_t now)
+{
+    int64_t quiet = now - c->until; /* since the last pause ended (< 0: within it) */
+    if (!c->len)
+        c->len = S_COOL_MIN_NS;
+    else if (quiet < S_COOL_AGAIN_NS)
+        c->len = c->len * 2 > S_COOL_MAX_NS ? S_COOL_MAX_NS : c->len * 2;
+    else /* halved for each quiet S_COOL_AGAIN_NS */
+        c->len = quiet / S_COOL_AGAIN_NS >= 63 ? 0 : c->len >> (quiet / S_COOL_AGAIN_NS);
+    if (c->len < S_COOL_MIN_NS)
+        c->len = S_COOL_MIN_NS;
+    c->until = now + c->len;
+}
+
 /* This side's spinning lost the CPU: sleep at once for a while, then start small. */
 static void s_cool(kvt_ring_t *self, int64_t now)
 {
-    self->cool_until = now + S_COOL_NS;
+    kvt_ring_cool(&self->cool, now);
     self->st.cooled++;
     uint32_t floor = S_MIN_SPIN < self->spin_max ? S_MIN_SPIN : self->spin_max;
     self->st.spin = floor;
@@ -504,9 +534,9 @@ int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
     int64_t deadline = timeout_ns < 0 || timeout_ns > INT64_MAX - t0 ? INT64_MAX : t0 + timeout_ns;
     /* Spinning pays only while this side and the peer both have a CPU. When the CPUs are
      * busy (CPU-bound neighbours, more spinners than cores) a spinner is descheduled mid-spin
-     * and holds the CPU the peer needs: it then sleeps at once for S_COOL_NS, and spins again
-     * (from the small budget up) only after that. */
-    uint32_t spin = t0 < self->cool_until ? 0 : self->st.spin;
+     * and holds the CPU the peer needs: it then sleeps at once for a pause (kvt_ring_cool),
+     * and spins again (from the small budget up) only after that. */
+    uint32_t spin = t0 < self->cool.until ? 0 : self->st.spin;
     int64_t last = t0;
     for (uint32_t i = 0; i < spin; i++) {
         s_relax();
@@ -514,7 +544,7 @@ int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
             if (rc > 0) {
                 self->st.spin_hits++;
                 int64_t now = s_now_ns();
-                if (now - last > S_PREEMPTED_NS) /* served, but after losing the CPU */
+                if (now - last > KVT_RING_PREEMPTED_NS) /* served, but after losing the CPU */
                     s_cool(self, now);
                 else
                     self->st.spin =
@@ -524,7 +554,8 @@ int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
         }
         if ((i + 1) % S_SPIN_CLOCK_EVERY == 0) {
             int64_t now = s_now_ns();
-            if (now - last > S_PREEMPTED_NS) { /* lost the CPU (whatever the deadline says) */
+            if (now - last >
+                KVT_RING_PREEMPTED_NS) { /* lost the CPU (whatever the deadline says) */
                 s_cool(self, now);
                 break;
             }
@@ -552,7 +583,7 @@ int kvt_ring_wait(kvt_ring_t *self, size_t need, int64_t timeout_ns)
         slept = true;
     }
     atomic_store_explicit(word, 0, memory_order_relaxed);
-    if (slept && self->spin_max && s_now_ns() >= self->cool_until) {
+    if (slept && self->spin_max && s_now_ns() >= self->cool.until) {
         /* adapt: a wait short enough that spinning would have served it earns a longer spin */
         if (rc > 0 && s_now_ns() - t0 < S_SPIN_WORTH_NS)
             self->st.spin = self->st.spin * 2 > self->spin_max ? self->spin_max : self->st.spin * 2;

@@ -64,7 +64,7 @@ typedef struct {
     uint64_t records;   /* pushed (producer) or popped (consumer) */
     uint64_t bytes;     /* record bytes, headers and padding included */
     uint64_t spin_hits; /* waits that ended while spinning */
-    uint64_t cooled;    /* times spinning lost the CPU: waits then slept at once for 50 ms */
+    uint64_t cooled;    /* times spinning lost the CPU: waits then slept at once (kvt_ring_cool) */
     uint64_t sleeps;    /* futex waits entered */
     uint64_t wakes;     /* futex wakes issued to the peer */
     uint32_t spin;      /* the current spin budget (iterations) */
@@ -104,6 +104,14 @@ size_t kvt_ring_msg_size(const kvt_ring_iov_t *frames, uint32_t nframes);
  * KVT_EBADREQ when the ring is malformed (the consumer's tail is impossible): refused from
  * then on. */
 int kvt_ring_push(kvt_ring_t *self, const kvt_ring_iov_t *frames, uint32_t nframes);
+
+/* Producer: kvt_ring_push that leaves the consumer's wake to a later kvt_ring_wake (which must
+ * follow). A thread answering many rings in one pass publishes every reply first and wakes the
+ * sleepers after: a woken consumer then cannot take the CPU from it halfway (issue 29). */
+int kvt_ring_push_later(kvt_ring_t *self, const kvt_ring_iov_t *frames, uint32_t nframes);
+
+/* Producer: wakes the consumer if it sleeps (after kvt_ring_push_later; harmless otherwise). */
+void kvt_ring_wake(kvt_ring_t *self);
 
 /* Consumer: copies the next record's payload into buf[0..cap) and takes it off the ring,
  * waking the producer when it said it sleeps. 0 with *len set; KVT_EBUSY when the ring is
@@ -153,10 +161,29 @@ const char *kvt_ring_why(const kvt_ring_t *self);
 
 /* The most spin iterations a wait makes before sleeping (default 4096; 0: sleep at once).
  * The budget adapts below it: halved after a wait that had to sleep, doubled after one that
- * the spin served. A spin that lost its CPU (a look at the clock more than 200 µs after the
- * previous one: descheduled) stops, and the waits of the next 50 ms sleep at once (`cooled`):
- * with the CPUs busy, a spinner only keeps its peer off them. */
+ * the spin served. A spin that lost its CPU (a look at the clock more than
+ * KVT_RING_PREEMPTED_NS after the previous one: descheduled) stops, and the waits of a pause
+ * (kvt_ring_cool) sleep at once (`cooled`): with the CPUs busy, a spinner only keeps its peer
+ * off them. */
 void kvt_ring_set_spin(kvt_ring_t *self, uint32_t max_iterations);
+
+/* A look at the clock this long after the previous one, mid-spin: the spinner was descheduled. */
+#define KVT_RING_PREEMPTED_NS 200000
+
+/* When a spinner may spin again: the rule the ring's waits and the daemon's fastpath thread
+ * share (issue 29). Zeroed: spinning allowed. */
+typedef struct {
+    int64_t until; /* no spinning before this (CLOCK_MONOTONIC ns) */
+    int64_t len;   /* the last pause's length */
+} kvt_ring_cool_t;
+
+/* A spin lost its CPU at `now` (CLOCK_MONOTONIC ns): no spinning for a pause. The first pause
+ * is 1 ms; the next doubles (up to 50 ms) when the loss came within 100 ms of the previous
+ * pause's end, and is halved for each quiet 100 ms before it otherwise (never below 1 ms): a
+ * lone interrupt or a slice stolen by the hypervisor now and then costs 1 ms of sleeping
+ * waits, CPU-bound neighbours (a loss soon after every pause) keep the spinner asleep for 50 ms
+ * at a time. */
+void kvt_ring_cool(kvt_ring_cool_t *c, int64_t now);
 
 void kvt_ring_stats(const kvt_ring_t *self, kvt_ring_stats_t *out);
 

@@ -38,12 +38,14 @@
 #define S_POP_BATCH 32        /* requests of one slot per sweep, so one client cannot starve */
 #define S_QUARANTINE_MS 100   /* a closed slot rests this long before it is formatted again */
 #define S_HELD_MAX 256        /* replies held for a full reply ring, then the slot closes */
+#define S_POLL_MIN_NS                                                                              \
+    10000 /* the shortest poll window after work: a client's next request in a loop */
+#define S_POLL_WORTH_NS 50000  /* a request this soon after the thread slept: polling pays */
+#define S_BUSY_NS 1000000000LL /* a lost spin this recent: the node is busy */
 #define S_HELD_POLL_NS 1000000 /* without futex_waitv: the idle thread looks this often */
 #define S_SPURIOUS_MAX 8      /* wake-ups for nothing in a row before a slot is left out */
 #define S_QUIET_MS 200        /* ... for this long */
 #define S_BEAT_NS 10000000    /* beat at most every 10 ms while busy */
-#define S_PREEMPTED_NS 200000 /* a spin step this late: the thread lost its CPU meanwhile */
-#define S_COOL_NS 50000000u   /* ... then it sleeps at once after work for this long */
 #define S_CLAIM_MS 5000       /* a pair not collected from the handoff socket by then closes */
 #define S_CHECK_MS 50         /* how often a slot looks whether its client's handoff is gone */
 
@@ -113,6 +115,7 @@ typedef struct {
     s_held_t *held, *held_tail;
     uint32_t nheld;
     uint64_t held_bytes;
+    bool owed; /* a reply published on the fastpath thread, its wake left to the sweep's end */
 } s_slot_t;
 
 struct kvt_fastpath {
@@ -129,6 +132,7 @@ struct kvt_fastpath {
     void *ctx;
     s_slot_t slots[S_MAX_SLOTS];
     int current; /* the slot whose request is being handled, -1 */
+    uint32_t nowed; /* slots owed a wake (under the lock) */
     uint8_t *buf; /* a popped request (kvt_ring_max_payload bytes) */
     size_t buflen;
     kvt_thread_t *thread;
@@ -199,8 +203,12 @@ static void s_close(kvt_fastpath_t *self, s_slot_t *s, s_drop_t why)
     /* counted before the client can see its rings closed */
     atomic_fetch_sub_explicit(&self->open_count, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&self->dropped[why], 1, memory_order_relaxed);
-    kvt_ring_close(s->req);
+    kvt_ring_close(s->req); /* wakes the client, owed or not */
     kvt_ring_close(s->rep);
+    if (s->owed) {
+        s->owed = false;
+        self->nowed--;
+    }
     kvt_ring_destroy(&s->req);
     kvt_ring_destroy(&s->rep);
     s_free_held(s);
@@ -241,12 +249,30 @@ static s_slot_t *s_slot_of(kvt_fastpath_t *self, kvt_fastpath_ref_t ref)
     return s->open && s->gen == ref.gen ? s : NULL;
 }
 
-/* Pushes held replies while the ring has room: 0, or the ring's error. */
-static int s_flush(s_slot_t *s)
+/* Publishes a reply. On the fastpath thread the client's wake waits for the end of the sweep
+ * (s_wake_owed): with more runnable threads than CPUs, a client woken at once would take the
+ * CPU from the thread halfway through the sweep, and every other client's reply behind it would
+ * wait for the thread's next turn (issue 29: 32 clients on 2 CPUs made 50 k requests/s that way,
+ * 90 k with the wakes at the end). */
+static int s_push(kvt_fastpath_t *self, s_slot_t *s, const kvt_ring_iov_t *frames, uint32_t nframes,
+                  bool later)
+{
+    if (!later)
+        return kvt_ring_push(s->rep, frames, nframes);
+    int rc = kvt_ring_push_later(s->rep, frames, nframes);
+    if (rc == 0 && !s->owed) {
+        s->owed = true;
+        self->nowed++;
+    }
+    return rc;
+}
+
+/* Pushes held replies while the ring has room (fastpath thread): 0, or the ring's error. */
+static int s_flush(kvt_fastpath_t *self, s_slot_t *s)
 {
     while (s->held) {
         s_held_t *h = s->held;
-        int rc = kvt_ring_push(s->rep, h->frames, h->nframes);
+        int rc = s_push(self, s, h->frames, h->nframes, true);
         if (rc == KVT_EBUSY)
             return 0;
         if (rc)
@@ -298,7 +324,7 @@ static uint32_t s_serve(kvt_fastpath_t *self, uint32_t i)
             return 0;
         }
     }
-    int rc = s_flush(s);
+    int rc = s_flush(self, s);
     if (rc) {
         s_close(self, s, s_ring_error(rc));
         return 0;
@@ -330,6 +356,26 @@ static uint32_t s_serve(kvt_fastpath_t *self, uint32_t i)
     return n;
 }
 
+/* The wakes the sweep left for its end: the lock taken per slot, as the sweep does. */
+static void s_wake_owed(kvt_fastpath_t *self)
+{
+    for (uint32_t i = 0; i < self->nslots; i++) {
+        if (!atomic_load_explicit(&self->slots[i].live, memory_order_relaxed))
+            continue;
+        s_lock(self);
+        s_slot_t *s = &self->slots[i];
+        if (s->open && s->owed) {
+            kvt_ring_wake(s->rep);
+            s->owed = false;
+            self->nowed--;
+        }
+        bool more = self->nowed > 0;
+        pthread_mutex_unlock(self->lock);
+        if (!more)
+            break;
+    }
+}
+
 /* One sweep over the slots, the lock taken per slot (the loop gets it between two): how many
  * requests were handled. *held: replies wait for room in some reply ring. */
 static uint32_t s_sweep(kvt_fastpath_t *self, kvt_thread_t *t, bool *held, bool *stop)
@@ -337,6 +383,7 @@ static uint32_t s_sweep(kvt_fastpath_t *self, kvt_thread_t *t, bool *held, bool 
     uint32_t n = 0;
     *held = false;
     uint64_t beat = s_now_ns();
+    bool owed = false;
     for (uint32_t i = 0; i < self->nslots; i++) {
         /* a look without the lock: a slot that opens meanwhile rings the bell */
         if (!atomic_load_explicit(&self->slots[i].live, memory_order_relaxed))
@@ -345,6 +392,7 @@ static uint32_t s_sweep(kvt_fastpath_t *self, kvt_thread_t *t, bool *held, bool 
         n += s_serve(self, i);
         if (self->slots[i].open && self->slots[i].held)
             *held = true;
+        owed |= self->nowed > 0;
         pthread_mutex_unlock(self->lock);
         if (s_now_ns() - beat >= S_BEAT_NS) {
             if (!kvt_thread_beat(t))
@@ -352,6 +400,8 @@ static uint32_t s_sweep(kvt_fastpath_t *self, kvt_thread_t *t, bool *held, bool 
             beat = s_now_ns();
         }
     }
+    if (owed)
+        s_wake_owed(self);
     return n;
 }
 
@@ -444,7 +494,9 @@ static void s_sleep(kvt_fastpath_t *self, int64_t timeout_ns)
 static bool s_run(kvt_thread_t *t, void *arg)
 {
     kvt_fastpath_t *self = arg;
-    uint64_t last_work = 0, last_spin = 0, cool_until = 0;
+    uint64_t last_work = 0, last_spin = 0, slept_at = 0;
+    uint64_t window = self->spin_ns; /* how long to poll after work: adapts below spin_ns */
+    kvt_ring_cool_t cool = {0};
     bool stop = false;
     while (!stop && !atomic_load_explicit(&self->stop, memory_order_acquire)) {
         if (!kvt_thread_beat(t))
@@ -452,16 +504,24 @@ static bool s_run(kvt_thread_t *t, void *arg)
         bool held;
         uint32_t n = s_sweep(self, t, &held, &stop);
         if (n) {
-            last_work = s_now_ns();
+            uint64_t now = s_now_ns();
+            /* polling paid (a request came while polling, or so soon after the sleep began
+             * that polling would have caught it): poll longer next time */
+            if (last_spin || (slept_at && now - slept_at < S_POLL_WORTH_NS))
+                window = window * 2 > self->spin_ns ? self->spin_ns : window * 2;
+            last_work = now;
+            last_spin = slept_at = 0; /* the time since the last poll step went to work */
             continue;
         }
-        /* Spin for the next request while this thread keeps its CPU; once it was descheduled
-         * mid-spin (CPU-bound neighbours, more spinners than cores) the clients need that
-         * CPU more: sleep at once for S_COOL_NS (issue 29). */
+        /* Poll for the next request while this thread keeps its CPU and polling pays: once it
+         * was descheduled mid-poll (CPU-bound neighbours, more spinners than cores) the
+         * clients need that CPU more: sleep at once after work for a pause (kvt_ring_cool,
+         * issue 29); on a busy node a poll that ran out also halves the next (clients that
+         * copy or compute between requests: their next one does not come within it). */
         uint64_t now = s_now_ns();
-        if (now - last_work < self->spin_ns && now >= cool_until) {
-            if (last_spin && now - last_spin > S_PREEMPTED_NS) {
-                cool_until = now + S_COOL_NS;
+        if (now - last_work < window && (int64_t)now >= cool.until) {
+            if (last_spin && now - last_spin > KVT_RING_PREEMPTED_NS) {
+                kvt_ring_cool(&cool, (int64_t)now);
                 atomic_fetch_add_explicit(&self->cooled, 1, memory_order_relaxed);
                 last_spin = 0;
             } else {
@@ -471,7 +531,15 @@ static bool s_run(kvt_thread_t *t, void *arg)
                 continue;
             }
         }
+        /* a poll that ran out while the node is busy (a lost spin within S_BUSY_NS) halves
+         * the next; on an idle node polling is free and the full window covers a client's
+         * own wake-up (tens of µs on a VM whose idle cores sleep) */
+        if ((int64_t)now - cool.until >= S_BUSY_NS)
+            window = self->spin_ns;
+        else if (last_spin && window / 2 >= S_POLL_MIN_NS)
+            window /= 2;
         last_spin = 0;
+        slept_at = s_now_ns();
         s_sleep(self, kvt_thread_idle_ms(t) * 1000000);
     }
     return !stop;
@@ -684,7 +752,7 @@ int kvt_fastpath_reply(kvt_fastpath_t *self, kvt_fastpath_ref_t ref, const kvt_r
     size_t plen = kvt_ring_msg_size(frames, nframes);
     if (plen == SIZE_MAX || plen > kvt_ring_max_payload(s->rep))
         return KVT_ETOOBIG;
-    int rc = s->held ? KVT_EBUSY : kvt_ring_push(s->rep, frames, nframes);
+    int rc = s->held ? KVT_EBUSY : s_push(self, s, frames, nframes, self->current >= 0);
     if (rc == 0)
         return 0;
     if (rc != KVT_EBUSY) {

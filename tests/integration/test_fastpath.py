@@ -244,6 +244,42 @@ def test_zmq_when_the_client_says_so(daemon_factory, clients, monkeypatch, how):
     roundtrip(other, b"zmq-other-" + how.encode())
 
 
+@pytest.mark.parametrize("how", ["env", "keyword"])
+def test_ring_spin_is_the_clients_choice(daemon_factory, clients, monkeypatch, how):
+    """Issue 29: a client whose cores are always busy never spins (ring_spin=0 or
+    KVTIER_RING_SPIN=0): every reply wait sleeps on the futex, and the daemon's fastpath thread
+    wakes it for each reply (it publishes a sweep's replies first and wakes after: a wake it
+    forgot would cost the 1 s re-check, 50 of them a minute)."""
+    d = daemon_factory()
+    if how == "env":
+        monkeypatch.setenv("KVTIER_RING_SPIN", "0")
+        c = clients(d)
+    else:
+        c = clients(d, ring_spin=0)
+    assert c.fastpath is True and c.ring_spin == 0
+    t0 = time.monotonic()
+    for _ in range(50):
+        c.ping()
+    took = time.monotonic() - t0
+    rep = c.fastpath_stats()["reply"]
+    assert rep["spin"] == 0 and rep["spin_hits"] == 0
+    assert rep["records"] >= 50 and rep["sleeps"] >= 1
+    assert took < 10, "50 PINGs took %.1f s: replies waited for the 1 s re-check" % took
+    roundtrip(c, b"spin0-" + how.encode())
+    # the default spins (within 32 .. 4096 iterations as it adapts); a bad value is refused
+    # by the keyword and ignored in the environment, as libkvtier does
+    monkeypatch.setenv("KVTIER_RING_SPIN", "lots")
+    other = clients(d)
+    assert other.ring_spin is None
+    other.ping()
+    assert 32 <= other.fastpath_stats()["reply"]["spin"] <= 4096
+    for bad in (-1, 1 << 21, "8", 2.5, True):
+        with pytest.raises(ValueError, match="ring_spin"):
+            kvtier.Client(d.endpoint, ring_spin=bad)
+    c.close()
+    assert c.fastpath_stats() is None
+
+
 def test_daemon_with_the_fast_path_disabled_declines(daemon_factory, clients):
     d = daemon_factory("--fastpath-enabled=false")
     assert fp_status(d)["enabled"] is False

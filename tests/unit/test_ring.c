@@ -807,17 +807,96 @@ static void test_spinning_stops_when_the_cpu_is_taken(void **state)
             break;
     }
     assert_true(st.cooled >= 1);
-    /* cooled: the next waits (within 50 ms) sleep at once, no spin at all */
-    uint64_t sleeps = st.sleeps;
-    t0 = s_now_ns();
-    assert_int_equal(kvt_ring_wait(r.cons, 0, 1000000), KVT_ETIMEDOUT);
-    kvt_ring_stats(r.cons, &st);
-    assert_true(st.sleeps > sleeps);
     assert_int_equal(st.spin, 32); /* back to the small budget it grows from */
     atomic_store(&s_hog_stop, 1);
     pthread_join(hog, NULL);
     pthread_attr_destroy(&at);
     pthread_setaffinity_np(pthread_self(), sizeof was, &was);
+    s_close(&r);
+}
+
+/* The pause after a lost spin (kvt_ring_cool): 1 ms, doubling up to 50 ms while the losses come
+ * back within 100 ms of the previous pause's end, halved per quiet 100 ms before a loss. */
+static void test_cool_rule(void **state)
+{
+    (void)state;
+    kvt_ring_cool_t c = {0};
+    const int64_t ms = 1000000;
+    int64_t now = 5000 * ms;
+    kvt_ring_cool(&c, now);
+    assert_int_equal(c.len, 1 * ms);
+    assert_int_equal(c.until, now + 1 * ms);
+    static const int64_t want[] = {2, 4, 8, 16, 32, 50, 50};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        now = c.until + 99 * ms; /* lost again 99 ms after the pause ended */
+        kvt_ring_cool(&c, now);
+        assert_int_equal(c.len, want[i] * ms);
+        assert_int_equal(c.until, now + want[i] * ms);
+    }
+    now = c.until + 100 * ms; /* one quiet 100 ms: halved */
+    kvt_ring_cool(&c, now);
+    assert_int_equal(c.len, 25 * ms);
+    now = c.until + 250 * ms; /* two more: a quarter */
+    kvt_ring_cool(&c, now);
+    assert_int_equal(c.len, 6250000);
+    now = c.until + 10000 * ms; /* long quiet: a lone loss costs 1 ms again */
+    kvt_ring_cool(&c, now);
+    assert_int_equal(c.len, 1 * ms);
+    assert_int_equal(c.until, now + 1 * ms);
+    kvt_ring_cool(&c, c.until + 350 * ms); /* losses every ~300 ms (idle node): 1 ms each */
+    assert_int_equal(c.len, 1 * ms);
+    kvt_ring_cool(&c, c.until - ms / 2); /* within the pause (a second spinner's report) */
+    assert_int_equal(c.len, 2 * ms);
+    kvt_ring_cool(&c, INT64_MAX / 2); /* after ages: no overflow in the shift */
+    assert_int_equal(c.len, 1 * ms);
+}
+
+/* kvt_ring_push_later publishes without waking; kvt_ring_wake wakes a consumer asleep on the
+ * futex. The consumer never spins and sleeps on an empty ring (its wait word armed); a record
+ * pushed later must not end its sleep (its futex sleep lasts up to 1 s), the wake must. */
+static atomic_int s_woke;
+
+static void *s_wait_flag(void *arg)
+{
+    s_side_t *s = arg;
+    s->rc = kvt_ring_wait(s->r->cons, 0, 5000000000LL);
+    atomic_store(&s_woke, 1);
+    return NULL;
+}
+
+static void test_push_later_then_wake(void **state)
+{
+    (void)state;
+    s_ring_t r;
+    s_open(&r, S_CAP);
+    kvt_ring_set_spin(r.cons, 0);
+    s_side_t c = {.r = &r, .rc = 1};
+    atomic_store(&s_woke, 0);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, s_wait_flag, &c), 0);
+    int64_t t0 = s_now_ns();
+    while (atomic_load((_Atomic uint32_t *)(void *)(r.region + KVT_RING_OFF_CONS_WAIT)) != 1 &&
+           s_now_ns() - t0 < 5000000000LL)
+        sched_yield();
+    struct timespec ts = {0, 20000000};
+    nanosleep(&ts, NULL); /* into futex_wait (the word is 1: it sleeps, or has slept) */
+    static const char msg[] = "later";
+    kvt_ring_iov_t iov = {msg, sizeof msg};
+    int64_t pushed = s_now_ns();
+    assert_int_equal(kvt_ring_push_later(r.prod, &iov, 1), 0);
+    ts.tv_nsec = 100000000;
+    nanosleep(&ts, NULL);
+    assert_int_equal(atomic_load(&s_woke), 0); /* published, but nobody woke it */
+    kvt_ring_wake(r.prod);
+    pthread_join(t, NULL);
+    assert_int_equal(c.rc, 0);
+    assert_true(s_now_ns() - pushed < 900000000LL); /* the wake, not the 1 s re-check */
+    kvt_ring_stats_t st;
+    kvt_ring_stats(r.prod, &st);
+    assert_int_equal(st.wakes, 1);
+    kvt_ring_wake(r.prod); /* nobody asleep: no wake */
+    kvt_ring_stats(r.prod, &st);
+    assert_int_equal(st.wakes, 1);
     s_close(&r);
 }
 
@@ -838,6 +917,8 @@ int main(void)
         cmocka_unit_test(test_ping_pong),
         cmocka_unit_test(test_close_wakes),
         cmocka_unit_test(test_spinning_stops_when_the_cpu_is_taken),
+        cmocka_unit_test(test_cool_rule),
+        cmocka_unit_test(test_push_later_then_wake),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -55,6 +55,14 @@ class RingError(Exception):
         self.rc = rc
 
 
+class RingStats(ctypes.Structure):
+    """kvtier_ring_stats_t (kvtier.h)."""
+    _fields_ = [("records", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
+                ("spin_hits", ctypes.c_uint64), ("cooled", ctypes.c_uint64),
+                ("sleeps", ctypes.c_uint64), ("wakes", ctypes.c_uint64),
+                ("spin", ctypes.c_uint32)]
+
+
 def _bind(lib):
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
     lib.kvtier_ring_attach.argtypes = [vp, sz, ctypes.c_uint32, ctypes.c_int, ctypes.c_char_p,
@@ -73,6 +81,11 @@ def _bind(lib):
     lib.kvtier_ring_wait.restype = ctypes.c_int
     lib.kvtier_ring_close.argtypes = [vp]
     lib.kvtier_ring_close.restype = None
+    if hasattr(lib, "kvtier_ring_set_spin"):     # an older libkvtier lacks both
+        lib.kvtier_ring_set_spin.argtypes = [vp, ctypes.c_uint32]
+        lib.kvtier_ring_set_spin.restype = None
+        lib.kvtier_ring_stats.argtypes = [vp, ctypes.POINTER(RingStats)]
+        lib.kvtier_ring_stats.restype = None
     return lib
 
 
@@ -211,7 +224,7 @@ class Pair:
     handoff connection from then on). Raises RingError / ValueError when the offer does not
     describe rings inside the mapping (the Client then stays on ZMQ)."""
 
-    def __init__(self, lib, offer, timeout_s):
+    def __init__(self, lib, offer, timeout_s, spin=None):
         self._lib = lib
         self._req = self._rep = None
         self._views = []
@@ -221,6 +234,10 @@ class Pair:
         except BaseException:
             self.drop(close=False)
             raise
+        if spin is not None and hasattr(lib, "kvtier_ring_set_spin"):
+            lib.kvtier_ring_set_spin(self._req, spin)
+            lib.kvtier_ring_set_spin(self._rep, spin)
+        self.spin = spin
 
     def _setup(self, request, reply, capacity):
         lib, arena = self._lib, self._mm
@@ -256,6 +273,19 @@ class Pair:
                              % ("request" if producer else "reply",
                                 err.value.decode("utf-8", "replace") or "failed"))
         return h
+
+    def stats(self):
+        """{"request": {...}, "reply": {...}}: each side's kvtier_ring_stats_t as a dict
+        (empty dicts with a libkvtier that lacks kvtier_ring_stats)."""
+        out = {}
+        for name, h in (("request", self._req), ("reply", self._rep)):
+            st = RingStats()
+            if h and hasattr(self._lib, "kvtier_ring_stats"):
+                self._lib.kvtier_ring_stats(h, ctypes.byref(st))
+                out[name] = {f: getattr(st, f) for f, _ in RingStats._fields_}
+            else:
+                out[name] = {}
+        return out
 
     def fits(self, frames):
         return len(frames) <= _MAX_FRAMES and msg_size(frames) <= self.max_payload

@@ -132,6 +132,18 @@ Acquired = collections.namedtuple("Acquired", "views lease")
 Slots = collections.namedtuple("Slots", "slots lease")
 
 _instance_seq = itertools.count(1)
+_MAX_RING_SPIN = 1 << 20
+
+
+def _env_spin():
+    """KVTIER_RING_SPIN as libkvtier reads it: an integer in [0, 2^20], else None (default)."""
+    v = os.environ.get("KVTIER_RING_SPIN", "").strip()
+    try:
+        n = int(v, 10)
+    except ValueError:
+        return None
+    return n if 0 <= n <= _MAX_RING_SPIN else None
+
 
 # Requests that answered instance_dropped are sent once more after the instance is
 # re-established, except these: HELLO and BYE are the session itself, COMMIT and RELEASE name
@@ -212,6 +224,10 @@ class Client:
                lease_ms / 3 within [100 ms, 10 s]; 0: no heartbeat
     fastpath   None: ask HELLO for the shared-memory fast path unless KVTIER_FASTPATH=0;
                False: never (ZMQ only); True: ask (when the arena is mapped)
+    ring_spin  the most spin iterations a fast-path wait makes before it sleeps (0 to 1048576;
+               0: sleep at once, for a client whose cores are always busy); None:
+               KVTIER_RING_SPIN (ignored unless an integer in that range), else the ring's
+               default (4096). The spin adapts below it and pauses when it loses its CPU.
 
     Attributes: info (the HELLO reply body), instance, token (the instance's, from HELLO),
     arena (mmap or None; shm.map_size bytes: shm.size rounded to pages),
@@ -221,9 +237,16 @@ class Client:
 
     def __init__(self, endpoint, client="python", instance=None, timeout_ms=5000,
                  context=None, map_arena=True, curve_serverkey=None, curve_cert=None,
-                 heartbeat_ms=None, fastpath=None):
+                 heartbeat_ms=None, fastpath=None, ring_spin=None):
         if heartbeat_ms is not None and int(heartbeat_ms) < 0:
             raise ValueError("heartbeat_ms must be 0 (no heartbeat) or positive")
+        if ring_spin is None:
+            ring_spin = _env_spin()
+        elif (isinstance(ring_spin, bool) or not isinstance(ring_spin, int)
+              or not 0 <= ring_spin <= _MAX_RING_SPIN):
+            raise ValueError("ring_spin must be an integer from 0 to %d, not %r"
+                             % (_MAX_RING_SPIN, ring_spin))
+        self.ring_spin = ring_spin
         self.endpoint = endpoint
         self.client = client
         self.instance = instance or "%s-%d-%d" % (client, os.getpid(), next(_instance_seq))
@@ -350,7 +373,8 @@ class Client:
             self.fastpath_why = "offered, but the arena is not mapped"
             return
         try:
-            self._ring = _ring.Pair(_ring.library(), offer, self.timeout_ms / 1000.0)
+            self._ring = _ring.Pair(_ring.library(), offer, self.timeout_ms / 1000.0,
+                                    self.ring_spin)
         except Exception as e:               # noqa: BLE001 - any bad offer: stay on ZMQ
             self.fastpath_why = "offered, but not attached: %s" % e
             return
@@ -362,6 +386,13 @@ class Client:
     def fastpath(self):
         """True while requests go over the shared-memory ring pair."""
         return self._ring is not None
+
+    def fastpath_stats(self):
+        """What this client's ring waits did, while the fast path is attached: {"request":
+        {records, bytes, spin_hits, cooled, sleeps, wakes, spin}, "reply": {...}} (the
+        request ring's waits are for room, the reply ring's for replies); None without it."""
+        ring = self._ring
+        return ring.stats() if ring is not None else None
 
     def _drop_ring(self, why, close=True):
         """Forgets the ring pair, closing this client's sides first (the daemon then reclaims
