@@ -665,7 +665,8 @@ FUZZ_CONFIG_SRC := tests/fuzz/fuzz_config.c config/kvt_config.c common/kvt_error
 FUZZ_LMC_SRC    := tests/fuzz/fuzz_lmc.c protocol/kvt_lmc.c protocol/kvt_msg.c protocol/kvt_proto.c \
                    common/kvt_error.c common/kvt_log.c
 FUZZ_RING_SRC   := tests/fuzz/fuzz_ring.c common/kvt_ring.c common/kvt_error.c
-FUZZ_TARGETS  := decode config lmc ring
+FUZZ_JOURNAL_SRC := tests/fuzz/fuzz_journal.c storage/kvt_journal.c common/kvt_error.c
+FUZZ_TARGETS  := decode config lmc ring journal
 FUZZ_BINS     := $(addprefix $(FUZZ_DIR)/fuzz_,$(FUZZ_TARGETS))
 # Seconds per target: FUZZ_SECONDS, except where FUZZ_SECONDS_<target> says otherwise.
 FUZZ_SECONDS_ring ?= $(FUZZ_SECONDS)
@@ -697,6 +698,10 @@ $(FUZZ_DIR)/fuzz_lmc: $(FUZZ_LMC_SRC) $(wildcard common/*.h protocol/*.h)
 $(FUZZ_DIR)/fuzz_ring: $(FUZZ_RING_SRC) common/kvt_ring.h common/kvt_error.h
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $(FUZZ_RING_SRC)
+
+$(FUZZ_DIR)/fuzz_journal: $(FUZZ_JOURNAL_SRC) storage/kvt_journal.h common/kvt_key.h common/kvt_le.h common/kvt_error.h
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $(FUZZ_JOURNAL_SRC) -lxxhash
 
 $(FUZZ_DIR)/fuzz_config: $(FUZZ_CONFIG_SRC) $(wildcard common/*.h config/*.h)
 	@mkdir -p $(dir $@)

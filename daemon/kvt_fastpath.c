@@ -38,8 +38,7 @@
 #define S_POP_BATCH 32        /* requests of one slot per sweep, so one client cannot starve */
 #define S_QUARANTINE_MS 100   /* a closed slot rests this long before it is formatted again */
 #define S_HELD_MAX 256        /* replies held for a full reply ring, then the slot closes */
-#define S_POLL_MIN_NS                                                                              \
-    10000 /* the shortest poll window after work: a client's next request in a loop */
+#define S_POLL_MIN_NS 10000   /* the shortest poll window: a looping client's next request */
 #define S_POLL_WORTH_NS 50000  /* a request this soon after the thread slept: polling pays */
 #define S_BUSY_NS 1000000000LL /* a lost spin this recent: the node is busy */
 #define S_HELD_POLL_NS 1000000 /* without futex_waitv: the idle thread looks this often */

@@ -34,6 +34,7 @@ struct kvt_alloc {
     uint32_t sl_bitmap[S_FL];
     kvt_block_t *heads[S_FL][S_SL];
     kvt_block_t *first; /* lowest address */
+    kvt_block_t *hint;  /* where the last claim left off (a free block, or NULL) */
 };
 
 static int s_msb(uint64_t v)
@@ -167,6 +168,7 @@ kvt_block_t *kvt_alloc_get(kvt_alloc_t *a, uint64_t bytes)
     if (!rest)
         return NULL;
     pthread_mutex_lock(&a->lock);
+    a->hint = NULL; /* blocks split or merged from here on: claims walk from the start */
     kvt_block_t *b = s_find(a, pages);
     if (b) {
         s_free_remove(a, b);
@@ -190,10 +192,65 @@ kvt_block_t *kvt_alloc_get(kvt_alloc_t *a, uint64_t bytes)
     return b;
 }
 
+/* A free block split at `page` (inside it): the part from `page` on, linked after `b` and free;
+ * `b` keeps the part before. NULL when out of memory. */
+static kvt_block_t *s_split_free(kvt_alloc_t *a, kvt_block_t *b, uint64_t page)
+{
+    kvt_block_t *r = calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    s_free_remove(a, b);
+    r->page = page;
+    r->pages = b->page + b->pages - page;
+    b->pages = page - b->page;
+    r->phys_prev = b;
+    r->phys_next = b->phys_next;
+    if (b->phys_next)
+        b->phys_next->phys_prev = r;
+    b->phys_next = r;
+    s_free_insert(a, b);
+    s_free_insert(a, r);
+    return r;
+}
+
+kvt_block_t *kvt_alloc_claim(kvt_alloc_t *a, uint64_t offset, uint64_t bytes)
+{
+    uint64_t pages = bytes ? (bytes + KVT_PAGE - 1) / KVT_PAGE : 1;
+    if (offset % KVT_PAGE || bytes > UINT64_MAX - KVT_PAGE)
+        return NULL;
+    uint64_t page = offset / KVT_PAGE;
+    if (page >= a->pages || pages > a->pages - page)
+        return NULL;
+    pthread_mutex_lock(&a->lock);
+    kvt_block_t *b = a->hint && a->hint->page <= page ? a->hint : a->first;
+    while (b && b->page + b->pages <= page)
+        b = b->phys_next;
+    if (!b || !b->is_free || b->page + b->pages < page + pages) {
+        pthread_mutex_unlock(&a->lock);
+        return NULL;
+    }
+    if (b->page < page && !(b = s_split_free(a, b, page))) {
+        pthread_mutex_unlock(&a->lock);
+        return NULL;
+    }
+    kvt_block_t *rest = b->pages > pages ? s_split_free(a, b, page + pages) : NULL;
+    if (b->pages > pages && !rest) {
+        pthread_mutex_unlock(&a->lock);
+        return NULL;
+    }
+    s_free_remove(a, b);
+    a->hint = rest;
+    a->used_blocks++;
+    atomic_fetch_add_explicit(&a->used_pages, pages, memory_order_relaxed);
+    pthread_mutex_unlock(&a->lock);
+    return b;
+}
+
 void kvt_alloc_put(kvt_alloc_t *a, kvt_block_t *b)
 {
     kvt_block_t *garbage[2] = {NULL, NULL};
     pthread_mutex_lock(&a->lock);
+    a->hint = NULL;
     kvt_assert(!b->is_free);
     atomic_fetch_sub_explicit(&a->used_pages, b->pages, memory_order_relaxed);
     a->used_blocks--;

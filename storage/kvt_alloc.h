@@ -37,6 +37,13 @@ void kvt_alloc_destroy(kvt_alloc_t **self_p);
  * (KVT_ENOSPC for the caller). bytes == 0 is treated as one page. */
 kvt_block_t *kvt_alloc_get(kvt_alloc_t *self, uint64_t bytes);
 
+/* The block of exactly [offset, offset + bytes rounded up to pages), taken from the free space
+ * that holds it: for adopting an arena whose objects already lie at known offsets. NULL when
+ * offset is not page-aligned, the range leaves the arena or any of it is in use. O(1) when
+ * claims come in ascending offset order (each starts where the previous left off), a walk of
+ * the blocks otherwise. */
+kvt_block_t *kvt_alloc_claim(kvt_alloc_t *self, uint64_t offset, uint64_t bytes);
+
 /* Returns a block; it is coalesced with free neighbours. */
 void kvt_alloc_put(kvt_alloc_t *self, kvt_block_t *block);
 

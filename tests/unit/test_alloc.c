@@ -464,6 +464,49 @@ static void test_threads(void **state)
     kvt_alloc_destroy(&a);
 }
 
+/* kvt_alloc_claim (arena adoption): exact ranges in ascending order, then out of order; the
+ * space between them stays free and usable; overlapping, misaligned or out-of-range claims are
+ * refused and change nothing. */
+static void test_claim(void **state)
+{
+    (void)state;
+    kvt_alloc_t *a = kvt_alloc_new(64 * KVT_PAGE);
+    kvt_block_t *b1 = kvt_alloc_claim(a, 2 * KVT_PAGE, 3 * KVT_PAGE);
+    kvt_block_t *b2 = kvt_alloc_claim(a, 5 * KVT_PAGE, 1);              /* right after: one page */
+    kvt_block_t *b3 = kvt_alloc_claim(a, 40 * KVT_PAGE, 24 * KVT_PAGE); /* up to the end */
+    assert_non_null(b1);
+    assert_non_null(b2);
+    assert_non_null(b3);
+    assert_int_equal(kvt_block_offset(b1), 2 * KVT_PAGE);
+    assert_int_equal(kvt_block_size(b1), 3 * KVT_PAGE);
+    assert_int_equal(kvt_block_offset(b2), 5 * KVT_PAGE);
+    assert_int_equal(kvt_block_size(b2), KVT_PAGE);
+    assert_int_equal(kvt_block_offset(b3), 40 * KVT_PAGE);
+    assert_int_equal(kvt_alloc_check(a), 0);
+    kvt_block_t *b0 = kvt_alloc_claim(a, 0, KVT_PAGE); /* out of order: before the others */
+    assert_non_null(b0);
+    assert_null(kvt_alloc_claim(a, 4 * KVT_PAGE, 1));              /* inside b1 */
+    assert_null(kvt_alloc_claim(a, 30 * KVT_PAGE, 11 * KVT_PAGE)); /* runs into b3 */
+    assert_null(kvt_alloc_claim(a, 7 * KVT_PAGE + 1, 1));          /* misaligned */
+    assert_null(kvt_alloc_claim(a, 64 * KVT_PAGE, 1));             /* past the end */
+    assert_null(kvt_alloc_claim(a, 63 * KVT_PAGE, UINT64_MAX));    /* overflow */
+    assert_int_equal(kvt_alloc_used(a), (1 + 3 + 1 + 24) * KVT_PAGE);
+    assert_int_equal(kvt_alloc_check(a), 0);
+    /* the gaps are free space: page 1 and pages 6..39 */
+    kvt_block_t *g = kvt_alloc_get(a, 34 * KVT_PAGE);
+    assert_non_null(g);
+    assert_int_equal(kvt_block_offset(g), 6 * KVT_PAGE);
+    kvt_block_t *g1 = kvt_alloc_get(a, KVT_PAGE);
+    assert_non_null(g1);
+    assert_int_equal(kvt_block_offset(g1), KVT_PAGE);
+    assert_null(kvt_alloc_get(a, KVT_PAGE)); /* full */
+    kvt_alloc_put(a, b1);
+    kvt_alloc_put(a, g);
+    assert_non_null(kvt_alloc_claim(a, 3 * KVT_PAGE, 2 * KVT_PAGE)); /* after frees */
+    assert_int_equal(kvt_alloc_check(a), 0);
+    kvt_alloc_destroy(&a);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -475,6 +518,7 @@ int main(void)
         cmocka_unit_test(test_exact_fit_hole),
         cmocka_unit_test(test_out_of_space_and_edges),
         cmocka_unit_test(test_threads),
+        cmocka_unit_test(test_claim),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
