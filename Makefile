@@ -341,6 +341,7 @@ $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
 # completed on libzmq's I/O threads while the server loop counts and cuts connections; the fast
 # path: 32 ring clients, hostile and SIGKILLed ones, an instance dropped and re-established.
 TSAN_INTEGRATION := tests/integration/test_reliability.py \
+    tests/integration/test_adopt.py \
     tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged \
     tests/integration/test_lifecycle.py::test_sigterm_while_clients_ping \
     tests/integration/test_l1.py::test_killed_client_loses_its_leases \

@@ -367,10 +367,39 @@ static bool s_daemon_start(daemon_t *d, const char *name, const char *l1_size, c
     return s_daemon_start_ex(d, name, l1_size, l2, hwm, lwm, NULL);
 }
 
+/* The arena a stopped daemon kept for its successor (l1.adopt, the default: the benchmark
+ * measures that configuration) is the benchmark's to remove: the header record of
+ * RUN_DIR/kvtier-l1.journal names it (storage/kvt_journal.h: u32 length, 4 bytes, then 56
+ * bytes of numbers before the path). */
+static void s_remove_kept_arena(const daemon_t *d)
+{
+    char path[400];
+    snprintf(path, sizeof path, "%s/kvtier-l1.journal", d->dir);
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return;
+    uint8_t head[8 + 56 + 1024];
+    size_t got = fread(head, 1, sizeof head, f);
+    fclose(f);
+    uint32_t len = got >= 8 ? (uint32_t)head[0] | (uint32_t)head[1] << 8 | (uint32_t)head[2] << 16 |
+                                  (uint32_t)head[3] << 24
+                            : 0;
+    if (len <= 56 || 8 + (size_t)len > got)
+        return;
+    char arena[1025];
+    memcpy(arena, head + 8 + 56, len - 56);
+    arena[len - 56] = '\0';
+    const char *base = strrchr(arena, '/');
+    size_t n = strlen(arena);
+    if (base && strncmp(base + 1, "kvtier-", 7) == 0 && n > 3 && strcmp(arena + n - 3, "-l1") == 0)
+        unlink(arena);
+}
+
 static void s_daemon_stop(daemon_t *d)
 {
     s_stop(d->pid);
     d->pid = 0;
+    s_remove_kept_arena(d);
 }
 
 /* CPU time (user + system, all threads) the process has used, in seconds; -1 when unknown. */

@@ -57,7 +57,9 @@ def start_daemon(binary, workdir, l1):
     ipc = "ipc://" + os.path.join(run, "kvtier.sock")
     proc = subprocess.Popen([binary, "--run-dir", run, "--data-dir", os.path.join(workdir, "d"),
                              "--listen", ipc, "--http", "", "--l2", "none",
-                             "--l1-size", l1, "--log-level", "warn"],
+                             "--l1-size", l1, "--log-level", "warn",
+                             # nothing kept in /dev/shm after the run
+                             "--l1-adopt=false"],
                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(workdir, "log"),
                                                                    "w"))
     deadline = time.monotonic() + 20

@@ -56,6 +56,9 @@ typedef struct kvt_config {
     uint64_t max_leased_bytes;
     /* XXH3-64 of every L1 object at COMMIT, checked by GET and before write-behind */
     bool l1_checksum;
+    /* the arena outlives the daemon (a stable name, kept at stop) and the next one adopts what
+     * the journal (RUN_DIR/kvtier-l1.journal) says it holds */
+    bool l1_adopt;
     /* the arena on 2 MiB pages: "auto" (hugetlbfs when a mount has enough free pages, else
      * /dev/shm), "on" (hugetlbfs or refuse to start), "off" (/dev/shm, no THP request) */
     char *l1_hugepages;
@@ -90,6 +93,7 @@ typedef struct kvt_config {
     /* hidden test knob: every Nth L1 block allocation fails as if the arena were full and
      * nothing evictable (0: never), to test that requests then fail with no_space */
     uint32_t debug_fail_alloc_every;
+    uint64_t debug_journal_compact_bytes; /* test hook: journal compaction threshold */
     /* not an option: the file kvt_config_load read (--config or KVTIER_CONFIG), NULL for none;
      * SIGHUP reads it again */
     char *config_file;

@@ -30,12 +30,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
-#include <sys/statvfs.h>
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -59,6 +60,10 @@ struct kvt_arena {
     bool pinned;
     bool hugetlb;
     bool unlink;    /* path is ours: unlink it on failure and at destroy */
+    bool keep;      /* l1.adopt: left in place at destroy for the next daemon */
+    bool reused;    /* the file a previous daemon left (its content is the journal's to judge) */
+    bool kept_name; /* the run dir's stable name (l1.adopt), not a private one */
+    char why_new[PATH_MAX + 320]; /* why not reused: for the log and /status */
     int fd;         /* kept open: the file's size is restored through it (kvt_arena_check) */
     char pages[80]; /* for the log: "2 MiB pages, hugetlbfs", "4 KiB pages, THP requested" */
 };
@@ -164,6 +169,100 @@ static void s_remove_stale(const char *dir, const char *prefix)
     closedir(d);
 }
 
+/* The stable name of this run dir's arena in dir (l1.adopt): "<prefix>l1", which the stale
+ * sweep's "<prefix><16 hex>-<pid>" never matches. */
+static void s_kept_path(char *out, size_t outlen, const char *dir, const char *prefix)
+{
+    snprintf(out, outlen, "%s/%sl1", dir, prefix);
+}
+
+/* Removes this run dir's kept arena in dir when it is ours (l1.adopt is off now, or the arena
+ * moves to the other kind of pages: the old one would hold its memory for nothing). */
+static void s_remove_kept(const char *dir, const char *prefix)
+{
+    char path[PATH_MAX + 64];
+    s_kept_path(path, sizeof path, dir, prefix);
+    struct stat st;
+    if (lstat(path, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && unlink(path) == 0)
+        kvt_log(KVT_LOG_WARN, "l1: removed %s, the arena an earlier daemon kept: not adopted",
+                path);
+}
+
+/* The mode an arena of this configuration has. */
+static mode_t s_mode(const kvt_config_t *cfg, gid_t *gid, bool *grouped)
+{
+    *grouped = kvt_config_shm_gid(cfg, gid) == 0;
+    return *grouped ? 0660 : 0600;
+}
+
+/* l1.adopt: opens the arena a previous daemon of this run dir left in dir when it is one this
+ * daemon may reuse (a regular file of ours, of self->size bytes, with the mode this
+ * configuration gives), else makes a new one under the stable name (removing an unusable one
+ * of ours first). The fd, or -1 with errno (a name someone else holds: the caller falls back
+ * to a random name). self->why_new says why a new one was made. */
+static int s_open_kept(kvt_arena_t *self, const kvt_config_t *cfg, const char *dir,
+                       const char *prefix)
+{
+    s_kept_path(self->path, sizeof self->path, dir, prefix);
+    int fd = open(self->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        /* another live process holds it (a daemon without the run dir's lock: a test) */
+        snprintf(self->why_new, sizeof self->why_new, "the arena %s is in use", self->path);
+        close(fd);
+        errno = EEXIST;
+        return -1;
+    }
+    if (fd >= 0) {
+        struct stat st;
+        gid_t gid;
+        bool grouped;
+        mode_t want = s_mode(cfg, &gid, &grouped);
+        const char *bad = NULL;
+        if (fstat(fd, &st) != 0) {
+            st.st_uid = (uid_t)-1; /* not judged ours: left alone */
+            st.st_mode = 0;
+            bad = "cannot stat it";
+        } else if (!S_ISREG(st.st_mode))
+            bad = "it is not a regular file";
+        else if (st.st_uid != geteuid())
+            bad = "another user owns it";
+        else if ((st.st_mode & 07777) != want || (grouped && st.st_gid != gid))
+            bad = "its mode or group is not this configuration's";
+        else if ((uint64_t)st.st_size != self->size)
+            bad = "its size is not l1_size";
+        if (!bad) {
+            self->unlink = self->kept_name = self->reused = true;
+            return fd;
+        }
+        snprintf(self->why_new, sizeof self->why_new, "the arena %s left there: %s", self->path,
+                 bad);
+        close(fd);
+        if (st.st_uid != geteuid() || !S_ISREG(st.st_mode)) {
+            errno = EEXIST; /* not ours to remove */
+            return -1;
+        }
+        unlink(self->path);
+    } else if (errno == ENOENT) {
+        snprintf(self->why_new, sizeof self->why_new, "no arena left by a previous daemon");
+    } else {
+        snprintf(self->why_new, sizeof self->why_new, "the arena %s: %s", self->path,
+                 strerror(errno));
+        if (errno == ELOOP)
+            errno = EEXIST;
+        return -1;
+    }
+    fd = open(self->path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) { /* made by us a moment ago: cannot be */
+        close(fd);
+        unlink(self->path);
+        errno = EEXIST;
+        return -1;
+    }
+    if (fd >= 0)
+        self->unlink = self->kept_name = true;
+    return fd;
+}
+
 /* Creates a new segment under a fresh random name; the fd, or -1 with errno. */
 static int s_create(kvt_arena_t *self, const char *dir, const char *prefix)
 {
@@ -186,6 +285,20 @@ static int s_create(kvt_arena_t *self, const char *dir, const char *prefix)
                 self->path);
     }
     return -1;
+}
+
+/* The arena's file in dir: the kept one (l1.adopt) when that name can be used, else a new one
+ * under a fresh random name; the fd, or -1 with errno. */
+static int s_open(kvt_arena_t *self, const kvt_config_t *cfg, const char *dir, const char *prefix)
+{
+    if (cfg->l1_adopt) {
+        int fd = s_open_kept(self, cfg, dir, prefix);
+        if (fd >= 0 || errno != EEXIST)
+            return fd;
+        kvt_log(KVT_LOG_WARN, "l1: %s: using a private name (this arena cannot be adopted)",
+                self->why_new);
+    }
+    return s_create(self, dir, prefix);
 }
 
 /* A number from a one-line sysfs file, or 0. */
@@ -478,11 +591,15 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
     /* segments of crashed daemons of this run dir go first, wherever they are: they hold
      * memory (in hugetlbfs, the very pages about to be counted) */
     s_remove_stale(S_SHM_DIR, prefix);
+    if (!cfg->l1_adopt) /* one kept by an earlier run that adopted: nobody will use it now */
+        s_remove_kept(S_SHM_DIR, prefix);
     if (want && s_find_hugetlbfs(cfg, hdir, sizeof hdir, why, sizeof why) == 0) {
         s_remove_stale(hdir, prefix);
+        if (!cfg->l1_adopt)
+            s_remove_kept(hdir, prefix);
         if (s_hugetlbfs_room(hdir, hsize, why, sizeof why) == 0) {
             self->size = hsize;
-            fd = s_create(self, hdir, prefix);
+            fd = s_open(self, cfg, hdir, prefix);
             if (fd < 0)
                 snprintf(why, sizeof why, "cannot create %.300s/%s...: %s", hdir, prefix,
                          strerror(errno));
@@ -502,7 +619,9 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
         if (why[0])
             kvt_log(KVT_LOG_INFO, "l1: the arena goes to %s: %s", S_SHM_DIR, why);
         self->size = want_size;
-        fd = s_create(self, S_SHM_DIR, prefix);
+        if (hdir[0])
+            s_remove_kept(hdir, prefix);
+        fd = s_open(self, cfg, S_SHM_DIR, prefix);
         if (fd < 0) {
             snprintf(err, errlen, "l1: cannot create shared memory %s/%s...: %s", S_SHM_DIR, prefix,
                      strerror(errno));
@@ -512,8 +631,13 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
             s_map_shm(self, cfg, fd, err, errlen) != 0 || s_pin(self, cfg, err, errlen) != 0)
             goto fail;
     }
+    if (self->hugetlb)
+        s_remove_kept(S_SHM_DIR, prefix);
     self->fd = fd;
     fd = -1;
+    self->keep = cfg->l1_adopt && self->kept_name; /* a private name: nobody would find it */
+    if (!self->reused && !self->why_new[0])
+        snprintf(self->why_new, sizeof self->why_new, "l1.adopt is off");
     s_guard(self);
     if (self->size != want_size)
         kvt_log(KVT_LOG_INFO, "l1: l1_size %llu rounded up to %llu, a multiple of the page size",
@@ -539,7 +663,8 @@ void kvt_arena_destroy(kvt_arena_t **self_p)
     }
     close(self->fd);
     munmap(self->base, self->size);
-    unlink(self->path);
+    if (!self->keep)
+        unlink(self->path);
     free(self);
     *self_p = NULL;
 }
@@ -582,6 +707,36 @@ bool kvt_arena_pinned(const kvt_arena_t *self)
 uint64_t kvt_arena_page_size(const kvt_arena_t *self)
 {
     return self->page_size;
+}
+
+bool kvt_arena_reused(const kvt_arena_t *self)
+{
+    return self->reused;
+}
+
+const char *kvt_arena_why_new(const kvt_arena_t *self)
+{
+    return self->reused ? "" : self->why_new;
+}
+
+void kvt_arena_forget(kvt_arena_t *self)
+{
+    self->reused = false;
+}
+
+void kvt_arena_keep(kvt_arena_t *self, bool keep)
+{
+    self->keep = keep;
+}
+
+void kvt_arena_ident(const kvt_arena_t *self, uint64_t *dev, uint64_t *ino)
+{
+    struct stat st;
+    *dev = *ino = 0;
+    if (fstat(self->fd, &st) == 0) {
+        *dev = (uint64_t)st.st_dev;
+        *ino = (uint64_t)st.st_ino;
+    }
 }
 
 bool kvt_arena_huge(const kvt_arena_t *self)

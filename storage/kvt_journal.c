@@ -32,8 +32,14 @@ struct kvt_journal {
     pthread_mutex_t lock;
     int fd;
     bool broken;
-    uint64_t salt;
+    uint64_t salt; /* of the current file */
     uint64_t next_seq;
+    kvt_journal_header_t hdr; /* what each new file's header says (its salt: the file's) */
+    /* between kvt_journal_mark and kvt_journal_rewrite: a copy of every record appended, so
+     * that the rewrite carries them into the new file */
+    bool capturing, capture_failed;
+    uint8_t *capt;
+    size_t capt_len, capt_size;
     _Atomic uint64_t bytes;
     uint8_t *buf;
     size_t cap;
@@ -394,6 +400,22 @@ static int s_flush(kvt_journal_t *self, size_t n)
         return KVT_EIO;
     }
     atomic_fetch_add_explicit(&self->bytes, n, memory_order_relaxed);
+    if (self->capturing && !self->capture_failed) {
+        if (self->capt_len + n > self->capt_size) {
+            size_t size = self->capt_size ? self->capt_size : 4096;
+            while (size < self->capt_len + n)
+                size *= 2;
+            uint8_t *c = realloc(self->capt, size);
+            if (!c) {
+                self->capture_failed = true; /* the rewrite is refused, nothing lost */
+                return 0;
+            }
+            self->capt = c;
+            self->capt_size = size;
+        }
+        memcpy(self->capt + self->capt_len, self->buf, n);
+        self->capt_len += n;
+    }
     return 0;
 }
 
@@ -417,6 +439,101 @@ static bool s_encode_puts(kvt_journal_t *self, kvt_journal_put_t *puts, size_t n
     return true;
 }
 
+static bool s_ns_ok(const kvt_journal_put_t *p)
+{
+    return p->ns.name_len >= 1 && p->ns.name_len <= KVT_MAX_NS && p->ns.salt_len <= KVT_MAX_SALT;
+}
+
+/* A fresh file for self->hdr (a new salt) holding the PUT records of live[0..n), written to
+ * path.new and renamed over path; its descriptor in *fd_out (lock held, or before any thread
+ * sees self). 0, or an error code with the reason in err. */
+static int s_write_file(kvt_journal_t *self, const kvt_journal_put_t *live, size_t n, int *fd_out,
+                        char *err, size_t errlen)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!s_ns_ok(&live[i])) {
+            snprintf(err, errlen, "a carried-over object has an invalid namespace");
+            return KVT_EINVAL;
+        }
+    uint64_t salt = 0;
+    while (salt == 0)
+        if (getrandom(&salt, sizeof salt, 0) != (ssize_t)sizeof salt) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            salt = XXH3_64bits(&ts, sizeof ts) ^ (uint64_t)getpid();
+        }
+    char tmp[PATH_MAX + 8];
+    snprintf(tmp, sizeof tmp, "%s.new", self->path);
+    (void)unlink(tmp);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_APPEND, 0600);
+    if (fd < 0) {
+        snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
+        return KVT_EIO;
+    }
+    kvt_journal_header_t *h = &self->hdr;
+    size_t pl = strlen(h->path), hl = S_HEADER_FIXED + pl, at = s_rec_size(hl);
+    kvt_journal_put_t *copy = n ? malloc(n * sizeof *copy) : NULL;
+    int rc = KVT_ENOMEM;
+    uint64_t old_salt = self->salt;
+    if ((copy || !n) && s_reserve(self, at)) {
+        uint8_t *q = self->buf + S_REC_HDR;
+        kvt_le_put32(q, KVT_JOURNAL_VERSION);
+        kvt_le_put32(q + 4, 0);
+        kvt_le_put64(q + 8, salt);
+        kvt_le_put64(q + 16, h->arena_size);
+        kvt_le_put64(q + 24, h->page_size);
+        kvt_le_put64(q + 32, h->arena_dev);
+        kvt_le_put64(q + 40, h->arena_ino);
+        kvt_le_put64(q + 48, h->created);
+        memcpy(q + S_HEADER_FIXED, h->path, pl);
+        s_frame(self->buf, KVT_JREC_HEADER, hl, 0, false);
+        if (n)
+            memcpy(copy, live, n * sizeof *copy);
+        self->salt = salt; /* the records are framed with the new file's salt */
+        rc = s_encode_puts(self, copy, n, false, &at) ? 0 : KVT_ENOMEM;
+        /* records appended since kvt_journal_mark, framed again with the new salt */
+        uint16_t type;
+        const uint8_t *rp;
+        size_t plen, size;
+        bool more;
+        for (size_t r = 0; rc == 0 && r < self->capt_len; r += size) {
+            if (!s_record(self->capt + r, self->capt_len - r, old_salt, &type, &rp, &plen, &size,
+                          &more)) {
+                rc = KVT_EINTERNAL; /* our own bytes: cannot be */
+                break;
+            }
+            if (!s_reserve(self, at + size)) {
+                rc = KVT_ENOMEM;
+                break;
+            }
+            memcpy(self->buf + at + S_REC_HDR, rp, plen);
+            s_frame(self->buf + at, type, plen, salt, more);
+            at += size;
+        }
+        if (rc == 0)
+            rc = s_write_all(fd, self->buf, at);
+        if (rc == 0 && rename(tmp, self->path) != 0)
+            rc = KVT_EIO;
+        if (rc) {
+            self->salt = old_salt;
+            snprintf(err, errlen, "%s: %s", tmp,
+                     rc == KVT_ENOMEM ? "out of memory" : strerror(errno ? errno : EIO));
+        }
+    } else {
+        snprintf(err, errlen, "out of memory");
+    }
+    free(copy);
+    if (rc) {
+        close(fd);
+        (void)unlink(tmp);
+        return rc;
+    }
+    h->salt = salt;
+    *fd_out = fd;
+    atomic_store_explicit(&self->bytes, at, memory_order_relaxed);
+    return 0;
+}
+
 kvt_journal_t *kvt_journal_create(const char *path, kvt_journal_header_t *hdr,
                                   const kvt_journal_put_t *live, size_t nlive, char *err,
                                   size_t errlen)
@@ -426,12 +543,6 @@ kvt_journal_t *kvt_journal_create(const char *path, kvt_journal_header_t *hdr,
         snprintf(err, errlen, "journal or arena path too long");
         return NULL;
     }
-    for (uint32_t i = 0; i < nlive; i++)
-        if (live[i].ns.name_len == 0 || live[i].ns.name_len > KVT_MAX_NS ||
-            live[i].ns.salt_len > KVT_MAX_SALT) {
-            snprintf(err, errlen, "a carried-over object has an invalid namespace");
-            return NULL;
-        }
     kvt_journal_t *self = calloc(1, sizeof *self);
     if (!self) {
         snprintf(err, errlen, "out of memory");
@@ -441,66 +552,64 @@ kvt_journal_t *kvt_journal_create(const char *path, kvt_journal_header_t *hdr,
     self->fd = -1;
     self->next_seq = 1;
     snprintf(self->path, sizeof self->path, "%s", path);
-    uint64_t salt = 0;
-    while (salt == 0)
-        if (getrandom(&salt, sizeof salt, 0) != (ssize_t)sizeof salt) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            salt = XXH3_64bits(&ts, sizeof ts) ^ (uint64_t)getpid();
-        }
-    hdr->salt = self->salt = salt;
     hdr->version = KVT_JOURNAL_VERSION;
-    char tmp[PATH_MAX];
-    snprintf(tmp, sizeof tmp, "%s.new", path);
-    (void)unlink(tmp);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_APPEND, 0600);
-    if (fd < 0) {
-        snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
-        goto fail;
+    self->hdr = *hdr;
+    if (s_write_file(self, live, nlive, &self->fd, err, errlen) != 0) {
+        pthread_mutex_destroy(&self->lock);
+        free(self->buf);
+        free(self);
+        return NULL;
     }
-    self->fd = fd;
-    size_t hl = S_HEADER_FIXED + pl, at = s_rec_size(hl);
-    if (!s_reserve(self, at)) {
-        snprintf(err, errlen, "out of memory");
-        goto fail;
-    }
-    uint8_t *q = self->buf + S_REC_HDR;
-    kvt_le_put32(q, KVT_JOURNAL_VERSION);
-    kvt_le_put32(q + 4, 0);
-    kvt_le_put64(q + 8, hdr->salt);
-    kvt_le_put64(q + 16, hdr->arena_size);
-    kvt_le_put64(q + 24, hdr->page_size);
-    kvt_le_put64(q + 32, hdr->arena_dev);
-    kvt_le_put64(q + 40, hdr->arena_ino);
-    kvt_le_put64(q + 48, hdr->created);
-    memcpy(q + S_HEADER_FIXED, hdr->path, pl);
-    s_frame(self->buf, KVT_JREC_HEADER, hl, 0, false);
-    kvt_journal_put_t *copy = NULL;
-    if (nlive) {
-        copy = malloc(nlive * sizeof *copy);
-        if (copy)
-            memcpy(copy, live, nlive * sizeof *copy);
-    }
-    bool ok = (copy || !nlive) && s_encode_puts(self, copy, nlive, false, &at);
-    free(copy);
-    if (!ok) {
-        snprintf(err, errlen, "out of memory");
-        goto fail;
-    }
-    if (s_flush(self, at) != 0 || rename(tmp, path) != 0) {
-        snprintf(err, errlen, "%s: %s", tmp, strerror(errno ? errno : EIO));
-        goto fail;
-    }
+    hdr->salt = self->salt;
     return self;
-fail:
-    if (self->fd >= 0) {
-        close(self->fd);
-        (void)unlink(tmp);
+}
+
+/* Ends a capture (lock held). */
+static void s_unmark(kvt_journal_t *self)
+{
+    self->capturing = false;
+    free(self->capt);
+    self->capt = NULL;
+    self->capt_len = self->capt_size = 0;
+}
+
+void kvt_journal_mark(kvt_journal_t *self)
+{
+    pthread_mutex_lock(&self->lock);
+    self->capturing = true;
+    self->capture_failed = false;
+    self->capt_len = 0;
+    pthread_mutex_unlock(&self->lock);
+}
+
+int kvt_journal_rewrite(kvt_journal_t *self, const kvt_journal_put_t *live, size_t n, char *err,
+                        size_t errlen)
+{
+    pthread_mutex_lock(&self->lock);
+    int fd = -1, rc = 0;
+    if (self->broken) {
+        rc = KVT_EIO;
+        snprintf(err, errlen, "the journal is broken");
+    } else if (self->capture_failed) {
+        rc = KVT_ENOMEM;
+        snprintf(err, errlen, "out of memory keeping the records appended meanwhile");
+    } else {
+        rc = s_write_file(self, live, n, &fd, err, errlen);
     }
-    pthread_mutex_destroy(&self->lock);
-    free(self->buf);
-    free(self);
-    return NULL;
+    if (rc == 0) {
+        close(self->fd); /* the old file is gone (renamed over): nothing more goes to it */
+        self->fd = fd;
+    }
+    s_unmark(self);
+    pthread_mutex_unlock(&self->lock);
+    return rc;
+}
+
+void kvt_journal_unmark(kvt_journal_t *self)
+{
+    pthread_mutex_lock(&self->lock);
+    s_unmark(self);
+    pthread_mutex_unlock(&self->lock);
 }
 
 void kvt_journal_destroy(kvt_journal_t **self_p)
@@ -512,6 +621,7 @@ void kvt_journal_destroy(kvt_journal_t **self_p)
         close(self->fd);
     pthread_mutex_destroy(&self->lock);
     free(self->buf);
+    free(self->capt);
     free(self);
     *self_p = NULL;
 }
@@ -521,8 +631,7 @@ int kvt_journal_put(kvt_journal_t *self, kvt_journal_put_t *puts, size_t n)
     if (n == 0)
         return 0;
     for (size_t i = 0; i < n; i++)
-        if (puts[i].ns.name_len == 0 || puts[i].ns.name_len > KVT_MAX_NS ||
-            puts[i].ns.salt_len > KVT_MAX_SALT)
+        if (!s_ns_ok(&puts[i]))
             return KVT_EINVAL;
     pthread_mutex_lock(&self->lock);
     size_t at = 0;

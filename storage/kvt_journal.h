@@ -101,6 +101,22 @@ kvt_journal_t *kvt_journal_create(const char *path, kvt_journal_header_t *hdr,
                                   const kvt_journal_put_t *live, size_t nlive, char *err,
                                   size_t errlen);
 
+/* Compaction, in two steps. kvt_journal_mark: from now on every appended record is also kept
+ * aside. kvt_journal_rewrite: a new file (new salt) holding the PUT records of live[0..n) — a
+ * snapshot of L1 taken after the mark, seqs and sums kept — then the records kept aside, in
+ * order, replaces the current one (written beside it and renamed over it, so a crash leaves
+ * one or the other whole); appends go to it from then on. So a DROP or SUM appended while the
+ * snapshot was taken is not lost, whether the snapshot saw its object or not. The caller keeps
+ * PUTs from being appended between mark and rewrite (L1's commit_lock). 0, or an error code
+ * with the reason in err (the current file stays in use). */
+void kvt_journal_mark(kvt_journal_t *self);
+
+/* Ends a capture without a rewrite (the snapshot could not be taken). */
+void kvt_journal_unmark(kvt_journal_t *self);
+
+int kvt_journal_rewrite(kvt_journal_t *self, const kvt_journal_put_t *live, size_t n, char *err,
+                        size_t errlen);
+
 /* Closes the file (it stays for the next daemon). */
 void kvt_journal_destroy(kvt_journal_t **self_p);
 

@@ -25,18 +25,30 @@
  * against the L2 trailer). GET (kvt_l1_verify) and write-behind (kvt_l1_check_sum) hash the
  * bytes again under their own read pin; an object that differs was written after its COMMIT —
  * by a client whose lease had ended, into space that went to another object — and is removed
- * from the index instead of being served or written to L2. */
+ * from the index instead of being served or written to L2.
+ *
+ * l1.adopt (issue 30): the journal (kvt_journal) mirrors the index — a PUT for each committed
+ * object, written while it is still RESERVED (so no DROP can precede it), a DROP when it leaves
+ * (removal, CLEAR, eviction, truncation), written before its block can be reused, and a SUM
+ * from the summer thread for objects COMMIT did not checksum. At start the objects the journal
+ * names are verified against their checksums and claimed in the allocator (kvt_alloc_claim),
+ * then a new journal is begun holding what was adopted; nothing in the arena itself is
+ * believed. Objects not yet summed when the process died are left out. */
 #include "kvt_l1.h"
 
 #include "kvt_alloc.h"
 #include "kvt_arena.h"
 #include "kvt_error.h"
+#include "kvt_journal.h"
 #include "kvt_lease.h"
 #include "kvt_log.h"
 #include "kvt_queue.h"
 #include "kvt_thread.h"
 
 #include <czmq.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -44,6 +56,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -52,6 +65,11 @@
 #define S_SHARDS (1u << S_SHARD_BITS)
 #define S_BUCKETS0 1024u
 #define S_EVICT_TICK_MS 50
+#define S_JOURNAL "kvtier-l1.journal"
+#define S_SUM_QUEUE 65536          /* objects waiting for the summer; past it: not adoptable */
+#define S_JOURNAL_MAX (4ull << 30) /* a journal larger than this is not read (damage) */
+/* compaction: once past debug.journal_compact_bytes and four times this per object */
+#define S_RECORD_EST 160u
 
 enum { S_RESERVED = 1, S_READY = 2, S_DOOMED = 3 };
 
@@ -69,7 +87,10 @@ typedef struct s_obj {
     bool in_lru;
     uint8_t l2_pending; /* adapters that have not written it yet: not evictable until 0 */
     bool has_sum;       /* l1_checksum: `sum` is the XXH3-64 of the bytes at COMMIT */
+    bool owed_l2;       /* adopted while still owed to L2: queued again at kvt_l1_start */
+    bool jsummed;       /* `sum` is the one journaled for it (the summer's, or adopted) */
     uint32_t pins;
+    uint64_t jseq; /* its seq in the journal (0: not journaled) */
     uint64_t sum;
     uint64_t hash;
     uint64_t length;
@@ -109,6 +130,23 @@ struct kvt_l1 {
     uint32_t l2_writes;
     _Atomic uint64_t l2_pending_objects;
     _Atomic uint64_t alloc_calls; /* for debug.fail_alloc_every */
+    /* l1.adopt: the journal of what L1 holds (NULL when off), the thread that checksums
+     * committed objects for it (those COMMIT did not sum), and what the start adopted */
+    kvt_journal_t *journal;
+    _Atomic bool journal_lost; /* a write failed: the file is gone, nothing more is promised */
+    kvt_thread_t *summer;
+    kvt_queue_t *sum_q;
+    _Atomic bool sum_on; /* the summer takes objects (from start to stop) */
+    /* commits hold it shared from their PUT records to READY; compaction exclusively, so that
+     * no object is journaled in the old file and READY only after the rewrite's snapshot */
+    pthread_rwlock_t commit_lock;
+    _Atomic uint64_t compactions;
+    _Atomic uint64_t sums_skipped; /* objects the summer could not take (queue full) */
+    struct {
+        bool adopted;
+        uint64_t objects, bytes, unverified, damaged, rejected, ms;
+        char why[PATH_MAX + 400]; /* why the start was cold ("" when adopted) */
+    } adopt;
 };
 
 static void s_inc(_Atomic uint64_t *v, uint64_t n)
@@ -341,10 +379,68 @@ static void s_destroy_obj(kvt_l1_t *self, s_obj_t *o)
     free(o);
 }
 
+/* ---- the journal (l1.adopt) ---- */
+
+/* A journal write failed: the file goes, so that the next daemon starts empty rather than
+ * trust a journal that misses what happened since; said once. */
+static void s_journal_lost(kvt_l1_t *self, int rc)
+{
+    if (atomic_exchange(&self->journal_lost, true))
+        return;
+    unlink(kvt_journal_path(self->journal));
+    kvt_log(KVT_LOG_ERROR,
+            "l1: cannot write the journal %s (%s): removed; L1 works on, but the next daemon "
+            "will start with an empty L1",
+            kvt_journal_path(self->journal), kvt_strerror(rc));
+}
+
+/* The DROP record of an object leaving L1 (shard lock held): written before its block can go
+ * to another object, whose PUT therefore comes after it. */
+static void s_journal_drop(kvt_l1_t *self, s_obj_t *o)
+{
+    if (!self->journal || !o->jseq)
+        return;
+    int rc = kvt_journal_drop(self->journal, &o->jseq, 1);
+    if (rc)
+        s_journal_lost(self, rc);
+    o->jseq = 0;
+}
+
+/* The PUT records of a commit's objects, written while they are still RESERVED (ours alone),
+ * before any becomes READY: nothing can drop one before its PUT is in the file, and what a
+ * COMMIT acknowledges is. */
+static void s_journal_puts(kvt_l1_t *self, kvt_lease_t *l, bool loaded)
+{
+    kvt_journal_put_t stack[16];
+    kvt_journal_put_t *puts = l->nitems <= 16 ? stack : malloc(l->nitems * sizeof *puts);
+    kvt_assert(puts);
+    size_t n = 0;
+    for (uint32_t i = 0; i < l->nitems; i++) {
+        s_obj_t *o = l->items[i];
+        if (o)
+            puts[n++] = (kvt_journal_put_t){.offset = kvt_block_offset(o->block),
+                                            .length = o->length,
+                                            .sum = o->sum,
+                                            .has_sum = o->has_sum,
+                                            .l2_pending = !loaded && self->l2_writes > 0,
+                                            .key = o->key,
+                                            .ns = o->ns->key};
+    }
+    int rc = kvt_journal_put(self->journal, puts, n);
+    if (rc)
+        s_journal_lost(self, rc);
+    for (uint32_t i = 0, k = 0; rc == 0 && i < l->nitems; i++)
+        if (l->items[i])
+            ((s_obj_t *)l->items[i])->jseq = puts[k++].seq;
+    if (puts != stack)
+        free(puts);
+}
+
 /* Unlinks a READY object from index and LRU (shard lock held). Returns true when the caller
  * must free it (no pins); a pinned one is DOOMED and freed by its last unpin. */
 static bool s_remove_ready(kvt_l1_t *self, s_shard_t *sh, s_obj_t *o)
 {
+    s_journal_drop(self, o);
     s_unlink(sh, o);
     pthread_mutex_lock(&self->lru_lock);
     s_lru_remove(self, o);
@@ -612,6 +708,10 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
         o->sum = sums ? sums[i] : XXH3_64bits(base + kvt_block_offset(o->block), o->length);
         o->has_sum = true;
     }
+    if (self->journal) {
+        pthread_rwlock_rdlock(&self->commit_lock);
+        s_journal_puts(self, l, loaded);
+    }
     /* noted while the objects are still RESERVED (ours alone): once READY, another thread may
      * evict them at any moment */
     s_batches_t bs = {0};
@@ -619,13 +719,22 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
         if (l->items[i])
             s_batches_add(self, &bs, ((s_obj_t *)l->items[i])->ns,
                           &((s_obj_t *)l->items[i])->key);
-    /* in reverse, so the head of the prefix ends up most recent */
+    /* in reverse, so the head of the prefix ends up most recent; an object COMMIT did not sum
+     * goes to the summer (pinned until summed) so that the journal gets its checksum */
+    bool summing = atomic_load(&self->sum_on) && !atomic_load(&self->journal_lost);
+    s_obj_t *one[16], **tosum = summing && l->nitems > 16 ? malloc(l->nitems * sizeof *tosum) : one;
+    kvt_assert(tosum);
+    uint32_t nsum = 0;
     for (uint32_t i = l->nitems; i-- > 0;) {
         s_obj_t *o = l->items[i];
         if (!o)
             continue;
         s_shard_t *sh = s_shard(self, o->hash);
         pthread_mutex_lock(&sh->lock);
+        if (summing && o->jseq && !o->has_sum) {
+            o->pins++;
+            tosum[nsum++] = o;
+        }
         o->state = S_READY;
         o->l2_pending = loaded ? 0 : (uint8_t)self->l2_writes;
         if (o->l2_pending)
@@ -638,6 +747,15 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
         s_inc(&self->objects, 1);
         (*stored)++;
     }
+    if (self->journal)
+        pthread_rwlock_unlock(&self->commit_lock);
+    for (uint32_t i = 0; i < nsum; i++)
+        if (kvt_queue_push(self->sum_q, tosum[i], 1) != 0) {
+            s_inc(&self->sums_skipped, 1);
+            s_unpin(self, tosum[i]);
+        }
+    if (tosum != one)
+        free(tosum);
     kvt_leases_settle(self->leases, l);
     kvt_lease_free(l);
     s_batches_emit(self, &bs, loaded ? KVT_L1_LOADED : KVT_L1_STORED);
@@ -1038,6 +1156,18 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
         pthread_mutex_unlock(&sh->lock);
     }
     pthread_mutex_unlock(&self->lru_lock);
+    if (self->journal && count) { /* one write of their DROP records, before the blocks go */
+        uint64_t *seqs = malloc(count * sizeof *seqs);
+        kvt_assert(seqs);
+        size_t n = 0;
+        for (s_obj_t *o = victims; o; o = o->hnext)
+            if (o->jseq)
+                seqs[n++] = o->jseq;
+        int rc = kvt_journal_drop(self->journal, seqs, n);
+        if (rc)
+            s_journal_lost(self, rc);
+        free(seqs);
+    }
     for (s_obj_t *o = victims, *next; o; o = next) {
         next = o->hnext;
         s_destroy_obj(self, o);
@@ -1074,6 +1204,78 @@ static void s_check_arena(kvt_l1_t *self)
             kvt_arena_path(self->arena), (unsigned long long)cut, (unsigned long long)dropped);
 }
 
+static int s_by_seq_put(const void *a, const void *b)
+{
+    const kvt_journal_put_t *x = a, *y = b;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+/* The journal gains a record per commit, removal and eviction; once past 16 MiB
+ * (debug.journal_compact_bytes) and four times what the objects in L1 need, it is rewritten
+ * holding them alone. Commits are held off (commit_lock: every object journaled before is
+ * READY, so in the snapshot, and no PUT can come meanwhile); the snapshot takes one shard lock
+ * at a time, and the DROP and SUM records appended while it runs are carried into the new file
+ * (kvt_journal_mark), so none is lost whether the snapshot saw its object or not. Evictor. */
+static void s_maybe_compact(kvt_l1_t *self)
+{
+    if (!self->journal || atomic_load(&self->journal_lost))
+        return;
+    uint64_t bytes = kvt_journal_bytes(self->journal), objs = s_get(&self->objects);
+    if (bytes < self->cfg->debug_journal_compact_bytes || bytes / 4 < objs * S_RECORD_EST)
+        return;
+    int64_t t0 = kvt_now_ns();
+    pthread_rwlock_wrlock(&self->commit_lock);
+    kvt_journal_mark(self->journal);
+    size_t n = 0, cap = 0;
+    kvt_journal_put_t *live = NULL;
+    bool oom = false;
+    for (uint32_t s = 0; s < S_SHARDS && !oom; s++) {
+        s_shard_t *sh = &self->shards[s];
+        pthread_mutex_lock(&sh->lock);
+        if (n + sh->count > cap) {
+            cap = (n + sh->count) * 2 + 64;
+            kvt_journal_put_t *v = realloc(live, cap * sizeof *live);
+            if (!v) {
+                pthread_mutex_unlock(&sh->lock);
+                oom = true;
+                break;
+            }
+            live = v;
+        }
+        for (uint32_t b = 0; b < sh->nbuckets; b++)
+            for (s_obj_t *o = sh->buckets[b]; o; o = o->hnext)
+                if (o->state == S_READY && o->jseq)
+                    live[n++] = (kvt_journal_put_t){.seq = o->jseq,
+                                                    .offset = kvt_block_offset(o->block),
+                                                    .length = o->length,
+                                                    .sum = o->sum,
+                                                    .has_sum = o->has_sum || o->jsummed,
+                                                    .l2_pending = o->l2_pending > 0,
+                                                    .key = o->key,
+                                                    .ns = o->ns->key};
+        pthread_mutex_unlock(&sh->lock);
+    }
+    char err[KVT_ERR_LEN] = "out of memory taking the snapshot";
+    int rc = KVT_ENOMEM;
+    if (oom) {
+        kvt_journal_unmark(self->journal);
+    } else {
+        if (n)
+            qsort(live, n, sizeof *live, s_by_seq_put);
+        rc = kvt_journal_rewrite(self->journal, live, n, err, sizeof err);
+    }
+    pthread_rwlock_unlock(&self->commit_lock);
+    free(live);
+    if (rc == 0) {
+        s_inc(&self->compactions, 1);
+        kvt_log(KVT_LOG_DEBUG, "l1: journal compacted: %llu bytes -> %llu (%zu objects) in %lld us",
+                (unsigned long long)bytes, (unsigned long long)kvt_journal_bytes(self->journal), n,
+                (long long)(kvt_now_ns() - t0) / 1000);
+    } else {
+        kvt_log(KVT_LOG_WARN, "l1: cannot compact the journal: %s (it keeps growing)", err);
+    }
+}
+
 static bool s_evictor(kvt_thread_t *t, void *arg)
 {
     kvt_l1_t *self = arg;
@@ -1081,6 +1283,7 @@ static bool s_evictor(kvt_thread_t *t, void *arg)
         if (!kvt_thread_beat(t))
             return false;
         s_check_arena(self);
+        s_maybe_compact(self);
         uint64_t used = kvt_alloc_used(self->alloc);
         if (used > self->high_bytes) {
             uint64_t freed = kvt_l1_evict(self, used - self->low_bytes);
@@ -1095,12 +1298,280 @@ static bool s_evictor(kvt_thread_t *t, void *arg)
     return true;
 }
 
+/* ---- adoption (l1.adopt) ---- */
+
+/* The summer: the XXH3-64 of each committed object that COMMIT did not sum, into the journal
+ * as a SUM record, so that the next daemon can verify it. The object is pinned while queued.
+ * SCHED_IDLE; a stop drains the queue (the serving threads are gone by then). */
+static bool s_summer(kvt_thread_t *t, void *arg)
+{
+    kvt_l1_t *self = arg;
+    const uint8_t *base = kvt_arena_base(self->arena);
+    /* only CPU time nobody else wants: hashing every committed byte must not slow the threads
+     * that serve (on a busy node objects then wait longer for their sum, and past the queue's
+     * bound are not adoptable: counted in sums_skipped) */
+    struct sched_param sp = {0};
+    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
+    bool idle = true;
+    for (;;) {
+        if (!kvt_thread_beat(t))
+            return false;
+        if (idle && !atomic_load(&self->sum_on)) { /* stopping: drain at a normal priority */
+            (void)pthread_setschedparam(pthread_self(), SCHED_OTHER, &sp);
+            idle = false;
+        }
+        void *item;
+        int rc = kvt_queue_pop(self->sum_q, &item, 500);
+        if (rc == KVT_EUNAVAIL)
+            break; /* closed and drained: a clean stop leaves every object summed */
+        if (rc)
+            continue;
+        s_obj_t *o = item;
+        uint64_t sum = XXH3_64bits(base + kvt_block_offset(o->block), o->length);
+        s_shard_t *sh = s_shard(self, o->hash);
+        pthread_mutex_lock(&sh->lock);
+        if (o->state == S_READY && o->jseq && !atomic_load(&self->journal_lost)) {
+            int jrc = kvt_journal_sum(self->journal, o->jseq, sum);
+            if (jrc)
+                s_journal_lost(self, jrc);
+            o->sum = sum; /* has_sum stays false: GET does not check it (l1_checksum) */
+            o->jsummed = true;
+        }
+        pthread_mutex_unlock(&sh->lock);
+        s_unpin(self, o);
+        kvt_queue_task_done(self->sum_q, 1);
+    }
+    return true;
+}
+
+/* The journal file's bytes, when it is a regular file of ours, mode 0600, of a sane size:
+ * NULL with the reason in why otherwise. */
+static uint8_t *s_read_journal(const char *path, size_t *len, char *why, size_t whylen)
+{
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(why, whylen, "%s: %s", path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    uint8_t *buf = NULL;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
+        (st.st_mode & 0777) != 0600)
+        snprintf(why, whylen, "%s is not a private file of this user", path);
+    else if ((uint64_t)st.st_size > S_JOURNAL_MAX)
+        snprintf(why, whylen, "%s is larger than %llu bytes", path,
+                 (unsigned long long)S_JOURNAL_MAX);
+    else if (!(buf = malloc((size_t)st.st_size + 1)))
+        snprintf(why, whylen, "out of memory reading %s", path);
+    size_t got = 0;
+    while (buf && got < (size_t)st.st_size) {
+        ssize_t r = read(fd, buf + got, (size_t)st.st_size - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            snprintf(why, whylen, "cannot read %s: %s", path, r ? strerror(errno) : "short");
+            free(buf);
+            buf = NULL;
+            break;
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    *len = got;
+    return buf;
+}
+
+typedef struct {
+    kvt_journal_put_t p;
+    kvt_block_t *block; /* claimed; NULL once given up */
+} s_adopted_t;
+
+static int s_by_seq(const void *a, const void *b)
+{
+    const s_adopted_t *x = a, *y = b;
+    return x->p.seq < y->p.seq ? -1 : x->p.seq > y->p.seq;
+}
+
+/* Puts the journal's objects (ascending offsets) back into the index, each verified against
+ * its checksum; into kept[0..*nkept) what was adopted (for the new journal). */
+static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_t n,
+                            kvt_journal_put_t *kept, size_t *nkept)
+{
+    const uint8_t *base = kvt_arena_base(self->arena);
+    s_adopted_t *a = malloc((n ? n : 1) * sizeof *a);
+    kvt_assert(a);
+    size_t na = 0;
+    for (size_t i = 0; i < n; i++) { /* ascending offsets: each claim is O(1) */
+        const kvt_journal_put_t *p = &live[i];
+        kvt_block_t *b = NULL;
+        if (!p->has_sum)
+            self->adopt.unverified++;
+        else if (p->length > self->capacity || p->offset > self->capacity - p->length)
+            self->adopt.rejected++;
+        else if (XXH3_64bits(base + p->offset, p->length) != p->sum)
+            self->adopt.damaged++;
+        else if (!(b = kvt_alloc_claim(self->alloc, p->offset, p->length)))
+            self->adopt.rejected++;
+        if (b)
+            a[na++] = (s_adopted_t){*p, b};
+    }
+    /* into the index and the LRU oldest first, so the most recent ends up at the head */
+    qsort(a, na, sizeof *a, s_by_seq);
+    for (size_t i = 0; i < na; i++) {
+        s_obj_t *o = calloc(1, sizeof *o);
+        kvt_assert(o);
+        o->key = a[i].p.key;
+        o->ns = s_ns_get(self, &a[i].p.ns, true);
+        o->hash = s_hash(o->ns, &o->key);
+        o->length = a[i].p.length;
+        o->block = a[i].block;
+        o->jseq = a[i].p.seq;
+        o->owed_l2 = a[i].p.l2_pending;
+        o->sum = a[i].p.sum;
+        o->has_sum = self->cfg->l1_checksum;
+        o->jsummed = true;
+        o->state = S_READY;
+        s_shard_t *sh = s_shard(self, o->hash);
+        s_obj_t *dup = s_find(sh, o->ns, &o->key, o->hash);
+        if (dup) { /* the same key twice (a DROP record lost): the later one wins */
+            s_unlink(sh, dup);
+            s_lru_remove(self, dup);
+            for (size_t k = 0; k < i; k++)
+                if (a[k].block == dup->block)
+                    a[k].block = NULL;
+            self->adopt.rejected++;
+            self->adopt.objects--;
+            self->adopt.bytes -= dup->length;
+            s_dec(&self->objects, 1);
+            s_destroy_obj(self, dup);
+        }
+        s_insert(sh, o);
+        s_lru_push_head(self, o);
+        s_inc(&self->objects, 1);
+        self->adopt.objects++;
+        self->adopt.bytes += o->length;
+    }
+    *nkept = 0;
+    for (size_t i = 0; i < na; i++)
+        if (a[i].block)
+            kept[(*nkept)++] = a[i].p;
+    free(a);
+}
+
+/* At start: adopt what the previous daemon left (kvt_arena_reused), or start empty saying why;
+ * then open a new journal holding what was adopted. */
+static void s_adopt(kvt_l1_t *self)
+{
+    const kvt_config_t *cfg = self->cfg;
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/%s", cfg->run_dir, S_JOURNAL);
+    if (!cfg->l1_adopt) {
+        (void)unlink(path); /* a journal of an earlier run with l1.adopt: stale from now on */
+        snprintf(self->adopt.why, sizeof self->adopt.why, "l1.adopt is off");
+        kvt_log(KVT_LOG_INFO, "l1: starting empty: %s", self->adopt.why);
+        return;
+    }
+    int64_t t0 = kvt_now_ns();
+    uint64_t dev, ino;
+    kvt_arena_ident(self->arena, &dev, &ino);
+    kvt_journal_header_t h = {0};
+    uint8_t *buf = NULL;
+    size_t len = 0, n = 0, nkept = 0, valid = 0;
+    kvt_journal_put_t *live = NULL, *kept = NULL;
+    char *why = self->adopt.why;
+    size_t whylen = sizeof self->adopt.why;
+    if (!kvt_arena_reused(self->arena)) {
+        snprintf(why, whylen, "%s", kvt_arena_why_new(self->arena));
+    } else if ((buf = s_read_journal(path, &len, why, whylen)) != NULL) {
+        char err[200];
+        uint64_t rejected = 0;
+        if (kvt_journal_live(buf, len, &h, &live, &n, &rejected, &valid, err, sizeof err) != 0)
+            snprintf(why, whylen, "the journal %s: %s", path, err);
+        else if (strcmp(h.path, kvt_arena_path(self->arena)) != 0 ||
+                 h.arena_size != kvt_arena_size(self->arena) || h.arena_dev != dev ||
+                 h.arena_ino != ino)
+            snprintf(why, whylen, "the journal %s describes another arena (%.300s)", path, h.path);
+        else if (h.page_size != kvt_arena_page_size(self->arena))
+            snprintf(why, whylen, "the arena's pages changed (%llu, now %llu bytes)",
+                     (unsigned long long)h.page_size,
+                     (unsigned long long)kvt_arena_page_size(self->arena));
+        else {
+            self->adopt.rejected = rejected;
+            kept = n ? malloc(n * sizeof *kept) : NULL;
+            kvt_assert(kept || !n);
+            s_adopt_objects(self, live, n, kept, &nkept);
+            self->adopt.adopted = true;
+            why[0] = '\0';
+        }
+    }
+    if (!self->adopt.adopted)
+        kvt_arena_forget(self->arena);
+    /* the objects not adopted: their blocks were never claimed, so the space is free */
+    h = (kvt_journal_header_t){.arena_size = kvt_arena_size(self->arena),
+                               .page_size = kvt_arena_page_size(self->arena),
+                               .arena_dev = dev,
+                               .arena_ino = ino,
+                               .created = (uint64_t)time(NULL) * 1000000000ull};
+    snprintf(h.path, sizeof h.path, "%s", kvt_arena_path(self->arena));
+    char err[KVT_ERR_LEN];
+    self->journal = kvt_journal_create(path, &h, kept, nkept, err, sizeof err);
+    free(kept);
+    free(live);
+    free(buf);
+    self->adopt.ms = (uint64_t)(kvt_now_ns() - t0) / 1000000;
+    if (!self->journal) {
+        kvt_log(KVT_LOG_ERROR, "l1: %s: the next daemon will start with an empty L1", err);
+        kvt_arena_keep(self->arena, false); /* nothing could be adopted from it */
+    }
+    if (self->adopt.adopted)
+        kvt_log(KVT_LOG_INFO,
+                "l1: adopted %llu objects (%llu bytes) from the arena the previous daemon left, "
+                "in %llu ms; left out: %llu without a checksum, %llu damaged, %llu impossible",
+                (unsigned long long)self->adopt.objects, (unsigned long long)self->adopt.bytes,
+                (unsigned long long)self->adopt.ms, (unsigned long long)self->adopt.unverified,
+                (unsigned long long)self->adopt.damaged, (unsigned long long)self->adopt.rejected);
+    else
+        kvt_log(KVT_LOG_INFO, "l1: starting empty: %s", why);
+}
+
+/* Adopted objects still owed to L2: owed again, and the listener (write-behind) told. */
+static void s_requeue_owed(kvt_l1_t *self)
+{
+    s_batches_t bs = {0};
+    for (uint32_t s = 0; s < S_SHARDS; s++) {
+        s_shard_t *sh = &self->shards[s];
+        pthread_mutex_lock(&sh->lock);
+        for (uint32_t b = 0; b < sh->nbuckets; b++)
+            for (s_obj_t *o = sh->buckets[b]; o; o = o->hnext) {
+                if (o->state != S_READY || !o->owed_l2)
+                    continue;
+                o->owed_l2 = false;
+                if (!self->l2_writes || o->l2_pending)
+                    continue;
+                o->l2_pending = (uint8_t)self->l2_writes;
+                s_inc(&self->l2_pending_objects, 1);
+                s_batches_add(self, &bs, o->ns, &o->key);
+            }
+        pthread_mutex_unlock(&sh->lock);
+    }
+    s_batches_emit(self, &bs, KVT_L1_STORED);
+}
+
 int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup)
 {
     self->evictor = kvt_thread_start(sup, "evictor", 2000, s_evictor, self);
     if (!self->evictor)
         return KVT_EINTERNAL;
     self->started = true;
+    if (self->journal) {
+        char err[KVT_ERR_LEN];
+        self->sum_q = kvt_queue_new(S_SUM_QUEUE, 0, err, sizeof err); /* no eventfd: cannot fail */
+        self->summer = kvt_thread_start(sup, "summer", 2000, s_summer, self);
+        if (!self->summer)
+            return KVT_EINTERNAL;
+        atomic_store(&self->sum_on, true);
+    }
+    s_requeue_owed(self);
     return 0;
 }
 
@@ -1110,6 +1581,10 @@ void kvt_l1_stop(kvt_l1_t *self)
 {
     if (!self->started)
         return;
+    atomic_store(&self->sum_on, false);
+    if (self->sum_q) /* the summer drains what is queued: a clean stop leaves all summed */
+        kvt_queue_close(self->sum_q);
+    kvt_thread_join(&self->summer);
     kvt_queue_close(self->ev_wake);
     kvt_thread_join(&self->evictor);
     self->started = false;
@@ -1138,6 +1613,12 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
     }
     pthread_mutex_init(&self->lru_lock, NULL);
     pthread_mutex_init(&self->ns_lock, NULL);
+    pthread_rwlockattr_t rwa;
+    pthread_rwlockattr_init(&rwa);
+    /* compaction must not wait for a pause in commits that never comes */
+    pthread_rwlockattr_setkind_np(&rwa, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&self->commit_lock, &rwa);
+    pthread_rwlockattr_destroy(&rwa);
     self->ev_wake = kvt_queue_new(1, 0, err, errlen); /* no eventfd: cannot fail */
     if (!s_seed && getrandom(&s_seed, sizeof s_seed, 0) != sizeof s_seed)
         s_seed = kvt_now_ns() ^ (uint64_t)getpid();
@@ -1147,6 +1628,7 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
     zhashx_set_key_comparator(self->ns_table, s_nskey_cmp);
     zhashx_set_key_duplicator(self->ns_table, NULL);
     zhashx_set_key_destructor(self->ns_table, NULL);
+    s_adopt(self);
     return self;
 }
 
@@ -1156,6 +1638,10 @@ void kvt_l1_destroy(kvt_l1_t **self_p)
         return;
     kvt_l1_t *self = *self_p;
     kvt_l1_stop(self);
+    void *left;
+    while (self->sum_q && kvt_queue_pop(self->sum_q, &left, 0) == 0)
+        s_unpin(self, left); /* the summer never ran (a test that did not start L1) */
+    kvt_queue_destroy(&self->sum_q);
     kvt_leases_destroy(&self->leases, s_drop_lease, self);
     for (uint32_t s = 0; s < S_SHARDS; s++) {
         s_shard_t *sh = &self->shards[s];
@@ -1168,10 +1654,12 @@ void kvt_l1_destroy(kvt_l1_t **self_p)
         pthread_mutex_destroy(&sh->lock);
     }
     zhashx_destroy(&self->ns_table);
+    kvt_journal_destroy(&self->journal); /* the file stays: the next daemon's to read */
     kvt_alloc_destroy(&self->alloc);
     kvt_arena_destroy(&self->arena);
     pthread_mutex_destroy(&self->lru_lock);
     pthread_mutex_destroy(&self->ns_lock);
+    pthread_rwlock_destroy(&self->commit_lock);
     kvt_queue_destroy(&self->ev_wake); /* a token left in it is not memory */
     free(self);
     *self_p = NULL;
@@ -1241,10 +1729,9 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
         {"l1_fragmentation_ratio", "1 - largest free range / free bytes.", KVT_METRIC_GAUGE,
          st.fragmentation},
         {"l1_objects", "Objects stored in L1 and readable.", KVT_METRIC_GAUGE, (double)c.objects},
-        {"l1_reserved_objects", "Objects reserved in L1 and not committed yet.",
-         KVT_METRIC_GAUGE, (double)c.reserved},
-        {"l1_evictions_total", "Objects evicted from L1.", KVT_METRIC_COUNTER,
-         (double)c.evictions},
+        {"l1_reserved_objects", "Objects reserved in L1 and not committed yet.", KVT_METRIC_GAUGE,
+         (double)c.reserved},
+        {"l1_evictions_total", "Objects evicted from L1.", KVT_METRIC_COUNTER, (double)c.evictions},
         {"l1_evicted_bytes_total", "Bytes evicted from L1.", KVT_METRIC_COUNTER,
          (double)s_get(&self->evicted_bytes)},
         {"l1_l2_pending_objects",
@@ -1262,6 +1749,20 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
          "Times another process truncated the arena file: its size was restored and the objects "
          "past the cut dropped.",
          KVT_METRIC_COUNTER, (double)s_get(&self->truncations)},
+        {"l1_adopted_objects",
+         "Objects the daemon adopted at start from the arena its predecessor left (l1.adopt).",
+         KVT_METRIC_GAUGE, (double)self->adopt.objects},
+        {"l1_adopt_left_out_objects",
+         "Objects the journal named at start that were not adopted: no checksum yet, bytes that "
+         "no longer matched it, or an impossible extent.",
+         KVT_METRIC_GAUGE,
+         (double)(self->adopt.unverified + self->adopt.damaged + self->adopt.rejected)},
+        {"l1_adopt_damaged_objects",
+         "Objects left out at start because their bytes did not match their checksum.",
+         KVT_METRIC_GAUGE, (double)self->adopt.damaged},
+        {"l1_journal_ok",
+         "1 while the L1 journal is written (the next daemon can adopt this L1), else 0.",
+         KVT_METRIC_GAUGE, self->journal && !atomic_load(&self->journal_lost) ? 1.0 : 0.0},
         {"leases_active", "Leases held by clients.", KVT_METRIC_GAUGE, (double)c.leases_active},
         {"leases_expired_total", "Leases lost because their instance went silent.",
          KVT_METRIC_COUNTER, (double)c.leases_expired},
@@ -1273,21 +1774,44 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
     }
 }
 
+/* /status l1.adopt: what the start adopted, or why it started empty; the journal's state. */
+static json_t *s_adopt_json(kvt_l1_t *self)
+{
+    kvt_queue_stats_t q = {0};
+    if (self->sum_q)
+        kvt_queue_stats(self->sum_q, &q);
+    bool journal = self->journal && !atomic_load(&self->journal_lost);
+    return json_pack(
+        "{s:b,s:b,s:I,s:I,s:{s:I,s:I,s:I},s:I,s:s?,s:s?,s:I,s:I,s:I,s:I}", "enabled",
+        self->cfg->l1_adopt, "adopted", self->adopt.adopted, "objects",
+        (json_int_t)self->adopt.objects, "bytes", (json_int_t)self->adopt.bytes, "left_out",
+        "unverified", (json_int_t)self->adopt.unverified, "damaged",
+        (json_int_t)self->adopt.damaged, "impossible", (json_int_t)self->adopt.rejected, "ms",
+        (json_int_t)self->adopt.ms, "cold_reason", self->adopt.adopted ? NULL : self->adopt.why,
+        "journal", journal ? kvt_journal_path(self->journal) : NULL, "sums_pending",
+        (json_int_t)(q.len + q.active), "sums_skipped", (json_int_t)s_get(&self->sums_skipped),
+        "journal_bytes", (json_int_t)(self->journal ? kvt_journal_bytes(self->journal) : 0),
+        "compactions", (json_int_t)s_get(&self->compactions));
+}
+
 json_t *kvt_l1_status_json(kvt_l1_t *self)
 {
     kvt_alloc_stats_t st;
     kvt_alloc_stats(self->alloc, &st);
     kvt_l1_counts_t c;
     kvt_l1_counts(self, &c);
-    return json_pack("{s:s,s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:I,s:I,s:b,s:b,s:I,s:I,s:I,s:I}",
-                     "shm_path", kvt_arena_path(self->arena), "capacity", (json_int_t)st.capacity,
-                     "used", (json_int_t)st.used, "free", (json_int_t)st.free, "largest_free",
-                     (json_int_t)st.largest_free, "fragmentation", st.fragmentation, "objects",
-                     (json_int_t)c.objects, "reserved", (json_int_t)c.reserved, "evictions",
-                     (json_int_t)c.evictions, "leases_active", (json_int_t)c.leases_active,
-                     "leases_expired", (json_int_t)c.leases_expired, "pinned",
-                     kvt_arena_pinned(self->arena), "huge_pages", kvt_arena_huge(self->arena),
-                     "page_size", (json_int_t)kvt_arena_page_size(self->arena),
-                     "high_watermark_bytes", (json_int_t)self->high_bytes, "low_watermark_bytes",
-                     (json_int_t)self->low_bytes, "corrupt", (json_int_t)s_get(&self->corrupt));
+    json_t *st_json = json_pack(
+        "{s:s,s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:I,s:I,s:b,s:b,s:I,s:I,s:I,s:I}", "shm_path",
+        kvt_arena_path(self->arena), "capacity", (json_int_t)st.capacity, "used",
+        (json_int_t)st.used, "free", (json_int_t)st.free, "largest_free",
+        (json_int_t)st.largest_free, "fragmentation", st.fragmentation, "objects",
+        (json_int_t)c.objects, "reserved", (json_int_t)c.reserved, "evictions",
+        (json_int_t)c.evictions, "leases_active", (json_int_t)c.leases_active, "leases_expired",
+        (json_int_t)c.leases_expired, "pinned", kvt_arena_pinned(self->arena), "huge_pages",
+        kvt_arena_huge(self->arena), "page_size", (json_int_t)kvt_arena_page_size(self->arena),
+        "high_watermark_bytes", (json_int_t)self->high_bytes, "low_watermark_bytes",
+        (json_int_t)self->low_bytes, "corrupt", (json_int_t)s_get(&self->corrupt));
+    if (st_json)
+        json_object_set_new(st_json, "adopt", s_adopt_json(self));
+    return st_json;
 }

@@ -332,7 +332,8 @@ check "cc client.c libkvtier.a (static)" bash -c \
 
 # The installed daemon on the installed config, in the installed layout's run dir and socket
 # (/run/kvtier: the service is not running, and the test refused to start where it existed),
-# with its data dir in $T, a smaller arena and HTTP on a free loopback port, for a few seconds.
+# with its data dir in $T, a smaller arena and HTTP on a free loopback port, for a few seconds
+# (--l1-adopt=false: it runs as root, so no arena of its may stay in /dev/shm after the test).
 # env -i: no KVTIER_* of the caller's applies. `timeout 120` bounds its life should this script
 # be killed; stop_daemon stops it.
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
@@ -342,7 +343,7 @@ check "the config's endpoint is $sock (the CLI's default below)" \
     test "$(cfg_dir listen)" = "['$sock']"
 env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin timeout 120 "$BIN" --config "$CONF" \
     --run-dir /run/kvtier --listen "$sock" --data-dir "$T/data" --l2 "fs:$T/data/l2" \
-    --http "127.0.0.1:$port" --l1-size 64M >"$T/daemon.log" 2>&1 &
+    --http "127.0.0.1:$port" --l1-size 64M --l1-adopt=false >"$T/daemon.log" 2>&1 &
 daemon_pid=$!
 healthy=0
 for _ in $(seq 100); do

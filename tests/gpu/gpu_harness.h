@@ -117,9 +117,26 @@ static inline bool h_daemon_start(h_daemon_t *d, const char *daemon, const char 
     mkdir(data, 0700);
     snprintf(d->endpoint, sizeof d->endpoint, "ipc://%s/kvtier.sock", d->dir);
     snprintf(d->log, sizeof d->log, "%s/kvtierd.log", d->dir);
-    char *argv[] = {(char *)daemon, "--run-dir", d->dir, "--data-dir", data, "--listen",
-                    d->endpoint, "--http", "", "--l1-size", (char *)l1_size, "--l2", "none",
-                    "--log-level", "info", "--lease-ms", "10000", "--allow-unpinned", NULL};
+    char *argv[] = {(char *)daemon,
+                    "--run-dir",
+                    d->dir,
+                    "--data-dir",
+                    data,
+                    "--listen",
+                    d->endpoint,
+                    "--http",
+                    "",
+                    "--l1-size",
+                    (char *)l1_size,
+                    "--l2",
+                    "none",
+                    "--log-level",
+                    "info",
+                    "--lease-ms",
+                    "10000",
+                    "--allow-unpinned",
+                    "--l1-adopt=false", /* nothing kept in /dev/shm after the test */
+                    NULL};
     d->pid = fork();
     if (d->pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);

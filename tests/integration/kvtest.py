@@ -385,7 +385,10 @@ class Daemon:
     Default command line: --run-dir TMP/run --data-dir TMP/data --listen ipc://TMP/run/kvtier.sock
     --listen tcp://127.0.0.1:PORT --http 127.0.0.1:PORT2 --l1-size 64M --log-level debug
     --l1-hugepages off (the arena in /dev/shm whatever hugetlbfs the machine has mounted;
-    test_hugepages.py asks for huge pages), then `extra_args`. Pass `args` to replace the whole command line (argv[1:]) instead. `prefix`
+    test_hugepages.py asks for huge pages), then `extra_args`. Pass `args` to replace the whole command line (argv[1:]) instead. Unless
+    the command line names --l1-adopt, --l1-adopt=false is added: the daemon's default keeps its
+    arena in /dev/shm after it stops (for the next daemon of the run dir), which hundreds of
+    test daemons would fill; test_adopt.py asks for it, and cleanup() removes a kept arena. `prefix`
     is a command the daemon runs under (e.g. ["prlimit", "--memlock=1048576"]); it must exec the
     daemon in the same process. stdout and stderr go to TMP/stdout.log and TMP/stderr.log.
     """
@@ -414,6 +417,8 @@ class Daemon:
         self.stdout_path = os.path.join(self.dir, "stdout.log")
         self.stderr_path = os.path.join(self.dir, "stderr.log")
         self.args = list(args) if args is not None else self.default_args() + list(extra_args)
+        if not any(str(a).startswith("--l1-adopt") for a in self.args):
+            self.args.append("--l1-adopt=false")
         self.env = sanitizer_env(env)
         self.proc = None
         self.started_at = None
@@ -781,12 +786,36 @@ class Daemon:
         unless keep_dir (or KVT_KEEP_TMP is set)."""
         if self.alive():
             self.stop()
+        self.remove_kept_arena()
         self.close_sockets()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
         if self.own_dir and not keep_dir and not os.environ.get("KVT_KEEP_TMP"):
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def kept_arena(self):
+        """The arena path the L1 journal of this run dir names (storage/kvt_journal.h: the
+        header record's payload, after 56 bytes of numbers), or None."""
+        try:
+            with open(os.path.join(self.run_dir, "kvtier-l1.journal"), "rb") as f:
+                head = f.read(8 + 56 + 1024)
+        except OSError:
+            return None
+        if len(head) < 8 + 56:
+            return None
+        n = struct.unpack_from("<I", head, 0)[0]
+        path = head[8 + 56:8 + n].decode("utf-8", "replace")
+        return path if os.path.basename(path).startswith("kvtier-") else None
+
+    def remove_kept_arena(self):
+        """Unlinks the arena an l1.adopt daemon left for its successor (not a test's to keep)."""
+        path = self.kept_arena()
+        if path and path.endswith("-l1") and not self.alive():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     def __repr__(self):
         return "<Daemon pid=%s dir=%s>" % (self.proc.pid if self.proc else None, self.dir)
@@ -841,6 +870,10 @@ def run_kvtierd(args, env=None, timeout=10.0, cwd=None, binary=None):
     Returns the CompletedProcess (text stdout/stderr); fails if it does not exit in time or
     its stderr holds a sanitizer report."""
     binary = binary or daemon_path()
+    args = list(args)
+    if not any(str(a).startswith("--l1-adopt") for a in args) and args[:1] not in (
+            ["--version"], ["--help"], ["-h"]):
+        args.append("--l1-adopt=false")  # as Daemon: nothing kept in /dev/shm after a test
     own = cwd is None
     if own:
         cwd = tempfile.mkdtemp(prefix="kvt-run-", dir=os.environ.get("KVT_TMPDIR", "/tmp"))

@@ -35,6 +35,8 @@ static kvt_config_t *s_cfg(const char *size, const char *unpinned)
     assert_int_equal(kvt_config_set(cfg, "allow_unpinned", unpinned, false, err, sizeof err), 0);
     /* the segment is l1_size alone, the fast path on or off (test_no_fastpath_tail) */
     assert_int_equal(kvt_config_set(cfg, "fastpath.enabled", "false", false, err, sizeof err), 0);
+    /* nothing kept in /dev/shm after a test (test_segment turns it on in a run dir of its own) */
+    assert_int_equal(kvt_config_set(cfg, "l1.adopt", "false", false, err, sizeof err), 0);
     return cfg;
 }
 
@@ -66,6 +68,10 @@ static void test_segment(void **state)
     char err[KVT_ERR_LEN] = "";
     /* /dev/shm whatever hugetlbfs this machine has mounted */
     assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
+    char dir[] = "/tmp/kvt-arena-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(kvt_config_set(cfg, "run_dir", dir, false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "l1.adopt", "true", false, err, sizeof err), 0);
     kvt_arena_t *a = kvt_arena_new(cfg, err, sizeof err);
     if (!a)
         fail_msg("kvt_arena_new: %s", err);
@@ -93,14 +99,40 @@ static void test_segment(void **state)
     assert_int_equal(kvt_arena_page_size(a), 4096); /* off: no THP request */
     assert_false(kvt_arena_huge(a));
 
-    char *saved = strdup(path);
+    /* l1.adopt (the default): a has the run dir's kept name, b (the name in use) a private
+     * one; a's file stays after it, b's does not */
+    assert_true(strlen(path) > 3 && strcmp(path + strlen(path) - 3, "-l1") == 0);
+    assert_false(kvt_arena_reused(a));
+    assert_non_null(strstr(kvt_arena_why_new(a), "no arena left"));
+    char *saved = strdup(path), *saved_b = strdup(kvt_arena_path(b));
     kvt_arena_destroy(&a);
     assert_null(a);
-    assert_int_equal(access(saved, F_OK), -1); /* unlinked */
-    free(saved);
-    kvt_arena_destroy(&a);
+    assert_int_equal(access(saved, F_OK), 0); /* kept for the next daemon */
     kvt_arena_destroy(&b);
+    assert_int_equal(access(saved_b, F_OK), -1); /* unlinked */
+    /* the next one reuses it, bytes and all */
+    kvt_arena_t *c = kvt_arena_new(cfg, err, sizeof err);
+    assert_non_null(c);
+    assert_string_equal(kvt_arena_path(c), saved);
+    assert_true(kvt_arena_reused(c));
+    assert_memory_equal((uint8_t *)kvt_arena_base(c) + 12345, "kvtier", 6);
+    kvt_arena_destroy(&c);
+    /* with l1.adopt off the kept file goes, and the new one goes at destroy */
+    assert_int_equal(kvt_config_set(cfg, "l1.adopt", "false", false, err, sizeof err), 0);
+    kvt_arena_t *d = kvt_arena_new(cfg, err, sizeof err);
+    assert_non_null(d);
+    assert_int_equal(access(saved, F_OK), -1);
+    assert_false(kvt_arena_reused(d));
+    assert_string_equal(kvt_arena_why_new(d), "l1.adopt is off");
+    char *saved_d = strdup(kvt_arena_path(d));
+    kvt_arena_destroy(&d);
+    assert_int_equal(access(saved_d, F_OK), -1);
+    free(saved);
+    free(saved_b);
+    free(saved_d);
+    kvt_arena_destroy(&a);
     kvt_config_destroy(&cfg);
+    rmdir(dir);
 }
 
 /* Without allow_unpinned an arena is pinned or refused, never unpinned; with it, the same size

@@ -109,6 +109,8 @@ static int s_setup(void **state)
     snprintf(f->dir, sizeof f->dir, "/tmp/kvt-fp-XXXXXX");
     assert_non_null(mkdtemp(f->dir));
     assert_int_equal(kvt_config_set(f->cfg, "run_dir", f->dir, false, err, sizeof err), 0);
+    /* a test's arena is not kept for a next daemon */
+    assert_int_equal(kvt_config_set(f->cfg, "l1.adopt", "false", false, err, sizeof err), 0);
     f->handoff = kvt_handoff_new(f->cfg, S_RINGS, err, sizeof err);
     if (!f->handoff)
         fail_msg("handoff: %s", err);

@@ -275,6 +275,56 @@ static void test_live_leaves_out_impossible_extents(void **state)
     assert_int_equal(st.st_mode & 0777, 0600);
 }
 
+/* Compaction: the rewritten file holds exactly what it was given (seqs and sums kept), appends
+ * go on into it with seqs after the old ones, and its size starts over. */
+static void test_rewrite(void **state)
+{
+    (void)state;
+    kvt_journal_t *j = s_new(NULL, 0);
+    kvt_journal_put_t p[40];
+    for (int i = 0; i < 40; i++)
+        p[i] = s_obj((uint64_t)i * 4096, 100, "rw", (uint8_t)i);
+    assert_int_equal(kvt_journal_put(j, p, 40), 0);
+    for (int i = 0; i < 38; i++)
+        assert_int_equal(kvt_journal_drop(j, &p[i].seq, 1), 0);
+    uint64_t before = kvt_journal_bytes(j);
+    p[39].has_sum = true;
+    p[39].sum = 4242;
+    char err[160] = "";
+    /* appended between the mark and the rewrite (the snapshot was being taken): carried over */
+    kvt_journal_mark(j);
+    assert_int_equal(kvt_journal_sum(j, p[38].seq, 55), 0);
+    assert_int_equal(kvt_journal_drop(j, &p[39].seq, 1), 0);
+    assert_int_equal(kvt_journal_rewrite(j, &p[38], 2, err, sizeof err), 0);
+    assert_true(kvt_journal_bytes(j) < before / 4);
+    kvt_journal_put_t more = s_obj(200 * 4096, 7, "rw2", 99);
+    assert_int_equal(kvt_journal_put(j, &more, 1), 0);
+    assert_int_equal(more.seq, 41);
+    /* a second compaction with nothing appended meanwhile; then a later SUM */
+    kvt_journal_mark(j);
+    kvt_journal_put_t two[2] = {p[38], more};
+    assert_int_equal(kvt_journal_rewrite(j, two, 2, err, sizeof err), 0);
+    assert_int_equal(kvt_journal_sum(j, p[38].seq, 77), 0);
+    kvt_journal_destroy(&j);
+    size_t len = 0;
+    uint8_t *b = s_read(&len);
+    kvt_journal_header_t h;
+    kvt_journal_put_t *live = NULL;
+    size_t n = 0, valid = 0;
+    uint64_t rejected = 0;
+    assert_int_equal(kvt_journal_live(b, len, &h, &live, &n, &rejected, &valid, err, sizeof err),
+                     0);
+    assert_int_equal(valid, len);
+    assert_int_equal(n, 2); /* seq 40 was dropped while the first snapshot was taken */
+    assert_int_equal(rejected, 0);
+    assert_int_equal(live[0].seq, 39);
+    assert_int_equal(live[0].sum, 77);
+    assert_int_equal(live[1].seq, 41);
+    assert_string_equal(h.path, "/dev/shm/kvtier-test-l1");
+    free(live);
+    free(b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -282,6 +332,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_torn_and_damaged, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_live_leaves_out_impossible_extents, s_setup,
                                         s_teardown),
+        cmocka_unit_test_setup_teardown(test_rewrite, s_setup, s_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
