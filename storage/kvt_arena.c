@@ -204,6 +204,15 @@ static int s_open_kept(kvt_arena_t *self, const kvt_config_t *cfg, const char *d
                        const char *prefix)
 {
     s_kept_path(self->path, sizeof self->path, dir, prefix);
+    /* a name someone else took is given up without opening what is there (the fstat below
+     * checks again, for a file swapped in between) */
+    struct stat pre;
+    if (lstat(self->path, &pre) == 0 && (!S_ISREG(pre.st_mode) || pre.st_uid != geteuid())) {
+        snprintf(self->why_new, sizeof self->why_new, "the arena %s left there: %s", self->path,
+                 S_ISREG(pre.st_mode) ? "another user owns it" : "it is not a regular file");
+        errno = EEXIST;
+        return -1;
+    }
     int fd = open(self->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) {
         /* another live process holds it (a daemon without the run dir's lock: a test) */
