@@ -72,7 +72,9 @@ static kvt_arena_t *s_arena(const char *size, const char *mode, const char *dir,
         kvt_config_set(cfg, "l1.hugepages", mode, false, err, sizeof err) == 0 &&
         kvt_config_set(cfg, "l1.hugepages_dir", dir, false, err, sizeof err) == 0 &&
         /* the arena alone: the fast path's rings would add their tail to it */
-        kvt_config_set(cfg, "fastpath.enabled", "false", false, err, sizeof err) == 0)
+        kvt_config_set(cfg, "fastpath.enabled", "false", false, err, sizeof err) == 0 &&
+        /* nothing kept in /dev/shm after the benchmark */
+        kvt_config_set(cfg, "l1.adopt", "false", false, err, sizeof err) == 0)
         a = kvt_arena_new(cfg, err, sizeof err);
     if (!a)
         fprintf(stderr, "kvt-bench-huge: %s\n", err);

@@ -297,7 +297,9 @@ static void s_bench_l1(const opts_t *o)
     char err[KVT_ERR_LEN] = "";
     kvt_config_t *cfg = kvt_config_new();
     if (kvt_config_set(cfg, "l1_size", o->l1_size, false, err, sizeof err) ||
-        kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err)) {
+        kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err) ||
+        /* L1 alone, no journal: nothing kept in /dev/shm after the benchmark */
+        kvt_config_set(cfg, "l1.adopt", "false", false, err, sizeof err)) {
         fprintf(stderr, "kvt-bench-l1: %s\n", err);
         exit(1);
     }
