@@ -406,6 +406,19 @@ static void s_journal_drop(kvt_l1_t *self, s_obj_t *o)
     o->jseq = 0;
 }
 
+/* An object's PUT record as the journal holds it (at commit, and in a compaction's snapshot). */
+static kvt_journal_put_t s_put_of(const s_obj_t *o, bool l2_pending)
+{
+    return (kvt_journal_put_t){.seq = o->jseq,
+                               .offset = kvt_block_offset(o->block),
+                               .length = o->length,
+                               .sum = o->sum,
+                               .has_sum = o->has_sum || o->jsummed,
+                               .l2_pending = l2_pending,
+                               .key = o->key,
+                               .ns = o->ns->key};
+}
+
 /* The PUT records of a commit's objects, written while they are still RESERVED (ours alone),
  * before any becomes READY: nothing can drop one before its PUT is in the file, and what a
  * COMMIT acknowledges is. */
@@ -418,13 +431,7 @@ static void s_journal_puts(kvt_l1_t *self, kvt_lease_t *l, bool loaded)
     for (uint32_t i = 0; i < l->nitems; i++) {
         s_obj_t *o = l->items[i];
         if (o)
-            puts[n++] = (kvt_journal_put_t){.offset = kvt_block_offset(o->block),
-                                            .length = o->length,
-                                            .sum = o->sum,
-                                            .has_sum = o->has_sum,
-                                            .l2_pending = !loaded && self->l2_writes > 0,
-                                            .key = o->key,
-                                            .ns = o->ns->key};
+            puts[n++] = s_put_of(o, !loaded && self->l2_writes > 0);
     }
     int rc = kvt_journal_put(self->journal, puts, n);
     if (rc)
@@ -1204,6 +1211,7 @@ static void s_check_arena(kvt_l1_t *self)
             kvt_arena_path(self->arena), (unsigned long long)cut, (unsigned long long)dropped);
 }
 
+/* By seq, on kvt_journal_put_t or on anything that begins with one (s_adopted_t). */
 static int s_by_seq_put(const void *a, const void *b)
 {
     const kvt_journal_put_t *x = a, *y = b;
@@ -1245,14 +1253,7 @@ static void s_maybe_compact(kvt_l1_t *self)
         for (uint32_t b = 0; b < sh->nbuckets; b++)
             for (s_obj_t *o = sh->buckets[b]; o; o = o->hnext)
                 if (o->state == S_READY && o->jseq)
-                    live[n++] = (kvt_journal_put_t){.seq = o->jseq,
-                                                    .offset = kvt_block_offset(o->block),
-                                                    .length = o->length,
-                                                    .sum = o->sum,
-                                                    .has_sum = o->has_sum || o->jsummed,
-                                                    .l2_pending = o->l2_pending > 0,
-                                                    .key = o->key,
-                                                    .ns = o->ns->key};
+                    live[n++] = s_put_of(o, o->l2_pending > 0);
         pthread_mutex_unlock(&sh->lock);
     }
     char err[KVT_ERR_LEN] = "out of memory taking the snapshot";
@@ -1386,12 +1387,6 @@ typedef struct {
     kvt_block_t *block; /* claimed; NULL once given up */
 } s_adopted_t;
 
-static int s_by_seq(const void *a, const void *b)
-{
-    const s_adopted_t *x = a, *y = b;
-    return x->p.seq < y->p.seq ? -1 : x->p.seq > y->p.seq;
-}
-
 /* Puts the journal's objects (ascending offsets) back into the index, each verified against
  * its checksum; into kept[0..*nkept) what was adopted (for the new journal). */
 static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_t n,
@@ -1416,7 +1411,7 @@ static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_
             a[na++] = (s_adopted_t){*p, b};
     }
     /* into the index and the LRU oldest first, so the most recent ends up at the head */
-    qsort(a, na, sizeof *a, s_by_seq);
+    qsort(a, na, sizeof *a, s_by_seq_put); /* p is s_adopted_t's first member */
     for (size_t i = 0; i < na; i++) {
         s_obj_t *o = calloc(1, sizeof *o);
         kvt_assert(o);
