@@ -80,7 +80,7 @@ PLUGIN_EXAMPLE_ABI1 := $(BUILD)/kvtier-l2-example-abi1.so
 PLUGIN_ENV = KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
              KVT_L2_EXAMPLE_PLUGIN_ABI1=$(abspath $(PLUGIN_EXAMPLE_ABI1))
 
-.PHONY: all deps run test unit integration asan clean check-asan tsan bench-l1 bench-l2 bench-huge \
+.PHONY: all deps run test unit integration asan clean check-asan tsan soak-adopt bench-l1 bench-l2 bench-huge \
         bench-ring bench-smoke test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers \
         pyclient bench-sglang deps-py check-contrib deps-ops
 .DEFAULT_GOAL := all
@@ -259,8 +259,15 @@ test: deps check-layers check-contrib all check-nocuda unit tsan valgrind bench-
 
 # Everything, longer: each fuzzer for CHECK_FUZZ_SECONDS instead of CI's 30 s.
 CHECK_FUZZ_SECONDS ?= 600
-check: deps check-layers all check-nocuda unit tsan valgrind bench-smoke integration test-gpu
+check: deps check-layers all check-nocuda unit tsan valgrind bench-smoke integration test-gpu \
+       soak-adopt
 	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(CHECK_FUZZ_SECONDS)
+
+# The restart loop of test_adopt.py (20 kills in `make test`) with SOAK_KILLS kills.
+SOAK_KILLS ?= 200
+soak-adopt: deps all asan pyclient
+	$(INTEGRATION_ENV) KVT_ADOPT_KILLS=$(SOAK_KILLS) timeout 3600 $(PYTEST) -m pytest -q \
+	  -p no:cacheprovider "tests/integration/test_adopt.py::test_restarts_under_mixed_load"
 
 # The build without the CUDA toolkit still compiles and links (CI has nvcc, so this is the only
 # place that path is built): the GPU module without KVT_HAVE_CUDA, linked into a daemon in

@@ -29,7 +29,10 @@
  *     with KVTIER_FASTPATH at connect and checked with kvtier_fastpath_active: LOOKUP p50/p99
  *     vs the echo p50; one 4 MiB object per RESERVE/COMMIT and ACQUIRE/RELEASE vs memcpy;
  *     LOOKUP requests/s at 1-32 clients, best fast vs best socket; daemon CPU while 32
- *     fast-path clients sit idle.
+ *     fast-path clients sit idle;
+ *  10 restart of a daemon whose L1 (8 GiB, or what /dev/shm and free memory allow) is 90% full
+ *     of 1 MiB and 64 KiB objects: SIGTERM, start again (l1.adopt), exec -> /readyz 200 and
+ *     exec -> first LOOKUP hit, the adoption's time, its verification rate vs XXH3 here.
  * Cases 1-8 use whatever transport libkvtier picks (the fast path, by default).
  * --quick is a smoke mode (< 20 s): small counts, same code paths, no verdicts. */
 #include "kvtier.h"
@@ -53,9 +56,12 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <xxhash.h>
 #include <zmq.h>
 
 #define MiB (1024ull * 1024ull)
@@ -94,7 +100,8 @@ static bool s_want(const char *c)
         return true;
     for (const char *p = s_opt.only; *p;) {
         size_t n = strcspn(p, ",");
-        if ((n == strlen(c) && !strncmp(p, c, n)) || (n == 1 && !strncmp(p, c, 1) && strlen(c) == 2))
+        if ((n == strlen(c) && !strncmp(p, c, n)) ||
+            (n == 1 && !strncmp(p, c, 1) && strlen(c) == 2 && c[1] >= 'a'))
             return true;
         p += n + (p[n] == ',');
     }
@@ -297,10 +304,11 @@ static kvtier_t *s_connect(const daemon_t *d, const char *instance, int timeout_
     return c;
 }
 
-/* Starts kvtierd on its own dir under the run dir; waits (<= 90 s) until it answers HELLO.
- * extra: NULL, or more arguments (NULL-terminated, at most 8) appended to its command line. */
-static bool s_daemon_start_ex(daemon_t *d, const char *name, const char *l1_size, const char *l2,
-                              const char *hwm, const char *lwm, const char *const *extra)
+/* Spawns kvtierd on its own dir under the run dir (the same dir for the same name) and returns
+ * at once. extra: NULL, or more arguments (NULL-terminated, at most 8) appended to its command
+ * line (a later --http replaces the "" given here). */
+static void s_daemon_spawn(daemon_t *d, const char *name, const char *l1_size, const char *l2,
+                           const char *hwm, const char *lwm, const char *const *extra)
 {
     snprintf(d->dir, sizeof d->dir, "%s/%s", s_opt.run_dir, name);
     mkdir(d->dir, 0700);
@@ -339,6 +347,15 @@ static bool s_daemon_start_ex(daemon_t *d, const char *name, const char *l1_size
         argv[n++] = (char *)extra[i];
     argv[n] = NULL;
     d->pid = s_spawn(argv, log);
+}
+
+/* Starts kvtierd (s_daemon_spawn); waits (<= 90 s) until it answers HELLO. */
+static bool s_daemon_start_ex(daemon_t *d, const char *name, const char *l1_size, const char *l2,
+                              const char *hwm, const char *lwm, const char *const *extra)
+{
+    s_daemon_spawn(d, name, l1_size, l2, hwm, lwm, extra);
+    char log[320];
+    snprintf(log, sizeof log, "%s/kvtierd.log", d->dir);
     double deadline = s_now() + 90;
     while (s_now() < deadline) {
         if (waitpid(d->pid, NULL, WNOHANG) == d->pid) {
@@ -2343,6 +2360,163 @@ out:
     s_daemon_stop(&d);
 }
 
+/* ---- case 10: restart with an adopted L1 (issue 30) ---------------------------------------- */
+
+/* The status code of GET path on 127.0.0.1:port (0: no answer), and the body into out. */
+static int s_http_get(int port, const char *path, char *out, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int code = 0;
+    if (fd < 0)
+        return 0;
+    struct timeval tv = {.tv_sec = 2};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n", path);
+    size_t got = 0;
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0 && write(fd, req, (size_t)n) == n) {
+        for (ssize_t r; got + 1 < cap && (r = read(fd, out + got, cap - 1 - got)) > 0;)
+            got += (size_t)r;
+        out[got] = '\0';
+        if (sscanf(out, "HTTP/1.%*d %d", &code) != 1)
+            code = 0;
+    }
+    close(fd);
+    if (cap)
+        out[got < cap ? got : cap - 1] = '\0';
+    return code;
+}
+
+/* /status l1.adopt of the daemon on port: objects, bytes, ms (all -1 when unknown). */
+static void s_adopt_status(int port, double *objects, double *bytes, double *ms)
+{
+    *objects = *bytes = *ms = -1;
+    size_t cap = 4 * MiB;
+    char *buf = s_xmalloc(cap);
+    if (s_http_get(port, "/status", buf, cap) == 200) {
+        char *body = strstr(buf, "\r\n\r\n");
+        json_t *j = body ? json_loads(body + 4, 0, NULL) : NULL;
+        json_t *ad = json_object_get(json_object_get(j, "l1"), "adopt");
+        if (json_is_true(json_object_get(ad, "adopted"))) {
+            *objects = json_number_value(json_object_get(ad, "objects"));
+            *bytes = json_number_value(json_object_get(ad, "bytes"));
+            *ms = json_number_value(json_object_get(ad, "ms"));
+        }
+        json_decref(j);
+    }
+    free(buf);
+}
+
+/* Fills an L1 of `l1` bytes (half with 1 MiB objects, half with 64 KiB ones), stops the daemon
+ * with SIGTERM and starts it again on the same run dir: exec -> /readyz 200, exec -> the first
+ * LOOKUP that hits (a new connection), the adoption's own time (every object verified before
+ * the daemon serves), and its verification rate against XXH3 over the same bytes here, one
+ * thread, in the same run. */
+static void s_case_restart(void)
+{
+    s_header("case 10: restart with a full L1 adopted (l1.adopt) vs XXH3 over the same bytes");
+    uint64_t l1 = (s_opt.quick ? 256 : 8192) * MiB;
+    struct statvfs vfs;
+    if (!s_opt.quick && statvfs("/dev/shm", &vfs) == 0) {
+        uint64_t room = (uint64_t)vfs.f_bavail * vfs.f_frsize;
+        long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        uint64_t ram = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz : room;
+        uint64_t fit = (room < ram ? room : ram);
+        fit = fit > 2048 * MiB ? fit - 2048 * MiB : 0; /* head room for everything else */
+        if (fit < l1)
+            l1 = fit / (256 * MiB) * (256 * MiB);
+        if (l1 < 512 * MiB) {
+            printf("   (skipped: %llu MiB of /dev/shm and free memory)\n",
+                   (unsigned long long)(fit / MiB));
+            return;
+        }
+    }
+    char size[32], http[64];
+    snprintf(size, sizeof size, "%lluM", (unsigned long long)(l1 / MiB));
+    int port = s_free_port();
+    snprintf(http, sizeof http, "127.0.0.1:%d", port);
+    const char *extra[] = {"--http", http, "--high-watermark", "0.99", "--low-watermark",
+                           "0.98",   NULL};
+    daemon_t d = {0};
+    if (!s_daemon_start_ex(&d, "d10", size, "none", NULL, NULL, extra))
+        return;
+    kvtier_t *c = s_connect(&d, "c10", CALL_TIMEOUT_MS);
+    uint64_t half = l1 * 9 / 20; /* 90% of L1, half in each size */
+    uint32_t nbig = (uint32_t)(half / MiB), nsmall = (uint32_t)(half / (64 * 1024));
+    key16_t *big = s_keys(nbig, 10), *small = s_keys(nsmall, 11);
+    uint8_t *src = s_xmalloc(MiB);
+    for (size_t i = 0; i < MiB; i++)
+        src[i] = (uint8_t)(i * 131 + 7);
+    bool ok = c && s_store(c, "bench10", big, nbig, MiB, src, 16, NULL) == nbig &&
+              s_store(c, "bench10", small, nsmall, 64 * 1024, src, 64, NULL) == nsmall;
+    kvtier_close(&c);
+    if (!ok) {
+        s_nerr++;
+        goto out;
+    }
+    s_stop(d.pid); /* SIGTERM: the checksum thread finishes first, the arena is kept */
+    double t0 = s_now(), t_ready = -1, t_hit = -1;
+    s_daemon_spawn(&d, "d10", size, "none", NULL, NULL, extra);
+    char buf[512];
+    while (s_now() - t0 < 60 && t_ready < 0) {
+        if (s_http_get(port, "/readyz", buf, sizeof buf) == 200)
+            t_ready = s_now() - t0;
+        else
+            usleep(1000);
+    }
+    while (t_ready >= 0 && s_now() - t0 < 60 && t_hit < 0) {
+        kvtier_t *h = s_connect(&d, "first-hit", 2000);
+        uint32_t hits = 0;
+        if (h && kvtier_lookup(h, "bench10", NULL, big, 1, 0, &hits, NULL, NULL, NULL) == 0 &&
+            hits == 1)
+            t_hit = s_now() - t0;
+        kvtier_close(&h);
+    }
+    double objects, bytes, ms;
+    s_adopt_status(port, &objects, &bytes, &ms);
+    if (t_ready < 0 || t_hit < 0 || objects != (double)(nbig + nsmall)) {
+        fprintf(stderr,
+                "kvtier-bench: case 10: ready %.3f s, first hit %.3f s, %g of %u objects "
+                "adopted (see %s/kvtierd.log)\n",
+                t_ready, t_hit, objects, nbig + nsmall, d.dir);
+        s_nerr++;
+        goto out;
+    }
+    /* the baseline: XXH3 over the same bytes, through this process's mapping of the arena */
+    c = s_connect(&d, "c10-xxh3", CALL_TIMEOUT_MS);
+    size_t asize = 0;
+    const uint8_t *arena = c ? kvtier_arena(c, &asize) : NULL;
+    double xrate = 0;
+    if (arena && asize >= (size_t)bytes) {
+        uint64_t acc = 0;
+        double tx = s_now();
+        for (size_t off = 0; off < (size_t)bytes; off += MiB)
+            acc ^= XXH3_64bits(arena + off, (size_t)bytes - off < MiB ? (size_t)bytes - off : MiB);
+        xrate = bytes / (s_now() - tx) / 1e9;
+        if (acc == 42)
+            printf("   (xxh3 %llu)\n", (unsigned long long)acc);
+    }
+    kvtier_close(&c);
+    double vrate = ms > 0 ? bytes / (ms / 1000) / 1e9 : NAN;
+    printf("   %u x 1 MiB + %u x 64 KiB = %.2f GiB adopted in %.0f ms\n", nbig, nsmall,
+           bytes / (double)(1024 * MiB), ms);
+    s_row(10, "restart: exec -> /readyz 200", t_ready, NAN, "s", NAN, "<= 2 s", true,
+          t_ready <= 2.0);
+    s_row(10, "restart: exec -> first L1 hit", t_hit, NAN, "s", NAN, "<= 1 s", true, t_hit <= 1.0);
+    s_row(10, "restart: every object verified (adoption)", ms / 1000, NAN, "s", NAN, "", false,
+          false);
+    s_row(10, "verification rate vs XXH3 (1 thread)", vrate, xrate, "GB/s", vrate / xrate,
+          ">= 0.8x", xrate > 0, vrate >= 0.8 * xrate);
+out:
+    free(big);
+    free(small);
+    free(src);
+    s_daemon_stop(&d);
+}
+
 /* ---- main --------------------------------------------------------------------------------- */
 
 static void s_usage(FILE *out, int status)
@@ -2450,6 +2624,8 @@ int main(int argc, char **argv)
         s_case_scale();
     if (s_want("8"))
         s_case_lmcache();
+    if (s_want("10"))
+        s_case_restart();
 
     double total = s_now() - t_start;
     printf("%d PASS, %d MISS, %d errors; %.1f s\n", s_npass, s_nmiss, s_nerr, total);

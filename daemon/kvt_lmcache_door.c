@@ -14,11 +14,12 @@
  * the error form is kept for what has no in-band answer (malformed frames, refused ops). */
 #include "kvt_lmcache_door.h"
 
+#include "kvt_accept.h"
 #include "kvt_error.h"
 #include "kvt_hash.h"
 #include "kvt_lmc.h"
+#include "kvt_lmc_registry.h"
 #include "kvt_log.h"
-#include "kvt_accept.h"
 #include "kvt_router.h"
 #include "kvt_session.h"
 #include "kvt_thread.h"
@@ -27,13 +28,14 @@
 #include <czmq.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -48,6 +50,8 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 #define S_SWEEP_MS 100
 #define S_SNDHWM 10000       /* replies a client may leave unread before they are dropped */
 #define S_STATUS_MAX 100
+#define S_MAX_TOLD 4096  /* unknown workers whose ping was answered false, at once */
+#define S_TOLD_MS 600000 /* ... remembered that long */
 
 /* Error replies carry a KVT_ERRNO_MAP code; the wire's error type is its wire string
  * ("bad_request", "unknown_type", "too_large", "internal"), as in protocol v1. */
@@ -75,6 +79,7 @@ typedef struct {
     uint32_t ndim;
     uint64_t obj_size;
     uint64_t registered_ms, last_seen_ms;
+    bool restored;    /* known from the previous daemon's registry, not registered with this one */
     kvt_conn_t *conn; /* the connection that registered it: only it acts for the worker while
                        * it is open; once it closed, the next one that does takes it over */
     s_xfer_t *xfers;
@@ -113,6 +118,11 @@ typedef struct s_req {
     struct s_req *older, *newer;
 } s_req_t;
 
+/* A worker not known whose ping was answered false (s_do_ping). */
+typedef struct {
+    uint64_t id, t_ms;
+} s_told_t;
+
 /* A wait_prefetch_status reply held back until its lookup is done or it times out. */
 typedef struct s_wait {
     zmq_msg_t head[3]; /* identity, uid, op */
@@ -149,12 +159,15 @@ struct kvt_lmcache_door {
     uint32_t chunk;
     kvt_lmc_limits_t lim;
 
+    kvt_lmc_registry_t *registry; /* the registrations a restarted daemon still knows */
+    uint32_t restored;            /* registrations taken from the previous daemon */
     kvt_sessions_t *conns; /* the client connections: who registered what, reply accounting */
     kvt_conn_t *cur;       /* the connection of the message being handled (a reference) */
 
     pthread_mutex_t lock;
     kvt_u64map_t *ctxs;
     kvt_u64map_t *askers; /* s_asker_t by connection key (fd << 32 | gen) */
+    kvt_u64map_t *told;   /* s_told_t: unknown workers whose ping was answered false */
     /* requests by a keyed hash of their request_id (clients choose the ids: an unkeyed hash
      * could be made to collide), the id compared on lookup; the age list owns them */
     kvt_u64map_t *reqs;
@@ -169,6 +182,7 @@ struct kvt_lmcache_door {
     atomic_uint_fast64_t requests[KVT_LMC_NOPS]; /* by wire id; [0]: unknown or bad op */
     atomic_uint_fast64_t errors[KVT_WIRE_ERRORS]; /* by kvt_err_wire_index */
     atomic_uint_fast64_t lookup_chunks, hit_chunks, dropped;
+    atomic_uint_fast64_t unknown_worker; /* transfers of a worker not registered */
     atomic_size_t nctxs, nreqs; /* table sizes, for the metrics */
     bool refused_logged[KVT_LMC_NOPS];
 };
@@ -430,6 +444,8 @@ static s_ctx_t *s_ctx(kvt_lmcache_door_t *self, uint64_t instance_id, const char
     if (ctx)
         ctx->last_seen_ms = kvt_now_ms();
     else
+        atomic_fetch_add(&self->unknown_worker, 1);
+    if (!ctx)
         kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
                           "lmcache: %s from instance %" PRId64 ", which is not registered (never, "
                           "unregistered, or silent past lmcache.reap_timeout_s): answered as a "
@@ -438,9 +454,13 @@ static s_ctx_t *s_ctx(kvt_lmcache_door_t *self, uint64_t instance_id, const char
     return ctx;
 }
 
+/* The worker is no longer registered (unregistered, reaped; at stop, when the registry is gone
+ * already, it stays in the registry's file for the next daemon). */
 static void s_ctx_drop(kvt_lmcache_door_t *self, s_ctx_t *ctx, bool expired)
 {
     kvt_u64map_remove(self->ctxs, ctx->instance_id);
+    if (self->registry)
+        kvt_lmc_registry_remove(self->registry, ctx->instance_id);
     atomic_store(&self->nctxs, kvt_u64map_size(self->ctxs));
     kvt_cache_owner_close(self->cache, ctx->owner, expired);
     s_xfers_free(ctx);
@@ -915,6 +935,20 @@ static void s_op_commit_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key
     ok ? msgpack_pack_true(s_value(r)) : msgpack_pack_false(s_value(r));
 }
 
+/* abort_store: the worker could not fill the slots its prepare_store got (its copy failed):
+ * the reservation goes at once, nothing of it is ever readable. True when there was one. */
+static void s_op_abort_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint64_t instance,
+                             s_answer_t *r)
+{
+    s_ctx_t *ctx = s_ctx(self, instance, "abort_store");
+    uint32_t c1 = 0;
+    s_xfer_t *x = s_commit_find(self, ctx, key, true, &c1);
+    if (x)
+        kvt_l1_release(self->l1, ctx->owner, x->lease);
+    x ? msgpack_pack_true(s_value(r)) : msgpack_pack_false(s_value(r));
+    free(x);
+}
+
 static void s_op_prepare_retrieve(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
                                   uint64_t instance, s_answer_t *r)
 {
@@ -1055,7 +1089,43 @@ static uint32_t s_registrations(kvt_lmcache_door_t *self)
     return n;
 }
 
-static void s_op_register(kvt_lmcache_door_t *self, const kvt_lmc_ctx_t *p, s_answer_t *r)
+static s_ctx_t *s_ctx_new(kvt_lmcache_door_t *self, uint64_t id, uint64_t owner, kvt_conn_t *conn)
+{
+    s_ctx_t *ctx = calloc(1, sizeof *ctx);
+    kvt_assert(ctx);
+    ctx->instance_id = id;
+    ctx->owner = owner;
+    s_ctx_bind(self, ctx, conn);
+    ctx->registered_ms = kvt_now_ms();
+    kvt_u64map_set(self->ctxs, id, ctx);
+    atomic_store(&self->nctxs, kvt_u64map_size(self->ctxs));
+    return ctx;
+}
+
+/* The layout of a registration that passed s_ctx_check (size: its chunk's bytes). */
+static void s_ctx_fill(kvt_lmcache_door_t *self, s_ctx_t *ctx, const kvt_lmc_ctx_t *p,
+                       uint64_t size)
+{
+    memcpy(ctx->model, p->model, sizeof ctx->model);
+    memcpy(ctx->dtype, p->dtype, sizeof ctx->dtype);
+    ctx->world_size = p->world_size;
+    ctx->num_layers = p->num_layers;
+    ctx->block_size = p->block_size;
+    ctx->hidden = p->hidden_dim_size;
+    ctx->use_mla = p->use_mla;
+    ctx->obj_size = size;
+    ctx->ndim = 0;
+    if (!p->use_mla)
+        ctx->shape[ctx->ndim++] = 2;
+    ctx->shape[ctx->ndim++] = p->num_layers;
+    ctx->shape[ctx->ndim++] = self->chunk;
+    ctx->shape[ctx->ndim++] = p->hidden_dim_size;
+    ctx->last_seen_ms = kvt_now_ms();
+}
+
+/* payload: the registration as the worker sent it, kept for the next daemon (kvt_lmc_registry). */
+static void s_op_register(kvt_lmcache_door_t *self, const kvt_lmc_ctx_t *p, const uint8_t *payload,
+                          size_t len, s_answer_t *r)
 {
     char why[256];
     uint64_t size = 0;
@@ -1081,31 +1151,11 @@ static void s_op_register(kvt_lmcache_door_t *self, const kvt_lmc_ctx_t *p, s_an
         return;
     }
     bool created = !ctx;
-    if (created) {
-        ctx = calloc(1, sizeof *ctx);
-        kvt_assert(ctx);
-        ctx->instance_id = p->instance_id;
-        ctx->owner = owner;
-        s_ctx_bind(self, ctx, self->cur);
-        ctx->registered_ms = kvt_now_ms();
-        kvt_u64map_set(self->ctxs, p->instance_id, ctx);
-        atomic_store(&self->nctxs, kvt_u64map_size(self->ctxs));
-    }
-    memcpy(ctx->model, p->model, sizeof ctx->model);
-    memcpy(ctx->dtype, p->dtype, sizeof ctx->dtype);
-    ctx->world_size = p->world_size;
-    ctx->num_layers = p->num_layers;
-    ctx->block_size = p->block_size;
-    ctx->hidden = p->hidden_dim_size;
-    ctx->use_mla = p->use_mla;
-    ctx->obj_size = size;
-    ctx->ndim = 0;
-    if (!p->use_mla)
-        ctx->shape[ctx->ndim++] = 2;
-    ctx->shape[ctx->ndim++] = p->num_layers;
-    ctx->shape[ctx->ndim++] = self->chunk;
-    ctx->shape[ctx->ndim++] = p->hidden_dim_size;
-    ctx->last_seen_ms = kvt_now_ms();
+    if (created)
+        ctx = s_ctx_new(self, p->instance_id, owner, self->cur);
+    s_ctx_fill(self, ctx, p, size);
+    ctx->restored = false;
+    kvt_lmc_registry_set(self->registry, p->instance_id, payload, len);
     kvt_log(KVT_LOG_INFO,
             "lmcache: instance %" PRId64 " %s: %s, world_size %u, %u layers x %" PRIu64
             " x %s%s (%" PRIu64 " bytes per chunk)",
@@ -1113,6 +1163,68 @@ static void s_op_register(kvt_lmcache_door_t *self, const kvt_lmc_ctx_t *p, s_an
             p->world_size, p->num_layers, p->hidden_dim_size, p->dtype,
             p->use_mla ? ", MLA" : "", size);
     kvt_lmc_pack_register(s_value(r), self->shm_name, self->pool_size, NULL);
+}
+
+/* A registration the previous daemon kept (kvt_lmc_registry_load): checked as a new one
+ * would be, against this daemon's configuration; taken back into the registry when good. */
+static void s_restore(void *arg, const uint8_t *payload, size_t len)
+{
+    kvt_lmcache_door_t *self = arg;
+    kvt_lmc_ctx_t p;
+    char why[256];
+    uint64_t size = 0, owner = 0;
+    const char *error = NULL;
+    if (kvt_lmc_decode_ctx(payload, len, &self->lim, &p, why, sizeof why) != 0)
+        error = why;
+    else if (kvt_u64map_get(self->ctxs, p.instance_id))
+        error = "its instance_id is there twice";
+    else if (!(error = s_ctx_check(self, &p, why, sizeof why, &size)) &&
+             kvt_cache_owner_open(self->cache, KVT_OWNER_LMCACHE, &owner, why, sizeof why) != 0)
+        error = why;
+    if (error) {
+        kvt_log(KVT_LOG_WARN, "lmcache: a registration of the previous daemon is not restored: %s",
+                error);
+        return;
+    }
+    s_ctx_t *ctx = s_ctx_new(self, p.instance_id, owner, NULL);
+    s_ctx_fill(self, ctx, &p, size);
+    ctx->restored = true;
+    kvt_lmc_registry_set(self->registry, p.instance_id, payload, len);
+    self->restored++;
+}
+
+/* Opens the registry of RUN_DIR and takes back what the previous daemon's workers registered,
+ * when this daemon serves the arena file they map. */
+static int s_registry_open(kvt_lmcache_door_t *self, const char *shm_path, char *err, size_t errlen)
+{
+    struct stat st;
+    if (stat(shm_path, &st) != 0) {
+        snprintf(err, errlen, "lmcache.listen: cannot stat the arena %s: %s", shm_path,
+                 strerror(errno));
+        return -1;
+    }
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", self->cfg->run_dir, KVT_LMC_REGISTRY_FILE);
+    kvt_lmc_arena_t arena = {.shm_name = self->shm_name,
+                             .pool_size = self->pool_size,
+                             .dev = (uint64_t)st.st_dev,
+                             .ino = (uint64_t)st.st_ino,
+                             .chunk_tokens = self->chunk};
+    self->registry = kvt_lmc_registry_new(path, &arena);
+    kvt_assert(self->registry);
+    char why[4400];
+    int n = kvt_lmc_registry_load(self->registry, s_restore, self, why, sizeof why);
+    if (n < 0)
+        kvt_log(KVT_LOG_WARN,
+                "lmcache: the previous daemon's registrations are not restored "
+                "(the workers must register again): %s",
+                why);
+    else if (n > 0)
+        kvt_log(KVT_LOG_INFO,
+                "lmcache: %u of the previous daemon's %d worker registrations "
+                "restored (the workers go on without registering again)",
+                self->restored, n);
+    return 0;
 }
 
 /* ---- dispatch ----------------------------------------------------------------------------- */
@@ -1201,7 +1313,7 @@ static int s_do_register(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args
     (void)op;
     kvt_lmc_ctx_t ctx;
     if (kvt_lmc_decode_ctx(S_ARG(0), &self->lim, &ctx, why, whylen) == 0) {
-        s_op_register(self, &ctx, r);
+        s_op_register(self, &ctx, zmq_msg_data(&a->f[0]), zmq_msg_size(&a->f[0]), r);
     } else {
         kvt_log(KVT_LOG_WARN, "lmcache: registration refused: %s", why);
         kvt_lmc_pack_register(s_value(r), self->shm_name, self->pool_size, why);
@@ -1230,8 +1342,8 @@ static int s_do_unregister(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_ar
     return 0;
 }
 
-/* prepare_store, prepare_retrieve, commit_retrieve: (key, instance_id); commit_store: (key,
- * instance_id, data). */
+/* prepare_store, prepare_retrieve, commit_retrieve, abort_store: (key, instance_id);
+ * commit_store: (key, instance_id, data). */
 static int s_do_transfer(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a,
                          s_answer_t *r, char *why, size_t whylen)
 {
@@ -1250,6 +1362,8 @@ static int s_do_transfer(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args
             s_op_prepare_retrieve(self, &key, instance, r);
         else if (op == KVT_LMC_COMMIT_STORE)
             s_op_commit_store(self, &key, instance, data_len, r);
+        else if (op == KVT_LMC_ABORT_STORE)
+            s_op_abort_store(self, &key, instance, r);
         else
             s_op_commit_retrieve(self, &key, instance, r);
     }
@@ -1276,7 +1390,30 @@ static int s_do_clear(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t 
     return 0;
 }
 
-/* ping: ([instance_id | None]); always true (the adapter takes false as "reaped"). */
+/* Whether a ping of the unknown worker `id` is the first since it was last answered: false
+ * then, true for the next one (the pair is what makes LMCache's adapter register again). */
+static bool s_told_first(kvt_lmcache_door_t *self, uint64_t id)
+{
+    s_told_t *t = kvt_u64map_remove(self->told, id);
+    if (t) {
+        free(t);
+        return false;
+    }
+    if (kvt_u64map_size(self->told) >= S_MAX_TOLD)
+        return false; /* bounded: such a worker only waits for an entry to expire */
+    t = malloc(sizeof *t);
+    kvt_assert(t);
+    *t = (s_told_t){id, kvt_now_ms()};
+    kvt_u64map_set(self->told, id, t);
+    return true;
+}
+
+/* ping: ([instance_id | None]). True for the scheduler's probe (nil) and a registered worker.
+ * For a worker this daemon does not know (never registered, unregistered, reaped, or not
+ * restored after a restart) false, then true on its next ping: LMCache's adapter (its
+ * HeartbeatThread) takes an unhealthy ping into degraded mode, where it sends no stores and
+ * fails its loads (nothing is silently lost), and registers its KV caches again when a ping
+ * is healthy after an unhealthy one. Always false would keep it degraded for good. */
 static int s_do_ping(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                      char *why, size_t whylen)
 {
@@ -1287,9 +1424,20 @@ static int s_do_ping(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *
     if (rc)
         return rc;
     s_ctx_t *c = nil ? NULL : kvt_u64map_get(self->ctxs, u);
-    if (c && s_ctx_mine(self, c, "ping")) /* another connection's ping renews nothing */
+    bool healthy = true;
+    if (c && s_ctx_mine(self, c, "ping")) { /* another connection's ping renews nothing */
         c->last_seen_ms = kvt_now_ms();
-    msgpack_pack_true(s_value(r));
+    } else if (!nil && !c) {
+        atomic_fetch_add(&self->unknown_worker, 1);
+        healthy = !s_told_first(self, u);
+        if (!healthy)
+            kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                              "lmcache: ping from instance %" PRId64 ", which is not "
+                              "registered: answered false once, so that the worker registers "
+                              "again",
+                              (int64_t)u);
+    }
+    healthy ? msgpack_pack_true(s_value(r)) : msgpack_pack_false(s_value(r));
     return 0;
 }
 
@@ -1350,6 +1498,7 @@ static const s_op_fn s_ops[KVT_LMC_NOPS] = {
     [KVT_LMC_REPORT_BLOCK_ALLOCATION] = s_do_report,
     [KVT_LMC_NOOP] = s_do_const,
     [KVT_LMC_GET_EXPERIMENTAL] = s_do_const,
+    [KVT_LMC_ABORT_STORE] = s_do_transfer,
 };
 
 /* A served op with its argument count checked: its handler, and the error form for what its
@@ -1510,6 +1659,21 @@ static bool s_recv_one(kvt_lmcache_door_t *self)
 
 /* The cache service's liveness rule for each worker; below it, a prepared transfer not
  * committed within lease_ms is void on its own (LMCache has no call that abandons one). */
+/* Forgets the unknown workers told false longer ago than S_TOLD_MS (all: every one). */
+static void s_told_sweep(kvt_lmcache_door_t *self, uint64_t now, bool all)
+{
+    size_t n = kvt_u64map_size(self->told), k = 0;
+    s_told_t **old = n ? malloc(n * sizeof *old) : NULL;
+    kvt_assert(old || !n);
+    for (s_told_t *t = old ? kvt_u64map_first(self->told) : NULL; t;
+         t = kvt_u64map_next(self->told))
+        if (all || now - t->t_ms > S_TOLD_MS)
+            old[k++] = t;
+    for (size_t i = 0; i < k; i++)
+        free(kvt_u64map_remove(self->told, old[i]->id));
+    free(old);
+}
+
 static void s_sweep(kvt_lmcache_door_t *self, uint64_t now)
 {
     uint64_t lease = self->cfg->lease_ms;
@@ -1552,6 +1716,7 @@ static void s_sweep(kvt_lmcache_door_t *self, uint64_t now)
         s_req_drop(self, self->oldest);
     kvt_sessions_sweep(self->conns, now); /* cuts connections that stopped reading replies */
     s_askers_sweep(self, now, false);
+    s_told_sweep(self, now, false);
 }
 
 /* The router saw a client connection close (door thread). */
@@ -1650,13 +1815,16 @@ kvt_lmcache_door_t *kvt_lmcache_door_new(const kvt_config_t *cfg, kvt_sup_t *sup
     self->ctxs = kvt_u64map_new();
     self->reqs = kvt_u64map_new();
     self->askers = kvt_u64map_new();
-    kvt_assert(self->ctxs && self->reqs && self->askers);
+    self->told = kvt_u64map_new();
+    kvt_assert(self->ctxs && self->reqs && self->askers && self->told);
     /* connections as v1 has them: the same cuts for replies left unread (issue 28, item 8) */
     kvt_session_limits_t slim = {.lease_ms = cfg->lease_ms,
                                  .max_instances_per_conn = 1,
                                  .reply_timeout_ms = cfg->reply_timeout_ms,
                                  .max_reply_backlog = cfg->max_reply_backlog};
     self->conns = kvt_sessions_new(&slim, NULL, NULL, NULL);
+    if (s_registry_open(self, path, err, errlen) != 0)
+        goto fail;
     if (getrandom(&self->seed, sizeof self->seed, 0) != sizeof self->seed)
         self->seed = kvt_now_ns() ^ (uint64_t)getpid();
     char qerr[160];
@@ -1727,7 +1895,8 @@ void kvt_lmcache_door_destroy(kvt_lmcache_door_t **self_p)
             pthread_mutex_lock(&self->lock);
         }
     }
-    for (s_ctx_t *c; (c = kvt_u64map_first(self->ctxs));)
+    kvt_lmc_registry_destroy(&self->registry); /* what is registered stays in its file */
+    for (s_ctx_t *c; self->ctxs && (c = kvt_u64map_first(self->ctxs));)
         s_ctx_drop(self, c, false);
     while (self->askers && kvt_u64map_size(self->askers))
         s_askers_sweep(self, kvt_now_ms(), true);
@@ -1736,6 +1905,9 @@ void kvt_lmcache_door_destroy(kvt_lmcache_door_t **self_p)
     kvt_u64map_destroy(&self->ctxs);
     kvt_u64map_destroy(&self->reqs);
     kvt_u64map_destroy(&self->askers);
+    if (self->told)
+        s_told_sweep(self, 0, true);
+    kvt_u64map_destroy(&self->told);
     kvt_sessions_destroy(&self->conns); /* replies still in libzmq hold their connections */
     kvt_queue_destroy(&self->lookups_done);
     pthread_mutex_destroy(&self->lock);
@@ -1768,15 +1940,14 @@ json_t *kvt_lmcache_door_status_json(kvt_lmcache_door_t *self)
             json_array_append_new(shape, json_integer((json_int_t)c->shape[i]));
         json_array_append_new(
             list,
-            json_pack("{s:s,s:s,s:i,s:i,s:I,s:s,s:b,s:o,s:I,s:I,s:i,s:I}", "worker",
+            json_pack("{s:s,s:s,s:i,s:i,s:I,s:s,s:b,s:o,s:I,s:I,s:i,s:I,s:b}", "worker",
                       s_worker_digest(self, c->instance_id, digest), "model_name", c->model,
-                      "world_size",
-                      (int)c->world_size, "num_layers", (int)c->num_layers, "hidden_dim_size",
-                      (json_int_t)c->hidden, "dtype", c->dtype, "use_mla", c->use_mla,
-                      "slot_shape", shape, "chunk_bytes", (json_int_t)c->obj_size, "idle_ms",
-                      (json_int_t)(now - c->last_seen_ms), "prepared_transfers",
+                      "world_size", (int)c->world_size, "num_layers", (int)c->num_layers,
+                      "hidden_dim_size", (json_int_t)c->hidden, "dtype", c->dtype, "use_mla",
+                      c->use_mla, "slot_shape", shape, "chunk_bytes", (json_int_t)c->obj_size,
+                      "idle_ms", (json_int_t)(now - c->last_seen_ms), "prepared_transfers",
                       (int)c->nxfers, "leased_bytes",
-                      (json_int_t)kvt_l1_owner_bytes(self->l1, c->owner)));
+                      (json_int_t)kvt_l1_owner_bytes(self->l1, c->owner), "restored", c->restored));
     }
     json_t *st = json_pack("{s:s,s:s,s:I,s:i,s:o,s:I,s:I,s:I,s:I}", "endpoint",
                            self->cfg->lmcache_listen, "shm_name", self->shm_name, "pool_size",
@@ -1785,6 +1956,12 @@ json_t *kvt_lmcache_door_status_json(kvt_lmcache_door_t *self)
                            "requests_tracked", (json_int_t)kvt_u64map_size(self->reqs),
                            "lookups_loading", (json_int_t)self->npending, "lookup_locks",
                            (json_int_t)self->lookup_locks);
+    json_object_set_new(st, "registry",
+                        json_pack("{s:s,s:I,s:b,s:i,s:I}", "file", KVT_LMC_REGISTRY_FILE, "kept",
+                                  (json_int_t)kvt_lmc_registry_size(self->registry), "ok",
+                                  kvt_lmc_registry_ok(self->registry), "restored",
+                                  (int)self->restored, "unknown_worker_requests",
+                                  (json_int_t)atomic_load(&self->unknown_worker)));
     pthread_mutex_unlock(&self->lock);
     return st;
 }
@@ -1834,6 +2011,11 @@ void kvt_lmcache_door_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_c
                                    .help = "Chunks LMCache lookups found for every worker",
                                    .kind = KVT_METRIC_COUNTER,
                                    .value = (double)atomic_load(&self->hit_chunks)});
+    emit(emit_ctx, &(kvt_sample_t){.name = "lmcache_unknown_worker_requests_total",
+                                   .help = "LMCache transfers from a worker that is not "
+                                           "registered (never, unregistered or reaped)",
+                                   .kind = KVT_METRIC_COUNTER,
+                                   .value = (double)atomic_load(&self->unknown_worker)});
     emit(emit_ctx, &(kvt_sample_t){.name = "lmcache_replies_dropped_total",
                                    .help = "LMCache replies dropped: client gone or not reading",
                                    .kind = KVT_METRIC_COUNTER,

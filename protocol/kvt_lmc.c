@@ -223,7 +223,7 @@ kvt_lmc_op_t kvt_lmc_op_decode(const uint8_t *buf, size_t len, char *name, size_
     kvt_lmc_op_t op = KVT_LMC_OP_UNKNOWN;
     switch (o->type) {
     case MSGPACK_OBJECT_POSITIVE_INTEGER:
-        if (o->via.u64 < KVT_LMC_NOPS && kvt_lmc_opinfo((kvt_lmc_op_t)o->via.u64)) {
+        if (o->via.u64 <= KVT_LMC_LEGACY_MAX && kvt_lmc_opinfo((kvt_lmc_op_t)o->via.u64)) {
             op = (kvt_lmc_op_t)o->via.u64;
             s_name(name, cap, "%s", s_ops[op].name);
         } else {

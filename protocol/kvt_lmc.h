@@ -26,45 +26,48 @@
 #include <stdint.h>
 
 /* XX(NAME, wire id, "method name", min args, max args, served) — the frozen table of
- * LMCache's wire.py. `served`: the engine-driven shared-memory path kvtier answers; the rest
- * (CUDA-IPC mode, blend, p2p, events) are refused with an error reply naming the op. Argument
- * counts are those of the served ops' RequestClient signatures (defaults are sent too; clear's
- * `force` and ping's `instance_id` may be left out, end_session may carry a second frame). */
-#define KVT_LMC_OP_MAP(XX)                                                                     \
-    XX(REGISTER_KV_CACHE, 1, "register_kv_cache", 0, 0, false)                                \
-    XX(UNREGISTER_KV_CACHE, 2, "unregister_kv_cache", 0, 0, false)                            \
-    XX(REGISTER_Q_CACHE, 3, "register_q_cache", 0, 0, false)                                  \
-    XX(UNREGISTER_Q_CACHE, 4, "unregister_q_cache", 0, 0, false)                              \
-    XX(STORE_Q, 5, "store_q", 0, 0, false)                                                    \
-    XX(STORE, 6, "store", 0, 0, false)                                                        \
-    XX(RETRIEVE, 7, "retrieve", 0, 0, false)                                                  \
-    XX(LOOKUP, 8, "lookup", 2, 2, true)                                                       \
-    XX(QUERY_PREFETCH_STATUS, 9, "query_prefetch_status", 1, 1, true)                         \
-    XX(WAIT_PREFETCH_STATUS, 10, "wait_prefetch_status", 2, 2, true)                          \
-    XX(QUERY_PREFETCH_LOOKUP_HITS, 11, "query_prefetch_lookup_hits", 1, 1, true)              \
-    XX(FREE_LOOKUP_LOCKS, 12, "free_lookup_locks", 2, 2, true)                                \
-    XX(END_SESSION, 13, "end_session", 1, 2, true)                                            \
-    XX(REGISTER_CONTEXT, 14, "register_kv_cache_engine_driven_context", 1, 1, true)           \
-    XX(UNREGISTER_CONTEXT, 15, "unregister_kv_cache_engine_driven_context", 1, 1, true)       \
-    XX(PREPARE_STORE, 16, "prepare_store", 2, 2, true)                                        \
-    XX(COMMIT_STORE, 17, "commit_store", 3, 3, true)                                          \
-    XX(PREPARE_RETRIEVE, 18, "prepare_retrieve", 2, 2, true)                                  \
-    XX(COMMIT_RETRIEVE, 19, "commit_retrieve", 2, 2, true)                                    \
-    XX(CLEAR, 20, "clear", 0, 1, true)                                                        \
-    XX(GET_CHUNK_SIZE, 21, "get_chunk_size", 0, 0, true)                                      \
-    XX(PING, 22, "ping", 0, 1, true)                                                          \
-    XX(REPORT_BLOCK_ALLOCATION, 23, "report_block_allocation", 3, 3, true)                    \
-    XX(NOOP, 24, "noop", 0, 0, true)                                                          \
-    XX(CB_REGISTER_ROPE, 25, "cb_register_rope", 0, 0, false)                                 \
-    XX(CB_UNREGISTER_ROPE, 26, "cb_unregister_rope", 0, 0, false)                             \
-    XX(CB_RETRIEVE_PRE_COMPUTED, 27, "cb_retrieve_pre_computed", 0, 0, false)                 \
-    XX(CB_UNIFIED_LOOKUP, 28, "cb_unified_lookup", 0, 0, false)                               \
-    XX(P2P_LOOKUP_AND_LOCK, 29, "p2p_lookup_and_lock", 0, 0, false)                           \
-    XX(P2P_QUERY_LOOKUP_RESULTS, 30, "p2p_query_lookup_results", 0, 0, false)                 \
-    XX(P2P_UNLOCK_OBJECTS, 31, "p2p_unlock_objects", 0, 0, false)                             \
-    XX(GET_EXPERIMENTAL, 32, "get_experimental", 0, 0, true)                                  \
-    XX(CB_PROTOCOL_HANDSHAKE, 33, "cb_protocol_handshake", 0, 0, false)                       \
-    XX(POLL_KV_EVENTS, 34, "poll_kv_events", 0, 0, false)
+ * LMCache's wire.py (ids 1..34), then the ops newer clients send by method name only (their id
+ * is kvtier's own, never read from the wire). `served`: the engine-driven shared-memory path kvtier
+ * answers; the rest (CUDA-IPC mode, blend, p2p, events) are refused with an error reply naming the
+ * op. Argument counts are those of the served ops' RequestClient signatures (defaults are sent too;
+ * clear's `force` and ping's `instance_id` may be left out, end_session may carry a second frame).
+ */
+#define KVT_LMC_OP_MAP(XX)                                                                         \
+    XX(REGISTER_KV_CACHE, 1, "register_kv_cache", 0, 0, false)                                     \
+    XX(UNREGISTER_KV_CACHE, 2, "unregister_kv_cache", 0, 0, false)                                 \
+    XX(REGISTER_Q_CACHE, 3, "register_q_cache", 0, 0, false)                                       \
+    XX(UNREGISTER_Q_CACHE, 4, "unregister_q_cache", 0, 0, false)                                   \
+    XX(STORE_Q, 5, "store_q", 0, 0, false)                                                         \
+    XX(STORE, 6, "store", 0, 0, false)                                                             \
+    XX(RETRIEVE, 7, "retrieve", 0, 0, false)                                                       \
+    XX(LOOKUP, 8, "lookup", 2, 2, true)                                                            \
+    XX(QUERY_PREFETCH_STATUS, 9, "query_prefetch_status", 1, 1, true)                              \
+    XX(WAIT_PREFETCH_STATUS, 10, "wait_prefetch_status", 2, 2, true)                               \
+    XX(QUERY_PREFETCH_LOOKUP_HITS, 11, "query_prefetch_lookup_hits", 1, 1, true)                   \
+    XX(FREE_LOOKUP_LOCKS, 12, "free_lookup_locks", 2, 2, true)                                     \
+    XX(END_SESSION, 13, "end_session", 1, 2, true)                                                 \
+    XX(REGISTER_CONTEXT, 14, "register_kv_cache_engine_driven_context", 1, 1, true)                \
+    XX(UNREGISTER_CONTEXT, 15, "unregister_kv_cache_engine_driven_context", 1, 1, true)            \
+    XX(PREPARE_STORE, 16, "prepare_store", 2, 2, true)                                             \
+    XX(COMMIT_STORE, 17, "commit_store", 3, 3, true)                                               \
+    XX(PREPARE_RETRIEVE, 18, "prepare_retrieve", 2, 2, true)                                       \
+    XX(COMMIT_RETRIEVE, 19, "commit_retrieve", 2, 2, true)                                         \
+    XX(CLEAR, 20, "clear", 0, 1, true)                                                             \
+    XX(GET_CHUNK_SIZE, 21, "get_chunk_size", 0, 0, true)                                           \
+    XX(PING, 22, "ping", 0, 1, true)                                                               \
+    XX(REPORT_BLOCK_ALLOCATION, 23, "report_block_allocation", 3, 3, true)                         \
+    XX(NOOP, 24, "noop", 0, 0, true)                                                               \
+    XX(CB_REGISTER_ROPE, 25, "cb_register_rope", 0, 0, false)                                      \
+    XX(CB_UNREGISTER_ROPE, 26, "cb_unregister_rope", 0, 0, false)                                  \
+    XX(CB_RETRIEVE_PRE_COMPUTED, 27, "cb_retrieve_pre_computed", 0, 0, false)                      \
+    XX(CB_UNIFIED_LOOKUP, 28, "cb_unified_lookup", 0, 0, false)                                    \
+    XX(P2P_LOOKUP_AND_LOCK, 29, "p2p_lookup_and_lock", 0, 0, false)                                \
+    XX(P2P_QUERY_LOOKUP_RESULTS, 30, "p2p_query_lookup_results", 0, 0, false)                      \
+    XX(P2P_UNLOCK_OBJECTS, 31, "p2p_unlock_objects", 0, 0, false)                                  \
+    XX(GET_EXPERIMENTAL, 32, "get_experimental", 0, 0, true)                                       \
+    XX(CB_PROTOCOL_HANDSHAKE, 33, "cb_protocol_handshake", 0, 0, false)                            \
+    XX(POLL_KV_EVENTS, 34, "poll_kv_events", 0, 0, false)                                          \
+    XX(ABORT_STORE, 35, "abort_store", 2, 2, true)
 
 typedef enum {
     KVT_LMC_OP_BAD = -2,     /* the op frame is not one msgpack int or str */
@@ -74,7 +77,8 @@ typedef enum {
 #undef XX
 } kvt_lmc_op_t;
 
-#define KVT_LMC_NOPS 35          /* wire ids are 1..34 */
+#define KVT_LMC_NOPS 36          /* table rows are 1..35 */
+#define KVT_LMC_LEGACY_MAX 34    /* wire ids are 1..34; later ops come by method name only */
 #define KVT_LMC_MAX_MODEL 200    /* bytes of model_name (it goes into the namespace) */
 #define KVT_LMC_MAX_REQUEST 512  /* bytes of a request_id */
 #define KVT_LMC_MAX_WORLD 1024   /* world_size */
@@ -87,7 +91,7 @@ typedef struct {
     bool served;
 } kvt_lmc_opinfo_t;
 
-/* The table row of a wire id, NULL outside 1..34. */
+/* The table row of an op, NULL outside 1..KVT_LMC_NOPS-1. */
 const kvt_lmc_opinfo_t *kvt_lmc_opinfo(kvt_lmc_op_t op);
 
 /* Decodes an op frame. Returns the op, KVT_LMC_OP_UNKNOWN or KVT_LMC_OP_BAD; `name` (cap

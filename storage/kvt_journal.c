@@ -149,6 +149,7 @@ static bool s_content_ok(uint16_t type, const uint8_t *q, size_t plen, kvt_journ
     case KVT_JREC_SUM:
         return plen == 16;
     case KVT_JREC_DROP:
+    case KVT_JREC_L2DONE:
         return plen == 8;
     case KVT_JREC_CLEAR:
         return plen == 0;
@@ -192,9 +193,9 @@ int kvt_journal_parse(const uint8_t *buf, size_t len, kvt_journal_header_t *hdr,
         return KVT_EBADREQ;
     }
     hdr->version = kvt_le_get32(q);
-    if (hdr->version != KVT_JOURNAL_VERSION) {
-        snprintf(err, errlen, "journal format version %u (this daemon reads %u)", hdr->version,
-                 KVT_JOURNAL_VERSION);
+    if (hdr->version < KVT_JOURNAL_VERSION_MIN || hdr->version > KVT_JOURNAL_VERSION) {
+        snprintf(err, errlen, "journal format version %u (this daemon reads %u to %u)",
+                 hdr->version, KVT_JOURNAL_VERSION_MIN, KVT_JOURNAL_VERSION);
         return KVT_EBADREQ;
     }
     hdr->salt = kvt_le_get64(q + 8);
@@ -226,6 +227,8 @@ int kvt_journal_parse(const uint8_t *buf, size_t len, kvt_journal_header_t *hdr,
                 v->drop(ctx, kvt_le_get64(q));
             else if (type == KVT_JREC_CLEAR && v->clear)
                 v->clear(ctx);
+            else if (type == KVT_JREC_L2DONE && v->l2done)
+                v->l2done(ctx, kvt_le_get64(q));
         }
     *valid = at;
     return 0;
@@ -294,6 +297,13 @@ static void s_live_drop(void *ctx, uint64_t seq)
         p->length = UINT64_MAX; /* dropped: compacted away below */
 }
 
+static void s_live_l2done(void *ctx, uint64_t seq)
+{
+    kvt_journal_put_t *p = s_find_seq(ctx, seq);
+    if (p)
+        p->l2_pending = 0;
+}
+
 static void s_live_clear(void *ctx)
 {
     s_live_t *l = ctx;
@@ -315,7 +325,7 @@ int kvt_journal_live(const uint8_t *buf, size_t len, kvt_journal_header_t *hdr,
     *n = 0;
     *rejected = 0;
     s_live_t l = {0};
-    kvt_journal_visitor_t v = {s_live_put, s_live_sum, s_live_drop, s_live_clear};
+    kvt_journal_visitor_t v = {s_live_put, s_live_sum, s_live_drop, s_live_clear, s_live_l2done};
     int rc = kvt_journal_parse(buf, len, hdr, &v, &l, valid, err, errlen);
     if (rc == 0 && l.bad) {
         snprintf(err, errlen, "out of memory reading the journal");
@@ -684,6 +694,11 @@ int kvt_journal_drop(kvt_journal_t *self, const uint64_t *seqs, size_t n)
 int kvt_journal_clear(kvt_journal_t *self)
 {
     return s_small(self, KVT_JREC_CLEAR, NULL, 0);
+}
+
+int kvt_journal_l2done(kvt_journal_t *self, uint64_t seq)
+{
+    return s_small(self, KVT_JREC_L2DONE, &seq, 1);
 }
 
 uint64_t kvt_journal_bytes(kvt_journal_t *self)

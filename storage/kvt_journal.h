@@ -20,7 +20,10 @@
  *           in this journal, increasing);
  *   SUM     u64 seq, u64 sum — its XXH3-64, computed after the commit;
  *   DROP    u64 seq — it left L1 (removed, evicted, cleared, cut off);
- *   CLEAR   (empty) — every object before it left L1.
+ *   CLEAR   (empty) — every object before it left L1;
+ *   L2DONE  u64 seq — every L2 adapter has written it (write-behind is done): the next daemon
+ *           does not write it again (version 2; version 1 journals, which lack it, are read
+ *           too: their objects are written to L2 again).
  * Nothing needs fsync: the arena is RAM, and what the journal survives is the process, whose
  * write()s the kernel keeps. A write of one call's records is one write() before the call
  * returns, so what was acknowledged is in the file.
@@ -37,7 +40,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVT_JOURNAL_VERSION 1u
+#define KVT_JOURNAL_VERSION 2u /* written; 1 is read as well */
+#define KVT_JOURNAL_VERSION_MIN 1u
 #define KVT_JOURNAL_MAX_PATH 1024u
 
 enum {
@@ -46,6 +50,7 @@ enum {
     KVT_JREC_SUM = 3,
     KVT_JREC_DROP = 4,
     KVT_JREC_CLEAR = 5,
+    KVT_JREC_L2DONE = 6,
 };
 
 typedef struct {
@@ -70,6 +75,7 @@ typedef struct {
     void (*sum)(void *ctx, uint64_t seq, uint64_t sum);
     void (*drop)(void *ctx, uint64_t seq);
     void (*clear)(void *ctx);
+    void (*l2done)(void *ctx, uint64_t seq);
 } kvt_journal_visitor_t;
 
 /* Walks buf[0..len): the header into *hdr, then each record to `v` (members may be NULL) in
@@ -132,6 +138,9 @@ int kvt_journal_sum(kvt_journal_t *self, uint64_t seq, uint64_t sum);
 int kvt_journal_drop(kvt_journal_t *self, const uint64_t *seqs, size_t n);
 
 int kvt_journal_clear(kvt_journal_t *self);
+
+/* The object `seq` needs no more L2 writes. */
+int kvt_journal_l2done(kvt_journal_t *self, uint64_t seq);
 
 /* Bytes written so far (header and carried-over records included): for compaction. */
 uint64_t kvt_journal_bytes(kvt_journal_t *self);

@@ -908,10 +908,20 @@ void kvt_l1_l2_written(kvt_l1_t *self, const kvt_ns_t *ref, const kvt_key_t *key
     s_shard_t *sh = s_shard(self, h);
     pthread_mutex_lock(&sh->lock);
     s_obj_t *o = s_find(sh, ns, key, h);
-    if (o && o->state == S_READY && o->l2_pending && --o->l2_pending == 0)
+    uint64_t done = 0;
+    if (o && o->state == S_READY && o->l2_pending && --o->l2_pending == 0) {
         s_dec(&self->l2_pending_objects, 1);
+        done = o->jseq;
+    }
     pthread_mutex_unlock(&sh->lock);
     s_ns_put(self, ns);
+    /* the next daemon need not write it again; outside the lock: a DROP of the same seq in
+     * between only makes this record one the reader ignores (seqs are never reused) */
+    if (done && self->journal) {
+        int rc = kvt_journal_l2done(self->journal, done);
+        if (rc)
+            s_journal_lost(self, rc);
+    }
 }
 
 /* Counts the leading READY keys. With `pinned`, also pins them, puts them in pinned[] and
@@ -1387,6 +1397,50 @@ typedef struct {
     kvt_block_t *block; /* claimed; NULL once given up */
 } s_adopted_t;
 
+/* The checksum pass of an adoption, shared by its threads: each takes the next object. */
+typedef struct {
+    const uint8_t *base;
+    uint64_t capacity; /* nothing outside [base, base + capacity) is read */
+    const kvt_journal_put_t *live;
+    size_t n;
+    atomic_size_t next;
+    bool *match; /* match[i]: live[i] has a sum and its bytes hash to it */
+} s_verify_t;
+
+static void *s_verify_run(void *arg)
+{
+    s_verify_t *v = arg;
+    for (size_t i; (i = atomic_fetch_add(&v->next, 1)) < v->n;) {
+        const kvt_journal_put_t *p = &v->live[i];
+        v->match[i] = p->has_sum && p->length <= v->capacity &&
+                      p->offset <= v->capacity - p->length &&
+                      XXH3_64bits(v->base + p->offset, p->length) == p->sum;
+    }
+    return NULL;
+}
+
+/* Hashes every journaled object (extents checked by kvt_journal_live) on up to one thread per
+ * online CPU (at most 16): adoption is the restart's critical path, and XXH3 runs at memory
+ * speed per core. */
+static bool *s_verify_all(const uint8_t *base, uint64_t capacity, const kvt_journal_put_t *live,
+                          size_t n, uint64_t bytes)
+{
+    s_verify_t v = {
+        .base = base, .capacity = capacity, .live = live, .n = n, .match = calloc(n ? n : 1, 1)};
+    kvt_assert(v.match);
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    size_t nt = bytes < (64u << 20) || cpus < 2 ? 1 : (size_t)(cpus > 16 ? 16 : cpus);
+    pthread_t t[16];
+    size_t started = 1; /* this thread is the first */
+    for (; started < nt; started++)
+        if (pthread_create(&t[started], NULL, s_verify_run, &v) != 0)
+            break;
+    s_verify_run(&v);
+    for (size_t i = 1; i < started; i++)
+        pthread_join(t[i], NULL);
+    return v.match;
+}
+
 /* Puts the journal's objects (ascending offsets) back into the index, each verified against
  * its checksum; into kept[0..*nkept) what was adopted (for the new journal). */
 static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_t n,
@@ -1395,6 +1449,10 @@ static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_
     const uint8_t *base = kvt_arena_base(self->arena);
     s_adopted_t *a = malloc((n ? n : 1) * sizeof *a);
     kvt_assert(a);
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; i++)
+        bytes += live[i].has_sum ? live[i].length : 0;
+    bool *match = s_verify_all(base, self->capacity, live, n, bytes);
     size_t na = 0;
     for (size_t i = 0; i < n; i++) { /* ascending offsets: each claim is O(1) */
         const kvt_journal_put_t *p = &live[i];
@@ -1403,13 +1461,14 @@ static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_
             self->adopt.unverified++;
         else if (p->length > self->capacity || p->offset > self->capacity - p->length)
             self->adopt.rejected++;
-        else if (XXH3_64bits(base + p->offset, p->length) != p->sum)
+        else if (!match[i])
             self->adopt.damaged++;
         else if (!(b = kvt_alloc_claim(self->alloc, p->offset, p->length)))
             self->adopt.rejected++;
         if (b)
             a[na++] = (s_adopted_t){*p, b};
     }
+    free(match);
     /* into the index and the LRU oldest first, so the most recent ends up at the head */
     qsort(a, na, sizeof *a, s_by_seq_put); /* p is s_adopted_t's first member */
     for (size_t i = 0; i < na; i++) {

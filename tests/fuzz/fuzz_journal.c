@@ -5,8 +5,8 @@
  * rest is a program that builds a journal with correct frames and checksums (framed here
  * independently of the writer, from the format in kvt_journal.h): a header (arena size from
  * the input), then up to 256 writes of 1 to 3 records each — PUT (offset, length, key,
- * namespace of any length, including out-of-bounds ones), SUM, DROP, CLEAR, or a record of an
- * unknown type — followed by a mutation (none, a cut, a flipped byte). Checked (abort = a
+ * namespace of any length, including out-of-bounds ones), SUM, DROP, CLEAR, L2DONE, or a record of
+ * an unknown type — followed by a mutation (none, a cut, a flipped byte). Checked (abort = a
  * finding): the valid prefix is within the input and, for a journal of well-formed records
  * left intact, the whole file; the
  * live set is sorted by offset, page-aligned, disjoint and inside the arena, with seqs that
@@ -156,7 +156,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             uint8_t pay[56 + 400];
             memset(pay, 0, sizeof pay);
             bool more = r + 1 < nrec;
-            switch (op % 6) {
+            switch (op % 7) {
             case 0:
             case 1: { /* PUT */
                 s_le(pay, seq++, 8);
@@ -190,8 +190,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             case 4:
                 s_record(&o, KVT_JREC_CLEAR, more, pay, 0, salt);
                 break;
+            case 5: /* L2DONE of some earlier (or later) seq */
+                s_le(pay, s_take(&in, 1) % (seq + 2), 8);
+                s_record(&o, KVT_JREC_L2DONE, more, pay, 8, salt);
+                break;
             default: /* unknown type or wrong length: a reader stops there */
-                s_record(&o, (uint16_t)(6 + op % 4), more, pay, op % 24, salt);
+                s_record(&o, (uint16_t)(7 + op % 4), more, pay, op % 24, salt);
                 wellformed = false;
                 break;
             }

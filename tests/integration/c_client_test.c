@@ -22,6 +22,9 @@
  *                 (pause "reregistered") and STORE_GPU works
  *   restart       pause "restart" (the driver starts another daemon on the endpoint): the next
  *                 call works, in the new daemon's arena (pause "after")
+ *   adopt         pause "restart" (the driver restarts the daemon with l1.adopt, which keeps
+ *                 the arena file): the object stored before is read back byte-exact through the
+ *                 same mapping (never remapped), and new stores work (pause "after")
  *   close         kvtier_close with the daemon gone (pause "joined": the driver kills it)
  *                 returns within the timeout, and no thread is left
  *   fork          a child closes its copy of the handle at once without ending the parent's
@@ -807,6 +810,33 @@ out:
     return rc;
 }
 
+static int s_adopt(kvtier_t *c)
+{
+    int rc = 0;
+    size_t before = 0, after = 0;
+    uint8_t keys[1][KVTIER_KEY_LEN] = {{0x11, 7}};
+    kvtier_slot_t slot;
+    uint32_t n = 0;
+    uint64_t lease = 0;
+    void *base = kvtier_arena(c, &before);
+    S_CHECK(base && before, "no arena");
+    S_CHECK(s_roundtrip(c, 7, 0x77) == 0, "a store before the restart");
+    s_pause("restart");
+    S_OK(c, kvtier_acquire(c, S_NS "-live", NULL, (s_keys_t)keys, 1, &slot, &n, &lease));
+    S_CHECK(n == 1 && slot.length == 4096, "the object of before the restart: %u slots", n);
+    for (size_t i = 0; i < slot.length; i++)
+        S_CHECK(((const uint8_t *)slot.ptr)[i] == 0x77, "byte %zu differs after the restart", i);
+    S_OK(c, kvtier_release(c, lease));
+    S_CHECK(kvtier_arena(c, &after) == base && after == before,
+            "the arena was mapped again (%p, %zu bytes; was %p, %zu)", kvtier_arena(c, &after),
+            after, base, before);
+    S_CHECK(s_roundtrip(c, 8, 0x88) == 0, "a store in the restarted daemon");
+    printf("adopt: the object of before read back, the arena of %zu bytes kept\n", after);
+    s_pause("after");
+out:
+    return rc;
+}
+
 static int s_close(kvtier_t *unused)
 {
     (void)unused;
@@ -1170,6 +1200,7 @@ static const struct {
     {"idle", s_idle, false},
     {"no-heartbeat", s_no_heartbeat, false},
     {"restart", s_restart, false},
+    {"adopt", s_adopt, false},
     {"close", s_close, true},
     {"fork", s_fork, false},
     {"fastpath", s_fastpath, false},

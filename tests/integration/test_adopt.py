@@ -18,7 +18,7 @@ sys.path.insert(0, _HERE)
 import pytest  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtest import payload, wait_until  # noqa: E402
+from kvtest import metric_value, payload, wait_until  # noqa: E402
 
 NS = "adopt/kv"
 ADOPT = ("--l1-adopt", "--l2", "none")
@@ -33,16 +33,7 @@ def adopt_status(d):
 
 
 def restart(d, sig, *extra):
-    """Stops d with `sig` and starts the same daemon (run dir, endpoints, arguments plus
-    `extra`) again; the first run's stderr must hold no sanitizer report."""
-    d.stop(sig)
-    text = d.stderr_text()
-    assert "Sanitizer" not in text and "runtime error" not in text, text[-3000:]
-    os.replace(d.stderr_path, d.stderr_path + ".%d" % time.monotonic_ns())
-    d.proc, d.returncode, d.killed = None, None, False
-    d.args = list(d.args) + list(extra)
-    d.start()
-    return d
+    return d.restart(sig, *extra)
 
 
 def store(c, tag, n, ns=NS, size=None):
@@ -322,3 +313,133 @@ def test_journal_compaction_then_sigkill(daemon_factory):
     c = kvtier.Client(d.ipc, instance="adopt-j2", fastpath=False)
     check(c, live)
     c.close()
+
+
+# ---- the kill loop -------------------------------------------------------------------------
+
+def _lines(path):
+    try:
+        with open(path) as f:
+            return [ln.split() for ln in f.read().splitlines() if ln.count(" ") == 1]
+    except FileNotFoundError:
+        return []
+
+
+def _progress(out):
+    try:
+        with open(os.path.join(out, "progress")) as f:
+            return int(f.read() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _find(c, k, size):
+    """The object's bytes from L1, or after an L2 load (LOOKUP with prefetch); None: absent.
+    A loaded object may be evicted again before the ACQUIRE (L1 full of objects still owed to
+    L2): then it is loaded again, for up to 30 s while write-behind makes room."""
+    key = bytes.fromhex(k)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lk = c.lookup(LOAD_NS, [key], prefetch=True)
+        if not lk.hits:
+            return None
+        if lk.job:
+            wait_until(lambda: c.prefetch_status(lk.job).done, 10, what="the L2 load of " + k)
+        views, lease = c.acquire(LOAD_NS, [key])
+        try:
+            if views:
+                return bytes(views[0])
+        finally:
+            if lease:
+                c.release(lease)
+        time.sleep(0.1)
+    raise AssertionError("%s: LOOKUP finds it, but it is never in L1 to be read (%r, %r)"
+                         % (k, lk, c.prefetch_status(lk.job) if lk.job else None))
+
+
+LOAD_NS = "adopt/load"
+KILLS = int(os.environ.get("KVT_ADOPT_KILLS", "20"))
+
+
+@pytest.mark.parametrize("sig,rounds", [(signal.SIGKILL, KILLS), (signal.SIGTERM, 4)],
+                         ids=["SIGKILL", "SIGTERM"])
+def test_restarts_under_mixed_load(daemon_factory, tmp_path, sig, rounds):
+    """The daemon is stopped with `sig` `rounds` times while a client process stores, reads
+    back and abandons reservations without pause (adopt_load.py), with an L1 small enough to
+    evict into the fs L2 behind it; each time it is started again on the same run dir. After
+    each restart: the arena was adopted with nothing damaged; every object acknowledged since
+    the previous check (and a sample of older ones) is found, in L1 or L2, byte-exact;
+    no abandoned (never committed) object is found; the loader never read a wrong byte.
+    l1_checksum is on: every acknowledged COMMIT is journaled with its checksum (without it
+    the objects of the last moments are left out, see test_sigkill_before_the_summer...)."""
+    import random
+    import subprocess
+    d = daemon_factory("--l1-adopt", "--l1-checksum", "--l1-size", "12M", "--lease-ms", "3000")
+    out = str(tmp_path)
+    load = subprocess.Popen([sys.executable, os.path.join(_HERE, "adopt_load.py"), d.ipc, out,
+                             "7", "600"], stderr=subprocess.PIPE)
+    rng = random.Random(11)
+    c = None
+    checked, adopted_total, in_l2, evicted = 0, 0, 0, 0
+    try:
+        for rnd in range(rounds):
+            base = _progress(out)
+            wait_until(lambda: _progress(out) >= base + 3 or load.poll() is not None, 30,
+                       what="the load to store")
+            assert load.poll() is None, load.stderr.read().decode()[-3000:]
+            time.sleep(rng.uniform(0.05, 0.4))
+            if c:
+                c.close()
+            evicted += metric_value(d.metrics()[1], "kvtier_l1_evictions_total")
+            d.restart(sig)
+            st = adopt_status(d)
+            assert st["adopted"] is True, st
+            assert st["left_out"]["damaged"] == 0 and st["left_out"]["impossible"] == 0, st
+            adopted_total += st["objects"]
+            # checked with the load paused: each acknowledged object must be found (in L1, or
+            # in L2 when evicted); the bytes of those in L1 are compared, and of a few that only
+            # L2 has, loaded back. (Loading all of them back while the load fills L1 with
+            # objects owed to L2, not evictable, would starve: issue 31's policy.)
+            os.kill(load.pid, signal.SIGSTOP)
+            c = kvtier.Client(d.ipc, instance="adopt-check", timeout_ms=5000)
+            acked = _lines(os.path.join(out, "acked"))
+            fresh, older = acked[checked:], acked[:checked]
+            sample = fresh + rng.sample(older, min(30, len(older)))
+            only_l2 = []
+            for k, size in sample:
+                lk = c.lookup(LOAD_NS, [bytes.fromhex(k)])
+                assert lk.hits == 1, "round %d: acknowledged object %s (#%d of %d acked, %d " \
+                    "checked before) is gone; adopted: %r" % (
+                        rnd, k, [a for a, _ in acked].index(k), len(acked), checked, st)
+                if lk.l1:
+                    got = _find(c, k, int(size))
+                    if got is not None:     # (unless evicted meanwhile: then it is in L2)
+                        assert got == payload(k, int(size)), "round %d: %s differs" % (rnd, k)
+                        continue
+                only_l2.append((k, size))
+            for k, size in rng.sample(only_l2, min(3, len(only_l2))):
+                assert _find(c, k, int(size)) == payload(k, int(size)), \
+                    "round %d: %s differs after its L2 load" % (rnd, k)
+            in_l2 += len(only_l2)
+            checked = len(acked)
+            acked_keys = {k for k, _ in acked}
+            for k, size in _lines(os.path.join(out, "abandoned")):
+                if k not in acked_keys:
+                    assert c.lookup(LOAD_NS, [bytes.fromhex(k)]).hits == 0, \
+                        "round %d: the never committed %s is served" % (rnd, k)
+            os.kill(load.pid, signal.SIGCONT)
+    finally:
+        open(os.path.join(out, "stop"), "w").close()
+        os.kill(load.pid, signal.SIGCONT)
+        try:
+            rc = load.wait(20)
+        except subprocess.TimeoutExpired:
+            load.kill()
+            rc = load.wait(5)
+        if c:
+            c.close()
+    errors = os.path.join(out, "errors")
+    assert not os.path.exists(errors), open(errors).read()
+    assert rc == 0, load.stderr.read().decode()[-3000:]
+    assert checked > 50 * rounds // 4 and adopted_total > 0, (checked, adopted_total)
+    assert (evicted > 0 and in_l2 > 0) or rounds < 10, "the load never made L1 evict"

@@ -352,6 +352,33 @@ def test_fastpath_daemon_crash_and_restart(daemon_factory):
 
 
 @needs_client_test
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_adopted_arena_keeps_the_mapping(daemon_factory, sig):
+    """l1.adopt: the daemon restarts (SIGTERM or SIGKILL) with the arena it left; the handle,
+    with no reconnect code of its own, reads the object stored before byte-exact through the
+    mapping it had (HELLO names the same file: nothing is mapped again) and stores anew."""
+    d = daemon_factory("--l1-adopt", "--lease-ms", str(LEASE_MS))
+    sc = Scenario(d.ipc, "adopt", {"KVT_TEST_INSTANCE": "c-adopt"})
+    try:
+        sc.wait_pause("restart")
+        path = d.hello(d.dealer(), "probe-old")["shm"]["path"]
+        wait_until(lambda: d.http_json("GET", "/status")["l1"]["adopt"]["sums_pending"] == 0, 10,
+                   what="the object summed")
+        d.restart(sig)
+        assert d.http_json("GET", "/status")["l1"]["adopt"]["adopted"] is True
+        sc.resume()
+        sc.wait_pause("after")
+        with open("/proc/%d/maps" % sc.proc.pid) as f:
+            maps = [ln for ln in f.read().splitlines() if ln.endswith(path)]
+        assert len(maps) == 1, maps      # one mapping of the arena, the first one
+        sc.resume()
+        out = sc.finish(d)
+    finally:
+        sc.kill()
+    assert "adopt: the object of before read back" in out, out
+
+
+@needs_client_test
 def test_close_stops_the_heartbeat_without_a_daemon(daemon_factory):
     """kvtier_close with the daemon gone: the heartbeat stops at once (its waits watch an
     eventfd), BYE waits no longer than the handle's timeout, no thread is left."""

@@ -248,7 +248,9 @@ def test_small_ops(door, transport):
     r = c.request("noop")                       # by name: the op frame comes back as sent
     assert r.frames[1] == pack("noop") and r.value == "OK"
     assert c.ping(None) is True                 # the scheduler's probe
-    assert c.ping(new_instance_id()) is True    # unknown ids too: never False
+    iid = new_instance_id()                     # unknown: false once, then true (see
+    assert c.ping(iid) is False                 # test_a_reaped_worker_registers_again)
+    assert c.ping(iid) is True
     assert c.get_experimental() == []
     w = Worker(door)
     assert c.ping(w.iid) is True
@@ -1191,3 +1193,166 @@ def test_lookup_locks_are_charged_to_the_asking_connection(door):
     other = door.client()
     wait_until(lambda: hits(other, "locks", 1, toks) == 4, 5,
                what="the closed connection's locks to be released")
+
+
+# ----------------------------------------------------------------------------------------
+# Issue 30: a restart keeps the workers' registrations; an unknown worker registers again
+
+
+class AdapterHeartbeat:
+    """What LMCache's worker adapter does with its heartbeat (lmcache/integration/vllm/
+    vllm_multi_process_adapter.py, HeartbeatThread, read at LMCache 64bcdd47): every interval
+    ping(instance_id); a False reply or a timeout clears the health flag (degraded mode: store
+    requests are not sent, loads are failed); a healthy ping after an unhealthy one registers
+    the KV caches again under the same instance_id before the flag is set."""
+
+    def __init__(self, worker):
+        self.w, self.healthy, self.registrations = worker, True, 0
+
+    def beat(self):
+        try:
+            ok = self.w.c.ping(self.w.iid) is True
+        except AssertionError:          # no reply within the client's timeout
+            ok = False
+        if ok and not self.healthy:
+            reg = self.w.c.register(self.w.layout.payload(self.w.iid, self.w.model,
+                                                          self.w.world_size))
+            check_register(reg)
+            self.registrations += 1
+        self.healthy = ok
+        return ok
+
+    def store(self, tokens, start, end, tag):
+        """submit_store_request: nothing is sent while degraded (None)."""
+        return self.w.store(tokens, start, end, tag) if self.healthy else None
+
+
+def unknown_worker_requests(door):
+    return metric_value(door.d.metrics()[1], "kvtier_lmcache_unknown_worker_requests_total")
+
+
+def test_a_reaped_worker_registers_again(door):
+    """A worker reaped while it stays reachable: its next heartbeat is answered false (the
+    adapter stops sending stores instead of being told "all cached"), the one after true, and
+    the adapter registers again and stores for real. Each such request is counted."""
+    door.start("--lmcache-reap-timeout-s", "1", "--lease-ms", "400")
+    w = Worker(door)
+    hb = AdapterHeartbeat(w)
+    toks = tokens_of("reap", 3 * C)
+    assert hb.store(toks, 0, C, "reap") == [0]
+    wait_until(lambda: "silent past lmcache.reap_timeout_s" in door.d.stderr_text(), 10,
+               what="the worker to be reaped")
+    before = unknown_worker_requests(door)
+    assert hb.beat() is False and not hb.healthy
+    assert hb.store(toks, C, 2 * C, "reap") is None          # degraded: nothing sent
+    assert hb.beat() is True and hb.registrations == 1
+    assert hb.store(toks, C, 3 * C, "reap") == [0, 1]
+    assert w.retrieve(toks, 0, 3 * C) == w.expected("reap", 0, 3)
+    assert unknown_worker_requests(door) == before + 2           # both pings
+    st = door.d.http_json("GET", "/status")["lmcache"]
+    assert st["registry"]["unknown_worker_requests"] == before + 2
+    assert st["contexts_total"] == 1 and st["contexts"][0]["restored"] is False
+
+
+def test_abort_store_drops_the_reservation_at_once(door):
+    """abort_store (by method name; the newest worker sends it when its copy into prepared
+    slots failed): the reservation goes at once, nothing of it is readable, the chunks can be
+    prepared again, the commit that would follow is refused; no reservation: false."""
+    door.start()
+    w = Worker(door)
+    sched = door.client()
+    toks = tokens_of("abort", 2 * C)
+    slots, idx = w.prepare(toks, 0, 2 * C)
+    assert idx == [0, 1]
+    w.shm.write(slots[0]["offset"], b"\xee" * 100)             # a copy that failed halfway
+    leases = metric_value(door.d.metrics()[1], "kvtier_leases_active")
+    assert w.c.call("abort_store", w.key(toks, 0, 2 * C), w.iid) is True
+    assert metric_value(door.d.metrics()[1], "kvtier_leases_active") == leases - 1
+    assert w.commit(toks, 0, 2 * C) is False, "commit_store after abort_store"
+    assert hits(sched, MODEL, 1, toks) == 0
+    assert w.retrieve(toks, 0, C) is None
+    assert w.c.call("abort_store", w.key(toks, 0, 2 * C), w.iid) is False
+    assert w.c.call("abort_store", w.key(toks, 0, 2 * C), new_instance_id()) is False
+    assert w.store(toks, 0, 2 * C, "abort") == [0, 1]          # prepared again, stored
+    assert w.retrieve(toks, 0, 2 * C) == w.expected("abort", 0, 2)
+    err = w.c.error(35, w.key(toks, 0, C), w.iid)              # never by a number
+    assert_remote(err, "unknown_type", "#35")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_workers_carry_on_across_a_restart(door, sig):
+    """l1.adopt: the daemon restarts on the same run dir; the worker (its DEALER reconnects by
+    itself, as LMCache's does) neither registers again nor maps anything new: its chunks from
+    before are read back byte-exact through the mapping it had, new stores land, no request is
+    answered as from an unknown worker."""
+    door.start("--l1-adopt")
+    w = Worker(door)
+    other = Worker(door, model="other/m", world_size=2, rank=1)
+    toks = tokens_of("rs", 3 * C)
+    assert w.store(toks, 0, 2 * C, "rs") == [0, 1]
+    assert other.store(toks, 0, C, "rs") == [0]
+    door.d.restart(sig)
+    wait_until(lambda: door.d.http_json("GET", "/status")["lmcache"]["registry"]["restored"]
+               == 2, 10, what="both registrations restored")
+    st = door.d.http_json("GET", "/status")["lmcache"]
+    assert all(c["restored"] for c in st["contexts"]), st
+    assert "2 of the previous daemon's 2 worker registrations restored" in door.d.stderr_text()
+    hb = AdapterHeartbeat(w)
+    assert hb.beat() is True and hb.registrations == 0
+    assert w.retrieve(toks, 0, 2 * C) == w.expected("rs", 0, 2)
+    assert w.store(toks, 0, 3 * C, "rs") == [2]
+    assert w.retrieve(toks, 0, 3 * C) == w.expected("rs", 0, 3)
+    assert other.retrieve(toks, 0, C) == other.expected("rs", 0, 1)
+    sched = door.client()
+    assert hits(sched, MODEL, 1, toks) == 3
+    assert unknown_worker_requests(door) == 0
+    st = door.d.http_json("GET", "/status")["lmcache"]
+    assert {c["model_name"]: c["restored"] for c in st["contexts"]} == \
+        {MODEL: True, "other/m": True}
+    # an unregistered worker is not brought back by the next restart
+    other.c.unregister(other.iid)
+    door.d.restart(signal.SIGTERM)
+    st = door.d.http_json("GET", "/status")["lmcache"]
+    assert [c["model_name"] for c in st["contexts"]] == [MODEL], st
+
+
+def test_registrations_are_not_restored_for_a_new_arena(door):
+    """Without l1.adopt the next daemon serves another arena file: the workers' mappings are
+    of the old one, so their registrations are not restored (the log says why) and the worker
+    goes through the unknown-worker path: ping false, then true, and it registers again, now
+    mapping the new arena."""
+    door.start()
+    w = Worker(door)
+    toks = tokens_of("na", C)
+    assert w.store(toks, 0, C, "na") == [0]
+    door.d.restart(signal.SIGTERM)
+    wait_until(lambda: "registrations are not restored" in door.d.stderr_text(), 10,
+               what="the log line")
+    assert "another arena file" in door.d.stderr_text()
+    st = door.d.http_json("GET", "/status")["lmcache"]
+    assert st["contexts_total"] == 0 and st["registry"]["restored"] == 0
+    hb = AdapterHeartbeat(w)
+    assert hb.beat() is False
+    assert hb.beat() is True and hb.registrations == 1
+    new = door.d.http_json("GET", "/status")["lmcache"]["shm_name"]
+    assert new != w.reg["shm_name"]
+
+
+def test_a_damaged_registry_is_not_used(door):
+    """A registry file that does not validate (here: one byte changed) restores nothing and
+    says so; the daemon starts and the worker registers again through its heartbeat."""
+    door.start("--l1-adopt")
+    w = Worker(door)
+    door.d.stop(signal.SIGTERM)
+    path = os.path.join(door.d.run_dir, "kvtier-lmcache.workers")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with open(path, "r+b") as f:
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 1]))
+    door.d.restart(signal.SIGTERM)
+    assert "its checksum does not match" in door.d.stderr_text()
+    assert door.d.http_json("GET", "/status")["lmcache"]["contexts_total"] == 0
+    hb = AdapterHeartbeat(w)
+    assert hb.beat() is False and hb.beat() is True and hb.registrations == 1

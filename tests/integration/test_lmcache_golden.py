@@ -38,7 +38,9 @@ EXCHANGES = [
         ([b"\x01", b"\x09", s("r")], [b"\x01", b"\x09", b"\x00"]),
         ([b"\x02", b"\x0d", s("r")], [b"\x02", b"\x0d"])]),
     ("ping_nil", [([b"\x00", b"\x16", b"\xc0"], [b"\x00", b"\x16", b"\xc3"])]),
-    ("ping_instance", [([b"\x00", b"\x16", IID], [b"\x00", b"\x16", b"\xc3"])]),
+    # an instance that is not registered: false, then true (the adapter registers again)
+    ("ping_instance", [([b"\x00", b"\x16", IID], [b"\x00", b"\x16", b"\xc2"]),
+                       ([b"\x01", b"\x16", IID], [b"\x01", b"\x16", b"\xc3"])]),
     ("get_experimental", [([b"\x00", b"\x20"], [b"\x00", b"\x20", b"\x90"])]),
     ("clear", [([b"\x00", b"\x14", b"\xc2"], [b"\x00", b"\x14"])]),
     ("end_session_two_frames", [([b"\x00", b"\x0d", s("r"), b"\x80"], [b"\x00", b"\x0d"])]),
@@ -53,6 +55,11 @@ EXCHANGES = [
                      [b"\xcf" + (42).to_bytes(8, "big"), b"\x18", b"\xa2OK"])]),
     ("by_name_get_chunk_size", [([b"\x00", s("get_chunk_size")],
                                  [b"\x00", s("get_chunk_size"), b"\xcd\x01\x00"])]),
+    # abort_store(key, instance_id), by name only: nothing prepared (worker_id 0) -> false
+    ("abort_store_nothing_prepared", [
+        ([b"\x00", s("abort_store"), golden_key_bytes().replace(
+            s("worker_id") + b"\xc0", s("worker_id") + b"\x00"), IID],
+         [b"\x00", s("abort_store"), b"\xc2"])]),
 ]
 
 

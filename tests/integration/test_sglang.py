@@ -346,6 +346,30 @@ def test_daemon_killed_and_restarted(daemon_factory, backends):
     d2.stop()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_restart_with_the_adopted_arena(daemon_factory, backends, sig):
+    """l1.adopt: the daemon restarts on its run dir and adopts its arena; SGLang's controller
+    goes on without an exception: the pages backed up before are hits and load byte-exact
+    (through the same mapping), new backups land."""
+    d = daemon_factory("--l2", "none", "--l1-adopt")
+    pool = HostPool(pages=32)
+    c = Controller(backends(d.ipc, pool, extra={"timeout_ms": 1000,
+                                                "reconnect_interval_ms": 100}), pool)
+    keys = hashes(12, tag="adopt")
+    idx = pool.alloc(12 * 16)
+    pool.fill(idx, 33)
+    assert c.backup(keys[:8], idx[:8 * 16]) and c.hits(keys[:8]) == 8
+    wait_until(lambda: d.http_json("GET", "/status")["l1"]["adopt"]["sums_pending"] == 0, 10,
+               what="every page summed")
+    d.restart(sig)
+    assert d.http_json("GET", "/status")["l1"]["adopt"]["objects"] == 8
+    wait_until(lambda: c.hits(keys[:8]) == 8, 10, what="the adopted pages found")
+    dst = pool.alloc(8 * 16)
+    assert c.load(keys[:8], dst) == 8
+    assert all(torch.equal(a, b) for a, b in zip(pool.pages(idx[:8 * 16]), pool.pages(dst)))
+    assert c.backup(keys[8:], idx[8 * 16:]) and c.hits(keys) == 12
+
+
 def test_daemon_down_at_start(tmp_path, daemon_factory, backends):
     """SGLang starts before kvtier: the backend loads, reports misses, and picks the daemon
     up when it appears on its endpoint."""

@@ -127,6 +127,23 @@ static void test_op_table_roundtrip(void **state)
     assert_string_equal(kvt_lmc_opinfo(KVT_LMC_REGISTER_CONTEXT)->name,
                         "register_kv_cache_engine_driven_context");
     assert_string_equal(kvt_lmc_opinfo(KVT_LMC_POLL_KV_EVENTS)->name, "poll_kv_events");
+
+    /* ops after the frozen table come by name only: their row id is never read off the wire */
+    char name[64];
+    buf_t b;
+    p_init(&b);
+    p_str(&b, "abort_store");
+    assert_int_equal(kvt_lmc_op_decode((const uint8_t *)b.sb.data, b.sb.size, name, sizeof name),
+                     KVT_LMC_ABORT_STORE);
+    assert_string_equal(name, "abort_store");
+    p_free(&b);
+    p_init(&b);
+    msgpack_pack_int(&b.pk, KVT_LMC_ABORT_STORE);
+    assert_int_equal(kvt_lmc_op_decode((const uint8_t *)b.sb.data, b.sb.size, name, sizeof name),
+                     KVT_LMC_OP_UNKNOWN);
+    assert_string_equal(name, "#35");
+    p_free(&b);
+    assert_true(kvt_lmc_opinfo(KVT_LMC_ABORT_STORE)->served);
 }
 
 static void test_op_frames(void **state)
