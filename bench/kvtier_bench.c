@@ -32,7 +32,8 @@
  *     fast-path clients sit idle;
  *  10 restart of a daemon whose L1 (8 GiB, or what /dev/shm and free memory allow) is 90% full
  *     of 1 MiB and 64 KiB objects: SIGTERM, start again (l1.adopt), exec -> /readyz 200 and
- *     exec -> first LOOKUP hit, the adoption's time, its verification rate vs XXH3 here.
+ *     exec -> first LOOKUP hit, exec -> every object verified, the verification's rate vs XXH3
+ *     over the same bytes here (one thread).
  * Cases 1-8 use whatever transport libkvtier picks (the fast path, by default).
  * --quick is a smoke mode (< 20 s): small counts, same code paths, no verdicts. */
 #include "kvtier.h"
@@ -2390,10 +2391,12 @@ static int s_http_get(int port, const char *path, char *out, size_t cap)
     return code;
 }
 
-/* /status l1.adopt of the daemon on port: objects, bytes, ms (all -1 when unknown). */
-static void s_adopt_status(int port, double *objects, double *bytes, double *ms)
+/* /status l1.adopt of the daemon on port: objects, bytes, verify_pending, verified_ms (all -1
+ * when unknown or not adopted). */
+static void s_adopt_status(int port, double *objects, double *bytes, double *pending,
+                           double *verified_ms)
 {
-    *objects = *bytes = *ms = -1;
+    *objects = *bytes = *pending = *verified_ms = -1;
     size_t cap = 4 * MiB;
     char *buf = s_xmalloc(cap);
     if (s_http_get(port, "/status", buf, cap) == 200) {
@@ -2403,18 +2406,22 @@ static void s_adopt_status(int port, double *objects, double *bytes, double *ms)
         if (json_is_true(json_object_get(ad, "adopted"))) {
             *objects = json_number_value(json_object_get(ad, "objects"));
             *bytes = json_number_value(json_object_get(ad, "bytes"));
-            *ms = json_number_value(json_object_get(ad, "ms"));
+            *pending = json_number_value(json_object_get(ad, "verify_pending"));
+            /* the check's own time: it starts when the adoption ("ms") ends */
+            *verified_ms = json_number_value(json_object_get(ad, "verified_ms")) -
+                           json_number_value(json_object_get(ad, "ms"));
         }
         json_decref(j);
     }
     free(buf);
 }
 
-/* Fills an L1 of `l1` bytes (half with 1 MiB objects, half with 64 KiB ones), stops the daemon
- * with SIGTERM and starts it again on the same run dir: exec -> /readyz 200, exec -> the first
- * LOOKUP that hits (a new connection), the adoption's own time (every object verified before
- * the daemon serves), and its verification rate against XXH3 over the same bytes here, one
- * thread, in the same run. */
+/* Fills 90% of an L1 of `l1` bytes (half with 1 MiB objects, half with 64 KiB ones), stops the
+ * daemon with SIGTERM and starts it again on the same run dir: exec -> /readyz 200, exec -> the
+ * first LOOKUP that hits (a new connection), exec -> every adopted object checked (in the
+ * background after the start; an object asked for first is checked then), and the check's
+ * rate (bytes / the time from the adoption's end to the last check, while the arena is being
+ * pinned too) against XXH3 over the same bytes here, one thread, in the same run. */
 static void s_case_restart(void)
 {
     s_header("case 10: restart with a full L1 adopted (l1.adopt) vs XXH3 over the same bytes");
@@ -2475,13 +2482,19 @@ static void s_case_restart(void)
             t_hit = s_now() - t0;
         kvtier_close(&h);
     }
-    double objects, bytes, ms;
-    s_adopt_status(port, &objects, &bytes, &ms);
-    if (t_ready < 0 || t_hit < 0 || objects != (double)(nbig + nsmall)) {
+    double objects = -1, bytes = -1, pending = -1, ms = -1, t_verified = -1;
+    while (t_hit >= 0 && s_now() - t0 < 60 && t_verified < 0) {
+        s_adopt_status(port, &objects, &bytes, &pending, &ms);
+        if (pending == 0)
+            t_verified = s_now() - t0;
+        else
+            usleep(5000);
+    }
+    if (t_verified < 0 || objects != (double)(nbig + nsmall)) {
         fprintf(stderr,
-                "kvtier-bench: case 10: ready %.3f s, first hit %.3f s, %g of %u objects "
-                "adopted (see %s/kvtierd.log)\n",
-                t_ready, t_hit, objects, nbig + nsmall, d.dir);
+                "kvtier-bench: case 10: ready %.3f s, first hit %.3f s, verified %.3f s, "
+                "%g of %u objects adopted (see %s/kvtierd.log)\n",
+                t_ready, t_hit, t_verified, objects, nbig + nsmall, d.dir);
         s_nerr++;
         goto out;
     }
@@ -2501,12 +2514,13 @@ static void s_case_restart(void)
     }
     kvtier_close(&c);
     double vrate = ms > 0 ? bytes / (ms / 1000) / 1e9 : NAN;
-    printf("   %u x 1 MiB + %u x 64 KiB = %.2f GiB adopted in %.0f ms\n", nbig, nsmall,
-           bytes / (double)(1024 * MiB), ms);
+    printf("   %u x 1 MiB + %u x 64 KiB = %.2f GiB adopted, all checked in %.0f ms after the "
+           "adoption\n",
+           nbig, nsmall, bytes / (double)(1024 * MiB), ms);
     s_row(10, "restart: exec -> /readyz 200", t_ready, NAN, "s", NAN, "<= 2 s", true,
           t_ready <= 2.0);
     s_row(10, "restart: exec -> first L1 hit", t_hit, NAN, "s", NAN, "<= 1 s", true, t_hit <= 1.0);
-    s_row(10, "restart: every object verified (adoption)", ms / 1000, NAN, "s", NAN, "", false,
+    s_row(10, "restart: exec -> every object verified", t_verified, NAN, "s", NAN, "", false,
           false);
     s_row(10, "verification rate vs XXH3 (1 thread)", vrate, xrate, "GB/s", vrate / xrate,
           ">= 0.8x", xrate > 0, vrate >= 0.8 * xrate);

@@ -25,6 +25,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <mntent.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -46,6 +47,8 @@
 #define S_NAME_TRIES 8 /* random names tried before giving up (one taken is already unlikely) */
 #define S_HUGE (2ull << 20)
 #define S_SMALL 4096ull
+#define S_PROBE (4ull << 20)     /* what a reused arena is populated with first */
+#define S_PIN_STEP (16ull << 20) /* a reused arena is mlock()ed that much at a time */
 #define S_HUGETLBFS_MAGIC 0x958458f6
 #define S_POOL "/sys/kernel/mm/hugepages/hugepages-2048kB/"
 #ifndef MADV_POPULATE_WRITE
@@ -57,7 +60,11 @@ struct kvt_arena {
     void *base;
     uint64_t size;
     uint64_t page_size;
-    bool pinned;
+    atomic_bool pinned;
+    bool pin_owed; /* a reused arena: mlock()ed by kvt_arena_pin_start */
+    bool pinning;  /* ... by `pinner` */
+    pthread_t pinner;
+    bool allow_unpinned;
     bool hugetlb;
     bool unlink;    /* path is ours: unlink it on failure and at destroy */
     bool keep;      /* l1.adopt: left in place at destroy for the next daemon */
@@ -448,7 +455,7 @@ static int s_map_hugetlbfs(kvt_arena_t *self, int fd, const char *dir, char *why
     }
     /* hugetlb pages are never swapped; mlock() would skip them and yet charge them against
      * RLIMIT_MEMLOCK, so a memlock limit below the arena would fail for nothing */
-    self->pinned = true;
+    atomic_store(&self->pinned, true);
     self->hugetlb = true;
     uint64_t page = 0, pmd = 0;
     self->page_size = s_smaps(self->base, &page, &pmd) == 0 && page ? page : S_HUGE;
@@ -478,7 +485,17 @@ static int s_map_shm(kvt_arena_t *self, const kvt_config_t *cfg, int fd, char *e
     bool thp = strcmp(cfg->l1_hugepages, "off") != 0 &&
                madvise(self->base, self->size, MADV_HUGEPAGE) == 0;
     int rc = 0;
-    if (madvise(self->base, self->size, MADV_POPULATE_WRITE) != 0) {
+    /* A file a previous daemon left has its pages already: on 4 KiB pages, faulting all of
+     * them in here (2 million for 8 GiB, seconds) is left to mlock (s_pin_later, after the
+     * start) and to the first touches. Whether the pages are huge is seen on a first few MiB:
+     * on huge pages the whole populate is cheap, and it tells smaps what the mapping is. */
+    bool full = true;
+    if (self->reused) {
+        uint64_t probe = self->size < S_PROBE ? self->size : S_PROBE, page = 0, pmd = 0;
+        full = madvise(self->base, probe, MADV_POPULATE_WRITE) != 0 ||
+               s_smaps(self->base, &page, &pmd) != 0 || pmd > 0;
+    }
+    if (full && madvise(self->base, self->size, MADV_POPULATE_WRITE) != 0) {
         rc = errno;
         /* a page tmpfs cannot allocate is a SIGBUS on access, which MADV_POPULATE_WRITE
          * reports as EFAULT ("Bad address"): what it means here is a full /dev/shm */
@@ -515,13 +532,57 @@ static int s_map_shm(kvt_arena_t *self, const kvt_config_t *cfg, int fd, char *e
     return 0;
 }
 
+static void *s_pin_run(void *arg)
+{
+    kvt_arena_t *self = arg;
+    /* in pieces: mlock faults its range in holding the process's mmap lock, and the serving
+     * threads' own mmap()s (malloc of a large buffer) must not wait for all of the arena */
+    uint64_t off = 0;
+    while (off < self->size) {
+        uint64_t n = self->size - off < S_PIN_STEP ? self->size - off : S_PIN_STEP;
+        if (syscall(SYS_mlock, (char *)self->base + off, (size_t)n) != 0)
+            break;
+        off += n;
+    }
+    if (off == self->size) {
+        atomic_store(&self->pinned, true);
+        kvt_log(KVT_LOG_INFO, "l1: the adopted arena is pinned (mlock)");
+    } else {
+        kvt_log(self->allow_unpinned ? KVT_LOG_WARN : KVT_LOG_ERROR,
+                "l1: the adopted arena runs unpinned: mlock of %llu bytes failed (%s; the daemon "
+                "before pinned it: did RLIMIT_MEMLOCK change?)",
+                (unsigned long long)self->size, strerror(errno));
+    }
+    return NULL;
+}
+
+/* A reused arena is pinned after the start (kvt_arena_pin_start), by a thread of its own: its
+ * pages are faulted in on the way, seconds for a large arena on 4 KiB pages, which neither the
+ * adoption nor the first requests need wait for. */
+static int s_pin_later(kvt_arena_t *self, const kvt_config_t *cfg)
+{
+    self->allow_unpinned = cfg->allow_unpinned;
+    self->pin_owed = true;
+    return 0;
+}
+
+void kvt_arena_pin_start(kvt_arena_t *self)
+{
+    if (!self->pin_owed)
+        return;
+    self->pin_owed = false;
+    self->pinning = pthread_create(&self->pinner, NULL, s_pin_run, self) == 0;
+    if (!self->pinning)
+        s_pin_run(self);
+}
+
 /* mlock, or the reason it failed: KVT_ENOMEM with err set unless allow_unpinned. */
 static int s_pin(kvt_arena_t *self, const kvt_config_t *cfg, char *err, size_t errlen)
 {
     /* the raw system call: sanitizer runtimes intercept mlock() and turn it into a no-op, and a
      * test build must pin (and fail to pin) exactly like the release build */
     if (syscall(SYS_mlock, self->base, (size_t)self->size) == 0) {
-        self->pinned = true;
+        atomic_store(&self->pinned, true);
         return 0;
     }
     int e = errno;
@@ -637,7 +698,8 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
             goto fail;
         }
         if (s_share(self, cfg, fd, err, errlen) != 0 ||
-            s_map_shm(self, cfg, fd, err, errlen) != 0 || s_pin(self, cfg, err, errlen) != 0)
+            s_map_shm(self, cfg, fd, err, errlen) != 0 ||
+            (self->reused ? s_pin_later(self, cfg) : s_pin(self, cfg, err, errlen)) != 0)
             goto fail;
     }
     if (self->hugetlb)
@@ -652,7 +714,10 @@ kvt_arena_t *kvt_arena_new(const kvt_config_t *cfg, char *err, size_t errlen)
         kvt_log(KVT_LOG_INFO, "l1: l1_size %llu rounded up to %llu, a multiple of the page size",
                 (unsigned long long)want_size, (unsigned long long)self->size);
     kvt_log(KVT_LOG_INFO, "l1: %llu bytes of shared memory at %s (%s, %s)",
-            (unsigned long long)self->size, self->path, self->pinned ? "pinned" : "unpinned",
+            (unsigned long long)self->size, self->path,
+            atomic_load(&self->pinned) ? "pinned"
+            : self->pin_owed           ? "pinned after the start"
+                                       : "unpinned",
             self->pages);
     return self;
 fail:
@@ -666,6 +731,8 @@ void kvt_arena_destroy(kvt_arena_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvt_arena_t *self = *self_p;
+    if (self->pinning)
+        pthread_join(self->pinner, NULL);
     if (s_guarded == self) {
         sigaction(SIGBUS, &s_prev_bus, NULL);
         s_guarded = NULL;
@@ -710,7 +777,7 @@ const char *kvt_arena_path(const kvt_arena_t *self)
 
 bool kvt_arena_pinned(const kvt_arena_t *self)
 {
-    return self->pinned;
+    return atomic_load(&self->pinned);
 }
 
 uint64_t kvt_arena_page_size(const kvt_arena_t *self)

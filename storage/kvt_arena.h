@@ -41,6 +41,11 @@ uint64_t kvt_arena_size(const kvt_arena_t *self);
 /* The path clients open and mmap (reported by HELLO as shm.path). */
 const char *kvt_arena_path(const kvt_arena_t *self);
 
+/* A reused arena (kvt_arena_reused) is mlock()ed from here on by a thread of its own, 16 MiB at
+ * a time, instead of before the adoption; a no-op otherwise and the second time. Its failure is
+ * logged (the daemon before pinned the same file under the same limits). */
+void kvt_arena_pin_start(kvt_arena_t *self);
+
 /* Locked in memory: mlock()ed, or on hugetlbfs pages, which are never swapped. */
 bool kvt_arena_pinned(const kvt_arena_t *self);
 

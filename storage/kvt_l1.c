@@ -89,6 +89,7 @@ typedef struct s_obj {
     bool has_sum;       /* l1_checksum: `sum` is the XXH3-64 of the bytes at COMMIT */
     bool owed_l2;       /* adopted while still owed to L2: queued again at kvt_l1_start */
     bool jsummed;       /* `sum` is the one journaled for it (the summer's, or adopted) */
+    bool unverified;    /* adopted, its bytes not yet checked against `sum`: never served so */
     uint32_t pins;
     uint64_t jseq; /* its seq in the journal (0: not journaled) */
     uint64_t sum;
@@ -142,6 +143,17 @@ struct kvt_l1 {
     pthread_rwlock_t commit_lock;
     _Atomic uint64_t compactions;
     _Atomic uint64_t sums_skipped; /* objects the summer could not take (queue full) */
+    /* adopted objects are checked after the start (kvt_l1_start), by threads of their own that
+     * each take the next of vlist (most recent first; each pinned until checked); a read that
+     * meets one first checks it itself (s_ready_prefix) */
+    s_obj_t **vlist;
+    size_t vn;
+    atomic_size_t vnext;
+    atomic_bool vstop;
+    pthread_t vthreads[16];
+    size_t nvthreads;
+    _Atomic uint64_t vpending, vdamaged, vdamaged_bytes, vdone_ms;
+    int64_t vt0; /* when the adoption began (ns) */
     struct {
         bool adopted;
         uint64_t objects, bytes, unverified, damaged, rejected, ms;
@@ -938,6 +950,13 @@ static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const kvt_key_t *keys
         pthread_mutex_lock(&sh->lock);
         s_obj_t *o = s_find(sh, ns, &keys[k], h);
         bool ok = o && o->state == S_READY;
+        if (ok && o->unverified) { /* adopted, not checked yet: checked now (the check's
+                                    * thread removes it when the bytes differ) */
+            ok = XXH3_64bits((const uint8_t *)kvt_arena_base(self->arena) +
+                                 kvt_block_offset(o->block),
+                             o->length) == o->sum;
+            o->unverified = !ok;
+        }
         if (ok && acct && !s_charge(self, acct, s_pages(o->length), NULL)) {
             ok = false;
             *limited = true;
@@ -1395,50 +1414,81 @@ static uint8_t *s_read_journal(const char *path, size_t *len, char *why, size_t 
 typedef struct {
     kvt_journal_put_t p;
     kvt_block_t *block; /* claimed; NULL once given up */
+    s_obj_t *obj;       /* in the index; NULL once given up */
 } s_adopted_t;
 
-/* The checksum pass of an adoption, shared by its threads: each takes the next object. */
-typedef struct {
-    const uint8_t *base;
-    uint64_t capacity; /* nothing outside [base, base + capacity) is read */
-    const kvt_journal_put_t *live;
-    size_t n;
-    atomic_size_t next;
-    bool *match; /* match[i]: live[i] has a sum and its bytes hash to it */
-} s_verify_t;
-
-static void *s_verify_run(void *arg)
+/* Checks one adopted object against its journaled checksum (pinned by the caller, so its
+ * block stays): the bytes are hashed outside the shard lock; a mismatch removes it. */
+static void s_verify_one(kvt_l1_t *self, s_obj_t *o)
 {
-    s_verify_t *v = arg;
-    for (size_t i; (i = atomic_fetch_add(&v->next, 1)) < v->n;) {
-        const kvt_journal_put_t *p = &v->live[i];
-        v->match[i] = p->has_sum && p->length <= v->capacity &&
-                      p->offset <= v->capacity - p->length &&
-                      XXH3_64bits(v->base + p->offset, p->length) == p->sum;
+    s_shard_t *sh = s_shard(self, o->hash);
+    pthread_mutex_lock(&sh->lock);
+    bool need = o->state == S_READY && o->unverified;
+    pthread_mutex_unlock(&sh->lock);
+    if (!need)
+        return;
+    bool ok = XXH3_64bits((const uint8_t *)kvt_arena_base(self->arena) + kvt_block_offset(o->block),
+                          o->length) == o->sum;
+    pthread_mutex_lock(&sh->lock);
+    bool bad = o->state == S_READY && o->unverified && !ok;
+    if (ok)
+        o->unverified = false;
+    pthread_mutex_unlock(&sh->lock);
+    if (bad) {
+        s_inc(&self->vdamaged, 1);
+        s_inc(&self->vdamaged_bytes, o->length);
+        s_damaged(self, o, "served after the restart");
+    }
+}
+
+static void *s_verifier(void *arg)
+{
+    kvt_l1_t *self = arg;
+    for (size_t i;
+         !atomic_load(&self->vstop) && (i = atomic_fetch_add(&self->vnext, 1)) < self->vn;) {
+        s_verify_one(self, self->vlist[i]);
+        s_unpin(self, self->vlist[i]);
+        if (atomic_fetch_sub(&self->vpending, 1) == 1) {
+            uint64_t ms = (uint64_t)(kvt_now_ns() - self->vt0) / 1000000;
+            atomic_store(&self->vdone_ms, ms ? ms : 1);
+            kvt_log(KVT_LOG_INFO,
+                    "l1: every adopted object checked, %llu ms after the start of the adoption; "
+                    "%llu damaged (removed)",
+                    (unsigned long long)ms, (unsigned long long)s_get(&self->vdamaged));
+        }
     }
     return NULL;
 }
 
-/* Hashes every journaled object (extents checked by kvt_journal_live) on up to one thread per
- * online CPU (at most 16): adoption is the restart's critical path, and XXH3 runs at memory
- * speed per core. */
-static bool *s_verify_all(const uint8_t *base, uint64_t capacity, const kvt_journal_put_t *live,
-                          size_t n, uint64_t bytes)
+/* Starts the check of the adopted objects on up to one thread per online CPU (at most 16):
+ * XXH3 runs at memory speed per core, and the pages are faulted in on the way. */
+static void s_verify_start(kvt_l1_t *self)
 {
-    s_verify_t v = {
-        .base = base, .capacity = capacity, .live = live, .n = n, .match = calloc(n ? n : 1, 1)};
-    kvt_assert(v.match);
+    if (!self->vn)
+        return;
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    size_t nt = bytes < (64u << 20) || cpus < 2 ? 1 : (size_t)(cpus > 16 ? 16 : cpus);
-    pthread_t t[16];
-    size_t started = 1; /* this thread is the first */
-    for (; started < nt; started++)
-        if (pthread_create(&t[started], NULL, s_verify_run, &v) != 0)
+    size_t nt = cpus < 2 ? 1 : (size_t)(cpus > 16 ? 16 : cpus);
+    for (; self->nvthreads < nt; self->nvthreads++)
+        if (pthread_create(&self->vthreads[self->nvthreads], NULL, s_verifier, self) != 0)
             break;
-    s_verify_run(&v);
-    for (size_t i = 1; i < started; i++)
-        pthread_join(t[i], NULL);
-    return v.match;
+    if (!self->nvthreads) /* no thread: checked here, before serving */
+        s_verifier(self);
+}
+
+/* Stops the check: what is left stays unverified (and unserved; the next daemon checks it
+ * again), each object unpinned. */
+static void s_verify_stop(kvt_l1_t *self)
+{
+    atomic_store(&self->vstop, true);
+    for (size_t i = 0; i < self->nvthreads; i++)
+        pthread_join(self->vthreads[i], NULL);
+    self->nvthreads = 0;
+    size_t from = atomic_load(&self->vnext);
+    for (size_t i = from < self->vn ? from : self->vn; i < self->vn; i++)
+        s_unpin(self, self->vlist[i]);
+    free(self->vlist);
+    self->vlist = NULL;
+    self->vn = 0;
 }
 
 /* Puts the journal's objects (ascending offsets) back into the index, each verified against
@@ -1446,13 +1496,8 @@ static bool *s_verify_all(const uint8_t *base, uint64_t capacity, const kvt_jour
 static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_t n,
                             kvt_journal_put_t *kept, size_t *nkept)
 {
-    const uint8_t *base = kvt_arena_base(self->arena);
     s_adopted_t *a = malloc((n ? n : 1) * sizeof *a);
     kvt_assert(a);
-    uint64_t bytes = 0;
-    for (size_t i = 0; i < n; i++)
-        bytes += live[i].has_sum ? live[i].length : 0;
-    bool *match = s_verify_all(base, self->capacity, live, n, bytes);
     size_t na = 0;
     for (size_t i = 0; i < n; i++) { /* ascending offsets: each claim is O(1) */
         const kvt_journal_put_t *p = &live[i];
@@ -1461,14 +1506,11 @@ static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_
             self->adopt.unverified++;
         else if (p->length > self->capacity || p->offset > self->capacity - p->length)
             self->adopt.rejected++;
-        else if (!match[i])
-            self->adopt.damaged++;
         else if (!(b = kvt_alloc_claim(self->alloc, p->offset, p->length)))
             self->adopt.rejected++;
         if (b)
-            a[na++] = (s_adopted_t){*p, b};
+            a[na++] = (s_adopted_t){*p, b, NULL};
     }
-    free(match);
     /* into the index and the LRU oldest first, so the most recent ends up at the head */
     qsort(a, na, sizeof *a, s_by_seq_put); /* p is s_adopted_t's first member */
     for (size_t i = 0; i < na; i++) {
@@ -1492,19 +1534,31 @@ static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_
             s_lru_remove(self, dup);
             for (size_t k = 0; k < i; k++)
                 if (a[k].block == dup->block)
-                    a[k].block = NULL;
+                    a[k].block = NULL, a[k].obj = NULL;
             self->adopt.rejected++;
             self->adopt.objects--;
             self->adopt.bytes -= dup->length;
             s_dec(&self->objects, 1);
             s_destroy_obj(self, dup);
         }
+        o->unverified = true;
+        o->pins = 1; /* the check's (s_verifier) */
+        a[i].obj = o;
         s_insert(sh, o);
         s_lru_push_head(self, o);
         s_inc(&self->objects, 1);
         self->adopt.objects++;
         self->adopt.bytes += o->length;
     }
+    /* checked most recent first: the objects most likely to be asked for soon */
+    self->vlist = malloc((na ? na : 1) * sizeof *self->vlist);
+    kvt_assert(self->vlist);
+    for (size_t i = na; i-- > 0;)
+        if (a[i].obj)
+            self->vlist[self->vn++] = a[i].obj;
+    atomic_store(&self->vpending, self->vn);
+    if (!self->vn)
+        atomic_store(&self->vdone_ms, 1);
     *nkept = 0;
     for (size_t i = 0; i < na; i++)
         if (a[i].block)
@@ -1526,6 +1580,7 @@ static void s_adopt(kvt_l1_t *self)
         return;
     }
     int64_t t0 = kvt_now_ns();
+    self->vt0 = t0;
     uint64_t dev, ino;
     kvt_arena_ident(self->arena, &dev, &ino);
     kvt_journal_header_t h = {0};
@@ -1580,7 +1635,8 @@ static void s_adopt(kvt_l1_t *self)
     if (self->adopt.adopted)
         kvt_log(KVT_LOG_INFO,
                 "l1: adopted %llu objects (%llu bytes) from the arena the previous daemon left, "
-                "in %llu ms; left out: %llu without a checksum, %llu damaged, %llu impossible",
+                "in %llu ms, each checked against its checksum from now on, before it is "
+                "served; left out: %llu without a checksum, %llu damaged, %llu impossible",
                 (unsigned long long)self->adopt.objects, (unsigned long long)self->adopt.bytes,
                 (unsigned long long)self->adopt.ms, (unsigned long long)self->adopt.unverified,
                 (unsigned long long)self->adopt.damaged, (unsigned long long)self->adopt.rejected);
@@ -1626,6 +1682,8 @@ int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup)
         atomic_store(&self->sum_on, true);
     }
     s_requeue_owed(self);
+    s_verify_start(self);
+    kvt_arena_pin_start(self->arena);
     return 0;
 }
 
@@ -1635,6 +1693,7 @@ void kvt_l1_stop(kvt_l1_t *self)
 {
     if (!self->started)
         return;
+    s_verify_stop(self);
     atomic_store(&self->sum_on, false);
     if (self->sum_q) /* the summer drains what is queued: a clean stop leaves all summed */
         kvt_queue_close(self->sum_q);
@@ -1692,6 +1751,7 @@ void kvt_l1_destroy(kvt_l1_t **self_p)
         return;
     kvt_l1_t *self = *self_p;
     kvt_l1_stop(self);
+    s_verify_stop(self); /* never started: the pins of the check go */
     void *left;
     while (self->sum_q && kvt_queue_pop(self->sum_q, &left, 0) == 0)
         s_unpin(self, left); /* the summer never ran (a test that did not start L1) */
@@ -1805,15 +1865,20 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
          KVT_METRIC_COUNTER, (double)s_get(&self->truncations)},
         {"l1_adopted_objects",
          "Objects the daemon adopted at start from the arena its predecessor left (l1.adopt).",
-         KVT_METRIC_GAUGE, (double)self->adopt.objects},
+         KVT_METRIC_GAUGE, (double)(self->adopt.objects - s_get(&self->vdamaged))},
+        {"l1_adopt_verify_pending_objects",
+         "Adopted objects not yet checked against their checksum (each is checked before it is "
+         "served).",
+         KVT_METRIC_GAUGE, (double)s_get(&self->vpending)},
         {"l1_adopt_left_out_objects",
          "Objects the journal named at start that were not adopted: no checksum yet, bytes that "
          "no longer matched it, or an impossible extent.",
          KVT_METRIC_GAUGE,
-         (double)(self->adopt.unverified + self->adopt.damaged + self->adopt.rejected)},
+         (double)(self->adopt.unverified + self->adopt.damaged + s_get(&self->vdamaged) +
+                  self->adopt.rejected)},
         {"l1_adopt_damaged_objects",
-         "Objects left out at start because their bytes did not match their checksum.",
-         KVT_METRIC_GAUGE, (double)self->adopt.damaged},
+         "Adopted objects removed because their bytes did not match their checksum.",
+         KVT_METRIC_GAUGE, (double)(self->adopt.damaged + s_get(&self->vdamaged))},
         {"l1_journal_ok",
          "1 while the L1 journal is written (the next daemon can adopt this L1), else 0.",
          KVT_METRIC_GAUGE, self->journal && !atomic_load(&self->journal_lost) ? 1.0 : 0.0},
@@ -1836,13 +1901,16 @@ static json_t *s_adopt_json(kvt_l1_t *self)
         kvt_queue_stats(self->sum_q, &q);
     bool journal = self->journal && !atomic_load(&self->journal_lost);
     return json_pack(
-        "{s:b,s:b,s:I,s:I,s:{s:I,s:I,s:I},s:I,s:s?,s:s?,s:I,s:I,s:I,s:I}", "enabled",
+        "{s:b,s:b,s:I,s:I,s:{s:I,s:I,s:I},s:I,s:I,s:I,s:s?,s:s?,s:I,s:I,s:I,s:I}", "enabled",
         self->cfg->l1_adopt, "adopted", self->adopt.adopted, "objects",
-        (json_int_t)self->adopt.objects, "bytes", (json_int_t)self->adopt.bytes, "left_out",
-        "unverified", (json_int_t)self->adopt.unverified, "damaged",
-        (json_int_t)self->adopt.damaged, "impossible", (json_int_t)self->adopt.rejected, "ms",
-        (json_int_t)self->adopt.ms, "cold_reason", self->adopt.adopted ? NULL : self->adopt.why,
-        "journal", journal ? kvt_journal_path(self->journal) : NULL, "sums_pending",
+        (json_int_t)(self->adopt.objects - s_get(&self->vdamaged)), "bytes",
+        (json_int_t)(self->adopt.bytes - s_get(&self->vdamaged_bytes)), "left_out", "unverified",
+        (json_int_t)self->adopt.unverified, "damaged",
+        (json_int_t)(self->adopt.damaged + s_get(&self->vdamaged)), "impossible",
+        (json_int_t)self->adopt.rejected, "ms", (json_int_t)self->adopt.ms, "verify_pending",
+        (json_int_t)s_get(&self->vpending), "verified_ms", (json_int_t)s_get(&self->vdone_ms),
+        "cold_reason", self->adopt.adopted ? NULL : self->adopt.why, "journal",
+        journal ? kvt_journal_path(self->journal) : NULL, "sums_pending",
         (json_int_t)(q.len + q.active), "sums_skipped", (json_int_t)s_get(&self->sums_skipped),
         "journal_bytes", (json_int_t)(self->journal ? kvt_journal_bytes(self->journal) : 0),
         "compactions", (json_int_t)s_get(&self->compactions));

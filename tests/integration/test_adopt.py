@@ -29,6 +29,10 @@ def key(i, tag=b"k"):
 
 
 def adopt_status(d):
+    """/status l1.adopt once every adopted object was checked (in the background after the
+    start: the counts of damaged objects are final then)."""
+    wait_until(lambda: d.http_json("GET", "/status")["l1"]["adopt"]["verify_pending"] == 0, 30,
+               what="every adopted object checked")
     return d.http_json("GET", "/status")["l1"]["adopt"]
 
 
@@ -368,7 +372,9 @@ def test_restarts_under_mixed_load(daemon_factory, tmp_path, sig, rounds):
     back and abandons reservations without pause (adopt_load.py), with an L1 small enough to
     evict into the fs L2 behind it; each time it is started again on the same run dir. After
     each restart: the arena was adopted with nothing damaged; every object acknowledged since
-    the previous check (and a sample of older ones) is found, in L1 or L2, byte-exact;
+    the previous check (and a sample of older ones) is found, in L1 or L2, byte-exact — but for
+    objects whose write-behind the daemon gave up and counted (kvtier_l2_dropped_total,
+    _errors_total: with an L2 slower than the writers it evicts them uncopied, restart or not);
     no abandoned (never committed) object is found; the loader never read a wrong byte.
     l1_checksum is on: every acknowledged COMMIT is journaled with its checksum (without it
     the objects of the last moments are left out, see test_sigkill_before_the_summer...)."""
@@ -380,7 +386,7 @@ def test_restarts_under_mixed_load(daemon_factory, tmp_path, sig, rounds):
                              "7", "600"], stderr=subprocess.PIPE)
     rng = random.Random(11)
     c = None
-    checked, adopted_total, in_l2, evicted = 0, 0, 0, 0
+    checked, adopted_total, in_l2, evicted, given_up, missing = 0, 0, 0, 0, 0, []
     try:
         for rnd in range(rounds):
             base = _progress(out)
@@ -390,7 +396,10 @@ def test_restarts_under_mixed_load(daemon_factory, tmp_path, sig, rounds):
             time.sleep(rng.uniform(0.05, 0.4))
             if c:
                 c.close()
-            evicted += metric_value(d.metrics()[1], "kvtier_l1_evictions_total")
+            m = d.metrics()[1]
+            evicted += metric_value(m, "kvtier_l1_evictions_total")
+            given_up += sum(s.value for s in m if s.name in ("kvtier_l2_dropped_total",
+                                                             "kvtier_l2_errors_total"))
             d.restart(sig)
             st = adopt_status(d)
             assert st["adopted"] is True, st
@@ -408,9 +417,17 @@ def test_restarts_under_mixed_load(daemon_factory, tmp_path, sig, rounds):
             only_l2 = []
             for k, size in sample:
                 lk = c.lookup(LOAD_NS, [bytes.fromhex(k)])
-                assert lk.hits == 1, "round %d: acknowledged object %s (#%d of %d acked, %d " \
-                    "checked before) is gone; adopted: %r" % (
-                        rnd, k, [a for a, _ in acked].index(k), len(acked), checked, st)
+                if not lk.hits:
+                    # only an object whose write-behind was given up (queue full, L2 error:
+                    # both counted) may be gone: it was evicted without an L2 copy, restart or
+                    # not (issue 31's policy)
+                    missing.append(k)
+                    assert len(missing) <= given_up, \
+                        "round %d: acknowledged object %s (#%d of %d acked, %d checked before) " \
+                        "is gone, and only %d writes were given up; adopted: %r" % (
+                            rnd, k, [a for a, _ in acked].index(k), len(acked), checked,
+                            given_up, st)
+                    continue
                 if lk.l1:
                     got = _find(c, k, int(size))
                     if got is not None:     # (unless evicted meanwhile: then it is in L2)
@@ -442,4 +459,7 @@ def test_restarts_under_mixed_load(daemon_factory, tmp_path, sig, rounds):
     assert not os.path.exists(errors), open(errors).read()
     assert rc == 0, load.stderr.read().decode()[-3000:]
     assert checked > 50 * rounds // 4 and adopted_total > 0, (checked, adopted_total)
+    print("kill loop: %d objects acknowledged, %d adopted over %d restarts, %d writes given up, "
+          "%d acknowledged objects not found" % (checked, adopted_total, rounds, given_up,
+                                                 len(missing)))
     assert (evicted > 0 and in_l2 > 0) or rounds < 10, "the load never made L1 evict"

@@ -58,6 +58,7 @@ static void s_open(rig_t *g, const char *l2, const char *max_instances)
     s_set(g, "l1_size", "8M");
     s_set(g, "allow_unpinned", "true");
     s_set(g, "l1.hugepages", "off");
+    s_set(g, "l1.adopt", "false");
     s_set(g, "l2", l2);
     s_set(g, "max_instances", max_instances);
     g->sup = kvt_sup_new(NULL);

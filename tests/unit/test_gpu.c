@@ -203,6 +203,7 @@ static void test_module_without_gpu(void **state)
     assert_int_equal(kvt_config_set(cfg, "l1_size", "8M", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "l1.adopt", "false", false, err, sizeof err), 0);
     kvt_l1_t *l1 = kvt_l1_new(cfg, err, sizeof err);
     assert_non_null(l1);
     kvt_gpu_t *gpu = kvt_gpu_new(l1);

@@ -12,6 +12,10 @@
 #include "kvt_error.h"
 #include "kvt_l1.h"
 #include "kvt_log.h"
+#include "kvt_supervisor.h"
+
+#include <jansson.h>
+#include <unistd.h>
 
 #include <setjmp.h>
 #include <stdarg.h>
@@ -44,6 +48,7 @@ static kvt_l1_t *s_l1_new(const char *size, kvt_config_t **cfg_out)
     assert_int_equal(kvt_config_set(cfg, "l1_size", size, false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "l1.adopt", "false", false, err, sizeof err), 0);
     kvt_l1_t *l1 = kvt_l1_new(cfg, err, sizeof err);
     if (!l1)
         fail_msg("kvt_l1_new: %s", err);
@@ -1166,6 +1171,7 @@ static void s_fx_with(fx_t *fx, const char *name, const char *value)
     assert_int_equal(kvt_config_set(fx->cfg, "l1_size", "16M", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(fx->cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(fx->cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(fx->cfg, "l1.adopt", "false", false, err, sizeof err), 0);
     if (kvt_config_set(fx->cfg, name, value, false, err, sizeof err) != 0)
         fail_msg("%s", err);
     fx->l1 = kvt_l1_new(fx->cfg, err, sizeof err);
@@ -1422,6 +1428,98 @@ static void test_fail_alloc_injection(void **state)
     kvt_config_destroy(&cfg);
 }
 
+/* Issue 30: an adopted object is checked against its journaled checksum before it is served.
+ * Before the background check (kvt_l1_start) runs, a read checks the object itself: one whose
+ * bytes changed while no daemon ran is a miss; the check, once started, removes it and counts
+ * it; the others are served. */
+static void test_adopted_objects_checked_before_served(void **state)
+{
+    (void)state;
+    kvt_log_set_level(KVT_LOG_ERROR);
+    char dir[] = "/tmp/kvt-l1-adopt-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char err[KVT_ERR_LEN] = "";
+    kvt_config_t *cfg = kvt_config_new();
+    const char *set[][2] = {{"l1_size", "16M"},      {"allow_unpinned", "true"},
+                            {"l1.hugepages", "off"}, {"run_dir", dir},
+                            {"l1.adopt", "true"},    {"l1_checksum", "true"}};
+    for (size_t i = 0; i < sizeof set / sizeof set[0]; i++)
+        assert_int_equal(kvt_config_set(cfg, set[i][0], set[i][1], false, err, sizeof err), 0);
+    fx_t f = {.cfg = cfg};
+    f.l1 = kvt_l1_new(cfg, err, sizeof err);
+    if (!f.l1)
+        fail_msg("kvt_l1_new: %s", err);
+    f.base = kvt_l1_base(f.l1);
+    f.cap = kvt_l1_capacity(f.l1);
+    kvt_ns_t ns = s_ns("adopt", NULL);
+    kvt_key_t keys[3];
+    s_keys(keys, 0xad, 0, 3);
+    assert_int_equal(s_store(&f, 1, &ns, keys, 3, 64 * 1024), 3);
+    kvt_slot_t slots[3];
+    uint32_t n = 0;
+    uint64_t lease = 0;
+    assert_int_equal(kvt_l1_acquire(f.l1, 1, &ns, keys, 3, slots, &n, &lease), 0);
+    assert_int_equal(n, 3);
+    uint64_t off1 = slots[1].offset;
+    assert_int_equal(kvt_l1_release(f.l1, 1, lease), 0);
+    char path[256];
+    snprintf(path, sizeof path, "%s", kvt_l1_shm_path(f.l1));
+    kvt_l1_destroy(&f.l1); /* the arena and its journal stay for the next one */
+
+    FILE *a = fopen(path, "r+b"); /* a client scribbling while no daemon runs */
+    assert_non_null(a);
+    assert_int_equal(fseek(a, (long)off1 + 100, SEEK_SET), 0);
+    int was = fgetc(a);
+    assert_true(was != EOF);
+    assert_int_equal(fseek(a, (long)off1 + 100, SEEK_SET), 0);
+    assert_int_equal(fputc(was ^ 0x5a, a), was ^ 0x5a);
+    fclose(a);
+
+    f.l1 = kvt_l1_new(cfg, err, sizeof err);
+    if (!f.l1)
+        fail_msg("kvt_l1_new (adopting): %s", err);
+    f.base = kvt_l1_base(f.l1);
+    json_t *st = kvt_l1_status_json(f.l1);
+    json_t *ad = json_object_get(st, "adopt");
+    assert_true(json_is_true(json_object_get(ad, "adopted")));
+    assert_int_equal(json_integer_value(json_object_get(ad, "verify_pending")), 3);
+    json_decref(st);
+    /* not started: no check has run; the reads check for themselves */
+    assert_int_equal(s_hits(&f, &ns, keys, 1), 1);
+    assert_int_equal(s_hits(&f, &ns, keys, 3), 1); /* the second was changed: a miss */
+    assert_int_equal(s_hits(&f, &ns, keys + 2, 1), 1);
+    kvt_sup_t *sup = kvt_sup_new(NULL);
+    assert_int_equal(kvt_l1_start(f.l1, sup), 0);
+    int64_t pending = -1;
+    for (int i = 0; i < 500 && pending != 0; i++) {
+        st = kvt_l1_status_json(f.l1);
+        pending =
+            json_integer_value(json_object_get(json_object_get(st, "adopt"), "verify_pending"));
+        json_decref(st);
+        if (pending)
+            usleep(10000);
+    }
+    assert_int_equal(pending, 0);
+    st = kvt_l1_status_json(f.l1);
+    ad = json_object_get(st, "adopt");
+    assert_int_equal(json_integer_value(json_object_get(ad, "objects")), 2);
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(ad, "left_out"), "damaged")), 1);
+    assert_true(json_integer_value(json_object_get(ad, "verified_ms")) > 0);
+    json_decref(st);
+    assert_false(s_present(&f, &ns, &keys[1]));
+    assert_true(s_present(&f, &ns, &keys[0]) && s_present(&f, &ns, &keys[2]));
+    kvt_l1_stop(f.l1);
+    kvt_l1_destroy(&f.l1);
+    kvt_sup_destroy(&sup);
+    unlink(path);
+    char j[300];
+    snprintf(j, sizeof j, "%s/kvtier-l1.journal", dir);
+    unlink(j);
+    rmdir(dir);
+    kvt_config_destroy(&cfg);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1451,6 +1549,7 @@ int main(void)
         cmocka_unit_test(test_fail_alloc_injection),
         cmocka_unit_test(test_max_leased_bytes),
         cmocka_unit_test(test_l1_checksum),
+        cmocka_unit_test(test_adopted_objects_checked_before_served),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

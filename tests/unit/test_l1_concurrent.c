@@ -444,6 +444,7 @@ static void test_concurrent(void **state)
     assert_int_equal(kvt_config_set(cfg, "l1_size", "16M", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "l1.adopt", "false", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "l1_checksum", "true", false, err, sizeof err), 0);
     s_l1 = kvt_l1_new(cfg, err, sizeof err);
     if (!s_l1)
@@ -623,6 +624,7 @@ static void test_owner_limit_concurrent(void **state)
     assert_int_equal(kvt_config_set(cfg, "l1_size", "16M", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(cfg, "l1.adopt", "false", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "max_leased_bytes", "256k", false, err, sizeof err), 0);
     s_l1 = kvt_l1_new(cfg, err, sizeof err);
     assert_non_null(s_l1);

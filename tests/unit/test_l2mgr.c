@@ -78,6 +78,7 @@ static void s_open(rig_t *g, const char *spec)
     assert_int_equal(kvt_config_set(g->cfg, "l1_size", "8M", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(g->cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(g->cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
+    assert_int_equal(kvt_config_set(g->cfg, "l1.adopt", "false", false, err, sizeof err), 0);
     if (kvt_config_set(g->cfg, "l2", spec, false, err, sizeof err))
         fail_msg("l2 %s: %s", spec, err);
     g->sup = kvt_sup_new(NULL);
