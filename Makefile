@@ -671,7 +671,7 @@ FUZZ_DECODE_SRC := tests/fuzz/fuzz_decode.c protocol/kvt_msg.c protocol/kvt_prot
 FUZZ_CONFIG_SRC := tests/fuzz/fuzz_config.c config/kvt_config.c common/kvt_error.c common/kvt_log.c \
                    common/kvt_size.c
 FUZZ_LMC_SRC    := tests/fuzz/fuzz_lmc.c protocol/kvt_lmc.c protocol/kvt_msg.c protocol/kvt_proto.c \
-                   common/kvt_error.c common/kvt_log.c
+                   common/kvt_error.c common/kvt_log.c daemon/kvt_lmc_registry.c common/kvt_u64map.c
 FUZZ_RING_SRC   := tests/fuzz/fuzz_ring.c common/kvt_ring.c common/kvt_error.c
 FUZZ_JOURNAL_SRC := tests/fuzz/fuzz_journal.c storage/kvt_journal.c common/kvt_error.c
 FUZZ_TARGETS  := decode config lmc ring journal
@@ -698,10 +698,10 @@ $(FUZZ_DIR)/fuzz_decode: $(FUZZ_DECODE_SRC) $(wildcard common/*.h protocol/*.h)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(shell pkg-config --cflags msgpack 2>/dev/null) -o $@ \
 	  $(FUZZ_DECODE_SRC) $(shell pkg-config --libs msgpack 2>/dev/null)
 
-$(FUZZ_DIR)/fuzz_lmc: $(FUZZ_LMC_SRC) $(wildcard common/*.h protocol/*.h)
+$(FUZZ_DIR)/fuzz_lmc: $(FUZZ_LMC_SRC) $(wildcard common/*.h protocol/*.h) daemon/kvt_lmc_registry.h
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(shell pkg-config --cflags msgpack 2>/dev/null) -o $@ \
-	  $(FUZZ_LMC_SRC) $(shell pkg-config --libs msgpack 2>/dev/null)
+	  $(FUZZ_LMC_SRC) $(shell pkg-config --libs msgpack libxxhash libczmq 2>/dev/null)
 
 $(FUZZ_DIR)/fuzz_ring: $(FUZZ_RING_SRC) common/kvt_ring.h common/kvt_error.h
 	@mkdir -p $(dir $@)

@@ -11,8 +11,10 @@
 #      (made by systemd-sysusers in postinst); the conffile; both man pages; a client built with
 #      pkg-config against libkvtier-dev (shared and static) and the CLI (with no -e: its default
 #      endpoint) talking to the installed daemon, started briefly in the installed layout's run
-#      dir /run/kvtier with a private data dir and a free loopback port; /healthz; then dpkg
-#      --purge and nothing left, /var/lib/kvtier and /run/kvtier included (the postrm). The
+#      dir /run/kvtier with a private data dir and a free loopback port; /healthz; an upgrade
+#      (dpkg -i over the daemon running as kvtier with l1.adopt) keeps its cache: the new
+#      binary adopts the arena and serves what was stored; then dpkg --purge and nothing left,
+#      /var/lib/kvtier, /run/kvtier and the kept arena included (the postrm). The
 #      packages are purged on any exit (trap), and the kvtier user removed if this test made it
 #      (purge keeps it, as Debian packages do).
 # Part (b) changes machine-wide state: it holds /run/lock/kvtier-deb-test.lock (one run at a
@@ -366,6 +368,63 @@ stop_daemon
 if [ "$daemon_rc" = 0 ]; then ok "kvtierd stopped cleanly on SIGTERM"
 else fail "kvtierd exit status $daemon_rc; its log:"; tail -n 30 "$T/daemon.log"; fi
 
+# ---- an upgrade keeps the cache (issue 30) -------------------------------------------------
+# The daemon as the service runs it (user kvtier, /run/kvtier as RuntimeDirectory= makes it,
+# l1.adopt on) stores an object; `dpkg -i` of the packages over it (what an upgrade does; the
+# same version here: prerm/postrm "upgrade", the binary replaced under the running daemon) must
+# keep the arena and the journal; the daemon the package put in place, started after the old one
+# stopped, serves the object byte-exact. The purge below then removes the kept arena (postrm).
+rd_mode=$(directive RuntimeDirectoryMode "$X/$UNIT")
+rm -rf /run/kvtier # the root-run daemon's above (the test made it: it did not exist before)
+install -d -o kvtier -g kvtier -m "${rd_mode:-0755}" /run/kvtier
+port2=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])')
+start_as_service() { # start_as_service LOG: the installed daemon, as kvtier, l1.adopt on
+    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin setpriv --reuid=kvtier --regid=kvtier \
+        --init-groups timeout 120 "$BIN" --config "$CONF" --run-dir /run/kvtier \
+        --listen "$sock" --data-dir /var/lib/kvtier --l2 none --http "127.0.0.1:$port2" \
+        --l1-size 64M --l1-adopt --allow-unpinned >"$1" 2>&1 &
+    daemon_pid=$!
+    for _ in $(seq 100); do
+        curl -fsS --max-time 2 "http://127.0.0.1:$port2/readyz" >/dev/null 2>&1 && return 0
+        running "$daemon_pid" || return 1
+        sleep 0.2
+    done
+    return 1
+}
+head -c 300000 /dev/urandom >"$T/object"
+if start_as_service "$T/up1.log"; then
+    ok "the installed kvtierd runs as kvtier with l1.adopt (run dir /run/kvtier)"
+    key=$(env -i timeout 30 /usr/bin/kvtier put --ns upgrade "$T/object" 2>&1 | grep -oE '[0-9a-f]{32}' | head -n 1)
+    check "kvtier put stored an object (key ${key:-none})" test -n "$key"
+    [ "$made_mask" = 1 ] || { [ -d /run/systemd/system ] &&
+        systemctl mask --runtime --quiet kvtier.service && made_mask=1; }
+    if dpkg_do "$T/dpkg-up.log" -i "${DEB[@]}"; then ok "dpkg -i over the running daemon"
+    else cat "$T/dpkg-up.log"; fail "dpkg -i over the running daemon"; fi
+    if [ "$made_mask" = 1 ]; then systemctl unmask --runtime --quiet kvtier.service && made_mask=0; fi
+    check "the daemon still runs after dpkg -i" running "$daemon_pid"
+    stop_daemon
+    check "kvtierd (as kvtier) stopped cleanly on SIGTERM" test "$daemon_rc" = 0
+    check "the journal /run/kvtier/kvtier-l1.journal is kept" test -s /run/kvtier/kvtier-l1.journal
+    kept=$(find /dev/shm -maxdepth 1 -type f -name 'kvtier-*-l1' -user kvtier | head -n 1)
+    check "the arena is kept for the next daemon (${kept:-none})" test -n "$kept"
+    if start_as_service "$T/up2.log"; then
+        ok "the upgraded kvtierd started on the kept arena"
+        check "/status: l1 adopted" grep -q '"adopted": *true' \
+            <(curl -fsS --max-time 5 "http://127.0.0.1:$port2/status" 2>/dev/null |
+              python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)["l1"]["adopt"]))')
+        env -i timeout 30 /usr/bin/kvtier get --ns upgrade -o "$T/object.back" "$key" >/dev/null 2>&1
+        check "the object stored before the upgrade is read back byte-exact" \
+            cmp -s "$T/object" "$T/object.back"
+    else
+        fail "the upgraded kvtierd did not start; its log:"; tail -n 30 "$T/up2.log"
+    fi
+    stop_daemon
+else
+    fail "the installed kvtierd as kvtier did not start; its log:"; tail -n 30 "$T/up1.log"
+    stop_daemon
+fi
+
 # ---- purge ----------------------------------------------------------------------------------
 if dpkg_do "$T/dpkg.log" --purge "${PKGS[@]}"; then
     installed=0; ok "dpkg --purge ${PKGS[*]}"
@@ -382,6 +441,8 @@ for f in /etc/kvtier /etc/systemd/system/multi-user.target.wants/kvtier.service 
     /var/lib/kvtier /run/kvtier; do
     if [ -e "$f" ] || [ -L "$f" ]; then left="$left $f"; fi
 done
+left_arena=$(find /dev/shm -maxdepth 1 -type f -name 'kvtier-*-l1' -user kvtier 2>/dev/null)
+[ -z "$left_arena" ] || left="$left $left_arena"
 check "nothing left after the purge${left:+:$left}" test -z "$left"
 if getent passwd kvtier >/dev/null; then
     echo "note: the purge keeps the kvtier user (Debian keeps system users)"

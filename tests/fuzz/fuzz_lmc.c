@@ -2,12 +2,16 @@
  *
  * Input: byte 0 picks the target (low nibble mod S_NTARGETS: op frame, key, registration
  * payload, int with and without nil, uint, bool, double, str, bin length, block-allocation
- * records, error reply encoder) and, with bit 7, small limits instead of large ones; the rest
- * is the frame. Decoded values are read back and their documented invariants checked, so a
- * decoder that returns 0 with a broken result aborts too. Any crash, sanitizer report, leak or
- * abort is a finding. Build and run: make fuzz (see the Makefile's fuzz section). */
+ * records, error reply encoder, the registry file a restarted daemon reads: daemon/
+ * kvt_lmc_registry.c) and, with bit 7, small limits instead of large ones; the rest is the
+ * frame (for the registry, with bit 4: payloads to encode into a valid file, one byte of it
+ * then flipped with bit 5; else the file as is). Decoded values are read back and their documented
+ * invariants checked, so a decoder that returns 0 with a broken result aborts too. Any crash,
+ * sanitizer report, leak or abort is a finding. Build and run: make fuzz (see the Makefile's fuzz
+ * section). */
 #include "kvt_error.h"
 #include "kvt_lmc.h"
+#include "kvt_lmc_registry.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -30,6 +34,7 @@ enum {
     T_BIN,
     T_RECORDS,
     T_PACK_ERROR,
+    T_REGISTRY,
     S_NTARGETS
 };
 
@@ -128,6 +133,67 @@ static void s_pack_error(const uint8_t *buf, size_t len)
     free(msg);
 }
 
+/* The registry: what parses is handed over whole, each payload then read as the door reads it
+ * (kvt_lmc_decode_ctx); a file encoded from payloads and left intact parses back to them. */
+typedef struct {
+    const kvt_lmc_limits_t *lim;
+    size_t n;
+    const uint8_t *const *want;
+    const size_t *wlen;
+    bool mismatch;
+} s_reg_t;
+
+static void s_reg_payload(void *ctx, const uint8_t *payload, size_t len)
+{
+    s_reg_t *r = ctx;
+    kvt_lmc_ctx_t c;
+    char err[160];
+    (void)kvt_lmc_decode_ctx(payload, len, r->lim, &c, err, sizeof err);
+    if (r->want && (r->wlen[r->n] != len || memcmp(r->want[r->n], payload, len) != 0))
+        r->mismatch = true;
+    r->n++;
+}
+
+static void s_registry(uint8_t sel, const uint8_t *buf, size_t len, const kvt_lmc_limits_t *lim)
+{
+    const kvt_lmc_arena_t arena = {.shm_name = "kvtier-0123456789abcdef-l1",
+                                   .pool_size = 1u << 26,
+                                   .dev = 2049,
+                                   .ino = 12345,
+                                   .chunk_tokens = 256};
+    char why[300];
+    if (!(sel & 0x10)) {
+        s_reg_t r = {.lim = lim};
+        int rc = kvt_lmc_registry_parse(buf, len, &arena, s_reg_payload, &r, why, sizeof why);
+        CHECK(rc == 0 || (rc == -1 && r.n == 0 && why[0]));
+        return;
+    }
+    /* payloads: u8 length-prefixed pieces of the input, at most 16 */
+    const uint8_t *ps[16];
+    size_t lens[16], n = 0, at = 0;
+    while (n < 16 && at < len) {
+        size_t l = buf[at++];
+        if (l > len - at)
+            l = len - at;
+        ps[n] = buf + at;
+        lens[n++] = l;
+        at += l;
+    }
+    uint8_t *file = NULL;
+    size_t flen = 0;
+    CHECK(kvt_lmc_registry_encode(&arena, ps, lens, n, &file, &flen) == 0);
+    bool flipped = (sel & 0x20) && flen;
+    if (flipped)
+        file[(len ? buf[len - 1] * 257u + len : 0) % flen] ^= 0x01; /* a byte the input picks */
+    s_reg_t r = {.lim = lim, .want = flipped ? NULL : ps, .wlen = lens};
+    int rc = kvt_lmc_registry_parse(file, flen, &arena, s_reg_payload, &r, why, sizeof why);
+    if (flipped)
+        CHECK(rc == -1 && r.n == 0); /* the checksum covers every byte */
+    else
+        CHECK(rc == 0 && r.n == n && !r.mismatch);
+    free(file);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
@@ -198,6 +264,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         s_check_err(rc, err);
         return 0;
     case T_PACK_ERROR: s_pack_error(buf, len); return 0;
+    case T_REGISTRY:
+        s_registry(sel, buf, len, &lim);
+        return 0;
     }
     /* a container where a scalar belongs is the wrong type, never "too big" */
     CHECK(rc != KVT_ETOOBIG);
