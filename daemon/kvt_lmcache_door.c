@@ -441,17 +441,17 @@ static s_ctx_t *s_ctx(kvt_lmcache_door_t *self, uint64_t instance_id, const char
     s_ctx_t *ctx = kvt_u64map_get(self->ctxs, instance_id);
     if (ctx && !s_ctx_mine(self, ctx, op))
         return NULL;
-    if (ctx)
+    if (ctx) {
         ctx->last_seen_ms = kvt_now_ms();
-    else
-        atomic_fetch_add(&self->unknown_worker, 1);
-    if (!ctx)
-        kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
-                          "lmcache: %s from instance %" PRId64 ", which is not registered (never, "
-                          "unregistered, or silent past lmcache.reap_timeout_s): answered as a "
-                          "miss; the worker must register again",
-                          op, (int64_t)instance_id);
-    return ctx;
+        return ctx;
+    }
+    atomic_fetch_add(&self->unknown_worker, 1);
+    kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                      "lmcache: %s from instance %" PRId64 ", which is not registered (never, "
+                      "unregistered, reaped, or not restored after a restart): answered as a "
+                      "miss; its next ping is answered false, so that it registers again",
+                      op, (int64_t)instance_id);
+    return NULL;
 }
 
 /* The worker is no longer registered (unregistered, reaped; at stop, when the registry is gone
