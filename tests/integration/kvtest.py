@@ -424,6 +424,7 @@ class Daemon:
         self.started_at = None
         self.returncode = None
         self.tokens = {}  # instance -> token from its HELLO (see hello())
+        self._arenas = set()  # private arena files its processes mapped (see _note_arena)
         self.killed = False
         self._ctx = None
         self._sockets = []
@@ -468,6 +469,7 @@ class Daemon:
                 status, _, body = self.http("GET", "/healthz", timeout=1.0)
                 ipc_ok = self.ipc not in self.args or os.path.exists(self.ipc_path)
                 if status == 200 and ipc_ok:
+                    self._note_arena()
                     return
                 last = "status %s, ipc socket %s" % (status, "present" if ipc_ok else "absent")
             except (OSError, http.client.HTTPException) as e:
@@ -480,6 +482,19 @@ class Daemon:
 
     def alive(self):
         return self.proc is not None and self.proc.poll() is None
+
+    def _note_arena(self):
+        """Records the arena this process mapped (/proc/PID/maps): a private one (not l1.adopt's
+        kept name) that a SIGKILL leaves behind is removed at cleanup, when no daemon of this
+        run dir comes after it to do so."""
+        try:
+            with open("/proc/%d/maps" % self.proc.pid) as f:
+                for line in f:
+                    path = line.rstrip("\n").split(None, 5)[-1].replace(" (deleted)", "")
+                    if path.startswith("/dev/shm/kvtier-") and not path.endswith("-l1"):
+                        self._arenas.add(path)
+        except (OSError, IndexError):
+            pass
 
     def send_signal(self, sig):
         assert self.alive(), "daemon is not running"
@@ -800,6 +815,11 @@ class Daemon:
         if self.alive():
             self.stop()
         self.remove_kept_arena()
+        for path in self._arenas:   # a private name is unique to its (now stopped) process
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         self.close_sockets()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
