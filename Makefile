@@ -12,7 +12,7 @@ PKGS     := libzmq libczmq msgpack jansson libmicrohttpd libxxhash libsystemd hi
 DEB_PKGS := build-essential pkg-config libzmq3-dev libczmq-dev libmsgpack-dev libjansson-dev \
             libmicrohttpd-dev libxxhash-dev libcmocka-dev python3-zmq python3-msgpack \
             python3-pytest python3-xxhash curl libsystemd-dev systemd libhiredis-dev \
-            redis-server iproute2 valgrind
+            redis-server iproute2 valgrind fio
 # What the Python package and its tests need besides (not `make run`): venv, pip and setuptools
 # to install it, CPU torch for kvtier.sglang and its tests, yaml for test_contrib.py.
 DEB_PY_PKGS := python3-venv python3-pip python3-setuptools python3-wheel python3-torch python3-yaml
@@ -80,7 +80,7 @@ PLUGIN_EXAMPLE_ABI1 := $(BUILD)/kvtier-l2-example-abi1.so
 PLUGIN_ENV = KVT_L2_EXAMPLE_PLUGIN=$(abspath $(PLUGIN_EXAMPLE)) \
              KVT_L2_EXAMPLE_PLUGIN_ABI1=$(abspath $(PLUGIN_EXAMPLE_ABI1))
 
-.PHONY: all deps run test unit integration asan clean check-asan tsan soak-adopt bench-l1 bench-l2 bench-huge \
+.PHONY: all deps run test unit integration asan clean check-asan tsan soak-adopt soak-l2-burst bench-l1 bench-l2 bench-huge \
         bench-ring bench-smoke test-gpu bench-gpu check-nocuda FORCE valgrind check check-layers \
         pyclient bench-sglang deps-py check-contrib deps-ops
 .DEFAULT_GOAL := all
@@ -260,7 +260,7 @@ test: deps check-layers check-contrib all check-nocuda unit tsan valgrind bench-
 # Everything, longer: each fuzzer for CHECK_FUZZ_SECONDS instead of CI's 30 s.
 CHECK_FUZZ_SECONDS ?= 600
 check: deps check-layers all check-nocuda unit tsan valgrind bench-smoke integration test-gpu \
-       soak-adopt
+       soak-adopt soak-l2-burst
 	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(CHECK_FUZZ_SECONDS)
 
 # The restart loop of test_adopt.py (20 kills in `make test`) with SOAK_KILLS kills.
@@ -268,6 +268,12 @@ SOAK_KILLS ?= 200
 soak-adopt: deps all asan pyclient
 	$(INTEGRATION_ENV) KVT_ADOPT_KILLS=$(SOAK_KILLS) timeout 3600 $(PYTEST) -m pytest -q \
 	  -p no:cacheprovider "tests/integration/test_adopt.py::test_restarts_under_mixed_load"
+
+# The L2-slower-than-the-writers burst of test_l2.py (15 s in `make test`) for BURST_S seconds.
+BURST_S ?= 60
+soak-l2-burst: deps all asan pyclient
+	$(INTEGRATION_ENV) KVT_BURST_S=$(BURST_S) timeout 1800 $(PYTEST) -m pytest -q \
+	  -p no:cacheprovider tests/integration/test_l2.py -k test_store_burst_faster_than_l2
 
 # The build without the CUDA toolkit still compiles and links (CI has nvcc, so this is the only
 # place that path is built): the GPU module without KVT_HAVE_CUDA, linked into a daemon in
@@ -349,7 +355,8 @@ $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
 # path: 32 ring clients, hostile and SIGKILLed ones, an instance dropped and re-established.
 TSAN_INTEGRATION := tests/integration/test_reliability.py \
     tests/integration/test_adopt.py \
-    tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged \
+    "tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged[SIGTERM-None]" \
+    "tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged[SIGKILL-batch]" \
     tests/integration/test_lifecycle.py::test_sigterm_while_clients_ping \
     tests/integration/test_l1.py::test_killed_client_loses_its_leases \
     tests/integration/test_connections.py::test_unread_get_replies_pin_a_bounded_amount_then_the_connection_is_cut \
@@ -420,10 +427,14 @@ bench-l1: deps $(BENCH_L1)
 	$(BENCH_L1) $(BENCH_L1_ARGS)
 
 # L2 data path microbenchmark (write-behind and prefetch loads through kvt_l2mgr, hashing, the
-# COMMIT checksum), -O2 without sanitizers. `make bench-l2` runs it in full (< 1 min; fs under
-# /dev/shm); BENCH_L2_ARGS=--quick for a smoke run, "--dir DIR" for the fs adapter on a disk.
+# COMMIT checksum), -O2 without sanitizers, then on the disk BENCH_L2_DISK (a directory on the
+# disk L2 would use; not tmpfs): the fs adapter against fio's sequential write and read of the
+# same sizes, the open of a directory of 100,000 objects, and the redis adapter against
+# redis-benchmark, each as ratios measured in the same run (about 5 min). BENCH_L2_ARGS=--quick
+# for a smoke run.
 BENCH_L2      := $(BUILD)/kvt-bench-l2
-BENCH_L2_ARGS ?= --json $(BUILD)/bench-l2.json
+BENCH_L2_DISK ?= /var/tmp
+BENCH_L2_ARGS ?= --json $(BUILD)/bench-l2.json --disk $(BENCH_L2_DISK)
 
 $(BENCH_L2): bench/kvt_bench_l2.c $(CORE_OBJ)
 	$(CC) $(ALLCFLAGS) -o $@ $^ $(LIBS)
@@ -459,7 +470,7 @@ bench-ring: deps $(BENCH_RING)
 bench-smoke: deps $(BENCH_L1) $(BENCH_L2) $(BENCH_HUGE) $(BENCH_RING) $(BUILD)/kvtierd \
              $(BUILD)/kvtier-bench pyclient
 	$(BENCH_L1) --quick > /dev/null
-	$(BENCH_L2) --quick > /dev/null
+	$(BENCH_L2) --quick --disk $(BENCH_L2_DISK) > /dev/null
 	$(BENCH_HUGE) --quick > /dev/null
 	timeout 120 $(BENCH_RING) --quick > /dev/null
 	timeout 120 $(BUILD)/kvtier-bench --quick --daemon $(BUILD)/kvtierd > /dev/null

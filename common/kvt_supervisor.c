@@ -20,7 +20,9 @@
 #include <string.h>
 #include <time.h>
 
-#define S_MAX_THREADS 32
+/* Every thread the configuration can ask for: lookup (64) + prefetch (64) + 8 adapters x 16
+ * writers + workers (16) + adopt verifiers (16) + the fixed ones, with room to spare. */
+#define S_MAX_THREADS 320
 #define S_TICK_MS 200
 
 enum { S_RUNNING = 0, S_EXITED = 1, S_DEAD = 2 };

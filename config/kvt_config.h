@@ -41,6 +41,9 @@ typedef struct kvt_config {
     uint32_t l2_lookup_timeout_ms;
     uint32_t l2_lookup_threads;
     uint32_t l2_prefetch_threads;
+    uint32_t l2_write_threads; /* write-behind threads per adapter (at most its max_threads) */
+    double
+        l2_backlog_max; /* L1 fraction objects waiting for L2 may fill before eviction takes them */
     uint32_t workers;     /* worker threads for slow requests */
     uint32_t io_threads;  /* zmq I/O threads */
     /* what one client, or all of them, may hold of the daemon */

@@ -20,6 +20,11 @@
  * daemon then joins payload and trailer in a bounce buffer on store (one extra copy) and, on
  * load, reads in place when the L1 block has room for the trailer, else through a bounce buffer.
  *
+ * ABI 3 adds flush: adapters whose stores are not durable one by one (fs with sync=batch)
+ * make everything stored so far durable in one call, and the daemon reports an object as
+ * written to L2 (the l2_stored event) only after the flush that follows its store. ABI 1 and 2
+ * tables have no flush: each store is as durable as it will be when it returns.
+ *
  * Names are 65 printable ASCII bytes + NUL: 32 hex digits of the namespace hash, '-', 32 hex
  * digits of the key (kvt_l2_name.h). Adapters treat them as opaque. */
 #ifndef KVT_L2_H
@@ -30,7 +35,7 @@
 #include <sys/uio.h>
 
 #define KVT_L2_NAME_LEN 66 /* 65 characters + NUL */
-#define KVT_L2_ABI 2       /* what this header describes */
+#define KVT_L2_ABI 3       /* what this header describes */
 #define KVT_L2_ABI_MIN 1   /* the oldest ABI the daemon still loads */
 #define KVT_L2_IOV_MAX 4   /* the most vectors the daemon passes to storev / loadv */
 
@@ -76,6 +81,13 @@ typedef struct kvt_l2_ops {
      * the object's size when it is at most their total (the first *len bytes are filled);
      * KVT_ENOSPC with *len when it is larger; KVT_ENOTFOUND when absent. */
     int (*loadv)(void *state, const char *name, const struct iovec *iov, int iovcnt, size_t *len);
+
+    /* ---- ABI 3 (may be NULL): never read from an older table. ---- */
+
+    /* Makes every store that returned 0 before this call as durable as the adapter's settings
+     * promise. 0, or a negative KVT_E* code: the daemon then does not report those objects as
+     * written. May be called by several threads at once. */
+    int (*flush)(void *state);
 } kvt_l2_ops_t;
 
 /* A plugin shared object exports this function (plugin:PATH.so), whatever its ABI: the table's

@@ -1,6 +1,6 @@
 /* DESIGN: the `fs` L2 adapter — one file per object under one directory (local NVMe).
  *
- * Spec: "fs:DIR[,capacity=SIZE][,direct=auto|on|off]". Layout:
+ * Spec: "fs:DIR[,capacity=SIZE][,direct=auto|on|off][,sync=batch|object|none]". Layout:
  *   DIR/.lock       flock()ed while open: two daemons on one DIR would unlink each other's
  *                   temp files and keep two different indexes, so the second open is refused.
  *   DIR/.tmp/       NAME.<seq> files being written; anything found there at open is a leftover
@@ -10,11 +10,20 @@
  *                   first characters of kvt_l2_name are the namespace hash, shared by all keys).
  * Anything else (other files, hidden files, names in the wrong xx) is foreign and left alone.
  *
- * store writes DIR/.tmp/NAME.<seq>, fdatasyncs it, renames it over DIR/xx/NAME and fsyncs
- * DIR/xx: a crash leaves the old object, the new one or none, never a torn one. With O_DIRECT
- * (direct=on, or auto when the probe at open succeeds) the 4 KiB-aligned body is written from
- * the caller's buffer, the tail from an aligned bounce page, then the file is truncated to its
- * length; direct=auto turns O_DIRECT off for good the first time the kernel answers EINVAL.
+ * store writes DIR/.tmp/NAME.<seq> and renames it over DIR/xx/NAME: a crash of the daemon
+ * leaves the old object, the new one or none, never a torn one. What a crash of the machine
+ * leaves depends on `sync`:
+ *   object  the temp file is fdatasync()ed before the rename and DIR/xx fsync()ed after it: a
+ *           store that returned is on the disk (one or two journal commits per object);
+ *   batch   (default) no sync per store; flush() — which the daemon calls after each group of
+ *           writes, before it reports any of them as written — runs one syncfs() for them all.
+ *           A machine crash may leave renamed files whose bytes never reached the disk (zeros
+ *           or a short file): the daemon's trailer checksum refuses those on load;
+ *   none    nothing is synced: the kernel writes back in its own time. Survives a crash of the
+ *           daemon (the page cache has it), not of the machine.
+ * With O_DIRECT (direct=on, or auto when the probe at open succeeds) the 4 KiB-aligned body is
+ * written from the caller's buffer and the tail (less than a page, plus the trailer) through the
+ * page cache; direct=auto turns O_DIRECT off for good the first time the kernel answers EINVAL.
  * remove and eviction do not fsync the directory: an object that a crash brings back is the same
  * bytes under the same content-addressed key, and at worst is evicted again.
  *
@@ -71,6 +80,7 @@
 #define S_LOCKFILE ".lock"
 
 typedef enum { S_DIRECT_OFF, S_DIRECT_AUTO, S_DIRECT_ON } s_direct_t;
+typedef enum { S_SYNC_BATCH, S_SYNC_OBJECT, S_SYNC_NONE } s_sync_t;
 
 typedef struct s_obj {
     struct s_obj *hnext; /* hash chain */
@@ -92,8 +102,14 @@ typedef struct {
     ino_t ino;
     uint64_t capacity; /* 0 = unlimited */
     s_direct_t mode;
+    s_sync_t sync;
     atomic_bool direct; /* O_DIRECT in use now: auto may switch it off once */
     atomic_uint_fast64_t seq;
+    /* sync=batch: stores that returned so far, and how many of them the last syncfs covered
+     * (taken before it started). flush_lock makes concurrent flushes share one syncfs. */
+    atomic_uint_fast64_t stores_done;
+    atomic_uint_fast64_t stores_synced;
+    pthread_mutex_t flush_lock;
     pthread_mutex_t stripes[S_STRIPES];
 
     pthread_mutex_t lock; /* guards every field below */
@@ -322,29 +338,6 @@ static size_t s_iov_total(const struct iovec *iov, int n)
     return t;
 }
 
-/* Copies bytes [off, off + len) of the concatenation of iov out to dst, or (in) from src. */
-static void s_iov_copy(const struct iovec *iov, int n, size_t off, void *dst, const void *src,
-                       size_t len)
-{
-    for (int i = 0; i < n && len; i++) {
-        if (off >= iov[i].iov_len) {
-            off -= iov[i].iov_len;
-            continue;
-        }
-        size_t k = iov[i].iov_len - off < len ? iov[i].iov_len - off : len;
-        char *p = (char *)iov[i].iov_base + off;
-        if (dst) {
-            memcpy(dst, p, k);
-            dst = (char *)dst + k;
-        } else {
-            memcpy(p, src, k);
-            src = (const char *)src + k;
-        }
-        len -= k;
-        off = 0;
-    }
-}
-
 /* pwritev / preadv of the first `len` bytes of iov at file offset `off`, resuming after short
  * transfers. A read that ends early means the file was truncated behind our back (EIO). */
 static int s_rwv_all(int fd, bool write, const struct iovec *iov, int n, size_t len, off_t off,
@@ -387,29 +380,37 @@ static int s_pwrite_all(int fd, const void *buf, size_t len, off_t off, size_t *
     return s_rwv_all(fd, true, &iov, 1, len, off, done);
 }
 
-/* O_DIRECT write: the aligned body straight from the first (aligned) vector, the rest — the
- * first vector's tail and the others, in the daemon's case less than a page plus the trailer —
- * from zero-padded bounce pages, then truncate to the length. The caller's bytes past its
- * vectors may not be readable, hence the bounce. An EINVAL after the first bytes went out is
- * not a refusal of O_DIRECT but a failed write. */
+/* Turns O_DIRECT off on fd (F_SETFL may change it on Linux): for the unaligned tail. */
+static int s_buffered(int fd)
+{
+    int fl = fcntl(fd, F_GETFL);
+    return fl < 0 || fcntl(fd, F_SETFL, fl & ~O_DIRECT) != 0 ? errno : 0;
+}
+
+/* O_DIRECT write: the aligned body straight from the first (aligned) vector, then O_DIRECT off
+ * and the rest — the first vector's tail and the others, in the daemon's case less than a page
+ * plus the trailer — through the page cache, from the caller's vectors. The file gets its exact
+ * length with no truncate: truncating a directly written file to mid-block makes the kernel
+ * read and zero that block, one synchronous read per object. An EINVAL after the first bytes
+ * went out is not a refusal of O_DIRECT but a failed write. */
 static int s_write_direct(int fd, const struct iovec *iov, int n)
 {
     size_t total = s_iov_total(iov, n);
-    size_t body = iov[0].iov_len & ~(size_t)(S_ALIGN - 1), tail = total - body, done = 0;
+    size_t body = iov[0].iov_len & ~(size_t)(S_ALIGN - 1), done = 0;
     int e = s_pwrite_all(fd, iov[0].iov_base, body, 0, &done);
-    if (!e && tail) {
-        size_t pages = (tail + S_ALIGN - 1) & ~(size_t)(S_ALIGN - 1);
-        void *page = aligned_alloc(S_ALIGN, pages);
-        if (!page)
-            return ENOMEM;
-        s_iov_copy(iov, n, body, page, NULL, tail);
-        memset((char *)page + tail, 0, pages - tail);
+    if (!e && body < total)
+        e = s_buffered(fd);
+    if (!e && body < total) {
+        struct iovec rest[KVT_L2_IOV_MAX];
+        int k = 0;
+        for (int i = 0; i < n; i++) {
+            size_t skip = i == 0 ? body : 0;
+            if (iov[i].iov_len > skip)
+                rest[k++] = (struct iovec){(char *)iov[i].iov_base + skip, iov[i].iov_len - skip};
+        }
         size_t tdone = 0;
-        e = s_pwrite_all(fd, page, pages, (off_t)body, &tdone);
+        e = s_rwv_all(fd, true, rest, k, total - body, (off_t)body, &tdone);
         done += tdone;
-        free(page);
-        if (!e && ftruncate(fd, (off_t)total) != 0)
-            e = errno;
     }
     if (e == EINVAL && done > 0)
         e = EIO;
@@ -423,7 +424,8 @@ static void s_direct_refused(s_fs_t *self, const char *what)
                 what);
 }
 
-/* Creates, fills and fdatasyncs the temp file `tmp`; removes it on any error. */
+/* Creates and fills the temp file `tmp` (fdatasynced with sync=object); removes it on any
+ * error. */
 static int s_write_tmp(s_fs_t *self, const char *tmp, const struct iovec *iov, int n)
 {
     bool direct = atomic_load(&self->direct) && (uintptr_t)iov[0].iov_base % S_ALIGN == 0;
@@ -437,7 +439,7 @@ static int s_write_tmp(s_fs_t *self, const char *tmp, const struct iovec *iov, i
             e = direct ? s_write_direct(fd, iov, n)
                        : s_rwv_all(fd, true, iov, n, s_iov_total(iov, n), 0, &done);
             refused = e == EINVAL;
-            if (!e && fdatasync(fd) != 0)
+            if (!e && self->sync == S_SYNC_OBJECT && fdatasync(fd) != 0)
                 e = errno;
             if (close(fd) != 0 && !e && errno != EINTR)
                 e = errno;
@@ -463,8 +465,8 @@ static int s_fsync_dir(int dirfd, const char *rel)
     return e;
 }
 
-/* Renames the temp file over the object and makes that durable, under the name's stripe, then
- * swaps o into the index (o is owned by the index on success). */
+/* Renames the temp file over the object (made durable with sync=object), under the name's
+ * stripe, then swaps o into the index (o is owned by the index on success). */
 static int s_commit(s_fs_t *self, const char *tmp, s_obj_t *o)
 {
     char rel[S_NAME_MAX + 8], sub[3];
@@ -473,18 +475,19 @@ static int s_commit(s_fs_t *self, const char *tmp, s_obj_t *o)
     sub[2] = '\0';
     pthread_mutex_t *stripe = s_stripe(self, o->hash);
     pthread_mutex_lock(stripe);
+    bool durable = self->sync == S_SYNC_OBJECT;
     int e = renameat(self->dirfd, tmp, self->dirfd, rel) != 0 ? errno : 0;
     if (e == ENOENT) {
         /* First object of this fan-out directory: create it (and make that durable). */
         if (mkdirat(self->dirfd, sub, 0700) == 0)
-            e = fsync(self->dirfd) != 0 ? errno : 0;
+            e = durable && fsync(self->dirfd) != 0 ? errno : 0;
         else
             e = errno == EEXIST ? 0 : errno;
         if (!e)
             e = renameat(self->dirfd, tmp, self->dirfd, rel) != 0 ? errno : 0;
     }
     bool renamed = !e;
-    if (!e)
+    if (!e && durable)
         e = s_fsync_dir(self->dirfd, sub);
     if (e) {
         /* Not durable is not stored: a store that reports failure leaves no new object. The old
@@ -554,8 +557,41 @@ static int s_storev(void *state, const char *name, const struct iovec *iov, int 
                           strerror(e));
         return s_code(e);
     }
+    atomic_fetch_add(&self->stores_done, 1);
     if (self->capacity)
         s_make_room(self, name, hash, false);
+    return 0;
+}
+
+/* sync=batch: one syncfs() for every store that returned before the call. A flush that finds
+ * a syncfs started after its stores returned waits for it instead of starting another. */
+static int s_flush(void *state)
+{
+    s_fs_t *self = state;
+    kvt_assert(s_is(self));
+    if (self->sync != S_SYNC_BATCH)
+        return 0;
+    uint64_t want = atomic_load(&self->stores_done);
+    if (atomic_load(&self->stores_synced) >= want)
+        return 0;
+    pthread_mutex_lock(&self->flush_lock);
+    int e = 0;
+    if (atomic_load(&self->stores_synced) < want) {
+        uint64_t covers = atomic_load(&self->stores_done);
+        e = syncfs(self->dirfd) != 0 ? errno : 0;
+        if (!e)
+            atomic_store(&self->stores_synced, covers);
+    }
+    pthread_mutex_unlock(&self->flush_lock);
+    if (e) {
+        pthread_mutex_lock(&self->lock);
+        self->fail_ms = kvt_now_ms();
+        self->fail_errno = e;
+        pthread_mutex_unlock(&self->lock);
+        kvt_errrep_report(&self->rep, KVT_LOG_WARN, "l2 fs:%s: syncfs: %s", self->path,
+                          strerror(e));
+        return s_code(e);
+    }
     return 0;
 }
 
@@ -601,8 +637,9 @@ static int s_pread_all(int fd, void *buf, size_t size, size_t want, off_t off, s
 }
 
 /* O_DIRECT read of `size` bytes into iov: the aligned body straight into the first (aligned)
- * vector — all of the object when that vector has room for its page-rounded length — the rest
- * through bounce pages (in the daemon's case, less than a page plus the trailer). */
+ * vector — all of the object when that vector has room for its page-rounded length — then the
+ * rest (in the daemon's case less than a page plus the trailer) through the page cache, where
+ * the write left it. */
 static int s_read_direct(int fd, const struct iovec *iov, int n, size_t size, size_t *got)
 {
     size_t rounded = (size + S_ALIGN - 1) & ~(size_t)(S_ALIGN - 1);
@@ -612,15 +649,19 @@ static int s_read_direct(int fd, const struct iovec *iov, int n, size_t size, si
     int e = s_pread_all(fd, iov[0].iov_base, body, want, 0, got);
     if (e || body == size)
         return e;
-    size_t tail = size - body, pages = (tail + S_ALIGN - 1) & ~(size_t)(S_ALIGN - 1), tgot = 0;
-    void *page = aligned_alloc(S_ALIGN, pages);
-    if (!page)
-        return ENOMEM;
-    e = s_pread_all(fd, page, tail, pages, (off_t)body, &tgot);
-    if (!e)
-        s_iov_copy(iov, n, body, NULL, page, tail);
+    e = s_buffered(fd);
+    if (e)
+        return e;
+    struct iovec rest[KVT_L2_IOV_MAX];
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        size_t skip = i == 0 ? body : 0;
+        if (iov[i].iov_len > skip)
+            rest[k++] = (struct iovec){(char *)iov[i].iov_base + skip, iov[i].iov_len - skip};
+    }
+    size_t tgot = 0;
+    e = s_rwv_all(fd, false, rest, k, size - body, (off_t)body, &tgot);
     *got += tgot;
-    free(page);
     return e;
 }
 
@@ -812,6 +853,7 @@ static void s_close(void *state)
     for (size_t i = 0; i < S_STRIPES; i++)
         pthread_mutex_destroy(&self->stripes[i]);
     pthread_mutex_destroy(&self->lock);
+    pthread_mutex_destroy(&self->flush_lock);
     pthread_mutex_destroy(&self->rep.lock);
     free(self->path);
     self->tag = S_TAG_DEAD;
@@ -840,10 +882,20 @@ static int s_mkdirs(const char *dir)
     return e;
 }
 
-/* Parses "DIR[,capacity=SIZE][,direct=auto|on|off]" into self; *dir points into `copy`. */
+/* The index of `val` in the NULL-terminated `names`, or -1. */
+static int s_choice(const char *val, const char *const *names)
+{
+    for (int i = 0; names[i]; i++)
+        if (strcmp(val, names[i]) == 0)
+            return i;
+    return -1;
+}
+
+/* Parses "DIR[,capacity=SIZE][,direct=...][,sync=...]" into self; *dir points into `copy`. */
 static int s_parse(s_fs_t *self, char *copy, char **dir, char *err, size_t errlen)
 {
-    static const char usage[] = "use fs:DIR[,capacity=SIZE][,direct=auto|on|off]";
+    static const char usage[] =
+        "use fs:DIR[,capacity=SIZE][,direct=auto|on|off][,sync=batch|object|none]";
     char *save = NULL;
     *dir = copy[0] == ',' ? NULL : strtok_r(copy, ",", &save);
     if (!*dir || !**dir) {
@@ -861,16 +913,21 @@ static int s_parse(s_fs_t *self, char *copy, char **dir, char *err, size_t errle
                 return KVT_EINVAL;
             }
         } else if (strcmp(opt, "direct") == 0 && val) {
-            if (strcmp(val, "auto") == 0) {
-                self->mode = S_DIRECT_AUTO;
-            } else if (strcmp(val, "on") == 0) {
-                self->mode = S_DIRECT_ON;
-            } else if (strcmp(val, "off") == 0) {
-                self->mode = S_DIRECT_OFF;
-            } else {
+            static const char *const modes[] = {"off", "auto", "on", NULL}; /* s_direct_t */
+            int m = s_choice(val, modes);
+            if (m < 0) {
                 s_err(err, errlen, "fs:%s: direct '%s' is not auto, on or off", *dir, val);
                 return KVT_EINVAL;
             }
+            self->mode = (s_direct_t)m;
+        } else if (strcmp(opt, "sync") == 0 && val) {
+            static const char *const modes[] = {"batch", "object", "none", NULL}; /* s_sync_t */
+            int m = s_choice(val, modes);
+            if (m < 0) {
+                s_err(err, errlen, "fs:%s: sync '%s' is not batch, object or none", *dir, val);
+                return KVT_EINVAL;
+            }
+            self->sync = (s_sync_t)m;
         } else {
             s_err(err, errlen, "fs:%s: unknown option '%s%s%s' (%s)", *dir, opt, val ? "=" : "",
                   val ? val : "", usage);
@@ -1059,6 +1116,7 @@ static int s_open(const char *args, void **state, char *err, size_t errlen)
     self->mode = S_DIRECT_AUTO;
     self->rep = (kvt_errrep_t)KVT_ERRREP_INIT(S_ERRREP_MS);
     pthread_mutex_init(&self->lock, NULL);
+    pthread_mutex_init(&self->flush_lock, NULL);
     for (size_t i = 0; i < S_STRIPES; i++)
         pthread_mutex_init(&self->stripes[i], NULL);
     self->nbuckets = S_BUCKETS0;
@@ -1143,10 +1201,14 @@ static int s_open(const char *args, void **state, char *err, size_t errlen)
     if (self->capacity)
         snprintf(capstr, sizeof capstr, "%llu bytes", (unsigned long long)self->capacity);
     kvt_log(KVT_LOG_INFO,
-            "l2 fs:%s: %llu objects, %llu bytes, capacity %s, O_DIRECT %s, %llu temp files "
-            "removed",
+            "l2 fs:%s: %llu objects, %llu bytes, capacity %s, O_DIRECT %s, sync=%s, %llu temp "
+            "files removed",
             self->path, (unsigned long long)self->objects, (unsigned long long)self->used, capstr,
-            atomic_load(&self->direct) ? "on" : "off", (unsigned long long)leftovers);
+            atomic_load(&self->direct) ? "on" : "off",
+            self->sync == S_SYNC_BATCH    ? "batch"
+            : self->sync == S_SYNC_OBJECT ? "object"
+                                          : "none",
+            (unsigned long long)leftovers);
     free(copy);
     *state = self;
     return 0;
@@ -1161,7 +1223,7 @@ static const kvt_l2_ops_t s_ops = {
     .abi = KVT_L2_ABI,
     .kind = "fs",
     /* Deep enough to keep an NVMe queue busy with fsyncs in flight; the locks allow more. */
-    .max_threads = 8,
+    .max_threads = 16,
     .open = s_open,
     .close = s_close,
     .store = s_store,
@@ -1172,6 +1234,7 @@ static const kvt_l2_ops_t s_ops = {
     .usage = s_usage,
     .storev = s_storev,
     .loadv = s_loadv,
+    .flush = s_flush,
 };
 
 const kvt_l2_ops_t *kvt_l2_fs_ops(void)

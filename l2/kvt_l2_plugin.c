@@ -5,9 +5,9 @@
  * each failure path takes its text right after the failing call.
  *
  * The handle owns a copy of the plugin's table, made as long as this daemon's kvt_l2_ops_t:
- * an ABI 1 table ends before the ABI 2 fields, so only its ABI 1 part is copied and the rest
- * stays NULL — the daemon then never reads past the plugin's table, and tells an ABI 1 adapter
- * by its NULL storev. */
+ * an ABI 1 table ends before the ABI 2 fields and an ABI 2 table before flush (ABI 3), so only
+ * the part its ABI has is copied and the rest stays NULL — the daemon then never reads past the
+ * plugin's table, and tells an ABI 1 adapter by its NULL storev. */
 #include "kvt_l2_plugin.h"
 
 #include "kvt_error.h"
@@ -24,6 +24,8 @@
 
 /* The size of an ABI 1 table: everything before the first ABI 2 field. */
 #define S_ABI1_SIZE offsetof(kvt_l2_ops_t, storev)
+/* ... and of an ABI 2 table: everything before flush. */
+#define S_ABI2_SIZE offsetof(kvt_l2_ops_t, flush)
 
 typedef struct {
     void *dl;
@@ -116,7 +118,7 @@ int kvt_l2_plugin_load(const char *path, const kvt_l2_ops_t **ops, void **handle
     s_plugin_t *p = calloc(1, sizeof *p);
     kvt_assert(p);
     p->dl = h;
-    memcpy(&p->ops, t, t->abi == 1 ? S_ABI1_SIZE : sizeof p->ops);
+    memcpy(&p->ops, t, t->abi == 1 ? S_ABI1_SIZE : t->abi == 2 ? S_ABI2_SIZE : sizeof p->ops);
     *ops = &p->ops;
     *handle = p;
     return 0;

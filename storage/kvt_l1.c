@@ -129,7 +129,11 @@ struct kvt_l1 {
     kvt_l1_listener_fn listener;
     void *listener_ctx;
     uint32_t l2_writes;
-    _Atomic uint64_t l2_pending_objects;
+    _Atomic uint64_t l2_pending_objects, l2_pending_bytes;
+    /* l2_backlog_max in bytes: past it eviction also takes objects still waiting for L2 (they
+     * go unwritten, counted in l2_skipped); UINT64_MAX when they always wait */
+    uint64_t backlog_bytes;
+    _Atomic uint64_t l2_skipped, l2_skipped_bytes;
     _Atomic uint64_t alloc_calls; /* for debug.fail_alloc_every */
     /* l1.adopt: the journal of what L1 holds (NULL when off), the thread that checksums
      * committed objects for it (those COMMIT did not sum), and what the start adopted */
@@ -455,6 +459,22 @@ static void s_journal_puts(kvt_l1_t *self, kvt_lease_t *l, bool loaded)
         free(puts);
 }
 
+/* An object starts waiting for `n` L2 writes, or stops waiting (shard lock held): the counts
+ * behind l2_backlog_max. */
+static void s_pending_set(kvt_l1_t *self, s_obj_t *o, uint32_t n)
+{
+    o->l2_pending = (uint8_t)n;
+    s_inc(&self->l2_pending_objects, 1);
+    s_inc(&self->l2_pending_bytes, kvt_block_size(o->block));
+}
+
+static void s_pending_clear(kvt_l1_t *self, s_obj_t *o)
+{
+    o->l2_pending = 0;
+    s_dec(&self->l2_pending_objects, 1);
+    s_dec(&self->l2_pending_bytes, kvt_block_size(o->block));
+}
+
 /* Unlinks a READY object from index and LRU (shard lock held). Returns true when the caller
  * must free it (no pins); a pinned one is DOOMED and freed by its last unpin. */
 static bool s_remove_ready(kvt_l1_t *self, s_shard_t *sh, s_obj_t *o)
@@ -465,10 +485,8 @@ static bool s_remove_ready(kvt_l1_t *self, s_shard_t *sh, s_obj_t *o)
     s_lru_remove(self, o);
     pthread_mutex_unlock(&self->lru_lock);
     s_dec(&self->objects, 1);
-    if (o->l2_pending) {
-        s_dec(&self->l2_pending_objects, 1);
-        o->l2_pending = 0;
-    }
+    if (o->l2_pending)
+        s_pending_clear(self, o);
     if (o->pins) {
         o->state = S_DOOMED;
         return false;
@@ -755,9 +773,9 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
             tosum[nsum++] = o;
         }
         o->state = S_READY;
-        o->l2_pending = loaded ? 0 : (uint8_t)self->l2_writes;
-        if (o->l2_pending)
-            s_inc(&self->l2_pending_objects, 1);
+        o->l2_pending = 0;
+        if (!loaded && self->l2_writes)
+            s_pending_set(self, o, self->l2_writes);
         pthread_mutex_lock(&self->lru_lock);
         s_lru_push_head(self, o);
         pthread_mutex_unlock(&self->lru_lock);
@@ -921,9 +939,11 @@ void kvt_l1_l2_written(kvt_l1_t *self, const kvt_ns_t *ref, const kvt_key_t *key
     pthread_mutex_lock(&sh->lock);
     s_obj_t *o = s_find(sh, ns, key, h);
     uint64_t done = 0;
-    if (o && o->state == S_READY && o->l2_pending && --o->l2_pending == 0) {
-        s_dec(&self->l2_pending_objects, 1);
+    if (o && o->state == S_READY && o->l2_pending == 1) {
+        s_pending_clear(self, o);
         done = o->jseq;
+    } else if (o && o->state == S_READY && o->l2_pending) {
+        o->l2_pending--;
     }
     pthread_mutex_unlock(&sh->lock);
     s_ns_put(self, ns);
@@ -1168,7 +1188,7 @@ uint64_t kvt_l1_evict(kvt_l1_t *self, uint64_t bytes)
 
 static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
 {
-    uint64_t freed = 0, count = 0;
+    uint64_t freed = 0, count = 0, unwritten = 0, unwritten_bytes = 0;
     s_obj_t *victims = NULL;
     s_batches_t bs = {0};
     pthread_mutex_lock(&self->lru_lock);
@@ -1179,7 +1199,15 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
             (*skipped)++; /* busy shard: against the lock order, so skip it this round */
             continue;
         }
-        if (o->state == S_READY && o->pins == 0 && o->l2_pending == 0) {
+        /* past l2_backlog_max the oldest objects still waiting for L2 go too: new objects
+         * are worth more to the cache than old ones the disk has no time for */
+        bool take_unwritten = o->l2_pending && s_get(&self->l2_pending_bytes) > self->backlog_bytes;
+        if (o->state == S_READY && o->pins == 0 && (o->l2_pending == 0 || take_unwritten)) {
+            if (o->l2_pending) {
+                s_pending_clear(self, o);
+                unwritten++;
+                unwritten_bytes += kvt_block_size(o->block);
+            }
             s_unlink(sh, o);
             s_lru_remove(self, o);
             o->state = S_DOOMED;
@@ -1212,6 +1240,10 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
     s_dec(&self->objects, count);
     s_inc(&self->evictions, count);
     s_inc(&self->evicted_bytes, freed);
+    if (unwritten) {
+        s_inc(&self->l2_skipped, unwritten);
+        s_inc(&self->l2_skipped_bytes, unwritten_bytes);
+    }
     return freed;
 }
 
@@ -1658,8 +1690,7 @@ static void s_requeue_owed(kvt_l1_t *self)
                 o->owed_l2 = false;
                 if (!self->l2_writes || o->l2_pending)
                     continue;
-                o->l2_pending = (uint8_t)self->l2_writes;
-                s_inc(&self->l2_pending_objects, 1);
+                s_pending_set(self, o, self->l2_writes);
                 s_batches_add(self, &bs, o->ns, &o->key);
             }
         pthread_mutex_unlock(&sh->lock);
@@ -1718,6 +1749,9 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
     kvt_assert(self->alloc);
     self->high_bytes = (uint64_t)(cfg->high_watermark * (double)self->capacity);
     self->low_bytes = (uint64_t)(cfg->low_watermark * (double)self->capacity);
+    self->backlog_bytes = cfg->l2_backlog_max >= 1.0
+                              ? UINT64_MAX
+                              : (uint64_t)(cfg->l2_backlog_max * (double)self->capacity);
     for (uint32_t s = 0; s < S_SHARDS; s++) {
         pthread_mutex_init(&self->shards[s].lock, NULL);
         self->shards[s].nbuckets = S_BUCKETS0;
@@ -1851,6 +1885,13 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
         {"l1_l2_pending_objects",
          "Objects not yet written to every L2 adapter (not evictable until they are).",
          KVT_METRIC_GAUGE, (double)s_get(&self->l2_pending_objects)},
+        {"l1_l2_pending_bytes", "L1 bytes of the objects not yet written to every L2 adapter.",
+         KVT_METRIC_GAUGE, (double)s_get(&self->l2_pending_bytes)},
+        {"l1_l2_skipped_total",
+         "Objects evicted before their L2 write because those waiting passed l2_backlog_max.",
+         KVT_METRIC_COUNTER, (double)s_get(&self->l2_skipped)},
+        {"l1_l2_skipped_bytes_total", "Bytes of the objects in l1_l2_skipped_total.",
+         KVT_METRIC_COUNTER, (double)s_get(&self->l2_skipped_bytes)},
         {"l1_pinned", "1 when the L1 arena is locked in memory.", KVT_METRIC_GAUGE,
          kvt_arena_pinned(self->arena) ? 1.0 : 0.0},
         {"l1_page_size_bytes",
@@ -1933,7 +1974,15 @@ json_t *kvt_l1_status_json(kvt_l1_t *self)
         kvt_arena_huge(self->arena), "page_size", (json_int_t)kvt_arena_page_size(self->arena),
         "high_watermark_bytes", (json_int_t)self->high_bytes, "low_watermark_bytes",
         (json_int_t)self->low_bytes, "corrupt", (json_int_t)s_get(&self->corrupt));
-    if (st_json)
+    if (st_json) {
         json_object_set_new(st_json, "adopt", s_adopt_json(self));
+        json_t *backlog = json_pack(
+            "{s:I,s:I,s:I,s:I,s:I}", "objects", (json_int_t)s_get(&self->l2_pending_objects),
+            "bytes", (json_int_t)s_get(&self->l2_pending_bytes), "max_bytes",
+            (json_int_t)(self->backlog_bytes == UINT64_MAX ? -1 : (int64_t)self->backlog_bytes),
+            "skipped", (json_int_t)s_get(&self->l2_skipped), "skipped_bytes",
+            (json_int_t)s_get(&self->l2_skipped_bytes));
+        json_object_set_new(st_json, "l2_backlog", backlog);
+    }
     return st_json;
 }

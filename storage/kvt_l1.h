@@ -82,8 +82,9 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ns, const kvt
 
 /* COMMIT: the write lease's objects become READY, except the indices in failed[], which are
  * discarded. KVT_EUNKLEASE / KVT_ELEXPIRED / KVT_EBADREQ (a read lease, an index out of range).
- * While L2 write-behind is on (kvt_l1_set_l2_writes), a committed object cannot be evicted
- * until every adapter has written it (kvt_l1_l2_written). */
+ * While L2 write-behind is on (kvt_l1_set_l2_writes), a committed object is not evicted
+ * until every adapter has written it (kvt_l1_l2_written) — unless the objects waiting fill more
+ * than l2_backlog_max of L1: then eviction takes the oldest of them as well (l2_skipped). */
 int kvt_l1_commit(kvt_l1_t *self, uint64_t owner, uint64_t lease, const uint64_t *failed,
                   uint32_t nfailed, uint32_t *stored, char *err, size_t errlen);
 

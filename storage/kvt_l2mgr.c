@@ -1,6 +1,14 @@
-/* DESIGN: one s_adapter_t per configured spec, each with a kvt_queue of write-behind jobs (store
- * or remove, one namespace and a batch of keys each, weighed by their keys), served by
- * S_ADAPTER_THREADS supervised threads that also probe the backend's health every second.
+/* DESIGN: one s_adapter_t per configured spec, each with l2_write_threads writers (at most the
+ * adapter's max_threads): supervised threads, each with its own kvt_queue of write-behind jobs
+ * (store or remove, one namespace and a batch of keys each, weighed by their keys). A key always
+ * goes to the same writer (by its hash), so a REMOVE right after a PUT of one key is never
+ * overtaken by the PUT's write, while different keys are written side by side — what keeps a
+ * disk's queue busy. Whichever writer sees it due probes the backend's health (every second).
+ *
+ * Durability in groups: a writer keeps the objects it has written and runs the adapter's flush
+ * (ABI 3: fs sync=batch is one syncfs) once its queue is empty or it holds S_FLUSH_BYTES /
+ * S_FLUSH_JOBS; only then are they reported (l2_stored) and evictable. A writer that keeps up
+ * flushes after every job; one that falls behind flushes less often: group commit.
  * Prefetch loads go to one manager-wide kvt_queue served by l2_prefetch_threads threads. Stop
  * closes every queue: adapter threads still run the jobs queued before it, prefetch threads
  * abandon theirs (each job is still reported done).
@@ -39,11 +47,11 @@
 #include <xxhash.h>
 
 #define S_MAX_ADAPTERS 8
-/* One write-behind thread per adapter keeps each adapter's writes and removals in submission
- * order (a REMOVE right after a PUT must not be overtaken by the PUT's write). */
-#define S_ADAPTER_THREADS 1
+#define S_WRITERS_MAX 16 /* the most l2_write_threads allows */
+#define S_FLUSH_BYTES (256ull << 20)
+#define S_FLUSH_JOBS 256
 #define S_PREFETCH_THREADS 64 /* the most l2_prefetch_threads allows */
-#define S_QUEUE_KEYS 65536   /* write-behind keys waiting per adapter before drops */
+#define S_QUEUE_KEYS 65536    /* write-behind keys waiting per adapter (all writers) before drops */
 #define S_TICK_MS 1000       /* health probe period */
 #define S_STORE_DEADLINE_MS 60000
 #define S_DRAIN_MS 5000
@@ -51,16 +59,32 @@
 
 typedef enum { S_STORE, S_REMOVE, S_LOAD } s_kind_t;
 
+/* The parts of one prefetch: the last part to finish ends the prefetch job. */
+typedef struct {
+    _Atomic uint32_t left;
+} s_parts_t;
+
 typedef struct s_job {
     s_kind_t kind;
+    s_parts_t *parts; /* load: shared by the parts of one prefetch (the last frees it) */
     uint64_t deadline_ms;
     uint64_t prefetch_job;
+    struct s_job *next; /* a writer's written, not yet flushed jobs */
+    uint64_t ok_bytes;  /* store: bytes of keys[0..nok) */
+    uint32_t nok;       /* store: keys[0..nok) written, waiting for the flush */
     uint32_t n;
     kvt_ns_t ns;     /* views bytes */
     kvt_key_t *keys; /* in bytes */
     uint64_t *sizes; /* loads; in bytes */
     uint8_t bytes[];
 } s_job_t;
+
+struct s_adapter;
+
+typedef struct {
+    struct s_adapter *a;
+    int index;
+} s_writer_t;
 
 typedef struct s_adapter {
     struct kvt_l2mgr *mgr;
@@ -70,8 +94,10 @@ typedef struct s_adapter {
     void *state;
     void *plugin; /* dlopen handle of a plugin adapter */
     pthread_mutex_t lock;
-    kvt_queue_t *queue; /* weight: keys; a job is task_done once run (the drain waits) */
-    kvt_thread_t *threads[S_ADAPTER_THREADS];
+    /* writer i's jobs; weight: keys; a job is task_done once flushed (the drain waits) */
+    kvt_queue_t *queues[S_WRITERS_MAX];
+    kvt_thread_t *threads[S_WRITERS_MAX];
+    s_writer_t writers[S_WRITERS_MAX];
     int nthreads;
     uint64_t next_probe_ms; /* under lock */
     _Atomic bool healthy;
@@ -85,7 +111,7 @@ typedef struct s_adapter {
     double past_error_at, recovered_at;
     _Atomic uint64_t ok_ms; /* wall-clock ms of the last store, load or remove that succeeded */
     _Atomic uint64_t stored, loaded, removed, errors, dropped, bytes_stored, bytes_loaded;
-    _Atomic uint64_t corrupt;
+    _Atomic uint64_t corrupt, flushes;
     kvt_hist_t latency;
     kvt_errrep_t rep;
 } s_adapter_t;
@@ -256,20 +282,21 @@ static int s_read_obj(s_adapter_t *a, const char *name, uint8_t *dst, size_t len
 
 /* ---- write-behind (adapter threads) ---- */
 
+/* Writes a store job's objects. Those written stay waiting (keys[0..nok)) for the writer's
+ * next flush; the others — removed since, damaged, or failed — are done with at once. */
 static void s_do_store(s_adapter_t *a, s_job_t *j)
 {
     kvt_l2mgr_t *m = a->mgr;
     const kvt_ns_t *ns = &j->ns;
     uint8_t *base = kvt_l1_base(m->l1);
-    kvt_key_t *done = malloc((size_t)j->n * sizeof *done);
-    kvt_assert(done);
-    uint32_t ndone = 0;
+    j->nok = 0;
+    j->ok_bytes = 0;
     for (uint32_t i = 0; i < j->n; i++) {
         kvt_slot_t slot;
         uint32_t got = 0;
         uint64_t lease = 0;
         kvt_l1_acquire(m->l1, KVT_OWNER_DAEMON, ns, &j->keys[i], 1, &slot, &got, &lease);
-        if (got == 0) { /* removed since: nothing to write */
+        if (got == 0) { /* removed (or evicted past l2_backlog_max) since: nothing to write */
             kvt_l1_l2_written(m->l1, ns, &j->keys[i]);
             continue;
         }
@@ -300,19 +327,49 @@ static void s_do_store(s_adapter_t *a, s_job_t *j)
                 break;
             s_sleep_ms(50u << (2 * attempt)); /* 50, 200 ms */
         }
+        /* the bytes are the adapter's now; the object stays unevictable until the flush */
         kvt_l1_release(m->l1, KVT_OWNER_DAEMON, lease);
-        kvt_l1_l2_written(m->l1, ns, &j->keys[i]);
         if (rc == 0) {
-            s_note_ok(a);
-            s_inc(&a->stored, 1);
-            s_inc(&a->bytes_stored, slot.length);
-            done[ndone++] = j->keys[i];
+            j->keys[j->nok++] = j->keys[i]; /* nok <= i: compacts in place */
+            j->ok_bytes += slot.length;
         } else {
+            kvt_l1_l2_written(m->l1, ns, &j->keys[i]);
             s_note_error(a, rc, "store", name);
         }
     }
-    s_event(m, "l2_stored", ns, done, ndone, a);
-    free(done);
+}
+
+/* Flushes the adapter for the written jobs in `held`, then reports them: l2_stored when the
+ * flush succeeded, errors when not; either way they become evictable. Frees the list. */
+static void s_flush_held(s_adapter_t *a, s_job_t *held, bool report)
+{
+    if (!held)
+        return;
+    kvt_l2mgr_t *m = a->mgr;
+    int rc = 0;
+    if (report && a->ops->flush) {
+        uint64_t t0 = kvt_now_ns();
+        rc = a->ops->flush(a->state);
+        kvt_hist_observe(&a->latency, kvt_now_ns() - t0);
+        s_inc(&a->flushes, 1);
+    }
+    for (s_job_t *j = held, *next; j; j = next) {
+        next = j->next;
+        for (uint32_t i = 0; i < j->nok; i++)
+            kvt_l1_l2_written(m->l1, &j->ns, &j->keys[i]);
+        if (report && rc == 0 && j->nok) {
+            s_note_ok(a);
+            s_inc(&a->stored, j->nok);
+            s_inc(&a->bytes_stored, j->ok_bytes);
+            s_event(m, "l2_stored", &j->ns, j->keys, j->nok, a);
+        } else if (report && j->nok) {
+            char what[64];
+            snprintf(what, sizeof what, "%u objects", j->nok);
+            s_inc(&a->errors, j->nok - 1); /* s_note_error counts one */
+            s_note_error(a, rc, "flush", what);
+        }
+        free(j);
+    }
 }
 
 static void s_do_remove(s_adapter_t *a, s_job_t *j)
@@ -375,35 +432,62 @@ static bool s_probe_due(s_adapter_t *a)
     return due;
 }
 
-static bool s_adapter_run(kvt_thread_t *t, void *arg)
+/* Gives up the written jobs in `held` without reporting them (the writer is told to stop). */
+static void s_drop_held(s_adapter_t *a, s_job_t *held)
 {
-    s_adapter_t *a = arg;
+    s_flush_held(a, held, false);
+}
+
+static bool s_writer_run(kvt_thread_t *t, void *arg)
+{
+    s_writer_t *w = arg;
+    s_adapter_t *a = w->a;
     kvt_l2mgr_t *m = a->mgr;
+    kvt_queue_t *q = a->queues[w->index];
+    s_job_t *held = NULL, **tail = &held;
+    size_t nheld = 0;
+    uint64_t held_bytes = 0;
     for (;;) {
         s_job_t *j = NULL;
-        if (kvt_queue_pop(a->queue, (void **)&j, kvt_thread_idle_ms(t)) == KVT_EUNAVAIL)
-            return true; /* closed, and what was queued before is done */
+        if (kvt_queue_pop(q, (void **)&j, kvt_thread_idle_ms(t)) == KVT_EUNAVAIL)
+            return true; /* closed, and what was queued before is done (held is empty) */
         bool probe = s_probe_due(a);
         if (!kvt_thread_beat(t)) {
             if (j)
                 s_give_up(m, j);
             free(j); /* not task_done: the stop's drain waits for it until its deadline */
+            s_drop_held(a, held);
             return false;
         }
         if (probe)
             s_probe(a);
-        if (j) {
-            if (j->kind == S_STORE && !atomic_load(&a->healthy)) {
-                /* fail fast: the backend is down, the objects must not wait in L1 for it */
-                s_inc(&a->errors, j->n);
-                s_give_up(m, j);
-            } else if (j->kind == S_STORE) {
-                s_do_store(a, j);
-            } else {
-                s_do_remove(a, j);
-            }
+        if (!j)
+            continue;
+        if (j->kind == S_STORE && !atomic_load(&a->healthy)) {
+            /* fail fast: the backend is down, the objects must not wait in L1 for it */
+            s_inc(&a->errors, j->n);
+            s_give_up(m, j);
             free(j);
-            kvt_queue_task_done(a->queue, 1);
+            kvt_queue_task_done(q, 1);
+        } else if (j->kind == S_STORE) {
+            s_do_store(a, j);
+            held_bytes += j->ok_bytes;
+            *tail = j;
+            tail = &j->next;
+            nheld++;
+        } else {
+            s_do_remove(a, j);
+            free(j);
+            kvt_queue_task_done(q, 1);
+        }
+        if (nheld &&
+            (kvt_queue_depth(q) == 0 || held_bytes >= S_FLUSH_BYTES || nheld >= S_FLUSH_JOBS)) {
+            s_flush_held(a, held, true);
+            kvt_queue_task_done(q, nheld);
+            held = NULL;
+            tail = &held;
+            nheld = 0;
+            held_bytes = 0;
         }
     }
 }
@@ -423,9 +507,9 @@ static void s_displaced(void *ctx, void *item)
     free(j);
 }
 
-static void s_enqueue(s_adapter_t *a, s_job_t *j)
+static void s_enqueue(s_adapter_t *a, int writer, s_job_t *j)
 {
-    if (kvt_queue_push_displace(a->queue, j, j->n, s_displaced, a) != 0) {
+    if (kvt_queue_push_displace(a->queues[writer], j, j->n, s_displaced, a) != 0) {
         /* stopping: the threads take no more work; the objects need not wait for L2 */
         if (j->kind == S_STORE)
             s_give_up(a->mgr, j);
@@ -433,28 +517,55 @@ static void s_enqueue(s_adapter_t *a, s_job_t *j)
     }
 }
 
-void kvt_l2mgr_on_stored(kvt_l2mgr_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
-                         uint32_t n)
+/* Queues keys[0..n) to every adapter, each key to its writer (by its hash): one job per writer
+ * that gets keys. */
+static void s_submit(kvt_l2mgr_t *self, s_kind_t kind, const kvt_ns_t *ns, const kvt_key_t *keys,
+                     uint32_t n)
 {
-    if (!self || n == 0)
-        return;
+    uint8_t *writer = NULL;
+    kvt_key_t *part = NULL;
     for (uint32_t i = 0; i < self->nadapters; i++) {
-        s_job_t *j = s_job_new(S_STORE, ns, keys, NULL, n);
-        j->deadline_ms = kvt_now_ms() + S_STORE_DEADLINE_MS;
-        s_enqueue(&self->adapters[i], j);
+        s_adapter_t *a = &self->adapters[i];
+        if (a->nthreads <= 1) {
+            s_job_t *j = s_job_new(kind, ns, keys, NULL, n);
+            j->deadline_ms = kvt_now_ms() + S_STORE_DEADLINE_MS;
+            s_enqueue(a, 0, j);
+            continue;
+        }
+        if (!writer) {
+            writer = malloc(n);
+            part = malloc((size_t)n * sizeof *part);
+            kvt_assert(writer && part);
+            for (uint32_t k = 0; k < n; k++)
+                writer[k] = (uint8_t)(XXH3_64bits(keys[k].b, sizeof keys[k].b) % S_WRITERS_MAX);
+        }
+        for (int w = 0; w < a->nthreads; w++) {
+            uint32_t np = 0;
+            for (uint32_t k = 0; k < n; k++)
+                if (writer[k] % a->nthreads == w)
+                    part[np++] = keys[k];
+            if (!np)
+                continue;
+            s_job_t *j = s_job_new(kind, ns, part, NULL, np);
+            j->deadline_ms = kvt_now_ms() + S_STORE_DEADLINE_MS;
+            s_enqueue(a, w, j);
+        }
     }
+    free(writer);
+    free(part);
+}
+
+void kvt_l2mgr_on_stored(kvt_l2mgr_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uint32_t n)
+{
+    if (self && n)
+        s_submit(self, S_STORE, ns, keys, n);
 }
 
 void kvt_l2mgr_remove(kvt_l2mgr_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
                       uint32_t n)
 {
-    if (!self || n == 0)
-        return;
-    for (uint32_t i = 0; i < self->nadapters; i++) {
-        s_job_t *j = s_job_new(S_REMOVE, ns, keys, NULL, n);
-        j->deadline_ms = kvt_now_ms() + S_STORE_DEADLINE_MS;
-        s_enqueue(&self->adapters[i], j);
-    }
+    if (self && n)
+        s_submit(self, S_REMOVE, ns, keys, n);
 }
 
 /* ---- lookup (caller's thread) ---- */
@@ -570,6 +681,16 @@ static int s_load_fill(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32
     return 0;
 }
 
+/* One part of a prefetch is over (loaded or abandoned): the last one ends the job. */
+static void s_load_done(kvt_l2mgr_t *m, s_job_t *j, uint32_t loaded)
+{
+    bool last = !j->parts || atomic_fetch_sub(&j->parts->left, 1) == 1;
+    kvt_prefetch_update(m->prefetch, j->prefetch_job, loaded, last, kvt_now_ms());
+    if (last)
+        free(j->parts);
+    j->parts = NULL;
+}
+
 static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
 {
     uint32_t stored = 0, present = 0;
@@ -577,7 +698,7 @@ static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
     s_load_t ld = {m, j};
     kvt_l1_write(m->l1, &j->ns, j->keys, j->n, j->sizes, 0, true, s_load_fill, &ld, &stored,
                  &present, err, sizeof err);
-    kvt_prefetch_update(m->prefetch, j->prefetch_job, stored + present, true, kvt_now_ms());
+    s_load_done(m, j, stored + present);
 }
 
 static bool s_prefetch_run(kvt_thread_t *t, void *arg)
@@ -592,7 +713,7 @@ static bool s_prefetch_run(kvt_thread_t *t, void *arg)
             if (go_on && !atomic_load(&m->stop))
                 s_do_load(m, j);
             else
-                kvt_prefetch_update(m->prefetch, j->prefetch_job, 0, true, kvt_now_ms());
+                s_load_done(m, j, 0);
             free(j);
             kvt_queue_task_done(m->loads, 1);
         }
@@ -601,15 +722,49 @@ static bool s_prefetch_run(kvt_thread_t *t, void *arg)
     }
 }
 
+/* Loads of one prefetch are split into parts of about equal bytes, one per prefetch thread, at
+ * least S_PART_BYTES each: one thread reads at queue depth 1, a disk wants more. */
+#define S_PART_BYTES (1ull << 20)
+
 void kvt_l2mgr_prefetch(kvt_l2mgr_t *self, uint64_t job, const kvt_ns_t *ns,
                         const kvt_key_t *keys, const uint64_t *sizes, uint32_t n)
 {
-    s_job_t *j = s_job_new(S_LOAD, ns, keys, sizes, n);
-    j->prefetch_job = job;
-    j->deadline_ms = kvt_now_ms() + self->cfg->lease_ms;
-    if (kvt_queue_push(self->loads, j, 1) != 0) { /* stopping */
-        kvt_prefetch_update(self->prefetch, job, 0, true, kvt_now_ms());
-        free(j);
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < n; i++)
+        total += sizes[i];
+    uint64_t nparts = total / S_PART_BYTES;
+    if (nparts > (uint64_t)self->npthreads)
+        nparts = (uint64_t)self->npthreads;
+    if (nparts > n)
+        nparts = n;
+    if (nparts < 1)
+        nparts = 1;
+    s_parts_t *parts = NULL;
+    if (nparts > 1) {
+        parts = malloc(sizeof *parts);
+        kvt_assert(parts);
+        atomic_init(&parts->left, (uint32_t)nparts);
+    }
+    uint64_t deadline = kvt_now_ms() + self->cfg->lease_ms, share = total / nparts, acc = 0;
+    uint32_t from = 0;
+    for (uint64_t p = 0; p < nparts; p++) {
+        uint32_t to = from + 1; /* every part gets a key; the last takes the rest */
+        if (p + 1 == nparts) {
+            to = n;
+        } else {
+            acc = sizes[from];
+            while (to < n - (uint32_t)(nparts - p - 1) && acc + sizes[to] <= share)
+                acc += sizes[to++];
+        }
+        s_job_t *j = s_job_new(S_LOAD, ns, keys + from, sizes + from, to - from);
+        j->prefetch_job = job;
+        j->deadline_ms = deadline;
+        j->parts = parts;
+        if (kvt_queue_push(self->loads, j, 1) != 0) { /* stopping */
+            s_load_done(self, j, 0);
+            free(j);
+        }
+        from = to;
     }
 }
 
@@ -702,7 +857,6 @@ static int s_open_adapter(kvt_l2mgr_t *m, s_adapter_t *a, const char *spec, kvt_
     a->mgr = m;
     a->rep = (kvt_errrep_t)KVT_ERRREP_INIT(10000);
     pthread_mutex_init(&a->lock, NULL);
-    a->queue = kvt_queue_new(S_QUEUE_KEYS, 0, err, errlen); /* no eventfd: cannot fail */
     int rrc = s_resolve(spec, a->label, &a->ops, &a->plugin, &args, err, errlen);
     if (rrc)
         return rrc;
@@ -716,12 +870,22 @@ static int s_open_adapter(kvt_l2mgr_t *m, s_adapter_t *a, const char *spec, kvt_
     atomic_store(&a->healthy, true);
     s_probe(a);
     a->next_probe_ms = kvt_now_ms() + S_TICK_MS;
-    int nthreads = a->ops->max_threads < S_ADAPTER_THREADS ? (int)a->ops->max_threads
-                                                            : S_ADAPTER_THREADS;
-    for (int t = 0; t < (nthreads > 0 ? nthreads : 1); t++) {
+    uint32_t nthreads = m->cfg->l2_write_threads;
+    if (nthreads > a->ops->max_threads)
+        nthreads = a->ops->max_threads;
+    if (nthreads > S_WRITERS_MAX)
+        nthreads = S_WRITERS_MAX;
+    if (nthreads < 1)
+        nthreads = 1;
+    /* the bound on waiting writes is the adapter's, shared by its writers */
+    for (uint32_t t = 0; t < nthreads; t++)
+        a->queues[t] = kvt_queue_new(S_QUEUE_KEYS / nthreads, 0, err, errlen); /* no eventfd */
+    for (int t = 0; t < (int)nthreads; t++) {
         char name[32];
         snprintf(name, sizeof name, "l2-%d-%d", a->index, t);
-        a->threads[t] = kvt_thread_start(sup, name, 30000 + S_TICK_MS, s_adapter_run, a);
+        a->writers[t] = (s_writer_t){a, t};
+        a->threads[t] =
+            kvt_thread_start(sup, name, 30000 + S_TICK_MS, s_writer_run, &a->writers[t]);
         if (!a->threads[t]) {
             snprintf(err, errlen, "l2: %s: cannot start a thread", a->label);
             return KVT_EINTERNAL;
@@ -786,39 +950,58 @@ void kvt_l2mgr_destroy(kvt_l2mgr_t **self_p)
     uint64_t deadline = kvt_now_ms() + S_DRAIN_MS;
     for (uint32_t i = 0; i < self->nadapters; i++) {
         s_adapter_t *a = &self->adapters[i];
-        uint64_t now = kvt_now_ms();
-        if (a->nthreads && now < deadline)
-            kvt_queue_wait_idle(a->queue, (int64_t)(deadline - now));
+        for (int t = 0; t < a->nthreads; t++) {
+            uint64_t now = kvt_now_ms();
+            if (now < deadline)
+                kvt_queue_wait_idle(a->queues[t], (int64_t)(deadline - now));
+        }
     }
     atomic_store(&self->stop, true);
     /* from here every thread leaves as soon as its queue is empty (adapter threads still run
      * what is queued; prefetch threads abandon it) */
     kvt_queue_close(self->loads);
     for (uint32_t i = 0; i < self->nadapters; i++)
-        kvt_queue_close(self->adapters[i].queue);
+        for (int t = 0; t < S_WRITERS_MAX; t++)
+            if (self->adapters[i].queues[t])
+                kvt_queue_close(self->adapters[i].queues[t]);
     for (int t = 0; t < self->npthreads; t++)
         kvt_thread_join(&self->pthreads[t]);
-    for (void *j; kvt_queue_pop(self->loads, &j, 0) == 0;) /* left by a thread that died */
+    for (s_job_t *j; kvt_queue_pop(self->loads, (void **)&j, 0) == 0;) { /* a dead thread's */
+        s_load_done(self, j, 0);
         free(j);
+    }
     for (uint32_t i = 0; i < self->nadapters; i++) {
         s_adapter_t *a = &self->adapters[i];
         for (int t = 0; t < a->nthreads; t++)
             kvt_thread_join(&a->threads[t]);
         size_t lost = 0;
-        for (s_job_t *j; kvt_queue_pop(a->queue, (void **)&j, 0) == 0; free(j))
-            lost += j->kind == S_STORE ? j->n : 0;
+        for (int t = 0; t < S_WRITERS_MAX; t++) {
+            if (!a->queues[t])
+                continue;
+            for (s_job_t *j; kvt_queue_pop(a->queues[t], (void **)&j, 0) == 0; free(j))
+                lost += j->kind == S_STORE ? j->n : 0;
+            kvt_queue_destroy(&a->queues[t]);
+        }
         if (lost)
             kvt_log(KVT_LOG_WARN, "l2 %s: %zu queued writes not done at stop", a->label, lost);
         if (a->ops)
             a->ops->close(a->state);
         if (a->plugin)
             kvt_l2_plugin_unload(a->plugin);
-        kvt_queue_destroy(&a->queue);
         pthread_mutex_destroy(&a->lock);
     }
     kvt_queue_destroy(&self->loads);
     free(self);
     *self_p = NULL;
+}
+
+/* Writes waiting for the adapter, all writers together. */
+static size_t s_depth(s_adapter_t *a)
+{
+    size_t d = 0;
+    for (int t = 0; t < a->nthreads; t++)
+        d += kvt_queue_depth(a->queues[t]);
+    return d;
 }
 
 uint32_t kvt_l2mgr_count(const kvt_l2mgr_t *self)
@@ -868,6 +1051,9 @@ void kvt_l2mgr_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
          offsetof(s_adapter_t, bytes_stored)},
         {"l2_loaded_bytes_total", "Bytes loaded from the L2 adapter.", KVT_METRIC_COUNTER,
          offsetof(s_adapter_t, bytes_loaded)},
+        {"l2_flushes_total",
+         "Flushes that made a group of written objects durable (fs sync=batch: one syncfs).",
+         KVT_METRIC_COUNTER, offsetof(s_adapter_t, flushes)},
         {"l2_corrupt_total",
          "Objects that failed their integrity check on load (not served; removed).",
          KVT_METRIC_COUNTER, offsetof(s_adapter_t, corrupt)},
@@ -882,7 +1068,7 @@ void kvt_l2mgr_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
         }
     for (uint32_t i = 0; i < self->nadapters; i++) {
         s_adapter_t *a = &self->adapters[i];
-        double depth = (double)kvt_queue_depth(a->queue);
+        double depth = (double)s_depth(a);
         kvt_sample_t s = {.name = "l2_queue_depth", .help = "Writes waiting for the adapter.",
                           .kind = KVT_METRIC_GAUGE, .label = "adapter", .label_value = a->label,
                           .value = depth};
@@ -919,21 +1105,21 @@ json_t *kvt_l2mgr_status_json(kvt_l2mgr_t *self)
         uint64_t bytes = 0, objects = 0;
         if (a->ops->usage)
             a->ops->usage(a->state, &bytes, &objects);
-        size_t depth = kvt_queue_depth(a->queue);
+        size_t depth = s_depth(a);
         pthread_mutex_lock(&a->lock);
         json_t *past = a->past_error[0]
                            ? json_pack("{s:s,s:f,s:f}", "error", a->past_error, "at",
                                        a->past_error_at, "recovered_at", a->recovered_at)
                            : json_null();
         json_t *o = json_pack(
-            "{s:s,s:s,s:b,s:s,s:f,s:o,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "adapter", a->label,
-            "kind", a->ops->kind, "healthy", atomic_load(&a->healthy), "last_error", a->last_error,
-            "last_error_at", a->last_error_at, "past_error", past, "queue_depth",
+            "{s:s,s:s,s:b,s:s,s:f,s:o,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:I}", "adapter",
+            a->label, "kind", a->ops->kind, "healthy", atomic_load(&a->healthy), "last_error",
+            a->last_error, "last_error_at", a->last_error_at, "past_error", past, "queue_depth",
             (json_int_t)depth, "stored", (json_int_t)s_get(&a->stored), "loaded",
             (json_int_t)s_get(&a->loaded), "errors", (json_int_t)s_get(&a->errors), "dropped",
             (json_int_t)s_get(&a->dropped), "removed", (json_int_t)s_get(&a->removed), "corrupt",
             (json_int_t)s_get(&a->corrupt), "bytes", (json_int_t)bytes, "objects",
-            (json_int_t)objects);
+            (json_int_t)objects, "writers", a->nthreads, "flushes", (json_int_t)s_get(&a->flushes));
         pthread_mutex_unlock(&a->lock);
         json_array_append_new(arr, o);
     }

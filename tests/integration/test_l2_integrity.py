@@ -347,7 +347,8 @@ def test_without_l1_checksum_damage_is_served(daemon_factory, client):
 
 def test_l1_checksum_damaged_object_is_not_written_behind(daemon_factory, client):
     spec = "mock:latency_ms=400"
-    d = daemon_factory("--l2", spec, "--l1-checksum")
+    # one writer: the second object waits behind the first one's 400 ms write
+    d = daemon_factory("--l2", spec, "--l1-checksum", "--l2-write-threads", "1")
     s, arena = client(d, "wb")
     ks = keys_of(b"wbsum", 2)
     datas = [payload(k, 64 * 1024) for k in ks]

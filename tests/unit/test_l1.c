@@ -1375,6 +1375,90 @@ static void test_l1_checksum_off(void **state)
     assert_int_equal(kvt_l1_release(f->l1, KVT_OWNER_DAEMON, rl), 0);
 }
 
+/* l2_backlog_max: objects waiting for their L2 write are kept while they fill at most that
+ * fraction of L1; past it a RESERVE that needs room evicts the oldest of them, unwritten and
+ * counted (l2_skipped). With 1 they all wait: a full L1 refuses until they are written. */
+static void test_l2_backlog(void **state)
+{
+    (void)state;
+    for (int mode = 0; mode < 2; mode++) {
+        char err[KVT_ERR_LEN] = "";
+        fx_t fx = {0}, *f = &fx;
+        f->cfg = kvt_config_new();
+        assert_int_equal(kvt_config_set(f->cfg, "l1_size", "16M", false, err, sizeof err), 0);
+        assert_int_equal(kvt_config_set(f->cfg, "allow_unpinned", "true", false, err, sizeof err),
+                         0);
+        assert_int_equal(kvt_config_set(f->cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
+        assert_int_equal(kvt_config_set(f->cfg, "l1.adopt", "false", false, err, sizeof err), 0);
+        assert_int_equal(kvt_config_set(f->cfg, "l2_backlog_max", mode == 0 ? "0.5" : "1", false,
+                                        err, sizeof err),
+                         0);
+        f->l1 = kvt_l1_new(f->cfg, err, sizeof err);
+        assert_non_null(f->l1);
+        f->base = kvt_l1_base(f->l1);
+        f->cap = kvt_l1_capacity(f->l1);
+        kvt_l1_set_l2_writes(f->l1, 1);
+        kvt_ns_t ns = s_ns("b", "");
+        uint32_t total = (uint32_t)(f->cap / MiB); /* 16 */
+        kvt_key_t o[MAXN];
+        s_keys(o, 11, 0, total);
+        for (uint32_t i = 0; i < total; i++) /* o0 is the oldest */
+            assert_int_equal(s_store(f, 1, &ns, &o[i], 1, MiB), 1);
+        /* the first half is written to L2: evictable as usual */
+        for (uint32_t i = 0; i < total / 2; i++)
+            kvt_l1_l2_written(f->l1, &ns, &o[i]);
+        json_t *st = kvt_l1_status_json(f->l1);
+        json_t *bl = json_object_get(st, "l2_backlog");
+        assert_int_equal(json_integer_value(json_object_get(bl, "objects")), total / 2);
+        assert_int_equal(json_integer_value(json_object_get(bl, "bytes")), (total / 2) * MiB);
+        assert_int_equal(json_integer_value(json_object_get(bl, "max_bytes")),
+                         mode == 0 ? (json_int_t)(f->cap / 2) : -1);
+        json_decref(st);
+
+        /* 8 more: the 8 written ones go first, the backlog (exactly half) is left alone */
+        kvt_key_t n1[8];
+        s_keys(n1, 12, 0, 8);
+        assert_int_equal(s_store(f, 1, &ns, n1, 8, MiB), 8);
+        for (uint32_t i = 0; i < total / 2; i++)
+            assert_false(s_present(f, &ns, &o[i]));
+        for (uint32_t i = total / 2; i < total; i++)
+            assert_true(s_present(f, &ns, &o[i]));
+        /* now all 16 wait (8 of o, 8 of n1): past 0.5 the oldest of them go; at 1 L1 refuses */
+        kvt_key_t n2[4];
+        s_keys(n2, 13, 0, 4);
+        kvt_slot_t slots[4];
+        uint32_t nslots = 0;
+        uint64_t lease = 0;
+        assert_int_equal(kvt_l1_reserve(f->l1, 1, &ns, n2, 4, NULL, MiB, slots, &nslots, &lease,
+                                        err, sizeof err),
+                         mode == 0 ? 0 : KVT_ENOSPC);
+        st = kvt_l1_status_json(f->l1);
+        bl = json_object_get(st, "l2_backlog");
+        if (mode == 0) {
+            assert_int_equal(nslots, 4);
+            uint32_t stored = 0;
+            assert_int_equal(kvt_l1_commit(f->l1, 1, lease, NULL, 0, &stored, err, sizeof err), 0);
+            for (uint32_t i = total / 2; i < total / 2 + 4; i++) /* the oldest waiting */
+                assert_false(s_present(f, &ns, &o[i]));
+            for (uint32_t i = total / 2 + 4; i < total; i++)
+                assert_true(s_present(f, &ns, &o[i]));
+            assert_int_equal(json_integer_value(json_object_get(bl, "skipped")), 4);
+            assert_int_equal(json_integer_value(json_object_get(bl, "skipped_bytes")), 4 * MiB);
+        } else {
+            for (uint32_t i = total / 2; i < total; i++)
+                assert_true(s_present(f, &ns, &o[i]));
+            assert_int_equal(json_integer_value(json_object_get(bl, "skipped")), 0);
+            /* once written they may go, and the store goes through */
+            for (uint32_t i = total / 2; i < total; i++)
+                kvt_l1_l2_written(f->l1, &ns, &o[i]);
+            assert_int_equal(s_store(f, 1, &ns, n2, 4, MiB), 4);
+        }
+        json_decref(st);
+        kvt_l1_destroy(&f->l1);
+        kvt_config_destroy(&f->cfg);
+    }
+}
+
 /* debug.fail_alloc_every: the injected failures answer ENOSPC (a first key) or cut the batch to
  * the prefix before it, never harm what is stored, and the next allocation works again. */
 static void test_fail_alloc_injection(void **state)
@@ -1547,6 +1631,7 @@ int main(void)
         T(test_l1_checksum_off),
         cmocka_unit_test(test_index_100k),
         cmocka_unit_test(test_fail_alloc_injection),
+        cmocka_unit_test(test_l2_backlog),
         cmocka_unit_test(test_max_leased_bytes),
         cmocka_unit_test(test_l1_checksum),
         cmocka_unit_test(test_adopted_objects_checked_before_served),

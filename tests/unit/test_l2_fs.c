@@ -50,7 +50,8 @@
 static atomic_int s_fault_open_direct;  /* openat with O_DIRECT fails with EINVAL */
 static atomic_int s_fault_write_direct; /* pwritev on an O_DIRECT fd fails with EINVAL */
 static atomic_int s_fault_write_errno;  /* every pwritev fails with this errno */
-static atomic_int s_fault_sync_errno;   /* every fdatasync fails with this errno */
+static atomic_int s_fault_sync_errno;   /* every fdatasync and syncfs fails with this errno */
+static atomic_int s_fdatasyncs, s_syncfses; /* calls made */
 static atomic_int s_direct_opens;       /* successful openat calls with O_DIRECT */
 
 int openat(int dirfd, const char *path, int flags, ...)
@@ -88,12 +89,24 @@ ssize_t pwritev(int fd, const struct iovec *iov, int n, off_t off)
 
 int fdatasync(int fd)
 {
+    atomic_fetch_add(&s_fdatasyncs, 1);
     int e = atomic_load(&s_fault_sync_errno);
     if (e) {
         errno = e;
         return -1;
     }
     return (int)syscall(SYS_fdatasync, fd);
+}
+
+int syncfs(int fd)
+{
+    atomic_fetch_add(&s_syncfses, 1);
+    int e = atomic_load(&s_fault_sync_errno);
+    if (e) {
+        errno = e;
+        return -1;
+    }
+    return (int)syscall(SYS_syncfs, fd);
 }
 
 static void s_faults_clear(void)
@@ -979,6 +992,9 @@ static void test_disk_errors(void **state)
     atomic_store(&s_fault_write_errno, EIO);
     assert_int_equal(s_ops()->store(fs, b, d, 100), KVT_EIO);
     atomic_store(&s_fault_write_errno, 0);
+    /* sync=object: a store whose fdatasync fails is not stored */
+    s_ops()->close(fs);
+    fs = s_open(c, "sync=object");
     atomic_store(&s_fault_sync_errno, EIO);
     assert_int_equal(s_ops()->store(fs, b, d, 100), KVT_EIO);
     assert_int_equal(s_ops()->health(fs, why, sizeof why), KVT_EIO);
@@ -1006,6 +1022,59 @@ static void test_disk_errors(void **state)
 }
 
 /* Root ignores permissions, so an unwritable directory is simulated by removing it. */
+/* What each sync mode syncs, and when: object per store (fdatasync), batch once per flush
+ * (syncfs, none when nothing was stored since), none never. A failed syncfs fails the flush
+ * and turns health red; the objects stay readable (their bytes are in the page cache). */
+static void test_sync_modes(void **state)
+{
+    ctx_t *c = *state;
+    static const struct {
+        const char *opts;
+        int fdatasyncs, syncfs_first, syncfs_again;
+    } modes[] = {
+        {"sync=object", 3, 0, 0}, {NULL, 0, 1, 0}, {"sync=batch", 0, 1, 0}, {"sync=none", 0, 0, 0}};
+    uint8_t *d = s_alloc(64 * 1024);
+    for (size_t m = 0; m < sizeof modes / sizeof modes[0]; m++) {
+        void *fs = s_open(c, modes[m].opts);
+        atomic_store(&s_fdatasyncs, 0);
+        atomic_store(&s_syncfses, 0);
+        for (unsigned i = 0; i < 3; i++) {
+            char name[KVT_L2_NAME_LEN];
+            s_name(100 * (unsigned)m + i, name);
+            s_fill(d, 64 * 1024, i);
+            assert_int_equal(s_ops()->store(fs, name, d, 64 * 1024), 0);
+        }
+        assert_int_equal(atomic_load(&s_fdatasyncs), modes[m].fdatasyncs);
+        assert_int_equal(atomic_load(&s_syncfses), 0);
+        assert_int_equal(s_ops()->flush(fs), 0);
+        assert_int_equal(atomic_load(&s_syncfses), modes[m].syncfs_first);
+        assert_int_equal(s_ops()->flush(fs), 0);
+        assert_int_equal(atomic_load(&s_syncfses), modes[m].syncfs_first + modes[m].syncfs_again);
+        for (unsigned i = 0; i < 3; i++) {
+            char name[KVT_L2_NAME_LEN];
+            s_name(100 * (unsigned)m + i, name);
+            s_check_seed(fs, name, 64 * 1024, i);
+        }
+        s_ops()->close(fs);
+    }
+
+    /* batch: the store succeeds, its flush fails and says so */
+    void *fs = s_open(c, "sync=batch");
+    char name[KVT_L2_NAME_LEN], why[256];
+    s_name(999, name);
+    s_fill(d, 64 * 1024, 7);
+    atomic_store(&s_fault_sync_errno, EIO);
+    assert_int_equal(s_ops()->store(fs, name, d, 64 * 1024), 0);
+    assert_int_equal(s_ops()->flush(fs), KVT_EIO);
+    assert_int_equal(s_ops()->health(fs, why, sizeof why), KVT_EIO);
+    assert_non_null(strstr(why, "last write failed: Input/output error"));
+    atomic_store(&s_fault_sync_errno, 0);
+    assert_int_equal(s_ops()->flush(fs), 0); /* not covered yet: synced now */
+    s_check_seed(fs, name, 64 * 1024, 7);
+    s_ops()->close(fs);
+    free(d);
+}
+
 static void test_health_removed_dir(void **state)
 {
     ctx_t *c = *state;
@@ -1039,7 +1108,7 @@ static void test_health_removed_dir(void **state)
 static void test_bad_args(void **state)
 {
     ctx_t *c = *state;
-    char bad[8][300];
+    char bad[9][300];
     snprintf(bad[0], sizeof bad[0], "%s", "");
     snprintf(bad[1], sizeof bad[1], "%s", ",capacity=1G");
     snprintf(bad[2], sizeof bad[2], "%s,capacity=xyz", c->dir);
@@ -1048,10 +1117,11 @@ static void test_bad_args(void **state)
     snprintf(bad[5], sizeof bad[5], "%s,direct=maybe", c->dir);
     snprintf(bad[6], sizeof bad[6], "%s,capacity", c->dir);
     snprintf(bad[7], sizeof bad[7], "%s/file/sub", c->dir); /* under a regular file */
+    snprintf(bad[8], sizeof bad[8], "%s,sync=always", c->dir);
     char p[600];
     snprintf(p, sizeof p, "%s/file", c->dir);
     s_write_file(p, "x");
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         char err[256] = "";
         void *fs = (void *)1;
         int rc = s_ops()->open(bad[i], &fs, err, sizeof err);
@@ -1192,6 +1262,7 @@ int main(void)
         T(test_direct_write_fallback),
         T(test_disk_errors),
         T(test_vectored),
+        T(test_sync_modes),
         T(test_health_removed_dir),
         T(test_bad_args),
     };

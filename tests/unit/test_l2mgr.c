@@ -16,6 +16,7 @@
 #include "kvt_prefetch.h"
 #include "kvt_supervisor.h"
 
+#include <errno.h>
 #include <ftw.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -26,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -34,6 +36,21 @@
 #define N 6
 #define OBJ 10000u
 #define NS "test-l2mgr/ns"
+
+/* The fs adapter's syncfs (sync=batch) binds to this one ahead of libc's: counted, and made to
+ * fail on demand. */
+static atomic_int s_syncfs_calls, s_syncfs_errno;
+
+int syncfs(int fd)
+{
+    atomic_fetch_add(&s_syncfs_calls, 1);
+    int e = atomic_load(&s_syncfs_errno);
+    if (e) {
+        errno = e;
+        return -1;
+    }
+    return (int)syscall(SYS_syncfs, fd);
+}
 
 typedef struct {
     kvt_config_t *cfg;
@@ -312,6 +329,54 @@ static void test_stop_drains(void **state)
     nftw(dir, s_rm, 16, FTW_DEPTH | FTW_PHYS);
 }
 
+/* fs with sync=batch: objects are announced as l2_stored only after a flush (one syncfs for a
+ * group) succeeded; a failed flush announces nothing, counts the errors and still lets the
+ * objects go from L1 (nothing waits forever). sync=object never calls syncfs. */
+static void test_flush_before_stored(void **state)
+{
+    (void)state;
+    for (int round = 0; round < 3; round++) {
+        char dir[] = "/tmp/kvt-l2mgr-XXXXXX", spec[160];
+        assert_non_null(mkdtemp(dir));
+        snprintf(spec, sizeof spec, "fs:%s,sync=%s", dir, round == 2 ? "object" : "batch");
+        atomic_store(&s_syncfs_calls, 0);
+        atomic_store(&s_syncfs_errno, round == 1 ? EIO : 0);
+        rig_t g;
+        s_open(&g, spec);
+        s_commit_and_queue(&g);
+        if (round == 1) {
+            for (int i = 0; i < 1000 && s_metric(&g, "l2_errors_total") < N; i++)
+                s_sleep_ms(10);
+            assert_true(s_metric(&g, "l2_errors_total") >= N);
+            assert_int_equal(atomic_load(&g.stored), 0);
+            assert_true(atomic_load(&s_syncfs_calls) >= 1);
+        } else {
+            s_wait_stored(&g, N);
+            if (round == 0) {
+                assert_true(atomic_load(&s_syncfs_calls) >= 1);
+                assert_true(atomic_load(&s_syncfs_calls) <= N); /* grouped, never more */
+                assert_true(s_metric(&g, "l2_flushes_total") >= 1);
+            } else {
+                assert_int_equal(atomic_load(&s_syncfs_calls), 0);
+            }
+        }
+        /* either way nothing is left waiting for L2 in L1 */
+        json_t *st = kvt_l1_status_json(g.l1);
+        json_t *bl = json_object_get(st, "l2_backlog");
+        for (int i = 0; i < 1000 && json_integer_value(json_object_get(bl, "objects")) != 0; i++) {
+            json_decref(st);
+            s_sleep_ms(10);
+            st = kvt_l1_status_json(g.l1);
+            bl = json_object_get(st, "l2_backlog");
+        }
+        assert_int_equal(json_integer_value(json_object_get(bl, "objects")), 0);
+        json_decref(st);
+        atomic_store(&s_syncfs_errno, 0);
+        s_close(&g);
+        nftw(dir, s_rm, 16, FTW_DEPTH | FTW_PHYS);
+    }
+}
+
 int main(void)
 {
     kvt_log_set_level(KVT_LOG_ERROR);
@@ -320,6 +385,7 @@ int main(void)
         cmocka_unit_test(test_corrupt_is_a_miss),
         cmocka_unit_test(test_failing_adapter),
         cmocka_unit_test(test_stop_drains),
+        cmocka_unit_test(test_flush_before_stored),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
