@@ -1037,7 +1037,8 @@ def test_store_burst_faster_than_l2(daemon_factory, client, backlog):
     stored_total = l2_value(d, "kvtier_l2_stored_total", "mock:")
     backlog_now = d.http_json("GET", "/status")["l1"]["l2_backlog"]
     sent = stats["batches"] * 4 * 256 * 1024
-    assert sent >= BURST_S * 0.5 * 200 * MiB, "the clients stored only %d MiB" % (sent >> 20)
+    # a burst: at least twice what L2 writes (a sanitizer build may not reach the 4x asked)
+    assert sent >= BURST_S * 2 * 50 * MiB, "the clients stored only %d MiB" % (sent >> 20)
     if backlog == "0.5":
         assert skipped > 0, "nothing skipped while L2 was 4x too slow"
         assert stats["refused"] == 0, stats     # new objects always found room
