@@ -354,7 +354,8 @@ def test_fs_l2_survives_a_restart(daemon_factory, client, tmp_path):
 
 
 def test_four_times_l1_stays_reachable_through_fs(daemon_factory, client):
-    d = daemon_factory()                          # --l1-size 64M, default fs L2
+    # --l1-size 64M, default fs L2; every object must reach L2: none may be evicted unwritten
+    d = daemon_factory("--l2-backlog-max", "1")
     s, arena = client(d, "flood")
     n = 256
     ks = keys_of(b"flood", n)
@@ -539,7 +540,8 @@ def test_plugin_adapter(daemon_factory, client):
         pytest.skip("%s is unset or missing (make builds build/kvtier-l2-example.so)"
                     % PLUGIN_ENV)
     spec = "plugin:" + os.path.abspath(so)
-    d = daemon_factory("--l2", spec, "--l1-size", "8M")
+    # every object must reach L2: none may be evicted unwritten past l2_backlog_max
+    d = daemon_factory("--l2", spec, "--l1-size", "8M", "--l2-backlog-max", "1")
     s, arena = client(d, "plugin")
     ks = keys_of(b"plug", 32)                   # 32 MiB through an 8 MiB L1
     store_all(d, s, arena, NS, ks, [data_of(k, MiB) for k in ks], batch=4)
@@ -557,7 +559,7 @@ def test_plugin_adapter(daemon_factory, client):
 
     # the example keeps objects in process memory: a restart starts empty
     assert d.stop(signal.SIGTERM) == 0
-    d2 = daemon_factory("--l2", spec, "--l1-size", "8M")
+    d2 = daemon_factory("--l2", spec, "--l1-size", "8M", "--l2-backlog-max", "1")
     s2, _ = client(d2, "plugin-2")
     assert d2.lookup(s2, NS, ks)["hits"] == 0
 

@@ -239,7 +239,7 @@ def test_eviction_turns_into_misses(daemon_factory, backends):
 def test_pages_only_in_l2_are_loaded_back(daemon_factory, backends):
     """With the fs L2 (the default): pages evicted from L1 still count in batch_exists and
     come back byte-exact through batch_get_v1 (a prefetch)."""
-    d = daemon_factory("--l1-size", "8M")
+    d = daemon_factory("--l1-size", "8M", "--l2-backlog-max", "1")  # all pages reach L2
     pool = HostPool(pages=64, layers=8, heads=4, head_dim=128, page_size=16)
     c = Controller(backends(d.ipc, pool, extra={"timeout_ms": 5000}), pool)
     keys = hashes(48)
@@ -520,7 +520,8 @@ def test_without_shared_memory_pages_ride_put_and_get(daemon_factory, backends):
 def test_slow_l2_is_not_an_outage(daemon_factory, backends):
     """Pages only a slow L2 holds (mock, 5 ms a lookup): batch_exists counts them and
     batch_get_v1 loads them, without a timeout, an outage or a miss."""
-    d = daemon_factory("--l1-size", "16M", "--l2", "mock:latency_ms=5")
+    d = daemon_factory("--l1-size", "16M", "--l2", "mock:latency_ms=5",
+                       "--l2-backlog-max", "1")                    # all pages reach L2
     pool = HostPool(pages=200, layers=8, heads=4, head_dim=128)        # 256 KiB pages
     c = Controller(backends(d.ipc, pool), pool)
     keys = hashes(96, "slow")
