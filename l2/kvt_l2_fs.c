@@ -387,6 +387,25 @@ static int s_buffered(int fd)
     return fl < 0 || fcntl(fd, F_SETFL, fl & ~O_DIRECT) != 0 ? errno : 0;
 }
 
+/* The part of a direct transfer after its aligned body: O_DIRECT off, then `len` bytes at file
+ * offset `body` from or into iov past its first `body` bytes (the body lies in iov[0]). */
+static int s_tail(int fd, bool write, const struct iovec *iov, int n, size_t body, size_t len,
+                  size_t *done)
+{
+    *done = 0;
+    int e = s_buffered(fd);
+    if (e)
+        return e;
+    struct iovec rest[KVT_L2_IOV_MAX];
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        size_t skip = i == 0 ? body : 0;
+        if (iov[i].iov_len > skip)
+            rest[k++] = (struct iovec){(char *)iov[i].iov_base + skip, iov[i].iov_len - skip};
+    }
+    return s_rwv_all(fd, write, rest, k, len, (off_t)body, done);
+}
+
 /* O_DIRECT write: the aligned body straight from the first (aligned) vector, then O_DIRECT off
  * and the rest — the first vector's tail and the others, in the daemon's case less than a page
  * plus the trailer — through the page cache, from the caller's vectors. The file gets its exact
@@ -398,18 +417,9 @@ static int s_write_direct(int fd, const struct iovec *iov, int n)
     size_t total = s_iov_total(iov, n);
     size_t body = iov[0].iov_len & ~(size_t)(S_ALIGN - 1), done = 0;
     int e = s_pwrite_all(fd, iov[0].iov_base, body, 0, &done);
-    if (!e && body < total)
-        e = s_buffered(fd);
     if (!e && body < total) {
-        struct iovec rest[KVT_L2_IOV_MAX];
-        int k = 0;
-        for (int i = 0; i < n; i++) {
-            size_t skip = i == 0 ? body : 0;
-            if (iov[i].iov_len > skip)
-                rest[k++] = (struct iovec){(char *)iov[i].iov_base + skip, iov[i].iov_len - skip};
-        }
         size_t tdone = 0;
-        e = s_rwv_all(fd, true, rest, k, total - body, (off_t)body, &tdone);
+        e = s_tail(fd, true, iov, n, body, total - body, &tdone);
         done += tdone;
     }
     if (e == EINVAL && done > 0)
@@ -649,18 +659,8 @@ static int s_read_direct(int fd, const struct iovec *iov, int n, size_t size, si
     int e = s_pread_all(fd, iov[0].iov_base, body, want, 0, got);
     if (e || body == size)
         return e;
-    e = s_buffered(fd);
-    if (e)
-        return e;
-    struct iovec rest[KVT_L2_IOV_MAX];
-    int k = 0;
-    for (int i = 0; i < n; i++) {
-        size_t skip = i == 0 ? body : 0;
-        if (iov[i].iov_len > skip)
-            rest[k++] = (struct iovec){(char *)iov[i].iov_base + skip, iov[i].iov_len - skip};
-    }
     size_t tgot = 0;
-    e = s_rwv_all(fd, false, rest, k, size - body, (off_t)body, &tgot);
+    e = s_tail(fd, false, iov, n, body, size - body, &tgot);
     *got += tgot;
     return e;
 }
