@@ -684,7 +684,8 @@ FUZZ_LMC_SRC    := tests/fuzz/fuzz_lmc.c protocol/kvt_lmc.c protocol/kvt_msg.c p
                    common/kvt_error.c common/kvt_log.c daemon/kvt_lmc_registry.c common/kvt_u64map.c
 FUZZ_RING_SRC   := tests/fuzz/fuzz_ring.c common/kvt_ring.c common/kvt_error.c
 FUZZ_JOURNAL_SRC := tests/fuzz/fuzz_journal.c storage/kvt_journal.c common/kvt_error.c
-FUZZ_TARGETS  := decode config lmc ring journal
+FUZZ_SEGLOG_SRC := tests/fuzz/fuzz_seglog.c l2/kvt_seglog.c common/kvt_error.c common/kvt_log.c
+FUZZ_TARGETS  := decode config lmc ring journal seglog
 FUZZ_BINS     := $(addprefix $(FUZZ_DIR)/fuzz_,$(FUZZ_TARGETS))
 # Seconds per target: FUZZ_SECONDS, except where FUZZ_SECONDS_<target> says otherwise.
 FUZZ_SECONDS_ring ?= $(FUZZ_SECONDS)
@@ -720,6 +721,10 @@ $(FUZZ_DIR)/fuzz_ring: $(FUZZ_RING_SRC) common/kvt_ring.h common/kvt_error.h
 $(FUZZ_DIR)/fuzz_journal: $(FUZZ_JOURNAL_SRC) storage/kvt_journal.h common/kvt_key.h common/kvt_le.h common/kvt_error.h
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $(FUZZ_JOURNAL_SRC) -lxxhash
+
+$(FUZZ_DIR)/fuzz_seglog: $(FUZZ_SEGLOG_SRC) l2/kvt_seglog.h common/kvt_error.h common/kvt_log.h
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $(FUZZ_SEGLOG_SRC) -lxxhash
 
 $(FUZZ_DIR)/fuzz_config: $(FUZZ_CONFIG_SRC) $(wildcard common/*.h config/*.h)
 	@mkdir -p $(dir $@)

@@ -1,6 +1,15 @@
-/* DESIGN: the `fs` L2 adapter — one file per object under one directory (local NVMe).
+/* DESIGN: the `fs` L2 adapter — objects under one directory (local NVMe), in one of two layouts.
  *
- * Spec: "fs:DIR[,capacity=SIZE][,direct=auto|on|off][,sync=batch|object|none]". Layout:
+ * Spec: "fs:DIR[,capacity=SIZE][,direct=auto|on|off][,sync=batch|object|none]
+ *        [,layout=auto|segments|files][,segment_size=SIZE]".
+ * layout=segments (the default for a new directory; auto keeps a directory's layout): objects
+ * are records appended to large segment files, DIR/seg/ (kvt_seglog.h has the format). A store
+ * costs its data and no filesystem metadata; remove appends a tombstone; capacity bounds the
+ * segment files, and when they would exceed it the oldest segment goes with the objects it still
+ * holds (FIFO by segment: evictions counted like the files layout's). The index is rebuilt at
+ * open from the segments' footers, in write order. sync=object fdatasyncs the segment after
+ * every record, batch leaves it to flush()'s syncfs, none to the kernel.
+ * layout=files: one file per object, as below. Layout of DIR:
  *   DIR/.lock       flock()ed while open: two daemons on one DIR would unlink each other's
  *                   temp files and keep two different indexes, so the second open is refused.
  *   DIR/.tmp/       NAME.<seq> files being written; anything found there at open is a leftover
@@ -48,6 +57,7 @@
 #include "kvt_error.h"
 #include "kvt_l2.h"
 #include "kvt_log.h"
+#include "kvt_seglog.h"
 #include "kvt_size.h"
 
 #include <dirent.h>
@@ -81,6 +91,10 @@
 
 typedef enum { S_DIRECT_OFF, S_DIRECT_AUTO, S_DIRECT_ON } s_direct_t;
 typedef enum { S_SYNC_BATCH, S_SYNC_OBJECT, S_SYNC_NONE } s_sync_t;
+typedef enum { S_LAYOUT_AUTO, S_LAYOUT_SEGMENTS, S_LAYOUT_FILES } s_layout_t;
+/* Default segment size: large enough that creating one is rare, small enough that the oldest
+ * one is a small part of a typical capacity. */
+#define S_SEGMENT_SIZE (256ull << 20)
 
 typedef struct s_obj {
     struct s_obj *hnext; /* hash chain */
@@ -90,6 +104,8 @@ typedef struct s_obj {
     uint64_t size;
     uint64_t gen;          /* unique per commit: tells a re-stored object from the one seen */
     struct timespec mtime; /* at open only: the scan's sort key */
+    kvt_segloc_t loc;      /* layout=segments: where the record is */
+    bool hit;              /* layout=segments: loaded since written: a reclaim moves it */
     char name[];
 } s_obj_t;
 
@@ -103,6 +119,11 @@ typedef struct {
     uint64_t capacity; /* 0 = unlimited */
     s_direct_t mode;
     s_sync_t sync;
+    s_layout_t layout;
+    uint64_t segment_size; /* as configured; seg_bytes: as used (a small capacity lowers it) */
+    uint64_t seg_bytes;
+    kvt_seglog_t *log;         /* layout=segments */
+    pthread_mutex_t room_lock; /* layout=segments: one reclaim at a time */
     atomic_bool direct; /* O_DIRECT in use now: auto may switch it off once */
     atomic_uint_fast64_t seq;
     /* sync=batch: stores that returned so far, and how many of them the last syncfs covered
@@ -518,6 +539,244 @@ static int s_commit(s_fs_t *self, const char *tmp, s_obj_t *o)
     return e;
 }
 
+/* ---- layout=segments ---------------------------------------------------------------------- */
+
+typedef struct {
+    uint64_t hash, gen, size;
+    char name[S_NAME_MAX + 1];
+} s_cand_t;
+
+/* Moves one object of the segment being reclaimed to a new record, under its name's stripe (if
+ * free: the reclaimer may hold another stripe, and must not wait for one). */
+static bool s_seg_move(s_fs_t *self, kvt_seg_t *seg, const s_cand_t *c)
+{
+    pthread_mutex_t *stripe = s_stripe(self, c->hash);
+    if (pthread_mutex_trylock(stripe) != 0)
+        return false;
+    pthread_mutex_lock(&self->lock);
+    s_obj_t *o = s_find(self, c->name, c->hash);
+    bool same = o && o->gen == c->gen && o->loc.seg == seg;
+    kvt_segloc_t loc = same ? o->loc : (kvt_segloc_t){0};
+    pthread_mutex_unlock(&self->lock);
+    size_t cap = (c->size + S_ALIGN - 1) & ~(size_t)(S_ALIGN - 1);
+    void *b = same ? aligned_alloc(S_ALIGN, cap ? cap : S_ALIGN) : NULL;
+    bool moved = false;
+    if (b) {
+        struct iovec rd = {b, cap}, wr = {b, c->size};
+        kvt_segloc_t nloc;
+        if (kvt_seglog_read(self->log, &loc, c->size, &rd, 1) == 0 &&
+            kvt_seglog_append(self->log, c->name, strlen(c->name), &wr, 1, &nloc) == 0) {
+            pthread_mutex_lock(&self->lock);
+            o = s_find(self, c->name, c->hash);
+            moved = o && o->gen == c->gen;
+            if (moved) { /* the old record goes with its segment: no kvt_seglog_dead */
+                o->loc = nloc;
+                o->hit = false;
+            } else {
+                kvt_seglog_dead(self->log, &nloc);
+            }
+            pthread_mutex_unlock(&self->lock);
+            kvt_seglog_done(self->log, &nloc);
+        }
+        free(b);
+    }
+    pthread_mutex_unlock(stripe);
+    return moved;
+}
+
+/* Reclaim's second chance: objects loaded since they were written move to a new segment
+ * instead of going with the old one, up to half a segment's bytes per reclaim (so a reclaim
+ * always frees room) — FIFO with reinsertion, close to LRU at a fraction of its writes. */
+static uint64_t s_seg_rescue(s_fs_t *self, kvt_seg_t *seg)
+{
+    s_cand_t *c = NULL;
+    size_t n = 0, cap = 0;
+    uint64_t budget = self->seg_bytes / 2, moved = 0;
+    pthread_mutex_lock(&self->lock);
+    for (s_obj_t *o = self->newest; o && budget; o = o->older) { /* most recently used first */
+        if (o->loc.seg != seg || !o->hit || o->size > budget)
+            continue;
+        if (n == cap) {
+            size_t ncap = cap ? cap * 2 : 16;
+            s_cand_t *x = realloc(c, ncap * sizeof *x);
+            if (!x)
+                break;
+            c = x;
+            cap = ncap;
+        }
+        c[n] = (s_cand_t){o->hash, o->gen, o->size, ""};
+        memcpy(c[n++].name, o->name, strlen(o->name) + 1);
+        budget -= o->size;
+    }
+    pthread_mutex_unlock(&self->lock);
+    for (size_t i = 0; i < n; i++)
+        moved += s_seg_move(self, seg, &c[i]);
+    free(c);
+    return moved;
+}
+
+/* Reclaims the oldest segments until `need` more bytes fit the capacity: their objects leave the
+ * index (evicted) first, so no load can find them once the file goes; loads already reading
+ * hold the segment. Gives up when the only segment left is taking appends. */
+static void s_seg_room(s_fs_t *self, uint64_t need)
+{
+    if (!self->capacity)
+        return;
+    pthread_mutex_lock(&self->room_lock);
+    uint64_t n = 0, bytes = 0, rescued = 0;
+    for (;;) {
+        uint64_t disk;
+        kvt_seglog_usage(self->log, &disk, NULL);
+        if (disk + need <= self->capacity)
+            break;
+        kvt_seg_t *seg = kvt_seglog_oldest(self->log);
+        if (!seg)
+            break;
+        rescued += s_seg_rescue(self, seg);
+        s_obj_t *gone = NULL;
+        pthread_mutex_lock(&self->lock);
+        for (size_t i = 0; i < self->nbuckets; i++)
+            for (s_obj_t *o = self->buckets[i], *next; o; o = next) {
+                next = o->hnext;
+                if (o->loc.seg != seg)
+                    continue;
+                s_detach(self, o); /* no kvt_seglog_dead: the whole segment goes */
+                o->hnext = gone;
+                gone = o;
+            }
+        pthread_mutex_unlock(&self->lock);
+        kvt_seglog_reclaim(self->log, seg);
+        for (s_obj_t *o; (o = gone);) {
+            gone = o->hnext;
+            n++;
+            bytes += o->size;
+            free(o);
+        }
+    }
+    pthread_mutex_unlock(&self->room_lock);
+    if (n || rescued)
+        kvt_log(KVT_LOG_DEBUG,
+                "l2 fs:%s: %llu objects (%llu bytes) evicted with their segments, %llu moved on",
+                self->path, (unsigned long long)n, (unsigned long long)bytes,
+                (unsigned long long)rescued);
+}
+
+/* Puts o (appended at o->loc) into the index in place of the name's previous record. */
+static void s_seg_index(s_fs_t *self, s_obj_t *o)
+{
+    pthread_mutex_lock(&self->lock);
+    s_obj_t *old = s_find(self, o->name, o->hash);
+    if (old) {
+        s_detach(self, old);
+        kvt_seglog_dead(self->log, &old->loc);
+    }
+    s_insert(self, o);
+    pthread_mutex_unlock(&self->lock);
+    free(old);
+}
+
+/* Under the name's stripe, so the log has a name's records in the order the index saw them. */
+static int s_seg_store(s_fs_t *self, s_obj_t *o, size_t nlen, const struct iovec *iov, int n)
+{
+    pthread_mutex_t *stripe = s_stripe(self, o->hash);
+    pthread_mutex_lock(stripe);
+    /* the record, its index entry, the header page of a new segment */
+    s_seg_room(self, o->size + nlen + 2 * S_ALIGN + 512);
+    int e = kvt_seglog_append(self->log, o->name, nlen, iov, n, &o->loc);
+    if (!e) {
+        kvt_segloc_t loc = o->loc; /* o may be gone once indexed (replaced, reclaimed) */
+        s_seg_index(self, o);
+        kvt_seglog_done(self->log, &loc);
+    }
+    pthread_mutex_unlock(stripe);
+    return e;
+}
+
+static int s_seg_remove(s_fs_t *self, const char *name, size_t nlen, uint64_t hash)
+{
+    pthread_mutex_t *stripe = s_stripe(self, hash);
+    pthread_mutex_lock(stripe);
+    pthread_mutex_lock(&self->lock);
+    bool found = s_find(self, name, hash) != NULL;
+    pthread_mutex_unlock(&self->lock);
+    int e = found ? kvt_seglog_tombstone(self->log, name, nlen) : ENOENT;
+    if (!e) {
+        pthread_mutex_lock(&self->lock);
+        s_obj_t *o = s_find(self, name, hash); /* a reclaim may have taken it meanwhile */
+        if (o) {
+            s_detach(self, o);
+            kvt_seglog_dead(self->log, &o->loc);
+        }
+        pthread_mutex_unlock(&self->lock);
+        free(o);
+    }
+    pthread_mutex_unlock(stripe);
+    return e;
+}
+
+/* Loads under a hold on the record's segment; the index lock is not held across the read. */
+static int s_seg_load(s_fs_t *self, const char *name, uint64_t hash, const struct iovec *iov, int n,
+                      size_t cap, size_t *len)
+{
+    pthread_mutex_lock(&self->lock);
+    s_obj_t *o = s_find(self, name, hash);
+    kvt_segloc_t loc = o ? o->loc : (kvt_segloc_t){0};
+    uint64_t size = o ? o->size : 0;
+    if (o && size <= cap)
+        kvt_seglog_hold(self->log, loc.seg);
+    pthread_mutex_unlock(&self->lock);
+    if (!o)
+        return ENOENT;
+    if (len)
+        *len = size;
+    if (size > cap)
+        return ENOBUFS;
+    int e = kvt_seglog_read(self->log, &loc, size, iov, n);
+    kvt_seglog_put(self->log, loc.seg);
+    if (!e) {
+        pthread_mutex_lock(&self->lock);
+        s_obj_t *cur = s_find(self, name, hash);
+        if (cur) {
+            s_lru_unlink(self, cur);
+            s_lru_push(self, cur);
+            cur->hit = true;
+        }
+        pthread_mutex_unlock(&self->lock);
+    }
+    return e;
+}
+
+/* kvt_seglog_scan's visitor at open: replays one record into the index. */
+static void s_seg_visit(void *arg, const char *name, size_t nlen, uint64_t size, bool tombstone,
+                        const kvt_segloc_t *loc)
+{
+    s_fs_t *self = arg;
+    size_t ok;
+    uint64_t hash = s_hash(name, nlen);
+    s_obj_t *o = NULL;
+    if (!tombstone && s_name_ok(name, &ok) && ok == nlen)
+        o = calloc(1, sizeof *o + nlen + 1);
+    if (o) {
+        memcpy(o->name, name, nlen + 1);
+        o->hash = hash;
+        o->size = size;
+        o->loc = *loc;
+        s_seg_index(self, o);
+        return;
+    }
+    /* a tombstone, or a record the index cannot hold: what it names is gone */
+    pthread_mutex_lock(&self->lock);
+    s_obj_t *old = s_find(self, name, hash);
+    if (old) {
+        s_detach(self, old);
+        kvt_seglog_dead(self->log, &old->loc);
+    }
+    pthread_mutex_unlock(&self->lock);
+    free(old);
+    if (!tombstone)
+        kvt_seglog_dead(self->log, loc);
+}
+
 /* ---- operations --------------------------------------------------------------------------- */
 
 static int s_storev(void *state, const char *name, const struct iovec *iov, int iovcnt)
@@ -541,21 +800,27 @@ static int s_storev(void *state, const char *name, const struct iovec *iov, int 
     o->hash = hash;
     o->size = len;
 
-    if (self->capacity) {
+    int e;
+    if (self->log) {
+        e = s_seg_store(self, o, nlen, iov, iovcnt);
         pthread_mutex_lock(&self->lock);
-        self->reserved += len;
-        pthread_mutex_unlock(&self->lock);
-        s_make_room(self, name, hash, true);
+    } else {
+        if (self->capacity) {
+            pthread_mutex_lock(&self->lock);
+            self->reserved += len;
+            pthread_mutex_unlock(&self->lock);
+            s_make_room(self, name, hash, true);
+        }
+        char tmp[S_NAME_MAX + 32];
+        snprintf(tmp, sizeof tmp, S_TMPDIR "/%s.%llu", name,
+                 (unsigned long long)atomic_fetch_add(&self->seq, 1));
+        e = s_write_tmp(self, tmp, iov, iovcnt);
+        if (!e)
+            e = s_commit(self, tmp, o);
+        pthread_mutex_lock(&self->lock);
+        if (self->capacity)
+            self->reserved -= len;
     }
-    char tmp[S_NAME_MAX + 32];
-    snprintf(tmp, sizeof tmp, S_TMPDIR "/%s.%llu", name,
-             (unsigned long long)atomic_fetch_add(&self->seq, 1));
-    int e = s_write_tmp(self, tmp, iov, iovcnt);
-    if (!e)
-        e = s_commit(self, tmp, o);
-    pthread_mutex_lock(&self->lock);
-    if (self->capacity)
-        self->reserved -= len;
     if (!e || s_code(e) != KVT_ENOMEM) { /* health reports the disk, not the heap */
         self->fail_ms = e ? kvt_now_ms() : 0;
         self->fail_errno = e;
@@ -568,7 +833,7 @@ static int s_storev(void *state, const char *name, const struct iovec *iov, int 
         return s_code(e);
     }
     atomic_fetch_add(&self->stores_done, 1);
-    if (self->capacity)
+    if (self->capacity && !self->log)
         s_make_room(self, name, hash, false);
     return 0;
 }
@@ -676,6 +941,16 @@ static int s_loadv(void *state, const char *name, const struct iovec *iov, int i
         if (iov[i].iov_len && !iov[i].iov_base)
             return KVT_EINVAL;
     uint64_t hash = s_hash(name, nlen), gen;
+    size_t cap = s_iov_total(iov, iovcnt);
+    if (self->log) {
+        int e = s_seg_load(self, name, hash, iov, iovcnt, cap, len);
+        if (e == ENOENT || e == ENOBUFS)
+            return e == ENOENT ? KVT_ENOTFOUND : KVT_ENOSPC;
+        if (e)
+            kvt_errrep_report(&self->rep, KVT_LOG_WARN, "l2 fs:%s: load %s: %s", self->path, name,
+                              strerror(e));
+        return e ? s_code(e) : 0;
+    }
     pthread_mutex_lock(&self->lock);
     const s_obj_t *o = s_find(self, name, hash);
     gen = o ? o->gen : 0;
@@ -685,7 +960,6 @@ static int s_loadv(void *state, const char *name, const struct iovec *iov, int i
 
     char rel[S_NAME_MAX + 8];
     s_rel(rel, sizeof rel, name, hash);
-    size_t cap = s_iov_total(iov, iovcnt);
     bool direct = atomic_load(&self->direct) && (uintptr_t)iov[0].iov_base % S_ALIGN == 0;
     size_t size = 0;
     int e;
@@ -756,6 +1030,13 @@ static int s_remove(void *state, const char *name)
     if (!s_name_ok(name, &nlen))
         return KVT_EINVAL;
     uint64_t hash = s_hash(name, nlen), gen;
+    if (self->log) {
+        int e = s_seg_remove(self, name, nlen, hash);
+        if (e && e != ENOENT)
+            kvt_errrep_report(&self->rep, KVT_LOG_WARN, "l2 fs:%s: remove %s: %s", self->path, name,
+                              strerror(e));
+        return e == ENOENT ? KVT_ENOTFOUND : e ? s_code(e) : 0;
+    }
     pthread_mutex_t *stripe = s_stripe(self, hash);
     pthread_mutex_lock(stripe);
     pthread_mutex_lock(&self->lock);
@@ -846,6 +1127,7 @@ static void s_close(void *state)
         }
         free(self->buckets);
     }
+    kvt_seglog_destroy(&self->log);
     if (self->dirfd >= 0)
         close(self->dirfd);
     if (self->lockfd >= 0)
@@ -854,6 +1136,7 @@ static void s_close(void *state)
         pthread_mutex_destroy(&self->stripes[i]);
     pthread_mutex_destroy(&self->lock);
     pthread_mutex_destroy(&self->flush_lock);
+    pthread_mutex_destroy(&self->room_lock);
     pthread_mutex_destroy(&self->rep.lock);
     free(self->path);
     self->tag = S_TAG_DEAD;
@@ -894,8 +1177,8 @@ static int s_choice(const char *val, const char *const *names)
 /* Parses "DIR[,capacity=SIZE][,direct=...][,sync=...]" into self; *dir points into `copy`. */
 static int s_parse(s_fs_t *self, char *copy, char **dir, char *err, size_t errlen)
 {
-    static const char usage[] =
-        "use fs:DIR[,capacity=SIZE][,direct=auto|on|off][,sync=batch|object|none]";
+    static const char usage[] = "use fs:DIR[,capacity=SIZE][,direct=auto|on|off][,sync=batch|"
+                                "object|none][,layout=auto|segments|files][,segment_size=SIZE]";
     char *save = NULL;
     *dir = copy[0] == ',' ? NULL : strtok_r(copy, ",", &save);
     if (!*dir || !**dir) {
@@ -928,6 +1211,20 @@ static int s_parse(s_fs_t *self, char *copy, char **dir, char *err, size_t errle
                 return KVT_EINVAL;
             }
             self->sync = (s_sync_t)m;
+        } else if (strcmp(opt, "layout") == 0 && val) {
+            static const char *const modes[] = {"auto", "segments", "files", NULL}; /* s_layout_t */
+            int m = s_choice(val, modes);
+            if (m < 0) {
+                s_err(err, errlen, "fs:%s: layout '%s' is not auto, segments or files", *dir, val);
+                return KVT_EINVAL;
+            }
+            self->layout = (s_layout_t)m;
+        } else if (strcmp(opt, "segment_size") == 0 && val) {
+            if (kvt_size_parse(val, &self->segment_size) != 0 || self->segment_size < (1u << 20)) {
+                s_err(err, errlen, "fs:%s: segment_size '%s' is not a size of at least 1M", *dir,
+                      val);
+                return KVT_EINVAL;
+            }
         } else {
             s_err(err, errlen, "fs:%s: unknown option '%s%s%s' (%s)", *dir, opt, val ? "=" : "",
                   val ? val : "", usage);
@@ -1077,6 +1374,33 @@ static int s_scan(s_fs_t *self)
     return e;
 }
 
+/* The layout DIR holds: segments where DIR/seg exists, files where fan-out directories do
+ * (a kvtier before segments wrote them), AUTO for a directory with neither. */
+static s_layout_t s_detect_layout(s_fs_t *self)
+{
+    struct stat st;
+    if (fstatat(self->dirfd, KVT_SEGLOG_DIR, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode))
+        return S_LAYOUT_SEGMENTS;
+    int fd = openat(self->dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+    if (!d) {
+        if (fd >= 0)
+            close(fd);
+        return S_LAYOUT_AUTO;
+    }
+    s_layout_t l = S_LAYOUT_AUTO;
+    for (struct dirent *de; l == S_LAYOUT_AUTO && (de = readdir(d));)
+        if (s_is_fanout(de->d_name))
+            l = S_LAYOUT_FILES;
+    closedir(d);
+    return l;
+}
+
+static const char *s_layout_name(s_layout_t l)
+{
+    return l == S_LAYOUT_FILES ? "files" : "segments";
+}
+
 /* At open, when the directory holds more than the capacity (it was lowered): oldest first. */
 static void s_trim(s_fs_t *self)
 {
@@ -1117,6 +1441,8 @@ static int s_open(const char *args, void **state, char *err, size_t errlen)
     self->rep = (kvt_errrep_t)KVT_ERRREP_INIT(S_ERRREP_MS);
     pthread_mutex_init(&self->lock, NULL);
     pthread_mutex_init(&self->flush_lock, NULL);
+    pthread_mutex_init(&self->room_lock, NULL);
+    self->segment_size = S_SEGMENT_SIZE;
     for (size_t i = 0; i < S_STRIPES; i++)
         pthread_mutex_init(&self->stripes[i], NULL);
     self->nbuckets = S_BUCKETS0;
@@ -1190,21 +1516,61 @@ static int s_open(const char *args, void **state, char *err, size_t errlen)
         atomic_store(&self->direct, e != EINVAL);
     }
 
-    e = s_scan(self);
+    s_layout_t found = s_detect_layout(self);
+    if (self->layout == S_LAYOUT_AUTO) {
+        self->layout = found == S_LAYOUT_AUTO ? S_LAYOUT_SEGMENTS : found;
+    } else if (found != S_LAYOUT_AUTO && found != self->layout) {
+        s_err(err, errlen,
+              "fs:%s: holds objects of layout=%s, not %s (use layout=auto or another "
+              "directory)",
+              self->path, s_layout_name(found), s_layout_name(self->layout));
+        rc = KVT_EINVAL;
+        goto fail;
+    }
+    uint64_t skipped = 0;
+    if (self->layout == S_LAYOUT_SEGMENTS) {
+        /* the oldest segment is what a reclaim frees: a small part of the capacity, and every
+         * stream's appending segment together well under it */
+        uint64_t seg = self->segment_size;
+        if (self->capacity && seg > self->capacity / 32)
+            seg = self->capacity / 32 > (64u << 10) ? self->capacity / 32 : 64u << 10;
+        self->seg_bytes = seg;
+        self->log = kvt_seglog_new(self->dirfd, self->path, seg,
+                                   self->sync == S_SYNC_OBJECT ? KVT_SEGLOG_SYNC_OBJECT
+                                                               : KVT_SEGLOG_SYNC_NONE,
+                                   atomic_load(&self->direct), err, errlen);
+        if (!self->log) {
+            rc = KVT_EIO;
+            goto fail;
+        }
+        e = kvt_seglog_scan(self->log, s_seg_visit, self, &skipped);
+    } else {
+        e = s_scan(self);
+    }
     if (e) {
         s_err(err, errlen, "fs:%s: cannot read the directory: %s", self->path, strerror(e));
         rc = s_code(e);
         goto fail;
     }
-    s_trim(self);
+    if (self->log)
+        s_seg_room(self, 0);
+    else
+        s_trim(self);
     char capstr[32] = "unlimited";
     if (self->capacity)
         snprintf(capstr, sizeof capstr, "%llu bytes", (unsigned long long)self->capacity);
+    uint64_t segs = 0;
+    if (self->log)
+        kvt_seglog_usage(self->log, NULL, &segs);
+    char layout[96] = "files";
+    if (self->log)
+        snprintf(layout, sizeof layout, "segments (%llu, %llu pages without a record skipped)",
+                 (unsigned long long)segs, (unsigned long long)skipped);
     kvt_log(KVT_LOG_INFO,
-            "l2 fs:%s: %llu objects, %llu bytes, capacity %s, O_DIRECT %s, sync=%s, %llu temp "
-            "files removed",
+            "l2 fs:%s: %llu objects, %llu bytes, capacity %s, layout %s, O_DIRECT %s, sync=%s, "
+            "%llu temp files removed",
             self->path, (unsigned long long)self->objects, (unsigned long long)self->used, capstr,
-            atomic_load(&self->direct) ? "on" : "off",
+            layout, atomic_load(&self->direct) ? "on" : "off",
             self->sync == S_SYNC_BATCH    ? "batch"
             : self->sync == S_SYNC_OBJECT ? "object"
                                           : "none",

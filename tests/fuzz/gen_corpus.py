@@ -2,8 +2,9 @@
 """Regenerates the msgpack seeds of tests/fuzz/corpus/: decode/ (one byte of request type, then a
 protocol v1 body, protocol/kvt_proto.h), lmc/ (one selector byte of fuzz_lmc.c, then an
 LMCache MP frame as msgspec encodes it: structs as maps with every field, in declaration order)
-and ring/ (fuzz_ring.c: a selector byte, a shared-memory ring's region, then a program of
-operations; the layout is common/kvt_ring.h's).
+ring/ (fuzz_ring.c: a selector byte, a shared-memory ring's region, then a program of
+operations; the layout is common/kvt_ring.h's) and seglog/ (fuzz_seglog.c: a program of
+appends and removes, then one damage to the files).
 Needs Debian's python3-msgpack: /usr/bin/python3 gen_corpus.py"""
 import os
 import struct
@@ -14,6 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "decode")
 LMC_OUT = os.path.join(HERE, "corpus", "lmc")
 RING_OUT = os.path.join(HERE, "corpus", "ring")
+SEGLOG_OUT = os.path.join(HERE, "corpus", "seglog")
 K1 = bytes(range(16))
 K2 = bytes(range(16, 32))
 H1 = bytes(range(64))
@@ -216,7 +218,48 @@ def ring():
             f.write(sel(cap, raw=(name == "raw")) + image[:RING_HDR + cap] + prog)
 
 
+def seg_append(name_id, length):
+    return bytes([name_id & 0x0f]) + struct.pack("<H", length)
+
+
+def seg_remove(name_id):
+    return bytes([0x80 | name_id])
+
+
+SEGLOG_PROGS = {
+    "small_objects": b"".join(seg_append(i, 100 + 37 * i) for i in range(16)),
+    "large_objects": b"".join(seg_append(i, 19000 - i) for i in range(8)),
+    "replace_remove": (seg_append(1, 5000) + seg_append(1, 7000) + seg_remove(1)
+                       + seg_append(2, 4096) + seg_remove(2) + seg_append(2, 4095)
+                       + seg_append(3, 0)),
+    "many_segments": b"".join(seg_append(i % 16, 12000 + i) for i in range(40)),
+}
+# damage: kind (1 cut, 2 flip, 3 delete an .idx, 4 replace an .idx), file pick (bit 7: an .idx),
+# then an offset (3 bytes) and for a flip the bit
+SEGLOG_DAMAGES = {
+    "none": b"",
+    "cut": bytes([1, 0]) + struct.pack("<I", 70000)[:3],
+    "flip": bytes([2, 1]) + struct.pack("<I", 4100)[:3] + b"\x03",
+    "flip_idx": bytes([2, 0x81]) + struct.pack("<I", 40)[:3] + b"\x05",
+    "no_idx": bytes([3, 0]),
+    "junk_idx": bytes([4, 0, 0, 0, 0]) + bytes(32) + b"n1",
+}
+
+
+def seglog():
+    os.makedirs(SEGLOG_OUT, exist_ok=True)
+    for pname, prog in SEGLOG_PROGS.items():
+        ops, i = 0, 0
+        while i < len(prog):
+            ops, i = ops + 1, i + (1 if prog[i] & 0x80 else 3)
+        prog += seg_remove(15) * (128 - ops)   # 128 ops: what follows is the damage
+        for dname, dmg in SEGLOG_DAMAGES.items():
+            with open(os.path.join(SEGLOG_OUT, pname + "_" + dname), "wb") as f:
+                f.write(prog + dmg)
+
+
 if __name__ == "__main__":
     main()
     lmc()
     ring()
+    seglog()

@@ -33,6 +33,33 @@ def fs_object(data_dir, k):
     return found[0]
 
 
+def seg_payload(data_dir, data):
+    """(segment file, offset) of the fs L2 record whose payload is `data` (layout=segments:
+    payloads start on a page of a file under DATA_DIR/l2/seg)."""
+    found = []
+    for path in glob.glob(os.path.join(data_dir, "l2", "seg", "*")):
+        with open(path, "rb") as f:
+            blob = f.read()
+        at = blob.find(data)
+        while at >= 0:
+            if at % 4096 == 0:
+                found.append((path, at))
+            at = blob.find(data, at + 1)
+    assert len(found) == 1, "%d segment records hold the payload: %r" % (len(found), found)
+    return found[0]
+
+
+FILES = ("--l2", "fs:{data}/l2,layout=files")
+
+
+def fs_daemon(daemon_factory, data_dir, layout):
+    """A daemon on DATA_DIR whose fs L2 has the given layout (segments: the default)."""
+    args = ["--data-dir", data_dir]
+    if layout == "files":
+        args += [FILES[0], FILES[1].format(data=data_dir)]
+    return daemon_factory(*args)
+
+
 def corrupt_total(d, adapter):
     return l2_value(d, "kvtier_l2_corrupt_total", adapter)
 
@@ -55,17 +82,22 @@ def put_and_spill(d, s, ks, datas, adapter):
 # Corrupt L2 bytes are a counted miss, never served
 
 
-def test_fs_flipped_byte_is_a_counted_miss_and_removed(daemon_factory, client):
-    d = daemon_factory()
+@pytest.mark.parametrize("layout", ["files", "segments"])
+def test_fs_flipped_byte_is_a_counted_miss_and_removed(daemon_factory, client, tmp_path, layout):
+    data_dir = str(tmp_path / "data")
+    d = fs_daemon(daemon_factory, data_dir, layout)
     s, _ = client(d, "flip")
     ks = keys_of(b"flip", 4)
     datas = [payload(k, 300 * 1024 + 17 * i) for i, k in enumerate(ks)]
     put_and_spill(d, s, ks, datas, "fs:")
-    path = fs_object(d.data_dir, ks[2])
+    if layout == "files":
+        path, at = fs_object(data_dir, ks[2]), 0
+    else:
+        path, at = seg_payload(data_dir, datas[2])
     with open(path, "r+b") as f:              # one bit, in the middle of the payload
-        f.seek(150 * 1024)
+        f.seek(at + 150 * 1024)
         b = f.read(1)
-        f.seek(150 * 1024)
+        f.seek(at + 150 * 1024)
         f.write(bytes([b[0] ^ 0x10]))
 
     lk, st = prefetch(d, s, NS, ks)
@@ -76,44 +108,65 @@ def test_fs_flipped_byte_is_a_counted_miss_and_removed(daemon_factory, client):
     assert got == datas[:2], "GET served %d objects, or wrong bytes" % len(got)
     assert corrupt_total(d, "fs:") == 1
     assert l2_status(d, "fs:")["corrupt"] == 1
-    assert not os.path.exists(path), "the corrupt copy was not removed"
-    name = os.path.basename(path)
+    if layout == "files":
+        assert not os.path.exists(path), "the corrupt copy was not removed"
+    name = ks[2].hex()                        # the object's name ends in its key
     assert len(warnings_naming(d, name)) == 1, d.log_lines(max_level=4)
     assert any("fs:" in ln for ln in warnings_naming(d, name))
     # the bad key is a miss from now on; the others are intact
     assert d.lookup(s, NS, ks)["hits"] == 2
     assert get(d, s, NS, ks[3:]) == datas[3:]
     assert l2_value(d, "kvtier_l2_loaded_total", "fs:") == 3
+    if layout == "segments":                  # removed for good: a restart does not bring it back
+        assert d.stop(signal.SIGTERM) == 0
+        d2 = fs_daemon(daemon_factory, data_dir, layout)
+        s2, _ = client(d2, "flip-2")
+        assert d2.lookup(s2, NS, ks)["hits"] == 2    # the prefix stops at the removed key
+        assert corrupt_total(d2, "fs:") == 0
 
 
+@pytest.mark.parametrize("layout", ["files", "segments"])
 def test_fs_truncated_file_is_a_counted_miss_even_after_a_restart(daemon_factory, client,
-                                                                 tmp_path):
+                                                                 tmp_path, layout):
+    """files: an object file cut short; segments: a record whose last payload page never made
+    it to the disk (zeros) while its footer did — what a crash can leave of a torn write."""
     data_dir = str(tmp_path / "data")
-    d = daemon_factory("--data-dir", data_dir)
+    d = fs_daemon(daemon_factory, data_dir, layout)
     s, _ = client(d, "trunc")
     ks = keys_of(b"trunc", 2)
     datas = [payload(k, 200 * 1024 + 5) for k in ks]
     put_and_spill(d, s, ks, datas, "fs:")
     assert d.stop(signal.SIGTERM) == 0
-    path = fs_object(data_dir, ks[0])
-    size = os.path.getsize(path)
-    os.truncate(path, size - 4096)             # cut behind the daemon's back, then restart:
-    d2 = daemon_factory("--data-dir", data_dir)   # the index is rebuilt from the short file
+    if layout == "files":
+        path = fs_object(data_dir, ks[0])
+        size = os.path.getsize(path)
+        os.truncate(path, size - 4096)         # cut behind the daemon's back, then restart:
+    else:
+        path, at = seg_payload(data_dir, datas[0])
+        with open(path, "r+b") as f:
+            f.seek(at + 49 * 4096)
+            f.write(bytes(4096))
+    d2 = fs_daemon(daemon_factory, data_dir, layout)   # the index is rebuilt from the disk
     s2, _ = client(d2, "trunc-2")
     lk, st = prefetch(d2, s2, NS, ks)
     assert lk["hits"] == 2 and st["loaded"] == 1, (lk, st)
     assert get(d2, s2, NS, ks) == [], "a truncated object was served"
     assert get(d2, s2, NS, ks[1:]) == datas[1:]
     assert corrupt_total(d2, "fs:") == 1
-    assert not os.path.exists(path)
+    if layout == "files":
+        assert not os.path.exists(path)
     assert d2.lookup(s2, NS, ks)["hits"] == 0
+    assert d2.stop(signal.SIGTERM) == 0        # and it stays removed
+    d3 = fs_daemon(daemon_factory, data_dir, layout)
+    s3, _ = client(d3, "trunc-3")
+    assert d3.lookup(s3, NS, ks)["hits"] == 0
 
 
 def test_fs_object_of_the_previous_format_is_removed(daemon_factory, client, tmp_path):
     """An object written before the trailer existed is its bare payload: it is not served,
     it is counted once and removed, and the key can be stored again."""
     data_dir = str(tmp_path / "data")
-    d = daemon_factory("--data-dir", data_dir)
+    d = fs_daemon(daemon_factory, data_dir, "files")   # the files layout had that format
     s, _ = client(d, "legacy")
     ks = keys_of(b"legacy", 3)
     datas = [payload(k, 64 * 1024 + 3 * i) for i, k in enumerate(ks)]
@@ -125,7 +178,7 @@ def test_fs_object_of_the_previous_format_is_removed(daemon_factory, client, tmp
         with open(path, "r+b") as f:
             assert f.read(len(data)) == data, "the payload is not stored first"
             f.truncate(len(data))
-    d2 = daemon_factory("--data-dir", data_dir)
+    d2 = daemon_factory("--data-dir", data_dir)      # layout=auto finds the files layout
     s2, _ = client(d2, "legacy-2")
     lk, st = prefetch(d2, s2, NS, ks)
     assert st["loaded"] == 0, (lk, st)

@@ -123,6 +123,7 @@ static void s_faults_clear(void)
 typedef struct {
     char dir[256];  /* a fresh directory that the adapter may create things in */
     char spec[512]; /* scratch for "DIR,options" */
+    bool segments;  /* the test runs on layout=segments (else layout=files) */
 } ctx_t;
 
 static const kvt_l2_ops_t *s_ops(void)
@@ -169,6 +170,14 @@ static int s_setup(void **state)
     return 0;
 }
 
+static int s_setup_seg(void **state)
+{
+    int rc = s_setup(state);
+    if (!rc)
+        ((ctx_t *)*state)->segments = true;
+    return rc;
+}
+
 static int s_teardown(void **state)
 {
     ctx_t *c = *state;
@@ -180,7 +189,8 @@ static int s_teardown(void **state)
 
 static const char *s_spec(ctx_t *c, const char *dir, const char *opts)
 {
-    snprintf(c->spec, sizeof c->spec, "%s%s%s", dir, opts ? "," : "", opts ? opts : "");
+    snprintf(c->spec, sizeof c->spec, "%s,layout=%s%s%s", dir, c->segments ? "segments" : "files",
+             opts ? "," : "", opts ? opts : "");
     return c->spec;
 }
 
@@ -258,13 +268,16 @@ static void s_usage(void *fs, uint64_t *bytes, uint64_t *objects)
     s_ops()->usage(fs, bytes, objects);
 }
 
-/* Files and bytes on disk, outside .tmp/ and the lock file. */
-static uint64_t s_du_files, s_du_bytes;
+/* Files and bytes on disk, outside .tmp/, seg/ and the lock file; segment files and bytes. */
+static uint64_t s_du_files, s_du_bytes, s_du_segs, s_du_seg_bytes;
 
 static int s_du_one(const char *path, const struct stat *st, int flag, struct FTW *ftw)
 {
-    if (flag == FTW_F && S_ISREG(st->st_mode) && !strstr(path, "/.tmp/") &&
-        strcmp(path + ftw->base, ".lock") != 0) {
+    if (flag == FTW_F && S_ISREG(st->st_mode) && strstr(path, "/seg/")) {
+        s_du_segs++;
+        s_du_seg_bytes += (uint64_t)st->st_size;
+    } else if (flag == FTW_F && S_ISREG(st->st_mode) && !strstr(path, "/.tmp/") &&
+               strcmp(path + ftw->base, ".lock") != 0) {
         s_du_files++;
         s_du_bytes += (uint64_t)st->st_size;
     }
@@ -273,7 +286,7 @@ static int s_du_one(const char *path, const struct stat *st, int flag, struct FT
 
 static void s_du(const char *dir, uint64_t *files, uint64_t *bytes)
 {
-    s_du_files = s_du_bytes = 0;
+    s_du_files = s_du_bytes = s_du_segs = s_du_seg_bytes = 0;
     nftw(dir, s_du_one, 16, FTW_PHYS);
     *files = s_du_files;
     *bytes = s_du_bytes;
@@ -300,8 +313,17 @@ static void s_check_disk(const ctx_t *c, void *fs, uint64_t foreign_files, uint6
     uint64_t bytes, objects, files, dbytes;
     s_usage(fs, &bytes, &objects);
     s_du(c->dir, &files, &dbytes);
-    assert_int_equal(files, objects + foreign_files);
-    assert_int_equal(dbytes, bytes + foreign_bytes);
+    if (c->segments) {
+        /* every object is in a segment: no file of its own, the segments hold its bytes */
+        assert_int_equal(files, foreign_files);
+        assert_int_equal(dbytes, foreign_bytes);
+        assert_true(s_du_seg_bytes >= bytes + objects * 64);
+        assert_true(objects == 0 || s_du_segs > 0);
+    } else {
+        assert_int_equal(files, objects + foreign_files);
+        assert_int_equal(dbytes, bytes + foreign_bytes);
+        assert_int_equal(s_du_segs, 0);
+    }
     assert_int_equal(s_count_tmp(c->dir), 0);
 }
 
@@ -454,6 +476,16 @@ static void test_bad_names(void **state)
 
 /* ---- the index at open --------------------------------------------------------------------- */
 
+/* Stores n objects of sizes from 1 byte to 70,000 (names[i] from s_name(i), seed i). */
+static void s_store_many(void *fs, char names[][KVT_L2_NAME_LEN], size_t *sizes, unsigned n)
+{
+    for (unsigned i = 0; i < n; i++) {
+        s_name(i, names[i]);
+        sizes[i] = 1 + (size_t)i * 3001 % 70000;
+        s_store_seed(fs, names[i], sizes[i], i);
+    }
+}
+
 static void test_reopen_rebuilds_index(void **state)
 {
     ctx_t *c = *state;
@@ -461,11 +493,7 @@ static void test_reopen_rebuilds_index(void **state)
     enum { N = 40 };
     char names[N][KVT_L2_NAME_LEN];
     size_t sizes[N];
-    for (unsigned i = 0; i < N; i++) {
-        s_name(i, names[i]);
-        sizes[i] = 1 + (size_t)i * 3001 % 70000;
-        s_store_seed(fs, names[i], sizes[i], i);
-    }
+    s_store_many(fs, names, sizes, N);
     assert_int_equal(s_ops()->remove(fs, names[3]), 0);
     uint64_t bytes, objects;
     s_usage(fs, &bytes, &objects);
@@ -904,7 +932,10 @@ static void test_direct_disk(void **state)
     assert_int_equal(rc, 0);
     atomic_store(&s_direct_opens, 0);
     s_round_trip_some(fs);
-    assert_int_equal(atomic_load(&s_direct_opens), 10); /* 5 stores + 5 loads */
+    if (c->segments) /* segment files are opened once each, with O_DIRECT */
+        assert_true(atomic_load(&s_direct_opens) >= 1);
+    else
+        assert_int_equal(atomic_load(&s_direct_opens), 10); /* 5 stores + 5 loads */
 
     /* an unaligned load buffer is read without O_DIRECT */
     char name[KVT_L2_NAME_LEN];
@@ -1008,6 +1039,10 @@ static void test_disk_errors(void **state)
     assert_int_equal(s_ops()->health(fs, why, sizeof why), 0);
     free(d);
 
+    if (c->segments) {
+        s_ops()->close(fs);
+        return;
+    }
     /* an object deleted behind the adapter's back is forgotten at the first load */
     char p[600];
     s_obj_path(c, a, p, sizeof p);
@@ -1044,7 +1079,8 @@ static void test_sync_modes(void **state)
             s_fill(d, 64 * 1024, i);
             assert_int_equal(s_ops()->store(fs, name, d, 64 * 1024), 0);
         }
-        assert_int_equal(atomic_load(&s_fdatasyncs), modes[m].fdatasyncs);
+        /* segments: the record, then its index entry */
+        assert_int_equal(atomic_load(&s_fdatasyncs), modes[m].fdatasyncs * (c->segments ? 2 : 1));
         assert_int_equal(atomic_load(&s_syncfses), 0);
         assert_int_equal(s_ops()->flush(fs), 0);
         assert_int_equal(atomic_load(&s_syncfses), modes[m].syncfs_first);
@@ -1095,7 +1131,9 @@ static void test_health_removed_dir(void **state)
     memset(d, 1, PG);
     assert_int_equal(s_ops()->store(fs, a, d, 100), KVT_EIO);
     size_t got;
-    assert_int_equal(s_ops()->load(fs, a, d, PG, &got), KVT_ENOTFOUND);
+    /* files: the object's file went with the directory; segments: the open segment still
+     * holds the bytes stored before */
+    assert_int_equal(s_ops()->load(fs, a, d, PG, &got), c->segments ? 0 : KVT_ENOTFOUND);
     free(d);
 
     /* a new directory at the same path is not the one the index describes */
@@ -1108,7 +1146,7 @@ static void test_health_removed_dir(void **state)
 static void test_bad_args(void **state)
 {
     ctx_t *c = *state;
-    char bad[9][300];
+    char bad[12][300];
     snprintf(bad[0], sizeof bad[0], "%s", "");
     snprintf(bad[1], sizeof bad[1], "%s", ",capacity=1G");
     snprintf(bad[2], sizeof bad[2], "%s,capacity=xyz", c->dir);
@@ -1118,10 +1156,13 @@ static void test_bad_args(void **state)
     snprintf(bad[6], sizeof bad[6], "%s,capacity", c->dir);
     snprintf(bad[7], sizeof bad[7], "%s/file/sub", c->dir); /* under a regular file */
     snprintf(bad[8], sizeof bad[8], "%s,sync=always", c->dir);
+    snprintf(bad[9], sizeof bad[9], "%s,layout=sideways", c->dir);
+    snprintf(bad[10], sizeof bad[10], "%s,segment_size=4K", c->dir);
+    snprintf(bad[11], sizeof bad[11], "%s,segment_size=big", c->dir);
     char p[600];
     snprintf(p, sizeof p, "%s/file", c->dir);
     s_write_file(p, "x");
-    for (int i = 0; i < 9; i++) {
+    for (int i = 0; i < 12; i++) {
         char err[256] = "";
         void *fs = (void *)1;
         int rc = s_ops()->open(bad[i], &fs, err, sizeof err);
@@ -1241,7 +1282,258 @@ static void test_vectored(void **state)
     s_ops()->close(fs);
 }
 
+/* ---- layout=segments ---------------------------------------------------------------------- */
+
+static int s_seg_files(const ctx_t *c, char names[][32], int max)
+{
+    char p[400];
+    snprintf(p, sizeof p, "%s/seg", c->dir);
+    DIR *d = opendir(p);
+    if (!d)
+        return 0;
+    int n = 0;
+    for (struct dirent *de; (de = readdir(d));)
+        if (strlen(de->d_name) == 16 && n < max) /* segments, not their .idx files */
+            snprintf(names[n++], 32, "%.31s", de->d_name);
+    closedir(d);
+    return n;
+}
+
+/* Objects, replacements and removals come back from the segments at open, in write order;
+ * segments left with nothing live are deleted. */
+static void test_seg_reopen(void **state)
+{
+    ctx_t *c = *state;
+    void *fs = s_open(c, NULL);
+    enum { N = 40 };
+    char names[N][KVT_L2_NAME_LEN];
+    size_t sizes[N];
+    s_store_many(fs, names, sizes, N);
+    assert_int_equal(s_ops()->remove(fs, names[3]), 0);
+    assert_int_equal(s_ops()->remove(fs, names[3]), KVT_ENOTFOUND);
+    sizes[5] = 12345;
+    s_store_seed(fs, names[5], sizes[5], 555); /* replaced: the later record wins */
+    assert_int_equal(s_ops()->remove(fs, names[7]), 0);
+    s_store_seed(fs, names[7], 77, 777); /* removed, then stored again */
+    sizes[7] = 77;
+    uint64_t bytes, objects;
+    s_usage(fs, &bytes, &objects);
+    assert_int_equal(objects, N - 1);
+    s_check_disk(c, fs, 0, 0);
+    s_ops()->close(fs);
+
+    fs = s_open(c, NULL);
+    uint64_t bytes2, objects2;
+    s_usage(fs, &bytes2, &objects2);
+    assert_int_equal(bytes2, bytes);
+    assert_int_equal(objects2, objects);
+    for (unsigned i = 0; i < N; i++) {
+        size_t len = 0;
+        if (i == 3) {
+            assert_int_equal(s_ops()->lookup(fs, names[i], &len), KVT_ENOTFOUND);
+            continue;
+        }
+        assert_int_equal(s_ops()->lookup(fs, names[i], &len), 0);
+        assert_int_equal(len, sizes[i]);
+        s_check_seed(fs, names[i], sizes[i], i == 5 ? 555 : i == 7 ? 777 : i);
+    }
+    char p[600];
+    snprintf(p, sizeof p, "%s/%02x", c->dir,
+             (unsigned)(XXH3_64bits(names[0], strlen(names[0])) & 0xff));
+    struct stat st;
+    assert_int_not_equal(stat(p, &st), 0); /* no file of the files layout */
+    s_check_disk(c, fs, 0, 0);
+
+    /* everything removed: after a reopen no segment is left */
+    for (unsigned i = 0; i < N; i++)
+        if (i != 3)
+            assert_int_equal(s_ops()->remove(fs, names[i]), 0);
+    s_usage(fs, &bytes, &objects);
+    assert_int_equal(bytes, 0);
+    assert_int_equal(objects, 0);
+    s_ops()->close(fs);
+    fs = s_open(c, NULL);
+    s_usage(fs, &bytes, &objects);
+    assert_int_equal(objects, 0);
+    char segs[64][32];
+    assert_int_equal(s_seg_files(c, segs, 64), 0);
+    s_ops()->close(fs);
+}
+
+/* What a crash leaves at the end of a segment — a record cut short, pages of garbage, a segment
+ * whose header never made it, an index file lost — is skipped at open: the rest loads
+ * byte-exact, nothing else appears. */
+static void s_seg_expect(ctx_t *c, char names[][KVT_L2_NAME_LEN], unsigned n, unsigned want)
+{
+    void *fs = s_open(c, NULL);
+    uint64_t bytes, objects;
+    s_usage(fs, &bytes, &objects);
+    assert_int_equal(objects, want);
+    unsigned present = 0;
+    for (unsigned i = 0; i < n; i++) {
+        size_t len = 0;
+        int rc = s_ops()->lookup(fs, names[i], &len);
+        if (rc == KVT_ENOTFOUND)
+            continue;
+        assert_int_equal(rc, 0);
+        s_check_seed(fs, names[i], 5000 + i * 1000, i);
+        present++;
+    }
+    assert_int_equal(present, want);
+    s_ops()->close(fs);
+}
+
+static void test_seg_torn_tail(void **state)
+{
+    ctx_t *c = *state;
+    void *fs = s_open(c, NULL);
+    enum { N = 24 };
+    char names[N][KVT_L2_NAME_LEN];
+    for (unsigned i = 0; i < N; i++) {
+        s_name(i, names[i]);
+        s_store_seed(fs, names[i], 5000 + i * 1000, i);
+    }
+    s_ops()->close(fs);
+    char segs[64][32], p[700];
+    int nseg = s_seg_files(c, segs, 64);
+    assert_true(nseg >= 1);
+    /* the last record of each segment loses its last page (its footer): its index entry points
+     * past the end of the file and is left out */
+    for (int i = 0; i < nseg; i++) {
+        snprintf(p, sizeof p, "%.255s/seg/%.31s", c->dir, segs[i]);
+        struct stat st;
+        assert_int_equal(stat(p, &st), 0);
+        assert_int_equal(truncate(p, st.st_size - PG), 0);
+    }
+    snprintf(p, sizeof p, "%s/seg/00000000000000ff", c->dir);
+    s_write_file(p, "a header a crash cut short");
+    s_seg_expect(c, names, N, N - (unsigned)nseg);
+    assert_int_not_equal(access(p, F_OK), 0); /* the headless segment is gone */
+
+    /* no index files: the footers, read from the end of each segment, say the same, past
+     * pages of garbage */
+    uint8_t junk[3 * PG];
+    s_fill(junk, sizeof junk, 99);
+    for (int i = 0; i < nseg; i++) {
+        snprintf(p, sizeof p, "%.255s/seg/%.31s.idx", c->dir, segs[i]);
+        assert_int_equal(unlink(p), 0);
+        snprintf(p, sizeof p, "%.255s/seg/%.31s", c->dir, segs[i]);
+        FILE *f = fopen(p, "a");
+        assert_non_null(f);
+        assert_int_equal(fwrite(junk, 1, sizeof junk, f), sizeof junk);
+        fclose(f);
+    }
+    s_seg_expect(c, names, N, N - (unsigned)nseg);
+
+    /* appends go on in new segments; the old ones still serve */
+    fs = s_open(c, NULL);
+    char extra[KVT_L2_NAME_LEN];
+    s_name(1000, extra);
+    s_store_seed(fs, extra, 3000, 1000);
+    s_ops()->close(fs);
+    fs = s_open(c, NULL);
+    s_check_seed(fs, extra, 3000, 1000);
+    uint64_t bytes, objects;
+    s_usage(fs, &bytes, &objects);
+    assert_int_equal(objects, N - nseg + 1);
+    s_ops()->close(fs);
+}
+
+/* capacity bounds the segment files: the oldest segments go, with what they hold, but for the
+ * objects loaded since they were written (moved on: a second chance); the newest objects stay,
+ * every object still indexed loads byte-exact, and a reopen agrees. */
+static void test_seg_capacity(void **state)
+{
+    ctx_t *c = *state;
+    const uint64_t cap = 2 * MIB;
+    void *fs = s_open(c, "capacity=2M");
+    enum { N = 200 };
+    char names[N][KVT_L2_NAME_LEN];
+    for (unsigned i = 0; i < N; i++) {
+        s_name(i, names[i]);
+        s_store_seed(fs, names[i], 24 * KIB, i);
+        if (i >= 2 && i % 4 == 0) /* names[0] is read now and then, names[1] never */
+            s_check_seed(fs, names[0], 24 * KIB, 0);
+        uint64_t files, dbytes;
+        s_du(c->dir, &files, &dbytes);
+        if (s_du_seg_bytes > cap)
+            fail_msg("store %u: %llu segment bytes over %llu", i,
+                     (unsigned long long)s_du_seg_bytes, (unsigned long long)cap);
+    }
+    uint64_t bytes, objects;
+    s_usage(fs, &bytes, &objects);
+    print_message("segments: %llu objects (%llu bytes) of %d kept in %llu segment bytes\n",
+                  (unsigned long long)objects, (unsigned long long)bytes, N,
+                  (unsigned long long)s_du_seg_bytes);
+    assert_true(objects < N);
+    assert_true(bytes >= cap / 2); /* the bound is used, not wasted */
+    assert_true(s_present(fs, names[N - 1]));
+    assert_true(s_present(fs, names[0]));  /* as old, but in use */
+    assert_false(s_present(fs, names[1])); /* as old, never read */
+    assert_false(s_present(fs, names[2]));
+    unsigned kept = 0;
+    for (unsigned i = 0; i < N; i++)
+        if (s_present(fs, names[i])) {
+            s_check_seed(fs, names[i], 24 * KIB, i);
+            kept++;
+        }
+    assert_int_equal(kept, objects);
+    s_check_disk(c, fs, 0, 0);
+    s_ops()->close(fs);
+
+    /* a lower capacity at open reclaims down to it */
+    fs = s_open(c, "capacity=1M");
+    uint64_t files, dbytes;
+    s_du(c->dir, &files, &dbytes);
+    assert_true(s_du_seg_bytes <= MIB);
+    uint64_t bytes2, objects2;
+    s_usage(fs, &bytes2, &objects2);
+    assert_true(objects2 < objects && objects2 > 0);
+    assert_true(s_present(fs, names[N - 1]));
+    s_ops()->close(fs);
+}
+
+/* layout=auto keeps a directory's layout; an explicit layout that does not match is refused. */
+static void test_seg_auto_layout(void **state)
+{
+    ctx_t *c = *state;
+    char a[KVT_L2_NAME_LEN], spec[400], err[256];
+    s_name(1, a);
+    c->segments = false;
+    void *fs = s_open(c, NULL); /* layout=files */
+    s_store_seed(fs, a, 100, 1);
+    s_ops()->close(fs);
+    snprintf(spec, sizeof spec, "%s", c->dir); /* auto */
+    assert_int_equal(s_ops()->open(spec, &fs, err, sizeof err), 0);
+    s_check_seed(fs, a, 100, 1);
+    s_check_disk(c, fs, 0, 0); /* still one file per object */
+    s_ops()->close(fs);
+    snprintf(spec, sizeof spec, "%s,layout=segments", c->dir);
+    assert_int_equal(s_ops()->open(spec, &fs, err, sizeof err), KVT_EINVAL);
+    assert_non_null(strstr(err, "layout=files"));
+    print_message("%s\n", err);
+
+    /* a new directory gets segments, and keeps them */
+    char sub[300];
+    snprintf(sub, sizeof sub, "%s/new", c->dir);
+    snprintf(spec, sizeof spec, "%s", sub);
+    assert_int_equal(s_ops()->open(spec, &fs, err, sizeof err), 0);
+    s_store_seed(fs, a, 100, 2);
+    s_ops()->close(fs);
+    snprintf(spec, sizeof spec, "%s/seg", sub);
+    struct stat st;
+    assert_int_equal(stat(spec, &st), 0);
+    snprintf(spec, sizeof spec, "%s,layout=files", sub);
+    assert_int_equal(s_ops()->open(spec, &fs, err, sizeof err), KVT_EINVAL);
+    assert_non_null(strstr(err, "layout=segments"));
+    snprintf(spec, sizeof spec, "%s", sub);
+    assert_int_equal(s_ops()->open(spec, &fs, err, sizeof err), 0);
+    s_check_seed(fs, a, 100, 2);
+    s_ops()->close(fs);
+}
+
 #define T(f) cmocka_unit_test_setup_teardown(f, s_setup, s_teardown)
+#define TS(f) cmocka_unit_test_setup_teardown(f, s_setup_seg, s_teardown)
 
 int main(void)
 {
@@ -1265,6 +1557,18 @@ int main(void)
         T(test_sync_modes),
         T(test_health_removed_dir),
         T(test_bad_args),
+        /* layout=segments: what does not depend on the layout, then its own */
+        TS(test_bad_names),
+        TS(test_threads_capacity),
+        TS(test_direct_disk),
+        TS(test_disk_errors),
+        TS(test_vectored),
+        TS(test_sync_modes),
+        TS(test_health_removed_dir),
+        TS(test_seg_reopen),
+        TS(test_seg_torn_tail),
+        TS(test_seg_capacity),
+        TS(test_seg_auto_layout),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
