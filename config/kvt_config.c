@@ -172,7 +172,7 @@ static const s_opt_t s_options[] = {
           l2_prefetch_threads, 1, 64, "16", 0, "N",
           "threads that load prefetched objects from L2 into L1 (with an L2 tier)"),
     S_NUM("l2_write_threads", "--l2-write-threads", "KVTIER_L2_WRITE_THREADS", S_UINT32,
-          l2_write_threads, 1, 16, "4", 0, "N",
+          l2_write_threads, 1, 16, "16", 0, "N",
           "threads per L2 adapter that write objects behind (at most the adapter's own limit)"),
     S_DBL("l2_backlog_max", "--l2-backlog-max", "KVTIER_L2_BACKLOG_MAX", l2_backlog_max, 0.0, 1.0,
           "0.5", S_OPEN_MIN, "F",

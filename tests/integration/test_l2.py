@@ -377,7 +377,7 @@ def test_four_times_l1_stays_reachable_through_fs(daemon_factory, client):
     assert set(st) == {"adapter", "kind", "healthy", "last_error", "last_error_at",
                        "past_error", "queue_depth", "stored", "loaded", "errors", "dropped",
                        "removed", "corrupt", "bytes", "objects", "writers", "flushes"}, st
-    assert st["writers"] == 4 and st["flushes"] >= 1, st
+    assert st["writers"] == 16 and st["flushes"] >= 1, st
     families, samples = d.metrics()
     for name, kind in L2_FAMILIES.items():
         assert families.get(name, {}).get("type") == kind, (name, families.get(name))
