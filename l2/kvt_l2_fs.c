@@ -120,8 +120,7 @@ typedef struct {
     s_direct_t mode;
     s_sync_t sync;
     s_layout_t layout;
-    uint64_t segment_size; /* as configured; seg_bytes: as used (a small capacity lowers it) */
-    uint64_t seg_bytes;
+    uint64_t segment_size;
     kvt_seglog_t *log;         /* layout=segments */
     pthread_mutex_t room_lock; /* layout=segments: one reclaim at a time */
     atomic_bool direct; /* O_DIRECT in use now: auto may switch it off once */
@@ -547,19 +546,24 @@ typedef struct {
 } s_cand_t;
 
 /* Moves one object of the segment being reclaimed to a new record, under its name's stripe (if
- * free: the reclaimer may hold another stripe, and must not wait for one). */
-static bool s_seg_move(s_fs_t *self, kvt_seg_t *seg, const s_cand_t *c)
+ * free: the reclaimer may hold another stripe, and must not wait for one). 1: moved; 0: nothing
+ * to move (replaced or removed meanwhile); -1: not moved (the stripe was busy, an I/O error). */
+static int s_seg_move(s_fs_t *self, kvt_seg_t *seg, const s_cand_t *c)
 {
     pthread_mutex_t *stripe = s_stripe(self, c->hash);
     if (pthread_mutex_trylock(stripe) != 0)
-        return false;
+        return -1;
     pthread_mutex_lock(&self->lock);
     s_obj_t *o = s_find(self, c->name, c->hash);
     bool same = o && o->gen == c->gen && o->loc.seg == seg;
     kvt_segloc_t loc = same ? o->loc : (kvt_segloc_t){0};
     pthread_mutex_unlock(&self->lock);
+    if (!same) {
+        pthread_mutex_unlock(stripe);
+        return 0;
+    }
     size_t cap = (c->size + S_ALIGN - 1) & ~(size_t)(S_ALIGN - 1);
-    void *b = same ? aligned_alloc(S_ALIGN, cap ? cap : S_ALIGN) : NULL;
+    void *b = aligned_alloc(S_ALIGN, cap ? cap : S_ALIGN);
     bool moved = false;
     if (b) {
         struct iovec rd = {b, cap}, wr = {b, c->size};
@@ -581,20 +585,19 @@ static bool s_seg_move(s_fs_t *self, kvt_seg_t *seg, const s_cand_t *c)
         free(b);
     }
     pthread_mutex_unlock(stripe);
-    return moved;
+    return moved ? 1 : -1;
 }
 
-/* Reclaim's second chance: objects loaded since they were written move to a new segment
- * instead of going with the old one, up to half a segment's bytes per reclaim (so a reclaim
- * always frees room) — FIFO with reinsertion, close to LRU at a fraction of its writes. */
-static uint64_t s_seg_rescue(s_fs_t *self, kvt_seg_t *seg)
+/* The live objects of seg (all of them, or those loaded since written), most recently used
+ * first, up to `budget` bytes. */
+static size_t s_seg_cands(s_fs_t *self, kvt_seg_t *seg, bool hits_only, uint64_t budget,
+                          s_cand_t **out)
 {
     s_cand_t *c = NULL;
     size_t n = 0, cap = 0;
-    uint64_t budget = self->seg_bytes / 2, moved = 0;
     pthread_mutex_lock(&self->lock);
-    for (s_obj_t *o = self->newest; o && budget; o = o->older) { /* most recently used first */
-        if (o->loc.seg != seg || !o->hit || o->size > budget)
+    for (s_obj_t *o = self->newest; o; o = o->older) {
+        if (o->loc.seg != seg || (hits_only && !o->hit) || o->size > budget)
             continue;
         if (n == cap) {
             size_t ncap = cap ? cap * 2 : 16;
@@ -609,8 +612,51 @@ static uint64_t s_seg_rescue(s_fs_t *self, kvt_seg_t *seg)
         budget -= o->size;
     }
     pthread_mutex_unlock(&self->lock);
+    *out = c;
+    return n;
+}
+
+/* sync=batch: moved records reach the disk before the segment that held them is deleted (a
+ * machine crash in between would lose objects already announced as written). */
+static int s_seg_settle(s_fs_t *self, uint64_t moved)
+{
+    return moved && self->sync == S_SYNC_BATCH && syncfs(self->dirfd) != 0 ? errno : 0;
+}
+
+/* Compaction, for the dead space a capacity would never reclaim: when the oldest segment (or the
+ * whole log) is mostly dead, its live objects move to new records and it goes. Runs at flush,
+ * where no stripe is held, one segment per flush (a flush delays its group's announcement); a
+ * busy stripe leaves the segment for the next one. */
+static void s_seg_compact(s_fs_t *self)
+{
+    if (pthread_mutex_trylock(&self->room_lock) != 0)
+        return; /* a reclaim is running */
+    kvt_seg_t *seg = kvt_seglog_sparse(self->log);
+    if (seg) {
+        s_cand_t *c;
+        size_t n = s_seg_cands(self, seg, false, UINT64_MAX, &c);
+        bool all = true;
+        for (size_t i = 0; i < n && all; i++)
+            all = s_seg_move(self, seg, &c[i]) >= 0;
+        free(c);
+        if (!all || s_seg_settle(self, n) != 0)
+            kvt_seglog_unclaim(self->log, seg);
+        else
+            kvt_seglog_reclaim(self->log, seg); /* every entry that pointed into it moved */
+    }
+    pthread_mutex_unlock(&self->room_lock);
+}
+
+/* Reclaim's second chance: objects loaded since they were written move to a new segment
+ * instead of going with the old one, up to half a segment's bytes per reclaim (so a reclaim
+ * always frees room) — FIFO with reinsertion, close to LRU at a fraction of its writes. */
+static uint64_t s_seg_rescue(s_fs_t *self, kvt_seg_t *seg, uint64_t seg_bytes)
+{
+    s_cand_t *c;
+    size_t n = s_seg_cands(self, seg, true, seg_bytes / 2, &c);
+    uint64_t moved = 0;
     for (size_t i = 0; i < n; i++)
-        moved += s_seg_move(self, seg, &c[i]);
+        moved += s_seg_move(self, seg, &c[i]) > 0;
     free(c);
     return moved;
 }
@@ -629,10 +675,13 @@ static void s_seg_room(s_fs_t *self, uint64_t need)
         kvt_seglog_usage(self->log, &disk, NULL);
         if (disk + need <= self->capacity)
             break;
-        kvt_seg_t *seg = kvt_seglog_oldest(self->log);
+        uint64_t seg_bytes = 0;
+        kvt_seg_t *seg = kvt_seglog_oldest(self->log, &seg_bytes);
         if (!seg)
             break;
-        rescued += s_seg_rescue(self, seg);
+        uint64_t moved = s_seg_rescue(self, seg, seg_bytes);
+        rescued += moved;
+        s_seg_settle(self, moved); /* best effort: the capacity comes first */
         s_obj_t *gone = NULL;
         pthread_mutex_lock(&self->lock);
         for (size_t i = 0; i < self->nbuckets; i++)
@@ -844,6 +893,8 @@ static int s_flush(void *state)
 {
     s_fs_t *self = state;
     kvt_assert(s_is(self));
+    if (self->log)
+        s_seg_compact(self);
     if (self->sync != S_SYNC_BATCH)
         return 0;
     uint64_t want = atomic_load(&self->stores_done);
@@ -1534,7 +1585,6 @@ static int s_open(const char *args, void **state, char *err, size_t errlen)
         uint64_t seg = self->segment_size;
         if (self->capacity && seg > self->capacity / 32)
             seg = self->capacity / 32 > (64u << 10) ? self->capacity / 32 : 64u << 10;
-        self->seg_bytes = seg;
         self->log = kvt_seglog_new(self->dirfd, self->path, seg,
                                    self->sync == S_SYNC_OBJECT ? KVT_SEGLOG_SYNC_OBJECT
                                                                : KVT_SEGLOG_SYNC_NONE,

@@ -24,6 +24,7 @@
 #define S_HDR_MAGIC 0x3176474553545655ull /* "UVTSEGv1" */
 #define S_REC_MAGIC 0x31434552545655ull   /* "UVTREC1" */
 #define S_FLAG_TOMBSTONE 1u
+#define S_FLAG_VOID 2u /* index entries only: the record at this offset failed; ignore it */
 #define S_NAME_MAX 255u
 /* Segments taking appends at once: appends to one file wait for each other in the filesystem
  * (an appending O_DIRECT write holds the inode's lock), appends to several do not. A name
@@ -138,7 +139,11 @@ static uint64_t s_ient_check(const s_ient_t *x, const char *name, uint64_t nonce
 /* pwritev/preadv of all of v at off, resuming after short transfers (v is used up). */
 static int s_iov_io(int fd, bool write, struct iovec *v, int n, uint64_t off)
 {
-    while (n > 0) {
+    for (;;) {
+        while (n > 0 && !v[0].iov_len) /* nothing to move: not an end of file */
+            v++, n--;
+        if (!n)
+            break;
         ssize_t r = write ? pwritev(fd, v, n, (off_t)off) : preadv(fd, v, n, (off_t)off);
         if (r < 0 && errno == EINTR)
             continue;
@@ -388,6 +393,28 @@ static int s_write(kvt_seglog_t *self, int fd, uint64_t off, const struct iovec 
     return e;
 }
 
+/* Appends one index entry (O_APPEND: whole, or torn only by a short write, which the scan at
+ * open detects); *listed: some of it reached the file. */
+static int s_ient_append(kvt_seglog_t *self, kvt_seg_t *seg, uint64_t off, uint64_t size,
+                         uint64_t bytes, const char *name, size_t nlen, uint32_t flags,
+                         bool *listed)
+{
+    char ent[sizeof(s_ient_t) + S_NAME_MAX];
+    s_ient_t x = {off, size, (uint32_t)(bytes / S_PAGE), (uint16_t)nlen, (uint16_t)flags, 0};
+    x.check = s_ient_check(&x, name, seg->nonce);
+    memcpy(ent, &x, sizeof x);
+    memcpy(ent + sizeof x, name, nlen);
+    ssize_t w = write(seg->ifd, ent, sizeof x + nlen);
+    if (w > 0) {
+        *listed = true;
+        pthread_mutex_lock(&self->lock);
+        seg->ibytes += (uint64_t)w;
+        self->bytes += (uint64_t)w;
+        pthread_mutex_unlock(&self->lock);
+    }
+    return w == (ssize_t)(sizeof x + nlen) ? 0 : w < 0 ? errno : EIO;
+}
+
 int kvt_seglog_append(kvt_seglog_t *self, const char *name, size_t nlen, const struct iovec *iov,
                       int iovcnt, kvt_segloc_t *loc)
 {
@@ -422,28 +449,18 @@ int kvt_seglog_append(kvt_seglog_t *self, const char *name, size_t nlen, const s
     e = s_write(self, seg->fd, off, v, n, bytes);
     if (!e && self->sync == KVT_SEGLOG_SYNC_OBJECT && fdatasync(seg->fd) != 0)
         e = errno;
-    if (!e) {
-        char ent[sizeof(s_ient_t) + S_NAME_MAX];
-        s_ient_t x = {off, size, (uint32_t)(bytes / S_PAGE), (uint16_t)nlen, f.flags, 0};
-        x.check = s_ient_check(&x, name, seg->nonce);
-        memcpy(ent, &x, sizeof x);
-        memcpy(ent + sizeof x, name, nlen);
-        ssize_t w = write(seg->ifd, ent, sizeof x + nlen); /* O_APPEND: one entry, whole */
-        if (w != (ssize_t)(sizeof x + nlen))
-            e = w < 0 ? errno : EIO;
-        if (w > 0) {
-            pthread_mutex_lock(&self->lock);
-            seg->ibytes += (uint64_t)w;
-            self->bytes += (uint64_t)w;
-            pthread_mutex_unlock(&self->lock);
-        }
-        if (!e && self->sync == KVT_SEGLOG_SYNC_OBJECT && fdatasync(seg->ifd) != 0)
-            e = errno;
-    }
     /* a segment deleted behind the log's back (DIR removed) would take appends and lose them */
     struct stat st;
     if (!e && (fstat(seg->fd, &st) != 0 || st.st_nlink == 0))
         e = ENOENT;
+    if (!e) {
+        bool listed = false;
+        e = s_ient_append(self, seg, off, size, bytes, name, nlen, f.flags, &listed);
+        if (!e && self->sync == KVT_SEGLOG_SYNC_OBJECT && fdatasync(seg->ifd) != 0)
+            e = errno;
+        if (e && listed) /* reported failed: the record must not come back at the next open */
+            s_ient_append(self, seg, off, size, bytes, name, nlen, S_FLAG_VOID, &listed);
+    }
     if (e || tomb)
         s_unreserve(self, seg, bytes, true);
     else
@@ -562,7 +579,7 @@ void kvt_seglog_usage(kvt_seglog_t *self, uint64_t *bytes, uint64_t *segments)
     pthread_mutex_unlock(&self->lock);
 }
 
-kvt_seg_t *kvt_seglog_oldest(kvt_seglog_t *self)
+kvt_seg_t *kvt_seglog_oldest(kvt_seglog_t *self, uint64_t *bytes)
 {
     pthread_mutex_lock(&self->lock);
     kvt_seg_t *o = self->oldest;
@@ -573,10 +590,38 @@ kvt_seg_t *kvt_seglog_oldest(kvt_seglog_t *self)
     }
     if (o && (!o->closed || o->writers || o->reclaiming))
         o = NULL;
+    if (o) {
+        o->reclaiming = true;
+        *bytes = o->end;
+    }
+    pthread_mutex_unlock(&self->lock);
+    return o;
+}
+
+kvt_seg_t *kvt_seglog_sparse(kvt_seglog_t *self)
+{
+    pthread_mutex_lock(&self->lock);
+    uint64_t live = 0;
+    for (kvt_seg_t *s = self->oldest; s; s = s->newer)
+        live += s->live;
+    kvt_seg_t *o = self->oldest;
+    /* worth it when the oldest is mostly dead, or when the log as a whole is: then the disk
+     * never holds more than twice what is live (and a segment's worth) */
+    if (o && (!o->closed || o->writers || o->reclaiming ||
+              (o->live >= o->end / 4 && live >= self->bytes / 2)))
+        o = NULL;
     if (o)
         o->reclaiming = true;
     pthread_mutex_unlock(&self->lock);
     return o;
+}
+
+void kvt_seglog_unclaim(kvt_seglog_t *self, kvt_seg_t *seg)
+{
+    pthread_mutex_lock(&self->lock);
+    seg->reclaiming = false;
+    s_drop_empty(self);
+    pthread_mutex_unlock(&self->lock);
 }
 
 void kvt_seglog_reclaim(kvt_seglog_t *self, kvt_seg_t *seg)
@@ -625,7 +670,7 @@ static int s_scan_seg(kvt_seg_t *seg, int fd, uint64_t len, s_rec_t **recs, size
         const char *name = buf + sizeof buf - sizeof f - (f.nlen <= S_NAME_MAX ? f.nlen : 0);
         bool ok =
             f.magic == S_REC_MAGIC && f.nlen <= S_NAME_MAX && f.nlen > 0 && f.pages >= 1 &&
-            f.pages <= (end - S_PAGE) / S_PAGE && f.size + f.nlen + sizeof f <= f.pages * S_PAGE &&
+            f.pages <= (end - S_PAGE) / S_PAGE && f.size <= f.pages * S_PAGE - f.nlen - sizeof f &&
             (f.flags & ~S_FLAG_TOMBSTONE) == 0 && s_foot_check(&f, name, seg->nonce) == f.check;
         if (!ok) {
             end -= S_PAGE;
@@ -669,20 +714,32 @@ static int s_read_idx(kvt_seglog_t *self, kvt_seg_t *seg, s_rec_t **recs, size_t
     char *buf = malloc(len ? len : 1);
     int e = buf ? s_io(fd, false, buf, len, 0) : ENOMEM;
     close(fd);
-    for (size_t at = 0; !e && at + sizeof(s_ient_t) <= len;) {
+    size_t first = *n;
+    for (size_t at = 0; !e && at < len;) {
         s_ient_t x;
-        memcpy(&x, buf + at, sizeof x);
         const char *name = buf + at + sizeof x;
-        if (x.nlen == 0 || x.nlen > S_NAME_MAX || at + sizeof x + x.nlen > len ||
-            (x.flags & ~S_FLAG_TOMBSTONE) || s_ient_check(&x, name, seg->nonce) != x.check) {
-            (*skipped)++;
+        if (len - at >= sizeof x)
+            memcpy(&x, buf + at, sizeof x);
+        if (len - at < sizeof x || x.nlen == 0 || x.nlen > S_NAME_MAX ||
+            x.nlen > len - at - sizeof x || (x.flags & ~(S_FLAG_TOMBSTONE | S_FLAG_VOID)) ||
+            s_ient_check(&x, name, seg->nonce) != x.check) {
+            /* a torn or damaged entry: what follows it cannot be trusted to be all there is */
+            *n = first;
+            e = EBADMSG;
             break;
         }
         at += sizeof x + x.nlen;
         uint64_t bytes = (uint64_t)x.pages * S_PAGE;
-        if (x.off < S_PAGE || x.off % S_PAGE || !x.pages || x.off + bytes > seg->end ||
-            x.size + x.nlen + sizeof(s_foot_t) > bytes) {
+        if (x.off < S_PAGE || x.off % S_PAGE || !x.pages || x.off > seg->end ||
+            bytes > seg->end - x.off || x.nlen + sizeof(s_foot_t) > bytes ||
+            x.size > bytes - x.nlen - sizeof(s_foot_t)) {
             (*skipped)++;
+            continue;
+        }
+        if (x.flags & S_FLAG_VOID) { /* an append that reported failure: not a record */
+            for (size_t k = first; k < *n; k++)
+                if ((*recs)[k].off == x.off)
+                    (*recs)[k].bytes = 0;
             continue;
         }
         s_rec_t *r;
@@ -693,6 +750,12 @@ static int s_read_idx(kvt_seglog_t *self, kvt_seg_t *seg, s_rec_t **recs, size_t
         memcpy(r->name, name, x.nlen);
         r->name[x.nlen] = '\0';
     }
+    size_t kept = first; /* drop the voided ones */
+    for (size_t k = first; !e && k < *n; k++)
+        if ((*recs)[k].bytes)
+            (*recs)[kept++] = (*recs)[k];
+    if (!e)
+        *n = kept;
     free(buf);
     return e;
 }
@@ -765,7 +828,6 @@ int kvt_seglog_scan(kvt_seglog_t *self, kvt_seglog_visit_fn *visit, void *arg, u
     size_t nseq = 0, cap = 0;
     int e = 0;
     for (struct dirent *de; !e && (de = readdir(d));) {
-        char *endp;
         if (strlen(de->d_name) == 20 && strcmp(de->d_name + 16, ".idx") == 0) {
             char seg[17]; /* an index whose segment is gone (a crash between the unlinks) */
             memcpy(seg, de->d_name, 16);
@@ -774,11 +836,9 @@ int kvt_seglog_scan(kvt_seglog_t *self, kvt_seglog_visit_fn *visit, void *arg, u
                 unlinkat(self->dirfd, de->d_name, 0);
             continue;
         }
-        if (strlen(de->d_name) != 16 || !strchr("0123456789abcdef", de->d_name[0]))
-            continue;
-        uint64_t seq = strtoull(de->d_name, &endp, 16);
-        if (*endp)
-            continue;
+        if (strlen(de->d_name) != 16 || strspn(de->d_name, "0123456789abcdef") != 16)
+            continue; /* only the names s_segname makes */
+        uint64_t seq = strtoull(de->d_name, NULL, 16);
         if (nseq == cap) {
             cap = cap ? cap * 2 : 64;
             uint64_t *s = realloc(seqs, cap * sizeof *s);
@@ -801,11 +861,10 @@ int kvt_seglog_scan(kvt_seglog_t *self, kvt_seglog_visit_fn *visit, void *arg, u
             continue;
         size_t n = 0;
         e = s_read_idx(self, seg, &recs, &n, &rcap, skipped);
-        if (e == ENOENT) { /* no index file: read the footers, end to start */
+        if (e == ENOENT || e == EBADMSG) { /* no usable index: read the footers, end to start */
             kvt_log(KVT_LOG_INFO,
-                    "l2 fs:%s: segment %016" PRIx64 " has no index: reading its "
-                    "records' footers",
-                    self->path, seg->seq);
+                    "l2 fs:%s: segment %016" PRIx64 " has %s index: reading its records' footers",
+                    self->path, seg->seq, e == ENOENT ? "no" : "a damaged");
             e = s_scan_seg(seg, seg->fd, seg->end, &recs, &n, &rcap, skipped);
         }
         if (!e && n)

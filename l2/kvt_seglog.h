@@ -16,9 +16,10 @@
  * never pass for a footer, since no client knows the nonce. A tombstone record (no payload)
  * marks a removal.
  *
- * Order: one segment takes appends at a time and each append reserves its range under the log's
- * lock, so (segment, offset) is the order of the appends: the open replays every record in that
- * order (a later record of a name replaces an earlier one; a tombstone removes it). Segments go
+ * Order: sixteen segments take appends at once (streams); a name always goes to the same stream,
+ * and each append reserves its range under the log's lock, so a name's records lie in
+ * (segment, offset) order: the open replays every record in that order (a later record of a name
+ * replaces an earlier one; a tombstone removes it). Segments go
  * only from the oldest end (reclaim, or once empty): a tombstone is never needed after its
  * segment went, since every older record of its name was in that segment or an older one.
  * Torn records: the open scans each segment backwards from its end, footer to footer; a page
@@ -85,10 +86,16 @@ int kvt_seglog_read(kvt_seglog_t *self, const kvt_segloc_t *loc, uint64_t size,
 
 /* Bytes of segment files (the disk the log takes) and how many segments there are. */
 void kvt_seglog_usage(kvt_seglog_t *self, uint64_t *bytes, uint64_t *segments);
-/* The oldest segment that takes no more appends and has none in flight (closing the appending
- * one when it is the only one), or NULL. For the caller's reclaim: it drops its index entries
- * in that segment, then calls kvt_seglog_reclaim. */
-kvt_seg_t *kvt_seglog_oldest(kvt_seglog_t *self);
+/* The oldest segment, closed for appends (an appending one with none in flight is closed now),
+ * or NULL; *bytes gets its length. For the caller's reclaim: it moves or drops its index entries
+ * in that segment, then calls kvt_seglog_reclaim (or kvt_seglog_unclaim to leave it). */
+kvt_seg_t *kvt_seglog_oldest(kvt_seglog_t *self, uint64_t *bytes);
+/* The oldest segment if it is closed and less than a quarter of it is live, or less than half of
+ * all segments is; else NULL. Without a capacity nothing else would ever free dead space
+ * (compaction: the caller moves what is live, then reclaims it). */
+kvt_seg_t *kvt_seglog_sparse(kvt_seglog_t *self);
+/* Gives back a segment from kvt_seglog_oldest or _sparse without reclaiming it. */
+void kvt_seglog_unclaim(kvt_seglog_t *self, kvt_seg_t *seg);
 /* Deletes seg's file (readers holding it finish first); its records are all dead. */
 void kvt_seglog_reclaim(kvt_seglog_t *self, kvt_seg_t *seg);
 

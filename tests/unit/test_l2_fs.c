@@ -51,6 +51,7 @@ static atomic_int s_fault_open_direct;  /* openat with O_DIRECT fails with EINVA
 static atomic_int s_fault_write_direct; /* pwritev on an O_DIRECT fd fails with EINVAL */
 static atomic_int s_fault_write_errno;  /* every pwritev fails with this errno */
 static atomic_int s_fault_sync_errno;   /* every fdatasync and syncfs fails with this errno */
+static atomic_int s_fault_sync_pass;    /* ... but for the next this many fdatasync calls */
 static atomic_int s_fdatasyncs, s_syncfses; /* calls made */
 static atomic_int s_direct_opens;       /* successful openat calls with O_DIRECT */
 
@@ -91,6 +92,8 @@ int fdatasync(int fd)
 {
     atomic_fetch_add(&s_fdatasyncs, 1);
     int e = atomic_load(&s_fault_sync_errno);
+    if (e && atomic_fetch_sub(&s_fault_sync_pass, 1) > 0)
+        e = 0;
     if (e) {
         errno = e;
         return -1;
@@ -115,6 +118,7 @@ static void s_faults_clear(void)
     atomic_store(&s_fault_write_direct, 0);
     atomic_store(&s_fault_write_errno, 0);
     atomic_store(&s_fault_sync_errno, 0);
+    atomic_store(&s_fault_sync_pass, 0);
     atomic_store(&s_direct_opens, 0);
 }
 
@@ -1410,6 +1414,20 @@ static void test_seg_torn_tail(void **state)
     s_seg_expect(c, names, N, N - (unsigned)nseg);
     assert_int_not_equal(access(p, F_OK), 0); /* the headless segment is gone */
 
+    /* an index file damaged in its middle (what follows cannot be trusted to be complete): the
+     * segment's footers are read instead, and say the same */
+    snprintf(p, sizeof p, "%.255s/seg/%.31s.idx", c->dir, segs[0]);
+    struct stat ist;
+    assert_int_equal(stat(p, &ist), 0);
+    FILE *fi = fopen(p, "r+");
+    assert_non_null(fi);
+    assert_int_equal(fseek(fi, (long)ist.st_size / 2, SEEK_SET), 0);
+    int ch = fgetc(fi);
+    assert_int_equal(fseek(fi, (long)ist.st_size / 2, SEEK_SET), 0);
+    fputc(ch ^ 0x40, fi);
+    fclose(fi);
+    s_seg_expect(c, names, N, N - (unsigned)nseg);
+
     /* no index files: the footers, read from the end of each segment, say the same, past
      * pages of garbage */
     uint8_t junk[3 * PG];
@@ -1493,6 +1511,71 @@ static void test_seg_capacity(void **state)
     s_ops()->close(fs);
 }
 
+/* Without a capacity, the dead space of replaced and removed objects goes too: at a flush the
+ * oldest segment, while it or the whole log is mostly dead, has its live objects moved and is
+ * deleted. */
+static void test_seg_compact(void **state)
+{
+    ctx_t *c = *state;
+    void *fs = s_open(c, "segment_size=1M");
+    enum { N = 400 };
+    char names[N][KVT_L2_NAME_LEN];
+    for (unsigned i = 0; i < N; i++) {
+        s_name(i, names[i]);
+        s_store_seed(fs, names[i], 128 * KIB, i);
+    }
+    for (unsigned i = 0; i < N; i++)
+        if (i % 10)
+            assert_int_equal(s_ops()->remove(fs, names[i]), 0);
+    uint64_t files, dbytes;
+    s_du(c->dir, &files, &dbytes);
+    uint64_t before = s_du_seg_bytes;
+    for (int i = 0; i < 64; i++) /* one segment per flush */
+        assert_int_equal(s_ops()->flush(fs), 0);
+    s_du(c->dir, &files, &dbytes);
+    print_message("compaction: %llu -> %llu segment bytes for %u objects of 128 KiB\n",
+                  (unsigned long long)before, (unsigned long long)s_du_seg_bytes, N / 10);
+    assert_true(s_du_seg_bytes < before / 2);
+    for (unsigned i = 0; i < N; i += 10)
+        s_check_seed(fs, names[i], 128 * KIB, i);
+    s_check_disk(c, fs, 0, 0);
+    s_ops()->close(fs);
+    fs = s_open(c, "segment_size=1M");
+    uint64_t bytes, objects;
+    s_usage(fs, &bytes, &objects);
+    assert_int_equal(objects, N / 10);
+    for (unsigned i = 0; i < N; i++) {
+        if (i % 10)
+            assert_false(s_present(fs, names[i]));
+        else
+            s_check_seed(fs, names[i], 128 * KIB, i);
+    }
+    s_ops()->close(fs);
+}
+
+/* A store that reports failure after its record was listed (sync=object: the index entry's
+ * fdatasync failed) leaves the previous object in place, also after a reopen. */
+static void test_seg_failed_store_stays_failed(void **state)
+{
+    ctx_t *c = *state;
+    void *fs = s_open(c, "sync=object");
+    char a[KVT_L2_NAME_LEN];
+    s_name(1, a);
+    s_store_seed(fs, a, 5000, 1);
+    uint8_t *d = s_alloc(7000);
+    s_fill(d, 7000, 2);
+    atomic_store(&s_fault_sync_pass, 1); /* the record's fdatasync passes, its entry's fails */
+    atomic_store(&s_fault_sync_errno, EIO);
+    assert_int_equal(s_ops()->store(fs, a, d, 7000), KVT_EIO);
+    atomic_store(&s_fault_sync_errno, 0);
+    free(d);
+    s_check_seed(fs, a, 5000, 1);
+    s_ops()->close(fs);
+    fs = s_open(c, "sync=object");
+    s_check_seed(fs, a, 5000, 1);
+    s_ops()->close(fs);
+}
+
 /* layout=auto keeps a directory's layout; an explicit layout that does not match is refused. */
 static void test_seg_auto_layout(void **state)
 {
@@ -1569,6 +1652,8 @@ int main(void)
         TS(test_seg_torn_tail),
         TS(test_seg_capacity),
         TS(test_seg_auto_layout),
+        TS(test_seg_compact),
+        TS(test_seg_failed_store_stays_failed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
