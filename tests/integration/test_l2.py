@@ -773,6 +773,7 @@ def test_sigterm_under_load_keeps_what_l2_acknowledged(daemon_factory, client, t
     events = []
 
     acked = {}                      # key -> bytes, PUTs the daemon answered ok
+    sent = {}                       # key -> bytes, every PUT sent (each key is sent once)
     lock = threading.Lock()
     stop = threading.Event()
     errors = []
@@ -788,6 +789,8 @@ def test_sigterm_under_load_keeps_what_l2_acknowledged(daemon_factory, client, t
                     break
                 ks = keys_of(b"load%02d" % w, 4, start=4 * i)
                 datas = [data_of(k, 32 * 1024 + 97 * j) for j, k in enumerate(ks)]
+                with lock:
+                    sent.update(zip(ks, datas))
                 s.send_multipart([pack(i), pack(PUT), pack({"ns": NS, "keys": ks})] + datas)
                 try:
                     frames = s.recv_multipart()
@@ -843,7 +846,9 @@ def test_sigterm_under_load_keeps_what_l2_acknowledged(daemon_factory, client, t
     l2_acked = {bytes(k) for e in events
                 if e["event"] == "l2_stored" and e["ns"] == NS for k in e["keys"]}
     assert len(l2_acked) >= 100, "only %d l2_stored keys under load" % len(l2_acked)
-    assert l2_acked <= set(acked), "l2_stored for keys no PUT acknowledged"
+    # a PUT whose reply the kill cut off may still have been stored and written behind
+    assert l2_acked <= set(sent), "l2_stored for keys no PUT sent"
+    assert len(l2_acked - set(acked)) <= 8 * 4, "more l2_stored keys unanswered than in flight"
     log = d.stderr_text()
     write_behind_complete = (how == "SIGTERM" and "not done at stop" not in log and
                              "queue full" not in log)
@@ -864,7 +869,7 @@ def test_sigterm_under_load_keeps_what_l2_acknowledged(daemon_factory, client, t
     for k in sample:
         lk, pst = prefetch(d2, s2, NS, [k])
         assert pst["loaded"] + lk["l1"] == 1, (lk, pst)
-        assert get(d2, s2, NS, [k]) == [acked[k]]
+        assert get(d2, s2, NS, [k]) == [sent[k]]
     # unless the log says write-behind was cut short, SIGTERM wrote every acknowledged PUT
     if write_behind_complete:
         lost = [k for k in sorted(acked) if k not in l2_acked and not found(k)]
