@@ -1225,6 +1225,16 @@ static int s_choice(const char *val, const char *const *names)
     return -1;
 }
 
+/* s_choice for option `opt`; -1 with "fs:DIR: OPT 'VAL' is not CHOICES" in err. */
+static int s_mode(const char *dir, const char *opt, const char *val, const char *const *names,
+                  const char *choices, char *err, size_t errlen)
+{
+    int m = s_choice(val, names);
+    if (m < 0)
+        s_err(err, errlen, "fs:%s: %s '%s' is not %s", dir, opt, val, choices);
+    return m;
+}
+
 /* Parses "DIR[,capacity=SIZE][,direct=...][,sync=...]" into self; *dir points into `copy`. */
 static int s_parse(s_fs_t *self, char *copy, char **dir, char *err, size_t errlen)
 {
@@ -1248,27 +1258,21 @@ static int s_parse(s_fs_t *self, char *copy, char **dir, char *err, size_t errle
             }
         } else if (strcmp(opt, "direct") == 0 && val) {
             static const char *const modes[] = {"off", "auto", "on", NULL}; /* s_direct_t */
-            int m = s_choice(val, modes);
-            if (m < 0) {
-                s_err(err, errlen, "fs:%s: direct '%s' is not auto, on or off", *dir, val);
+            int m = s_mode(*dir, opt, val, modes, "auto, on or off", err, errlen);
+            if (m < 0)
                 return KVT_EINVAL;
-            }
             self->mode = (s_direct_t)m;
         } else if (strcmp(opt, "sync") == 0 && val) {
             static const char *const modes[] = {"batch", "object", "none", NULL}; /* s_sync_t */
-            int m = s_choice(val, modes);
-            if (m < 0) {
-                s_err(err, errlen, "fs:%s: sync '%s' is not batch, object or none", *dir, val);
+            int m = s_mode(*dir, opt, val, modes, "batch, object or none", err, errlen);
+            if (m < 0)
                 return KVT_EINVAL;
-            }
             self->sync = (s_sync_t)m;
         } else if (strcmp(opt, "layout") == 0 && val) {
             static const char *const modes[] = {"auto", "segments", "files", NULL}; /* s_layout_t */
-            int m = s_choice(val, modes);
-            if (m < 0) {
-                s_err(err, errlen, "fs:%s: layout '%s' is not auto, segments or files", *dir, val);
+            int m = s_mode(*dir, opt, val, modes, "auto, segments or files", err, errlen);
+            if (m < 0)
                 return KVT_EINVAL;
-            }
             self->layout = (s_layout_t)m;
         } else if (strcmp(opt, "segment_size") == 0 && val) {
             if (kvt_size_parse(val, &self->segment_size) != 0 || self->segment_size < (1u << 20)) {
