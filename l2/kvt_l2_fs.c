@@ -122,8 +122,9 @@ typedef struct {
     s_layout_t layout;
     uint64_t segment_size;
     kvt_seglog_t *log;         /* layout=segments */
-    pthread_mutex_t room_lock; /* layout=segments: one reclaim at a time */
-    atomic_bool direct; /* O_DIRECT in use now: auto may switch it off once */
+    pthread_mutex_t room_lock; /* layout=segments: one reclaim at a time, and room_held */
+    uint64_t room_held;        /* bytes granted by s_seg_room to appends still running */
+    atomic_bool direct;        /* O_DIRECT in use now: auto may switch it off once */
     atomic_uint_fast64_t seq;
     /* sync=batch: stores that returned so far, and how many of them the last syncfs covered
      * (taken before it started). flush_lock makes concurrent flushes share one syncfs. */
@@ -661,9 +662,11 @@ static uint64_t s_seg_rescue(s_fs_t *self, kvt_seg_t *seg, uint64_t seg_bytes)
     return moved;
 }
 
-/* Reclaims the oldest segments until `need` more bytes fit the capacity: their objects leave the
- * index (evicted) first, so no load can find them once the file goes; loads already reading
- * hold the segment. Gives up when the only segment left is taking appends. */
+/* Reclaims the oldest segments until `need` more bytes fit the capacity, counting the bytes
+ * granted to appends still running (so concurrent stores cannot each see the same free room and
+ * overshoot together), then grants `need` until s_seg_unroom. Evicted objects leave the index
+ * first, so no load can find them once the file goes; loads already reading hold the segment.
+ * Gives up (and grants anyway) when the only segments left are taking appends. */
 static void s_seg_room(s_fs_t *self, uint64_t need)
 {
     if (!self->capacity)
@@ -673,7 +676,7 @@ static void s_seg_room(s_fs_t *self, uint64_t need)
     for (;;) {
         uint64_t disk;
         kvt_seglog_usage(self->log, &disk, NULL);
-        if (disk + need <= self->capacity)
+        if (disk + self->room_held + need <= self->capacity)
             break;
         uint64_t seg_bytes = 0;
         kvt_seg_t *seg = kvt_seglog_oldest(self->log, &seg_bytes);
@@ -702,12 +705,23 @@ static void s_seg_room(s_fs_t *self, uint64_t need)
             free(o);
         }
     }
+    self->room_held += need;
     pthread_mutex_unlock(&self->room_lock);
     if (n || rescued)
         kvt_log(KVT_LOG_DEBUG,
                 "l2 fs:%s: %llu objects (%llu bytes) evicted with their segments, %llu moved on",
                 self->path, (unsigned long long)n, (unsigned long long)bytes,
                 (unsigned long long)rescued);
+}
+
+/* Gives back what s_seg_room granted once the append is over. */
+static void s_seg_unroom(s_fs_t *self, uint64_t need)
+{
+    if (!self->capacity)
+        return;
+    pthread_mutex_lock(&self->room_lock);
+    self->room_held -= need;
+    pthread_mutex_unlock(&self->room_lock);
 }
 
 /* Puts o (appended at o->loc) into the index in place of the name's previous record. */
@@ -730,8 +744,10 @@ static int s_seg_store(s_fs_t *self, s_obj_t *o, size_t nlen, const struct iovec
     pthread_mutex_t *stripe = s_stripe(self, o->hash);
     pthread_mutex_lock(stripe);
     /* the record, its index entry, the header page of a new segment */
-    s_seg_room(self, o->size + nlen + 2 * S_ALIGN + 512);
+    uint64_t need = o->size + nlen + 2 * S_ALIGN + 512;
+    s_seg_room(self, need);
     int e = kvt_seglog_append(self->log, o->name, nlen, iov, n, &o->loc);
+    s_seg_unroom(self, need); /* the log's bytes hold the record now (or it failed) */
     if (!e) {
         kvt_segloc_t loc = o->loc; /* o may be gone once indexed (replaced, reclaimed) */
         s_seg_index(self, o);
