@@ -15,6 +15,13 @@ kvtier.sglang subclasses it as it would SGLang's; call it before importing kvtie
     AsymmetricHostPool  the pool of models whose head_dim != v_head_dim (K and V buffers of
                         their own; no flat pages, get_page_buffer_meta only)
     NoStoragePool       a pool that refuses every storage call (SGLang's int2 host pool)
+    MambaHostPool       SGLang's MambaPoolHost: one slot per state (page_size 1), a flat page
+                        the temporal then conv states' bytes (uint8)
+    HybridController    HybridCacheController's storage calls for hybrid models: every pool
+                        registered with register_mem_host_pool_v2, batch_set_v2 then the KV
+                        write, batch_exists_v2 with placeholder keys for TRAILING_PAGES pools,
+                        KV-derived pools loaded beside the KV pages, the others at the end
+                        with their keys re-synced to the hit prefix
     Controller          the controller's two ways of moving pages: zero-copy (interface_v1:
                         batch_exists, batch_get_v1, batch_set_v1) and generic (batch_get into
                         dummy flat pages, batch_set of get_data_page copies)
@@ -61,6 +68,15 @@ class PoolName(str, enum.Enum):
     MAMBA = "mamba"
     SWA = "swa"
     INDEXER = "indexer"
+    DEEPSEEK_V4_C4 = "deepseek_v4_c4"
+    DEEPSEEK_V4_C4_INDEXER = "deepseek_v4_c4_indexer"
+    DEEPSEEK_V4_C128 = "deepseek_v4_c128"
+    DEEPSEEK_V4_C4_STATE = "deepseek_v4_c4_state"
+    DEEPSEEK_V4_C4_INDEXER_STATE = "deepseek_v4_c4_indexer_state"
+    DEEPSEEK_V4_C128_STATE = "deepseek_v4_c128_state"
+    DRAFT = "draft"
+    DRAFT_INDEXER = "draft_indexer"
+    DRAFT_SWA = "draft_swa"
 
     def __str__(self):
         return self.value
@@ -86,6 +102,11 @@ class PoolTransfer:
 class PoolTransferResult:
     kv_hit_pages: int
     extra_pool_hit_pages: dict
+
+
+def count_pool_hits(results):
+    """SGLang's: a pool's hits are the leading run of True."""
+    return {name: (rs.index(False) if False in rs else len(rs)) for name, rs in results.items()}
 
 
 class HiCacheStorage(abc.ABC):
@@ -169,7 +190,8 @@ def install():
             sys.modules[name] = pkg
     mod = types.ModuleType(MODULE)
     for name in ("HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo",
-                 "PoolName", "PoolHitPolicy", "PoolTransfer", "PoolTransferResult"):
+                 "PoolName", "PoolHitPolicy", "PoolTransfer", "PoolTransferResult",
+                 "count_pool_hits"):
         setattr(mod, name, globals()[name])
     sys.modules[MODULE] = mod
     return mod
@@ -414,3 +436,126 @@ class Controller:
             self.pool.set_from_flat_data_page(int(indices[i * P]), page)
             n += 1
         return n
+
+
+class MambaHostPool:
+    """SGLang's MambaPoolHost (pool_host/mamba.py): `slots` states, page_size 1, page_first;
+    temporal_buffer (size, layers, 1, *temporal) and conv_buffer[i] (size, layers, 1, *conv);
+    get_data_page concatenates a slot's temporal and conv bytes as uint8."""
+
+    def __init__(self, slots, layers=2, temporal=(4, 8), conv=((3, 8), (2, 5)),
+                 dtype=torch.float32):
+        self.page_size, self.layout, self.size, self.dtype = 1, "page_first", slots, dtype
+        self.temporal_buffer = torch.zeros((slots, layers, 1) + tuple(temporal), dtype=dtype)
+        self.conv_buffer = [torch.zeros((slots, layers, 1) + tuple(c), dtype=dtype)
+                            for c in conv]
+        self._free = list(range(slots))
+
+    def alloc(self, n):
+        if n > len(self._free):
+            return None
+        got, self._free = self._free[:n], self._free[n:]
+        return torch.tensor(got, dtype=torch.int64)
+
+    def _parts(self, index):
+        return [self.temporal_buffer[index]] + [c[index] for c in self.conv_buffer]
+
+    def get_data_page(self, index, flat=True):
+        return torch.cat([p.reshape(-1).view(torch.uint8) for p in self._parts(int(index))])
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros_like(self.get_data_page(0))
+
+    def set_from_flat_data_page(self, index, data_page):
+        data, o = data_page.reshape(-1).view(torch.uint8), 0
+        for p in self._parts(int(index)):
+            n = p.numel() * p.element_size()
+            p.reshape(-1).view(torch.uint8).copy_(data[o:o + n])
+            o += n
+
+    def fill(self, indices, seed):
+        g = torch.Generator().manual_seed(seed)
+        for i in indices.tolist():
+            for p in self._parts(i):
+                p.copy_(torch.randn(p.shape, generator=g).to(self.dtype))
+
+    def pages(self, indices):
+        return [self.get_data_page(i).clone() for i in indices.tolist()]
+
+
+class HybridController:
+    """HybridCacheController's storage calls (hybrid_cache_controller.py and the mamba / swa
+    components). `pools`: {PoolName: (host pool, trailing window in pages or None)}; None is a
+    KV-derived pool (ALL_PAGES, indexed by the KV pool's host indices, e.g. the DSA indexer or
+    draft KV), a window a TRAILING_PAGES pool of its own indices (Mamba: 1, SWA: the sliding
+    window's pages)."""
+
+    def __init__(self, backend, kv_pool, pools):
+        self.backend, self.kv_pool, self.pools = backend, kv_pool, pools
+        backend.register_mem_pool_host(kv_pool)                 # attach_storage_backend
+        backend.register_mem_host_pool_v2(kv_pool, PoolName.KV)  # every entry, KV included
+        for name, (pool, _) in pools.items():
+            backend.register_mem_host_pool_v2(pool, name)
+
+    def _transfers(self, keys, kv_indices, own):
+        out = []
+        for name, (pool, window) in self.pools.items():
+            if window is None:
+                out.append(PoolTransfer(name, host_indices=kv_indices, keys=list(keys)))
+            else:
+                out.append(PoolTransfer(name, host_indices=own.get(name), keys=keys,
+                                        hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        return out
+
+    def backup(self, keys, kv_indices, own):
+        """_page_backup: the side pools (trailing ones: the last `window` keys and their own
+        indices in `own`), then the KV pages. -> (side pool hits, KV all stored)."""
+        ts = []
+        for t in self._transfers(keys, kv_indices, own):
+            window = self.pools[t.name][1]
+            if window is not None:
+                t.keys = list(keys[-window:])
+            ts.append(t)
+        side = count_pool_hits(self.backend.batch_set_v2(ts))
+        kv = all(self.backend.batch_set_v1(keys, kv_indices, HiCacheStorageExtraInfo()))
+        return side, kv
+
+    def hits(self, keys):
+        """The prefetch's existence check: trailing pools with placeholder keys (their count
+        is what matters), KV-derived ones bare."""
+        ts = []
+        for name, (pool, window) in self.pools.items():
+            if window is None:
+                ts.append(PoolTransfer(name))
+            else:
+                ts.append(PoolTransfer(name, keys=["__placeholder__"] * window,
+                                       hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        return self.backend.batch_exists_v2(keys, ts, HiCacheStorageExtraInfo())
+
+    def load(self, keys, hit, kv_dst, own_dst):
+        """_page_transfer: KV pages and KV-derived pools per batch (min of their leading
+        hits), then — all KV pages loaded — each trailing pool's window ending at the hit
+        (_sync_trailing_keys), host indices cut to len(keys) * page_size. -> (KV pages
+        loaded, {pool: hits})."""
+        P = self.kv_pool.page_size
+        keys, kv_dst = list(keys[:hit]), kv_dst[:hit * P]
+        rs = self.backend.batch_get_v1(keys, kv_dst, HiCacheStorageExtraInfo())
+        kv = rs.index(False) if False in rs else len(rs)
+        derived = [PoolTransfer(n, host_indices=kv_dst, keys=keys)
+                   for n, (p, w) in self.pools.items() if w is None]
+        pool_hits = {}
+        if derived:
+            side = count_pool_hits(self.backend.batch_get_v2(derived))
+            kv = min([kv] + list(side.values()))
+            pool_hits.update(side)
+        if kv == len(keys):
+            ts = []
+            for name, (pool, window) in self.pools.items():
+                if window is None:
+                    continue
+                tk = keys[max(0, hit - window):hit]
+                ts.append(PoolTransfer(name, host_indices=own_dst[name][:len(tk) * pool.page_size],
+                                       keys=tk, hit_policy=PoolHitPolicy.TRAILING_PAGES))
+            if ts:
+                pool_hits.update(count_pool_hits(self.backend.batch_get_v2(ts)))
+        return kv, pool_hits

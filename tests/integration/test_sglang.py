@@ -276,10 +276,15 @@ def test_layouts_never_mix(daemon, backends):
         assert o.backend.ns != c.backend.ns
         assert o.hits(keys) == 0
         assert o.load(keys, other.alloc(4 * other.page_size)) == 0
+    # pages of another size through the generic calls (draft KV) go to a namespace of that
+    # size: stored, never seen as KV pages; a batch that mixes sizes stores its leading run
     gen = backends(daemon.ipc, base, v1=False)
     objects = kvtier.Client(daemon.ipc).stats()["l1_objects"]
-    assert gen.batch_set(hashes(2, "w"), [torch.zeros(100), torch.zeros(100)]) is False
-    assert kvtier.Client(daemon.ipc).stats()["l1_objects"] == objects
+    assert gen.batch_set(hashes(2, "w"), [torch.zeros(100), torch.zeros(100)]) is True
+    assert kvtier.Client(daemon.ipc).stats()["l1_objects"] == objects + 2
+    assert gen.batch_exists(hashes(2, "w")) == 0
+    assert gen.batch_set(hashes(2, "x"), [torch.zeros(100), torch.zeros(99)]) is False
+    assert kvtier.Client(daemon.ipc).stats()["l1_objects"] == objects + 3
 
 
 def test_tp_ranks_isolated_mla_shared(daemon, backends):
@@ -480,7 +485,7 @@ def test_large_batches_go_pipelined(daemon_factory, backends):
     kw = dict(layers=16, heads=4, head_dim=128, page_size=32)   # 2*16*32*4*128*2 = 1 MiB
     pool = HostPool(pages=96, **kw)
     c = Controller(backends(d.ipc, pool), pool)
-    assert c.backend.page_bytes == 1 << 20 and c.backend._chunk(32) == 8
+    assert c.backend.page_bytes == 1 << 20 and c.backend._chunk(32, c.backend) == 8
     keys = hashes(32, "big")
     idx = pool.alloc(32 * 32)
     pool.fill(idx, 23)
@@ -620,9 +625,9 @@ def test_pages_of_a_non_affine_pool_move_one_by_one(daemon, backends):
 
 
 def test_hybrid_v2_calls_serve_kv_and_never_raise(daemon, backends):
-    """Newer SGLang's *_v2 calls (hybrid models' extra pools): a KV transfer is served like v1;
-    an extra pool (Mamba here) is not stored, so nothing is a hit, and nothing raises (the
-    base class's NotImplementedError would end SGLang's prefetch thread)."""
+    """Newer SGLang's *_v2 calls: a KV transfer is served like v1; a pool that was never
+    registered (Mamba here) is not stored, so nothing that needs it is a hit, and nothing
+    raises (the base class's NotImplementedError would end SGLang's prefetch thread)."""
     from sglang_iface import PoolName, PoolHitPolicy, PoolTransfer, PoolTransferResult
     pool = HostPool(pages=8)
     b = backends(daemon.ipc, pool)
@@ -636,8 +641,8 @@ def test_hybrid_v2_calls_serve_kv_and_never_raise(daemon, backends):
     assert b.batch_set_v2([kv, mamba]) == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
     r = b.batch_exists_v2(keys, [kv])
     assert isinstance(r, PoolTransferResult) and r.kv_hit_pages == 3
-    r = b.batch_exists_v2(keys, [kv, mamba])
-    assert r.kv_hit_pages == 0 and r.extra_pool_hit_pages == {}
+    r = b.batch_exists_v2(keys, [kv, mamba])             # Mamba never registered: no hit
+    assert r.kv_hit_pages == 0 and r.extra_pool_hit_pages == {"kv": 3, "mamba": 0}
     dst = pool.alloc(3 * 16)
     got = b.batch_get_v2([PoolTransfer(PoolName.KV, host_indices=dst, keys=keys), mamba])
     assert got == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
@@ -706,3 +711,130 @@ def test_asymmetric_pool_without_shared_memory(daemon, backends):
     di = dst.alloc(3 * 16)
     assert b.load(keys, di) == 3
     assert all(torch.equal(x, y) for x, y in zip(src.pages(si), dst.pages(di)))
+
+
+def _hybrid(daemon, backends, draft=False):
+    """A hybrid model's pools as SGLang builds them: KV (16-token pages), Mamba states (one
+    slot per node, window 1), SWA KV (window of 2 pages), a KV-derived indexer pool."""
+    from sglang_iface import HybridController, MambaHostPool, PoolName
+    kv = HostPool(pages=16)
+    pools = {PoolName.MAMBA: (MambaHostPool(8), 1),
+             PoolName.SWA: (HostPool(pages=16, heads=1, head_dim=32), 2),
+             PoolName.INDEXER: (HostPool(pages=16, layers=2, heads=1, head_dim=16,
+                                         dtype=torch.uint8), None)}
+    if draft:
+        pools[PoolName.DRAFT] = (HostPool(pages=16, layers=1), None)
+    b = backends(daemon.ipc, kv)
+    return b, kv, pools, HybridController(b, kv, pools)
+
+
+def _save_node(ctl, kv, pools, keys, seed):
+    """One tree node's backup: KV pages, the KV-derived pools at the KV indices, each
+    trailing pool's window from indices of its own. -> what was saved, for comparing."""
+    idx = kv.alloc(len(keys) * kv.page_size)
+    kv.fill(idx, seed)
+    own, saved = {}, {"kv": kv.pages(idx)}
+    for name, (pool, window) in pools.items():
+        if window is None:
+            pool.fill(idx, seed + 1)
+            saved[name] = pool.pages(idx)
+        else:
+            own[name] = pool.alloc(window * pool.page_size)
+            pool.fill(own[name], seed + 2)
+            saved[name] = pool.pages(own[name])
+    side, ok = ctl.backup(keys, idx, own)
+    return side, ok, saved
+
+
+def _load_node(ctl, kv, pools, keys, hit):
+    dst = kv.alloc(len(keys) * kv.page_size)
+    own = {n: p.alloc(w * p.page_size) for n, (p, w) in pools.items() if w is not None}
+    n, hits = ctl.load(keys, hit, dst, own)
+    got = {"kv": kv.pages(dst[:n * kv.page_size])}
+    for name, (pool, window) in pools.items():
+        got[name] = pool.pages(dst[:n * kv.page_size] if window is None else
+                               own[name][:min(window, hit) * pool.page_size])
+    return n, hits, got
+
+
+def test_hybrid_pools_are_stored_and_loaded_byte_exact(daemon, backends):
+    """SGLang's default stack for hybrid models (HybridCacheController): every pool it hands
+    over is stored in a namespace of its own and comes back byte for byte — Mamba states
+    (TRAILING_PAGES, one slot), an SWA window (TRAILING_PAGES, 2 pages), a KV-derived indexer
+    (ALL_PAGES) and draft KV (ALL_PAGES, another page size)."""
+    from sglang_iface import PoolName
+    b, kv, pools, ctl = _hybrid(daemon, backends, draft=True)
+    keys = hashes(4, "hy")
+    side, ok, saved = _save_node(ctl, kv, pools, keys, 71)
+    assert ok and side == {PoolName.MAMBA: 1, PoolName.SWA: 2, PoolName.INDEXER: 4,
+                           PoolName.DRAFT: 4}
+    r = ctl.hits(keys)
+    assert r.kv_hit_pages == 4
+    assert r.extra_pool_hit_pages == {"kv": 4, "mamba": 4, "swa": 4, "indexer": 4, "draft": 4}
+    n, hits, got = _load_node(ctl, kv, pools, keys, r.kv_hit_pages)
+    assert n == 4 and hits == {PoolName.INDEXER: 4, PoolName.DRAFT: 4, PoolName.MAMBA: 1,
+                               PoolName.SWA: 2}
+    for name in saved:
+        assert len(got[name]) == len(saved[name]) > 0, name
+        assert all(torch.equal(x, y) for x, y in zip(saved[name], got[name])), name
+    # each pool is its own namespace: the KV namespace holds KV pages only
+    nss = {b.ns} | {lay.ns for lay in b._pools.values()}
+    assert len(nss) == 5
+    client = kvtier.Client(daemon.ipc)
+    try:
+        assert client.lookup(b.ns, [page_key(k) for k in keys], salt=b.cfg["salt"]).hits == 4
+    finally:
+        client.close()
+
+
+def test_hybrid_hit_policies_shrink_the_prefix(daemon, backends):
+    """TRAILING_PAGES: a prefix is usable up to the last node boundary whose state was saved
+    (a state saved after page 3 of 5: 3 pages). ALL_PAGES: the first page the pool lacks ends
+    it. A pool that was never registered, or that kvtier cannot serve, is no hit at all."""
+    from sglang_iface import PoolName, PoolTransfer, PoolHitPolicy
+    b, kv, pools, ctl = _hybrid(daemon, backends)
+    keys = hashes(5, "pol")
+    _save_node(ctl, kv, pools, keys[:3], 81)          # node 1: pages 0-2 with their states
+    idx = kv.alloc(2 * kv.page_size)                  # node 2: KV pages 3-4 only
+    kv.fill(idx, 82)
+    assert all(b.batch_set_v1(keys[3:], idx))
+    assert b.batch_exists(keys) == 5
+    r = ctl.hits(keys)
+    assert r.kv_hit_pages == 3 and r.extra_pool_hit_pages["mamba"] == 3
+    n, hits, got = _load_node(ctl, kv, pools, keys, r.kv_hit_pages)
+    assert n == 3 and hits[PoolName.MAMBA] == 1 and hits[PoolName.SWA] == 2
+    # ALL_PAGES: the indexer lacks pages 3-4 -> 3, whatever the trailing pools say
+    only = b.batch_exists_v2(keys, [PoolTransfer(PoolName.INDEXER)])
+    assert only.kv_hit_pages == 3 and only.extra_pool_hit_pages == {"kv": 5, "indexer": 3}
+    # a pool nobody registered: no prefix is usable
+    r = b.batch_exists_v2(keys, [PoolTransfer(PoolName.DEEPSEEK_V4_C4)])
+    assert r.kv_hit_pages == 0
+    # a pool kvtier cannot serve (every page call raises): registered with a warning, misses
+    from sglang_iface import NoStoragePool
+    b.register_mem_host_pool_v2(NoStoragePool(pages=4), PoolName.DRAFT_SWA)
+    t = PoolTransfer(PoolName.DRAFT_SWA, keys=["__placeholder__"],
+                     hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    assert b.batch_exists_v2(keys, [t]).kv_hit_pages == 0
+    got = b.batch_set_v2([PoolTransfer(PoolName.DRAFT_SWA, host_indices=torch.tensor(
+        list(range(16))), keys=keys[:1])])
+    assert got == {PoolName.DRAFT_SWA: [False]}
+
+
+def test_draft_kv_through_the_generic_calls(daemon, backends):
+    """Speculative decoding's draft KV, older path: batch_set(["<hash>.draft"], pages of the
+    draft pool) with another page size than the target's; batch_get with the draft pool's
+    dummy pages reads them back byte for byte (a namespace per page size)."""
+    pool = HostPool(pages=8)
+    draft = HostPool(pages=8, layers=1, heads=2, head_dim=32)
+    b = backends(daemon.ipc, pool)
+    keys = ["%s.draft" % h for h in hashes(3, "dr")]
+    idx = draft.alloc(3 * 16)
+    draft.fill(idx, 91)
+    pages = [draft.get_data_page(int(idx[i * 16])) for i in range(3)]
+    assert pages[0].numel() * pages[0].element_size() != b.page_bytes
+    assert b.batch_set(keys, pages) is True
+    got = b.batch_get(keys, [draft.get_dummy_flat_data_page() for _ in keys])
+    assert all(g is not None and torch.equal(g, p) for g, p in zip(got, pages))
+    # the target's own pages are unaffected, and a key of one namespace is not in the other
+    assert b.batch_exists(keys) == 0
+    assert b.stats()["errors"] == 0

@@ -12,7 +12,8 @@ SGLang loads it as a dynamic backend (storage/backend_factory.py calls
 Built against SGLang's HiCacheStorage as of v0.5.x (hicache_storage.py, 2025-2026): the five
 abstract methods (get, batch_get, set, batch_set, exists), batch_exists, the zero-copy
 batch_get_v1 / batch_set_v1 that SGLang calls when the extra config says "interface_v1", and
-the hybrid models' *_v2 calls (the KV pool served, extra pools answered as misses).
+the hybrid models' register_mem_host_pool_v2 and *_v2 calls (HybridCacheController, SGLang's
+default stack): every pool stored in a namespace of its own, with the hit policy asked for.
 
 Objects: one kvtier object per page, holding the page exactly as the host pool's
 get_data_page(index, flat=True) lays it out (so the v1 and the tensor paths store the same
@@ -126,13 +127,16 @@ def _settings(storage_config):
     return cfg
 
 
-def _ranks(storage_config):
-    """The rank part of the namespace: what makes one rank's pages differ from another's."""
+def _ranks(storage_config, replicated=None):
+    """The rank part of the namespace: what makes one rank's pages differ from another's.
+    `replicated` (default: an MLA model) says the pages are the same on every TP rank."""
     def field(name, default):
         v = getattr(storage_config, name, default)
         return default if v is None else int(v)
     parts = []
-    if getattr(storage_config, "is_mla_model", False):
+    if replicated is None:
+        replicated = getattr(storage_config, "is_mla_model", False)
+    if replicated:
         parts.append("mla")               # latent KV: the same bytes on every TP rank
     else:
         parts.append("tp%dof%d" % (field("tp_rank", 0), field("tp_size", 1)))
@@ -171,13 +175,35 @@ def _pool_name(transfer):
     return str(getattr(name, "value", name))
 
 
-def _transfer_result(kv_hits):
+def _transfer_result(kv_hits, pool_hits=None):
     """SGLang's PoolTransferResult(kv_hit_pages, extra_pool_hit_pages)."""
     try:
         from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
     except ImportError:                   # (v2 is only called by an SGLang that has it)
-        return types.SimpleNamespace(kv_hit_pages=kv_hits, extra_pool_hit_pages={})
-    return PoolTransferResult(kv_hits, {})
+        return types.SimpleNamespace(kv_hit_pages=kv_hits,
+                                     extra_pool_hit_pages=dict(pool_hits or {}))
+    return PoolTransferResult(kv_hits, dict(pool_hits or {}))
+
+
+# Pools whose pages are the same on every TP rank of an MLA model (Mooncake's backend keys
+# them without the rank too); every other pool's pages are per rank.
+_REPLICATED_POOLS = frozenset(("indexer", "draft_indexer", "deepseek_v4_c4",
+                               "deepseek_v4_c4_indexer", "deepseek_v4_c128",
+                               "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state",
+                               "deepseek_v4_c128_state", "deepseek_v4_c4_indexer_scale"))
+_TRAILING_PROBES = 128                    # LOOKUPs one TRAILING_PAGES pool may cost an exists
+
+
+class _Layout:
+    """What moving one pool's pages needs: its namespace and page geometry, under the names
+    the backend's own (the KV pool's) have. Other pools' pages and pages of another size move
+    as flat pages (get_data_page(flat=True) / set_from_flat_data_page)."""
+
+    def __init__(self, ns, pool, page_size, dtype, nbytes):
+        self.ns, self.mem_pool_host, self._page_size = ns, pool, page_size
+        self._page_dtype, self.page_bytes = dtype, nbytes
+        self._page_shape = (nbytes // torch.empty((), dtype=dtype).element_size(),)
+        self._rows, self._direct, self._step, self._regions = 1, False, None, None
 
 
 def _transfer_misses(transfers):
@@ -289,6 +315,8 @@ class KvtierHiCacheStorage(_Base):
         self._direct = False
         self._step = None                 # elements from one page's view to the next's
         self._warned = set()
+        self._pools = {}                  # other pools by name: a _Layout, None if unservable
+        self._flat = {}                   # (page bytes, dtype) -> _Layout: draft KV and such
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(("exists_calls", "exists_hits", "get_pages", "get_hits",
                                      "set_pages", "set_stored", "set_skipped", "errors",
@@ -370,9 +398,12 @@ class KvtierHiCacheStorage(_Base):
         if kv_dtype is not None and kv_dtype != page_dtype:   # fp8 KV is stored as uint8
             dtype += "-" + str(kv_dtype).replace("torch.", "")
         layout = "%s.%s.%s.%s" % (kind, getattr(pool, "layout", "layout"), dtype, shape)
-        ns = "%s/%s/%s" % (self.cfg["namespace"], self.rank_part, layout)
+        return self._ns_of(self.rank_part, layout)
+
+    def _ns_of(self, rank_part, layout):
+        ns = "%s/%s/%s" % (self.cfg["namespace"], rank_part, layout)
         if len(ns.encode("utf-8")) > 256:  # the daemon's limit: keep the tail, hash the rest
-            tail = "/%s/%s" % (self.rank_part, layout)
+            tail = "/%s/%s" % (rank_part, layout)
             if len(tail.encode("utf-8")) > 200:
                 raise ValueError("the page layout part of the namespace, %r, is too long"
                                  % tail)
@@ -383,8 +414,11 @@ class KvtierHiCacheStorage(_Base):
         return ns
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name):
-        """Newer SGLang registers each pool by name; the KV pool is the one this backend
-        moves (hybrid models' other pools are not supported)."""
+        """Newer SGLang registers every host pool by name (HybridCacheController), the KV
+        anchor included. Each other pool (Mamba states, SWA windows, DSA indexer, DeepSeek-V4
+        pools, draft KV) gets a namespace of its own, "<namespace>/<ranks>/<pool>.<layout>.
+        <dtype>.<page bytes>", its pages moved as get_data_page / set_from_flat_data_page lay
+        them out. A pool that offers neither is answered with misses (one warning)."""
         try:
             base = getattr(super(), "register_mem_host_pool_v2", None)
             if base is not None:
@@ -392,8 +426,48 @@ class KvtierHiCacheStorage(_Base):
         except Exception as e:            # noqa: BLE001 - never into SGLang's start-up
             self._warn_once("pool-v2", "registering host pool %s: %s: %s" % (
                 host_pool_name, type(e).__name__, e))
-        if str(getattr(host_pool_name, "value", host_pool_name)) == "kv":
-            self.register_mem_pool_host(host_pool)
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name == "kv":
+            if host_pool is not self.mem_pool_host:
+                self.register_mem_pool_host(host_pool)
+            return
+        try:
+            lay = self._pool_layout(host_pool, name)
+        except Exception as e:            # noqa: BLE001
+            lay = None
+            self._warn_once("pool-" + name, "the %s host pool %s cannot be served (%s: %s): "
+                            "its pages are misses, and so are the prefixes that need them" % (
+                                name, type(host_pool).__name__, type(e).__name__, e))
+        with self._stats_lock:
+            self._pools[name] = lay
+        if lay is not None:
+            log.info("kvtier.sglang: pool %s: namespace %s, pages of %d bytes", name, lay.ns,
+                     lay.page_bytes)
+
+    def _pool_layout(self, pool, name):
+        page = pool.get_data_page(0, flat=True)
+        if not isinstance(page, torch.Tensor) or page.numel() == 0:
+            raise TypeError("get_data_page gave %r" % (type(page).__name__,))
+        nbytes = page.numel() * page.element_size()
+        dtype = str(page.dtype).replace("torch.", "")
+        replicated = name in _REPLICATED_POOLS and getattr(self.storage_config,
+                                                           "is_mla_model", False)
+        layout = "%s.%s.%s.%d" % (name, getattr(pool, "layout", "layout"), dtype, nbytes)
+        ns = self._ns_of(_ranks(self.storage_config, replicated), layout)
+        return _Layout(ns, pool, int(getattr(pool, "page_size", 1) or 1), page.dtype, nbytes)
+
+    def _flat_layout(self, nbytes, dtype):
+        """Pages of another size than the KV pool's through the generic calls (speculative
+        decoding's draft KV: batch_set(["<hash>.draft"], ...)): a namespace per size."""
+        key = (nbytes, dtype)
+        with self._stats_lock:
+            lay = self._flat.get(key)
+        if lay is None:
+            layout = "flat.%s.%d" % (str(dtype).replace("torch.", ""), nbytes)
+            lay = _Layout(self._ns_of(self.rank_part, layout), None, 1, dtype, nbytes)
+            with self._stats_lock:
+                lay = self._flat.setdefault(key, lay)
+        return lay
 
     @_guarded(lambda keys: 0)
     def batch_exists(self, keys, extra_info=None):
@@ -402,8 +476,8 @@ class KvtierHiCacheStorage(_Base):
         self._count("exists_calls", 1)
         if not keys or self.ns is None:
             return 0
-        hits = self._run(lambda conn, left: self._exists(conn, [page_key(k) for k in keys]),
-                         0)
+        hits = self._run(lambda conn, left: self._exists(
+            conn, [page_key(k) for k in keys], self), 0)
         self._count("exists_hits", hits)
         return hits
 
@@ -416,7 +490,7 @@ class KvtierHiCacheStorage(_Base):
         """Pages straight from the arena into the host pool (one copy each): a list of bool,
         True for the leading pages found."""
         n = len(keys)
-        if not self._fits(n, host_indices):
+        if not self._fits(n, host_indices, self):
             return [False] * n
         starts = _starts(host_indices, self._page_size)
         regions = self._regions.at(host_indices) if self._regions is not None else None
@@ -432,7 +506,7 @@ class KvtierHiCacheStorage(_Base):
                 for j in range(len(flats)):
                     pool.set_from_flat_data_page(starts[base + j], flats.one(j))
 
-        done = self._run(lambda conn, left: self._get(conn, keys, left, sink), 0)
+        done = self._run(lambda conn, left: self._get(conn, keys, left, sink, self), 0)
         return [True] * done + [False] * (n - done)
 
     @_guarded(_falses)
@@ -440,14 +514,14 @@ class KvtierHiCacheStorage(_Base):
         """Pages of the host pool into L1 slots (one copy each; pages kvtier has already are
         skipped): a list of bool, True for each page stored or already there."""
         n = len(keys)
-        if not self._fits(n, host_indices):
+        if not self._fits(n, host_indices, self):
             return [False] * n
         if self._regions is not None:
             pages = self._regions.at(host_indices)
         else:
             pages = _Pages(self.mem_pool_host, _starts(host_indices, self._page_size),
                            self._page_size)
-        return self._run(lambda conn, left: self._set(conn, keys, pages), [False] * n)
+        return self._run(lambda conn, left: self._set(conn, keys, pages, self), [False] * n)
 
     @_guarded(lambda key: None)
     def get(self, key, target_location=None, target_sizes=None):
@@ -457,10 +531,17 @@ class KvtierHiCacheStorage(_Base):
     @_guarded(_nones)
     def batch_get(self, keys, target_locations=None, target_sizes=None):
         """The pages as flat tensors (copied into target_locations when given, SGLang's dummy
-        flat pages), None for each page past the leading ones found."""
+        flat pages), None for each page past the leading ones found. Targets of another size
+        than a KV page (draft KV) are read from that size's namespace."""
         n = len(keys)
-        if self.ns is None or n == 0:
+        if self.ns is None or n == 0:     # a miss-only tier: nothing of this server's
             return [None] * n
+        lay = self
+        first = target_locations[0] if target_locations else None
+        if isinstance(first, torch.Tensor):
+            size = first.numel() * first.element_size()
+            if size != self.page_bytes:
+                lay = self._flat_layout(size, first.dtype)
         out = [None] * n
 
         def sink(base, flats):
@@ -468,12 +549,12 @@ class KvtierHiCacheStorage(_Base):
                 i, src = base + j, flats.one(j)
                 dst = target_locations[i] if target_locations is not None else None
                 if (dst is None or not dst.is_contiguous()
-                        or dst.numel() * dst.element_size() != self.page_bytes):
-                    dst = torch.empty(self._page_shape, dtype=self._page_dtype).flatten()
+                        or dst.numel() * dst.element_size() != lay.page_bytes):
+                    dst = torch.empty(lay._page_shape, dtype=lay._page_dtype).flatten()
                 _bytes_of(dst).copy_(src.view(torch.uint8))
                 out[i] = dst
 
-        self._run(lambda conn, left: self._get(conn, keys, left, sink), 0)
+        self._run(lambda conn, left: self._get(conn, keys, left, sink, lay), 0)
         return out
 
     @_guarded(lambda key: False)
@@ -482,58 +563,131 @@ class KvtierHiCacheStorage(_Base):
 
     @_guarded(lambda keys: False)
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
-        """Stores flat pages (tensors of exactly one page); True when every page is stored
-        or was already there."""
+        """Stores flat pages, all of one size: a KV page's, or another's (speculative
+        decoding's draft KV, "<hash>.draft") in that size's namespace. True when every page
+        is stored or was already there."""
         n = len(keys)
         if values is None or len(values) != n:
             self._warn_once("values", "batch_set without one value per key: nothing stored")
             return False
-        if self.ns is None:
-            return False
+        if self.ns is None or n == 0 or not isinstance(values[0], torch.Tensor):
+            return False                  # (ns None: a miss-only tier)
+        size0 = values[0].numel() * values[0].element_size()
+        lay = self if size0 == self.page_bytes else self._flat_layout(size0, values[0].dtype)
         good = []
         for v in values:
-            size = None if v is None else v.numel() * v.element_size()
-            if size != self.page_bytes:
-                self._size_mismatch(size)
-                break                     # store the leading pages of the right size only
-            good.append(v.reshape(-1).view(self._page_dtype))
+            size = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else None
+            if size != lay.page_bytes:
+                self._size_mismatch(size, lay)
+                break                     # store the leading pages of the first one's size
+            good.append(v.reshape(-1).view(lay._page_dtype))
         if len(good) < n:
             self._count("set_pages", n - len(good))
-            if not good:
-                return False
         done = self._run(lambda conn, left: self._set(conn, keys[:len(good)],
-                                                      _Pages(tensors=good)), [False])
+                                                      _Pages(tensors=good), lay), [False])
         return len(good) == n and all(done)
 
-    # Hybrid models (newer SGLang): extra host pools (Mamba states, SWA windows, DSA indexer,
-    # DeepSeek-V4 compressed KV) move through the *_v2 calls. Only the KV pool is stored here:
-    # with extra pools nothing counts as a hit (a page is usable only with its side pools),
-    # so such a model runs with this tier unused rather than with SGLang's prefetch or backup
-    # thread ended by the base class's NotImplementedError. A KV transfer is served as v1.
+    # Hybrid models (SGLang's HybridCacheController, the default stack since PR #35081): the
+    # KV pool and every other registered pool (Mamba states, SWA windows, DSA indexer,
+    # DeepSeek-V4 pools, draft KV) move through the *_v2 calls, keyed by the KV pages'
+    # hashes, each pool in its own namespace. A pool never registered or not servable is a
+    # miss, so the prefixes that need it are misses: never a KV page without its side pools.
 
     @_guarded(lambda keys: _transfer_result(0))
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
-        """SGLang's PoolTransferResult: the KV hits when no extra pool is asked for, else 0."""
-        extra = [t for t in (pool_transfers or ()) if _pool_name(t) != "kv"]
-        if not extra:
-            return _transfer_result(self.batch_exists(keys, extra_info))
-        self._warn_once("v2", "extra host pools (%s) are not stored by kvtier: no hits for "
-                        "this hybrid model" % ", ".join(sorted({_pool_name(t) for t in extra})))
-        return _transfer_result(0)
+        """SGLang's PoolTransferResult: kv_hit_pages is the longest prefix of `keys` that the
+        KV pool has and that every pool asked for can restore. ALL_PAGES pools must have every
+        page of it; TRAILING_PAGES pools the last len(transfer.keys) pages before its end (the
+        prefix shrinks until one such window is complete)."""
+        final = self.batch_exists(keys, extra_info)
+        hits = {"kv": final} if final else {}
+        for t in pool_transfers or ():
+            name = _pool_name(t)
+            if name == "kv":
+                continue
+            lay = self._pools.get(name)
+            if lay is None:
+                if name not in self._pools:
+                    self._warn_once("unregistered-" + name, "pool %s was never registered "
+                                    "(register_mem_host_pool_v2): its prefixes are misses"
+                                    % name)
+                found = 0
+            elif final == 0:
+                found = 0
+            elif getattr(t, "hit_policy", None) is not None and \
+                    str(getattr(t.hit_policy, "value", t.hit_policy)) == "trailing_pages":
+                found = self._trailing(lay, keys, final, max(1, len(t.keys or ())))
+            else:
+                kk = [page_key(k) for k in keys[:final]]
+                found = self._run(lambda conn, left: self._exists(conn, kk, lay), 0)
+            hits[name] = found
+            final = min(final, found)
+        return _transfer_result(final, hits)
+
+    def _trailing(self, lay, keys, upto, window):
+        """The longest prefix p <= upto whose last `window` pages `lay` has (0: none), probing
+        p = upto, upto - 1, ... (at most _TRAILING_PROBES LOOKUPs)."""
+        kk = [page_key(k) for k in keys[:upto]]
+
+        def probe(conn, left):
+            for p in range(upto, max(0, upto - _TRAILING_PROBES), -1):
+                win = kk[max(0, p - window):p]
+                if conn.req().lookup(lay.ns, win, salt=self.cfg["salt"],
+                                     prefetch=True).hits == len(win):
+                    return p
+            return 0
+        return self._run(probe, 0)
 
     @_guarded(lambda transfers: _transfer_misses(transfers))
     def batch_get_v2(self, transfers, extra_info=None):
-        """{pool name: [bool per key]}: KV transfers as batch_get_v1, others all False."""
-        return {t.name: (self.batch_get_v1(t.keys, t.host_indices, extra_info)
-                         if _pool_name(t) == "kv" else [False] * len(t.keys or ()))
-                for t in transfers}
+        """{pool name: [bool per key]}: each transfer's pages into its pool (the KV pool's as
+        batch_get_v1); pages past the leading ones found are False."""
+        return self._each_pool(transfers, self.batch_get_v1, self._pool_get, extra_info)
 
     @_guarded(lambda transfers: _transfer_misses(transfers))
     def batch_set_v2(self, transfers, extra_info=None):
-        """{pool name: [bool per key]}: KV transfers as batch_set_v1, others all False."""
-        return {t.name: (self.batch_set_v1(t.keys, t.host_indices, extra_info)
-                         if _pool_name(t) == "kv" else [False] * len(t.keys or ()))
-                for t in transfers}
+        """{pool name: [bool per key]}: each transfer's pages from its pool (the KV pool's as
+        batch_set_v1)."""
+        return self._each_pool(transfers, self.batch_set_v1, self._pool_set, extra_info)
+
+    def _each_pool(self, transfers, kv_call, pool_call, extra_info):
+        out = {}
+        for t in transfers:
+            keys, name = list(t.keys or ()), _pool_name(t)
+            if name == "kv":
+                out[t.name] = kv_call(keys, t.host_indices, extra_info)
+            else:
+                out[t.name] = pool_call(self._pools.get(name), keys, t.host_indices)
+        return out
+
+    def _pool_get(self, lay, keys, host_indices):
+        n = len(keys)
+        if lay is None or not self._fits(n, host_indices, lay):
+            return [False] * n
+        starts, pool = _starts(host_indices, lay._page_size), lay.mem_pool_host
+
+        def sink(base, flats):
+            for j in range(len(flats)):
+                pool.set_from_flat_data_page(starts[base + j], flats.one(j))
+
+        done = self._run(lambda conn, left: self._get(conn, keys, left, sink, lay), 0)
+        return [True] * done + [False] * (n - done)
+
+    def _pool_set(self, lay, keys, host_indices):
+        n = len(keys)
+        if lay is None or not self._fits(n, host_indices, lay):
+            return [False] * n
+        pages = []
+        for s in _starts(host_indices, lay._page_size):
+            page = lay.mem_pool_host.get_data_page(s, flat=True)
+            if page.numel() * page.element_size() != lay.page_bytes:
+                self._size_mismatch(page.numel() * page.element_size(), lay)
+                break
+            pages.append(page.reshape(-1).view(lay._page_dtype))
+        ok = self._run(lambda conn, left: self._set(conn, keys[:len(pages)],
+                                                    _Pages(tensors=pages), lay),
+                       [False] * len(pages))
+        return list(ok) + [False] * (n - len(pages))
 
     def clear(self):
         """SGLang's cache flush: removes this backend's namespace (every rank sharing it)."""
@@ -568,24 +722,24 @@ class KvtierHiCacheStorage(_Base):
 
     # -- the moves ---------------------------------------------------------------------------
 
-    def _fits(self, n, host_indices):
-        if self.ns is None:
+    def _fits(self, n, host_indices, lay):
+        if lay.ns is None:
             return False
-        if n == 0 or host_indices is None or len(host_indices) != n * self._page_size:
+        if n == 0 or host_indices is None or len(host_indices) != n * lay._page_size:
             if n:
                 self._warn_once("indices", "host_indices of %s entries for %d pages of %d "
                                 "tokens: nothing moved" % (
                                     None if host_indices is None else len(host_indices), n,
-                                    self._page_size))
+                                    lay._page_size))
             return False
         return True
 
-    def _exists(self, conn, keys):
+    def _exists(self, conn, keys, lay):
         """One LOOKUP with prefetch: the L2 part of the hits starts loading into L1 now, for
         the get SGLang makes next (a prefix all in L1 makes a job that is done at once)."""
-        return conn.req().lookup(self.ns, keys, salt=self.cfg["salt"], prefetch=True).hits
+        return conn.req().lookup(lay.ns, keys, salt=self.cfg["salt"], prefetch=True).hits
 
-    def _get(self, conn, keys, deadline, sink):
+    def _get(self, conn, keys, deadline, sink, lay):
         """ACQUIRE the leading pages, sink(first index, [1-D tensor of the page dtype per
         page]) them, RELEASE; when L1
         stops short of what kvtier has, the rest is loaded from L2 (one prefetch, waited for
@@ -594,10 +748,10 @@ class KvtierHiCacheStorage(_Base):
         kk = [page_key(k) for k in keys]
         n = len(kk)
         self._count("get_pages", n)
-        done = self._acquire_pipelined(conn, kk, sink)
+        done = self._acquire_pipelined(conn, kk, sink, lay)
         job = None
         while done < n and _now() < deadline:
-            r = conn.req().lookup(self.ns, kk[done:], salt=self.cfg["salt"],
+            r = conn.req().lookup(lay.ns, kk[done:], salt=self.cfg["salt"],
                                   prefetch=job is None)
             if job is None:
                 job = r.job               # None: no job slot now; asked again next round
@@ -610,45 +764,45 @@ class KvtierHiCacheStorage(_Base):
                     job = None            # what it loaded shows in the next LOOKUP
                 time.sleep(0.001)
                 continue
-            got = self._acquire_into(conn, kk[done:], done, sink)
+            got = self._acquire_into(conn, kk[done:], done, sink, lay)
             if got == 0:
                 break                     # evicted between LOOKUP and ACQUIRE
             done += got
         self._count("get_hits", done)
         return done
 
-    def _chunk(self, n):
+    def _chunk(self, n, lay):
         """Pages per request when a batch is pipelined: at least 8 MiB, at most 4 chunks
         (each request costs the caller's thread some Python as well)."""
-        per = max(1, (8 << 20) // max(1, self.page_bytes))
+        per = max(1, (8 << 20) // max(1, lay.page_bytes))
         return max(per, -(-n // 4))
 
-    def _acquire_into(self, conn, kk, base, sink):
+    def _acquire_into(self, conn, kk, base, sink, lay):
         """One ACQUIRE of kk (pages base, base + 1, ...): sinks the leading pages found."""
         if conn.arena() is None:          # no shared arena (a tcp endpoint): bytes inline
             srcs = []
-            for data in conn.req().get(self.ns, kk, salt=self.cfg["salt"], copy=False):
-                if len(data) != self.page_bytes:
-                    self._size_mismatch(len(data))
+            for data in conn.req().get(lay.ns, kk, salt=self.cfg["salt"], copy=False):
+                if len(data) != lay.page_bytes:
+                    self._size_mismatch(len(data), lay)
                     break
                 srcs.append(torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                            .view(self._page_dtype))
+                            .view(lay._page_dtype))
             if srcs:
                 sink(base, _Flats(tensors=srcs))
             return len(srcs)
-        slots, lease = conn.req().acquire_offsets(self.ns, kk, salt=self.cfg["salt"])
-        return self._sink_slots(conn, slots, lease, base, sink)
+        slots, lease = conn.req().acquire_offsets(lay.ns, kk, salt=self.cfg["salt"])
+        return self._sink_slots(conn, slots, lease, base, sink, lay)
 
-    def _acquire_pipelined(self, conn, kk, sink):
+    def _acquire_pipelined(self, conn, kk, sink, lay):
         """_acquire_into in chunks: the next chunk's ACQUIRE travels while this one's pages
         are copied. Stops at the first page not found."""
         n = len(kk)
-        per = self._chunk(n)
+        per = self._chunk(n, lay)
         if n <= per or conn.arena() is None:
-            return self._acquire_into(conn, kk, 0, sink)
+            return self._acquire_into(conn, kk, 0, sink, lay)
         spans = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
         salt = self.cfg["salt"]
-        slots, lease = conn.req().acquire_offsets(self.ns, kk[:per], salt=salt)
+        slots, lease = conn.req().acquire_offsets(lay.ns, kk[:per], salt=salt)
         pending = None
         done = 0
         try:
@@ -659,9 +813,9 @@ class KvtierHiCacheStorage(_Base):
                     pending = None
                 if j + 1 < len(spans):
                     nlo, nhi = spans[j + 1]
-                    pending = conn.client.acquire_offsets_begin(self.ns, kk[nlo:nhi],
+                    pending = conn.client.acquire_offsets_begin(lay.ns, kk[nlo:nhi],
                                                                 salt=salt)
-                got = self._sink_slots(conn, slots, lease, lo, sink)
+                got = self._sink_slots(conn, slots, lease, lo, sink, lay)
                 done += got
                 if got < hi - lo:
                     break
@@ -674,25 +828,25 @@ class KvtierHiCacheStorage(_Base):
             raise _Broken(e) from e       # replies still due: this connection goes
         return done
 
-    def _sink_slots(self, conn, slots, lease, base, sink):
+    def _sink_slots(self, conn, slots, lease, base, sink, lay):
         try:
             conn.arena()                  # follows a re-mapped arena
-            arena = conn.typed(self._page_dtype)
+            arena = conn.typed(lay._page_dtype)
             es = arena.element_size()
             offs = []
             for off, length in slots:
-                if length != self.page_bytes:
-                    self._size_mismatch(length)
+                if length != lay.page_bytes:
+                    self._size_mismatch(length, lay)
                     break
                 offs.append(off // es)
             if offs:
-                sink(base, _Flats(arena, offs, self.page_bytes // es))
+                sink(base, _Flats(arena, offs, lay.page_bytes // es))
         finally:
             if lease:                     # the reply is not waited for: the bytes are copied
                 conn.client.post(RELEASE, {"lease": lease})
         return len(offs)
 
-    def _set(self, conn, keys, pages):
+    def _set(self, conn, keys, pages, lay):
         """RESERVE the pages kvtier lacks, copy each from `pages` (a _Pages), COMMIT.
         -> list of bool per key."""
         n = len(keys)
@@ -701,19 +855,19 @@ class KvtierHiCacheStorage(_Base):
         kk = [page_key(k) for k in keys[:n]]
         salt = self.cfg["salt"]
         if conn.arena() is None:          # no shared arena: the bytes ride PUT
-            per = max(1, conn.client.max_message // 2 // self.page_bytes)
+            per = max(1, conn.client.max_message // 2 // lay.page_bytes)
             for lo in range(0, n, per):
                 hi = min(n, lo + per)
                 datas = [_bytes_of(pages.one(i).contiguous()).numpy() for i in range(lo, hi)]
-                self._count("set_stored", conn.req().put(self.ns, kk[lo:hi], datas, salt=salt))
+                self._count("set_stored", conn.req().put(lay.ns, kk[lo:hi], datas, salt=salt))
             # PUT stores what fits and counts only new objects: what is there says it
-            hits = conn.req().lookup(self.ns, kk, salt=salt).hits
+            hits = conn.req().lookup(lay.ns, kk, salt=salt).hits
             return [True] * hits + ok[hits:]
         # In chunks, pipelined: the next chunk's RESERVE and this one's COMMIT travel while
         # pages are copied; the COMMITs are waited for at the end.
-        per = self._chunk(n)
+        per = self._chunk(n, lay)
         spans = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
-        slots, lease = conn.req().reserve_offsets(self.ns, kk[:per], self.page_bytes,
+        slots, lease = conn.req().reserve_offsets(lay.ns, kk[:per], lay.page_bytes,
                                                   salt=salt)
         pending, commits = None, []
         try:
@@ -731,9 +885,9 @@ class KvtierHiCacheStorage(_Base):
                     pending = None
                 if j + 1 < len(spans):
                     nlo, nhi = spans[j + 1]
-                    pending = conn.client.reserve_offsets_begin(self.ns, kk[nlo:nhi],
-                                                                self.page_bytes, salt=salt)
-                todo, failed = self._fill(conn, slots, pages, lo, ok)
+                    pending = conn.client.reserve_offsets_begin(lay.ns, kk[nlo:nhi],
+                                                                lay.page_bytes, salt=salt)
+                todo, failed = self._fill(conn, slots, pages, lo, ok, lay)
                 if lease:
                     commits.append((todo, conn.client.commit_begin(lease, failed)))
             for todo, end in commits:
@@ -750,7 +904,7 @@ class KvtierHiCacheStorage(_Base):
             raise _Broken(e) from e       # replies still due, leases held: the connection goes
         return ok
 
-    def _fill(self, conn, slots, pages, lo, ok):
+    def _fill(self, conn, slots, pages, lo, ok, lay):
         """Copies page lo + i of `pages` into slot i of a RESERVE (None: stored already). Returns
         (the pages copied, the slot indices whose copy failed, for COMMIT)."""
         todo = []
@@ -763,11 +917,11 @@ class KvtierHiCacheStorage(_Base):
         if not todo:
             return todo, []
         conn.arena()                      # follows a re-mapped arena
-        arena = conn.typed(self._page_dtype)
+        arena = conn.typed(lay._page_dtype)
         es = arena.element_size()
-        flats = _Flats(arena, [slots[i - lo][0] // es for i in todo], self.page_bytes // es)
+        flats = _Flats(arena, [slots[i - lo][0] // es for i in todo], lay.page_bytes // es)
         try:
-            pages.select(todo).move(flats, True, self._rows, self._step)
+            pages.select(todo).move(flats, True, lay._rows, lay._step)
         except (RuntimeError, ValueError, TypeError) as e:
             self._warn_once("copy", "pages could not be copied into kvtier: %s" % e)
             return [], [i - lo for i in todo]
@@ -982,9 +1136,9 @@ class KvtierHiCacheStorage(_Base):
         with self._stats_lock:
             self._stats[name] += n
 
-    def _size_mismatch(self, got):
+    def _size_mismatch(self, got, lay):
         self._warn_once("size", "a page of %s bytes where namespace %s holds pages of %d: "
-                        "refused (another page layout?)" % (got, self.ns, self.page_bytes))
+                        "refused (another page layout?)" % (got, lay.ns, lay.page_bytes))
 
     def _warn_once(self, what, msg):
         if what not in self._warned:
