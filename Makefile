@@ -718,11 +718,11 @@ $(FUZZ_DIR)/fuzz_ring: $(FUZZ_RING_SRC) common/kvt_ring.h common/kvt_error.h
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $(FUZZ_RING_SRC)
 
-$(FUZZ_DIR)/fuzz_journal: $(FUZZ_JOURNAL_SRC) storage/kvt_journal.h common/kvt_key.h common/kvt_le.h common/kvt_error.h
+$(FUZZ_DIR)/fuzz_journal: $(FUZZ_JOURNAL_SRC) tests/fuzz/fuzz_input.h storage/kvt_journal.h common/kvt_key.h common/kvt_le.h common/kvt_error.h
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $(FUZZ_JOURNAL_SRC) -lxxhash
 
-$(FUZZ_DIR)/fuzz_seglog: $(FUZZ_SEGLOG_SRC) l2/kvt_seglog.h common/kvt_error.h common/kvt_log.h
+$(FUZZ_DIR)/fuzz_seglog: $(FUZZ_SEGLOG_SRC) tests/fuzz/fuzz_input.h l2/kvt_seglog.h common/kvt_error.h common/kvt_log.h
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $(FUZZ_SEGLOG_SRC) -lxxhash
 

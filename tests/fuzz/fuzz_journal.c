@@ -12,6 +12,7 @@
  * live set is sorted by offset, page-aligned, disjoint and inside the arena, with seqs that
  * were put; a second parse of the valid prefix alone gives the same prefix. ASan/UBSan see any
  * read outside the input. Build and run: make fuzz. */
+#include "fuzz_input.h"
 #include "kvt_error.h"
 #include "kvt_journal.h"
 
@@ -23,19 +24,6 @@
 #include <xxhash.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-typedef struct {
-    const uint8_t *p;
-    size_t n;
-} s_in_t;
-
-static uint64_t s_take(s_in_t *in, int bytes)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < bytes && in->n; i++, in->p++, in->n--)
-        v |= (uint64_t)in->p[0] << (8 * i);
-    return v;
-}
 
 typedef struct {
     uint8_t *b;

@@ -11,6 +11,7 @@
  * every object left after the replay reads without a crash; with no damage, the replay gives
  * exactly what the program left (names, sizes, bytes). ASan/UBSan see any read outside a
  * buffer. Build and run: make fuzz. */
+#include "fuzz_input.h"
 #include "kvt_error.h"
 #include "kvt_seglog.h"
 
@@ -28,19 +29,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 #define S_NAMES 16
 #define S_MAXLEN 20000u
 #define S_PAGE 4096u
-
-typedef struct {
-    const uint8_t *p;
-    size_t n;
-} s_in_t;
-
-static uint64_t s_take(s_in_t *in, int bytes)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < bytes && in->n; i++, in->p++, in->n--)
-        v |= (uint64_t)in->p[0] << (8 * i);
-    return v;
-}
 
 static void s_fill(uint8_t *b, size_t len, unsigned id, unsigned ver)
 {
