@@ -108,12 +108,14 @@ deps-py: deps
 # The Python client as users get it: `pip install ./client/python` into a throw-away venv
 # (--system-site-packages: it sees Debian's zmq, msgpack, xxhash, torch, pytest; --no-index:
 # no network). The Python tests run on this interpreter, against the installed copy.
-PY_SRC   := VERSION $(wildcard client/python/*.toml client/python/*.py client/python/kvtier/*.py)
+PY_SRC   := VERSION $(wildcard client/python/*.toml client/python/*.py client/python/kvtier/*.py) \
+            client/python/MANIFEST.in client/kvtier_ring.c client/kvtier.h common/kvt_ring.c \
+            common/kvt_ring.h common/kvt_error.c common/kvt_error.h
 PYVENV   := $(BUILD)/pyvenv
 PYTEST   := $(abspath $(PYVENV))/bin/python
 pyclient: deps-py $(PYVENV)/.installed
 $(PYVENV)/.installed: $(PY_SRC) | deps-py
-	@rm -rf $(PYVENV) client/python/build client/python/kvtier.egg-info
+	@rm -rf $(PYVENV) client/python/build client/python/kvtier.egg-info client/python/csrc
 	$(PYTHON) -m venv --system-site-packages $(PYVENV)
 	$(PYVENV)/bin/python -m pip install -q --no-build-isolation --no-index --no-cache-dir \
 	  ./client/python
@@ -481,7 +483,8 @@ bench-sglang: deps $(BUILD)/kvtierd pyclient
 	timeout 600 $(PYTEST) bench/sglang_bench.py --daemon $(BUILD)/kvtierd $(BENCH_SGLANG_ARGS)
 
 clean:
-	rm -rf $(BUILD) client/python/build client/python/kvtier.egg-info client/python/kvtier/_version.py
+	rm -rf $(BUILD) client/python/build client/python/kvtier.egg-info client/python/kvtier/_version.py \
+	  client/python/csrc
 
 # not build/deb/: `make deb`'s copy of the tree has its own build/ (and kvtier.service.d/)
 -include $(shell find $(BUILD) -path $(BUILD)/deb -prune -o -name '*.d' -type f -print 2>/dev/null)

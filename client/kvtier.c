@@ -59,7 +59,6 @@
 #include "kvt_hash.h"
 #include "kvt_msg.h"
 #include "kvt_proto.h"
-#include "kvt_ring.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -110,9 +109,8 @@ static void s_pack_uint_field(msgpack_packer *pk, const char *name, uint64_t v)
 }
 
 /* Begins a keyed body {ns, salt?, keys, + `extra` fields}; salt is left out when NULL or "". */
-static void s_body_keyed(msgpack_sbuffer *sb, msgpack_packer *pk, const char *ns,
-                         const char *salt, const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
-                         uint32_t extra)
+static void s_body_keyed(msgpack_sbuffer *sb, msgpack_packer *pk, const char *ns, const char *salt,
+                         const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, uint32_t extra)
 {
     kvc_body_begin(sb, pk, 2 + (s_has_salt(salt) ? 1 : 0) + extra);
     kvt_pack_str(pk, "ns");
@@ -163,7 +161,7 @@ static int s_check_arena(kvtier_t *self, const char *what)
     if (self->arena)
         return 0;
     return kvc_fail(self, KVT_EUNAVAIL, "%s needs the shared-memory arena, and %s", what,
-                  self->arena_why);
+                    self->arena_why);
 }
 
 /* The public codes are the internal vocabulary's numbers: keep them in step (every row). */
@@ -229,13 +227,19 @@ int kvtier_ping(kvtier_t *self)
 static json_t *s_to_json(const msgpack_object *o)
 {
     switch (o->type) {
-    case MSGPACK_OBJECT_NIL: return json_null();
-    case MSGPACK_OBJECT_BOOLEAN: return json_boolean(o->via.boolean);
-    case MSGPACK_OBJECT_POSITIVE_INTEGER: return json_integer((json_int_t)o->via.u64);
-    case MSGPACK_OBJECT_NEGATIVE_INTEGER: return json_integer(o->via.i64);
+    case MSGPACK_OBJECT_NIL:
+        return json_null();
+    case MSGPACK_OBJECT_BOOLEAN:
+        return json_boolean(o->via.boolean);
+    case MSGPACK_OBJECT_POSITIVE_INTEGER:
+        return json_integer((json_int_t)o->via.u64);
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER:
+        return json_integer(o->via.i64);
     case MSGPACK_OBJECT_FLOAT32:
-    case MSGPACK_OBJECT_FLOAT64: return json_real(o->via.f64);
-    case MSGPACK_OBJECT_STR: return json_stringn(o->via.str.ptr, o->via.str.size);
+    case MSGPACK_OBJECT_FLOAT64:
+        return json_real(o->via.f64);
+    case MSGPACK_OBJECT_STR:
+        return json_stringn(o->via.str.ptr, o->via.str.size);
     case MSGPACK_OBJECT_ARRAY: {
         json_t *a = json_array();
         for (uint32_t i = 0; i < o->via.array.size; i++)
@@ -254,7 +258,8 @@ static json_t *s_to_json(const msgpack_object *o)
         }
         return m;
     }
-    default: return json_null();
+    default:
+        return json_null();
     }
 }
 
@@ -313,8 +318,8 @@ static int s_parse_slots(kvtier_t *self, uint32_t type, const msgpack_object *bo
         if (e->type == MSGPACK_OBJECT_NIL && allow_nil)
             continue;
         uint64_t off, len;
-        int rc = e->type == MSGPACK_OBJECT_MAP ? 0
-                                               : kvc_bad_reply(self, type, "slots", "has a non-map");
+        int rc =
+            e->type == MSGPACK_OBJECT_MAP ? 0 : kvc_bad_reply(self, type, "slots", "has a non-map");
         if (rc == 0)
             rc = kvc_need_uint(self, type, e, "offset", &off);
         if (rc == 0)
@@ -330,8 +335,8 @@ static int s_parse_slots(kvtier_t *self, uint32_t type, const msgpack_object *bo
 }
 
 int kvtier_lookup(kvtier_t *self, const char *ns, const char *salt,
-                  const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, unsigned flags,
-                  uint32_t *hits, uint32_t *l1, uint64_t *lease, uint64_t *job)
+                  const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, unsigned flags, uint32_t *hits,
+                  uint32_t *l1, uint64_t *lease, uint64_t *job)
 {
     if (hits)
         *hits = 0;
@@ -415,7 +420,8 @@ int kvtier_prefetch_status(kvtier_t *self, uint64_t job, int *done, uint32_t *lo
     const msgpack_object *d = rc ? NULL : kvc_get(&r.up.data, "done");
     uint64_t ld = 0, h = 0;
     if (rc == 0 && (!d || d->type != MSGPACK_OBJECT_BOOLEAN))
-        rc = kvc_bad_reply(self, KVT_REQ_PREFETCH_STATUS, "done", d ? "is not a bool" : "is missing");
+        rc = kvc_bad_reply(self, KVT_REQ_PREFETCH_STATUS, "done",
+                           d ? "is not a bool" : "is missing");
     if (rc == 0)
         rc = kvc_need_uint(self, KVT_REQ_PREFETCH_STATUS, &r.up.data, "loaded", &ld);
     if (rc == 0)
@@ -432,8 +438,8 @@ int kvtier_prefetch_status(kvtier_t *self, uint64_t job, int *done, uint32_t *lo
 }
 
 /* The common checks of RESERVE and ACQUIRE: outputs zeroed, arguments present. */
-static int s_check_slots_call(kvtier_t *self, const char *name, const char *ns,
-                              const char *salt, const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+static int s_check_slots_call(kvtier_t *self, const char *name, const char *ns, const char *salt,
+                              const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
                               const kvtier_slot_t *slots, uint32_t *nslots, uint64_t *lease)
 {
     if (nslots)
@@ -622,10 +628,10 @@ int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
     if (self->info.max_message && total + sb.size > self->info.max_message) {
         msgpack_sbuffer_destroy(&sb);
         return kvc_fail(self, KVT_ETOOBIG,
-                      "put: %llu bytes exceed the daemon's max_message of %llu: put fewer "
-                      "objects per call",
-                      (unsigned long long)(total + sb.size),
-                      (unsigned long long)self->info.max_message);
+                        "put: %llu bytes exceed the daemon's max_message of %llu: put fewer "
+                        "objects per call",
+                        (unsigned long long)(total + sb.size),
+                        (unsigned long long)self->info.max_message);
     }
     kvc_reply_t r;
     rc = kvc_call_data(self, KVT_REQ_PUT, &sb, data, lens, n, KVC_DATA_NONE, &r);
@@ -641,8 +647,8 @@ int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
 /* GET with the data frames copied (KVC_DATA_COPY: out[i] owned by the caller) or kept
  * (KVC_DATA_KEEP: out[i] point into *frames). */
 static int s_get_data(kvtier_t *self, const char *ns, const char *salt,
-                 const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
-                 uint32_t *found, kvc_data_mode_t mode, kvtier_frames_t **frames)
+                      const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, kvtier_buf_t *out,
+                      uint32_t *found, kvc_data_mode_t mode, kvtier_frames_t **frames)
 {
     if (found)
         *found = 0;
@@ -668,8 +674,8 @@ static int s_get_data(kvtier_t *self, const char *ns, const char *salt,
         rc = kvc_need_count(self, KVT_REQ_GET, &r.up.data, "found", n, &f);
     if (rc == 0 && f != got)
         rc = kvc_fail(self, KVT_EINTERNAL,
-                    "malformed get reply from the daemon: found %llu with %u data frames",
-                    (unsigned long long)f, got);
+                      "malformed get reply from the daemon: found %llu with %u data frames",
+                      (unsigned long long)f, got);
     if (rc == 0 && mode == KVC_DATA_COPY) {
         /* the copies change owner: the caller frees them */
         for (uint32_t i = 0; i < r.ndata; i++)
@@ -677,8 +683,8 @@ static int s_get_data(kvtier_t *self, const char *ns, const char *salt,
         r.ndata = 0;
     } else if (rc == 0 && got) {
         for (uint32_t i = 0; i < got; i++)
-            out[i] = (kvtier_buf_t){zmq_msg_data(&r.frames->msgs[i]),
-                                    zmq_msg_size(&r.frames->msgs[i])};
+            out[i] =
+                (kvtier_buf_t){zmq_msg_data(&r.frames->msgs[i]), zmq_msg_size(&r.frames->msgs[i])};
         *frames = r.frames;
         r.frames = NULL;
     }
@@ -762,8 +768,9 @@ int kvtier_register_gpu(kvtier_t *self, const kvtier_gpu_layout_t *lay)
         return KVT_EINVAL;
     self->error[0] = '\0';
     if (!lay || !lay->handles || !lay->dtype || lay->layers == 0)
-        return kvc_fail(self, KVT_EINVAL, "register_gpu: layout, handles, dtype and layers "
-                                        "are required");
+        return kvc_fail(self, KVT_EINVAL,
+                        "register_gpu: layout, handles, dtype and layers "
+                        "are required");
     msgpack_sbuffer sb;
     msgpack_packer pk;
     kvc_body_begin(&sb, &pk, 7 + (lay->offsets ? 1 : 0));
@@ -865,12 +872,11 @@ static int s_gpu_copy(kvtier_t *self, uint32_t type, const char *ns, const char 
 }
 
 int kvtier_store_gpu(kvtier_t *self, const char *ns, const char *salt, uint32_t device,
-                     const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
-                     const uint64_t *block_ids, uint32_t nblock_ids, const void *event,
-                     uint32_t *stored)
+                     const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const uint64_t *block_ids,
+                     uint32_t nblock_ids, const void *event, uint32_t *stored)
 {
-    return s_gpu_copy(self, KVT_REQ_STORE_GPU, ns, salt, device, keys, n, block_ids,
-                      nblock_ids, event, "stored", stored);
+    return s_gpu_copy(self, KVT_REQ_STORE_GPU, ns, salt, device, keys, n, block_ids, nblock_ids,
+                      event, "stored", stored);
 }
 
 int kvtier_retrieve_gpu(kvtier_t *self, const char *ns, const char *salt, uint32_t device,
@@ -878,8 +884,8 @@ int kvtier_retrieve_gpu(kvtier_t *self, const char *ns, const char *salt, uint32
                         const uint64_t *block_ids, uint32_t nblock_ids, const void *event,
                         uint32_t *found)
 {
-    return s_gpu_copy(self, KVT_REQ_RETRIEVE_GPU, ns, salt, device, keys, n, block_ids,
-                      nblock_ids, event, "found", found);
+    return s_gpu_copy(self, KVT_REQ_RETRIEVE_GPU, ns, salt, device, keys, n, block_ids, nblock_ids,
+                      event, "found", found);
 }
 
 /* ---- token hashing ---- */
@@ -919,8 +925,8 @@ uint32_t kvtier_hash_tokens_local(const uint32_t *tokens, size_t ntokens, uint32
     const uint8_t *bytes = s_le_tokens(tokens, ntokens, &owned);
     if (!bytes)
         return 0;
-    uint32_t n = kvt_hash_tokens(bytes, ntokens * 4, chunk_tokens, salt,
-                                 salt ? strlen(salt) : 0, keys, (uint32_t)want);
+    uint32_t n = kvt_hash_tokens(bytes, ntokens * 4, chunk_tokens, salt, salt ? strlen(salt) : 0,
+                                 keys, (uint32_t)want);
     free(owned);
     return n < want ? n : (uint32_t)want;
 }
@@ -971,8 +977,8 @@ int kvtier_hash_tokens(kvtier_t *self, const uint32_t *tokens, size_t ntokens,
         rc = kvc_bad_reply(self, KVT_REQ_HASH_TOKENS, "keys", a ? "is not an array" : "is missing");
     if (rc == 0 && a->via.array.size != want)
         rc = kvc_fail(self, KVT_EINTERNAL,
-                    "malformed hash_tokens reply from the daemon: %u keys for %zu full chunks",
-                    a->via.array.size, want);
+                      "malformed hash_tokens reply from the daemon: %u keys for %zu full chunks",
+                      a->via.array.size, want);
     for (uint32_t i = 0; rc == 0 && i < a->via.array.size; i++) {
         const msgpack_object *e = &a->via.array.ptr[i];
         if (e->type != MSGPACK_OBJECT_BIN || e->via.bin.size != KVTIER_KEY_LEN)
@@ -984,81 +990,4 @@ int kvtier_hash_tokens(kvtier_t *self, const uint32_t *tokens, size_t ntokens,
         *nkeys = (uint32_t)want;
     kvc_reply_free(&r);
     return rc;
-}
-
-/* ---- the fast-path ring for other languages (thin wrappers over common/kvt_ring) ---- */
-
-struct kvtier_ring {
-    kvt_ring_t *ring;
-};
-
-kvtier_ring_t *kvtier_ring_attach(void *region, size_t size, uint32_t capacity, int producer,
-                                  char *err, size_t errlen)
-{
-    char why[160] = "";
-    kvt_ring_t *r = region ? kvt_ring_new(region, size, capacity,
-                                          producer ? KVT_RING_PRODUCER : KVT_RING_CONSUMER, why,
-                                          sizeof why)
-                           : NULL;
-    kvtier_ring_t *self = r ? malloc(sizeof *self) : NULL;
-    if (!self) {
-        if (err && errlen)
-            snprintf(err, errlen, "%s", !region ? "no region" : r ? "out of memory" : why);
-        kvt_ring_destroy(&r);
-        return NULL;
-    }
-    self->ring = r;
-    return self;
-}
-
-void kvtier_ring_detach(kvtier_ring_t *self)
-{
-    if (!self)
-        return;
-    kvt_ring_destroy(&self->ring);
-    free(self);
-}
-
-size_t kvtier_ring_max_payload(const kvtier_ring_t *self)
-{
-    return kvt_ring_max_payload(self->ring);
-}
-
-int kvtier_ring_push(kvtier_ring_t *self, const void *const *frames, const size_t *lens,
-                     uint32_t n)
-{
-    kvt_ring_iov_t iov[16];
-    if (n > 16 || (n && (!frames || !lens)))
-        return KVT_EINVAL;
-    for (uint32_t i = 0; i < n; i++)
-        iov[i] = (kvt_ring_iov_t){frames[i], lens[i]};
-    return kvt_ring_push(self->ring, iov, n);
-}
-
-int kvtier_ring_pop(kvtier_ring_t *self, void *buf, size_t cap, size_t *len)
-{
-    return kvt_ring_pop(self->ring, buf, cap, len);
-}
-
-int kvtier_ring_wait(kvtier_ring_t *self, size_t need, int64_t timeout_ns)
-{
-    return kvt_ring_wait(self->ring, need, timeout_ns);
-}
-
-void kvtier_ring_set_spin(kvtier_ring_t *self, uint32_t max_iterations)
-{
-    kvt_ring_set_spin(self->ring, max_iterations);
-}
-
-void kvtier_ring_stats(const kvtier_ring_t *self, kvtier_ring_stats_t *out)
-{
-    kvt_ring_stats_t st;
-    kvt_ring_stats(self->ring, &st);
-    *out = (kvtier_ring_stats_t){st.records, st.bytes, st.spin_hits, st.cooled,
-                                 st.sleeps,  st.wakes, st.spin};
-}
-
-void kvtier_ring_close(kvtier_ring_t *self)
-{
-    kvt_ring_close(self->ring);
 }

@@ -1,15 +1,38 @@
 """The version comes from the repository's VERSION file, the one the daemon's build reads
 (Makefile). Building from the source tree writes it into kvtier/_version.py, which an sdist
-carries, so a build from an sdist (no VERSION file beside it) reads it from there."""
+carries, so a build from an sdist (no VERSION file beside it) reads it from there.
+
+The fast path's ring code (libkvtier's kvtier_ring_* calls: client/kvtier_ring.c over
+common/kvt_ring.c, nothing but libc) is built into the package as kvtier/_kvtring*.so, which
+kvtier._ring loads with ctypes: `pip install ./client/python` alone gives the fast path,
+without libkvtier installed. The C files are copied into csrc/ from the source tree (an sdist
+carries them). Optional: without a C compiler the install still succeeds, without the fast
+path (kvtier.Client.fastpath_why then says why)."""
 
 import os
 import re
+import shutil
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_VERSION = os.path.join(HERE, "..", "..", "VERSION")
+REPO = os.path.join(HERE, "..", "..")
+REPO_VERSION = os.path.join(REPO, "VERSION")
 VERSION_PY = os.path.join(HERE, "kvtier", "_version.py")
+CSRC = os.path.join(HERE, "csrc")
+RING_FILES = ["client/kvtier_ring.c", "client/kvtier.h", "common/kvt_ring.c",
+              "common/kvt_ring.h", "common/kvt_error.c", "common/kvt_error.h"]
+
+
+def _ring_sources():
+    """The ring's C files in csrc/ (refreshed from the source tree when there is one)."""
+    if all(os.path.exists(os.path.join(REPO, f)) for f in RING_FILES):
+        os.makedirs(CSRC, exist_ok=True)
+        for f in RING_FILES:
+            src, dst = os.path.join(REPO, f), os.path.join(CSRC, os.path.basename(f))
+            if not os.path.exists(dst) or open(src, "rb").read() != open(dst, "rb").read():
+                shutil.copyfile(src, dst)
+    return [os.path.join("csrc", os.path.basename(f)) for f in RING_FILES if f.endswith(".c")]
 
 
 def _version():
@@ -33,4 +56,11 @@ def _version():
     return m.group(1)
 
 
-setup(version=_version())
+# A shared object loaded with ctypes, not a Python module (it defines no PyInit_): setuptools
+# builds it with the compiler and flags it uses for extensions.
+RING = Extension("kvtier._kvtring", sources=_ring_sources(), include_dirs=["csrc"],
+                 define_macros=[("_GNU_SOURCE", None)],
+                 extra_compile_args=["-std=gnu11", "-O2", "-fvisibility=default"],
+                 optional=True)
+
+setup(version=_version(), ext_modules=[RING])

@@ -204,6 +204,29 @@ def test_without_libkvtier_the_client_stays_on_zmq(daemon_factory):
     assert fp_status(d)["rings_open"] == 0
 
 
+def test_the_installed_package_carries_its_fast_path(daemon_factory):
+    """`pip install ./client/python` alone (no libkvtier on the system, no KVTIER_LIBRARY):
+    the package's own build of the ring calls (kvtier/_kvtring*.so) gives the fast path."""
+    d = daemon_factory()
+    script = ("import json, os, kvtier, kvtier._ring as r\n"
+              "c = kvtier.Client(%r, heartbeat_ms=0)\n"
+              "c.store('fp-own', [b'o' * 16], [b'w' * 3000])\n"
+              "got = c.fetch('fp-own', [b'o' * 16])[0].decode()\n"
+              "print(json.dumps([c.fastpath, c.fastpath_why, r.path,"
+              " os.path.dirname(os.path.abspath(kvtier.__file__)), got]))\n"
+              "c.close()\n" % d.ipc)
+    env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_LIBRARY", "LD_LIBRARY_PATH")}
+    cp = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=30, env=env, cwd="/")
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    fastpath, why, path, pkg, got = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert fastpath is True, why
+    assert os.path.dirname(path) == pkg and os.path.basename(path).startswith("_kvtring"), path
+    assert got == "w" * 3000
+    _, samples = d.metrics()
+    assert metric_value(samples, "kvtier_fastpath_requests_total") >= 1
+
+
 def test_ring_payload_parse():
     """kvtier._ring.parse: u32 count, then per frame u32 length + bytes; nothing else."""
     def msg(*frames, count=None):

@@ -5,8 +5,11 @@ never touches a ring's bytes itself; it loads libkvtier.so with ctypes and calls
 wrappers. Where the library is not found (or predates the wrappers) the fast path is simply
 unavailable: library() answers None and `why` says why; nothing raises.
 
-The library: KVTIER_LIBRARY (a path) when set, else "libkvtier.so.0" from the dynamic loader's
-path, else whatever ctypes.util.find_library("kvtier") finds.
+The library: KVTIER_LIBRARY (a path) when set; else the package's own copy of the ring calls
+(kvtier/_kvtring*.so, which `pip install` builds from libkvtier's ring sources: setup.py), so
+that installing the package alone gives the fast path; else "libkvtier.so.0" from the dynamic
+loader's path, else whatever ctypes.util.find_library("kvtier") finds. `path` says which one
+was loaded.
 
 A Pair is one client's two rings in the pair's own memory, a memfd the daemon hands to this
 process alone (fetch(): the ticket from HELLO, over the daemon's handoff socket): the request
@@ -18,6 +21,7 @@ is closed. Only the Client's thread uses a Pair (a ring handle is single-threade
 
 import ctypes
 import ctypes.util
+import glob
 import mmap
 import os
 import select
@@ -45,6 +49,7 @@ _lock = threading.Lock()
 _lib = None
 _tried = False
 why = "not loaded yet"          # why the fast path is unavailable ("" once loaded)
+path = ""                       # the library loaded (KVTIER_LIBRARY, the package's own, ...)
 
 
 class RingError(Exception):
@@ -94,7 +99,9 @@ def _load():
     if path:
         names = [path]                       # asked for this one: no other
     else:
-        names = ["libkvtier.so.0"]
+        here = os.path.dirname(os.path.abspath(__file__))
+        names = sorted(glob.glob(os.path.join(here, "_kvtring*.so")))
+        names.append("libkvtier.so.0")
         found = ctypes.util.find_library("kvtier")
         if found and found not in names:
             names.append(found)
@@ -106,7 +113,7 @@ def _load():
             errors.append("%s: %s" % (name, e))
             continue
         try:
-            return _bind(lib), ""
+            return _bind(lib), name
         except AttributeError as e:          # an older libkvtier without the ring calls
             errors.append("%s: %s" % (name, e))
     return None, "libkvtier not usable (%s)" % "; ".join(errors)
@@ -115,12 +122,13 @@ def _load():
 def library():
     """libkvtier (a ctypes.CDLL with the ring calls bound), loaded once per process; None
     when it cannot be found or lacks the ring calls (then `why` says why)."""
-    global _lib, _tried, why
+    global _lib, _tried, why, path
     if _tried:
         return _lib
     with _lock:
         if not _tried:
-            _lib, why = _load()
+            _lib, got = _load()
+            why, path = ("", got) if _lib is not None else (got, "")
             _tried = True
     return _lib
 
