@@ -141,6 +141,24 @@ def test_page_key_is_blake2b_128_of_the_hash_string():
     assert len(page_key("x")) == 16 and page_key("x") != page_key("y")
 
 
+def test_page_keys_remembers_without_changing_a_key(monkeypatch):
+    """page_keys: the same keys as page_key, hashed once per string (SGLang asks for the same
+    pages again and again), bytes hashes too; a full memo starts over, still right."""
+    from kvtier import sglang as ks
+    monkeypatch.setattr(ks, "_KEYS", {})
+    monkeypatch.setattr(ks, "_KEYS_MAX", 8)
+    calls = []
+    real = ks.page_key
+    monkeypatch.setattr(ks, "page_key", lambda h: calls.append(h) or real(h))
+    hs = hashes(6, "memo") + [b"raw-bytes"]
+    want = [real(h) for h in hs]
+    assert ks.page_keys(hs) == want and len(calls) == 7
+    assert ks.page_keys(hs) == want and len(calls) == 8      # only the bytes hash again
+    more = hashes(5, "more")
+    assert ks.page_keys(more + hs) == [real(h) for h in more + hs]
+    assert len(ks._KEYS) <= 8
+
+
 # -- pages in and out -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])

@@ -94,6 +94,32 @@ def page_key(page_hash):
     return hashlib.blake2b(bytes(page_hash), digest_size=16).digest()
 
 
+_KEYS = {}                                # page hash str -> page_key: SGLang asks for the same
+_KEYS_MAX = 1 << 16                       # pages again and again (exists, get, set; shared
+                                          # prefixes), and a BLAKE2b call costs ~1 us in Python
+
+
+def page_keys(hashes):
+    """[page_key(h) for h in hashes], remembering the latest _KEYS_MAX string hashes (dict
+    reads and writes are atomic under the GIL: any thread)."""
+    memo = _KEYS
+    try:
+        return [memo[h] for h in hashes]  # all seen before: the common case
+    except (KeyError, TypeError):
+        pass
+    out = []
+    for h in hashes:
+        k = memo.get(h) if isinstance(h, str) else None
+        if k is None:
+            k = page_key(h)
+            if isinstance(h, str):
+                if len(memo) >= _KEYS_MAX:
+                    memo.clear()
+                memo[h] = k
+        out.append(k)
+    return out
+
+
 def _settings(storage_config):
     extra = getattr(storage_config, "extra_config", None) or {}
     if not isinstance(extra, dict):
@@ -477,7 +503,7 @@ class KvtierHiCacheStorage(_Base):
         if not keys or self.ns is None:
             return 0
         hits = self._run(lambda conn, left: self._exists(
-            conn, [page_key(k) for k in keys], self), 0)
+            conn, page_keys(keys), self), 0)
         self._count("exists_hits", hits)
         return hits
 
@@ -618,7 +644,7 @@ class KvtierHiCacheStorage(_Base):
                     str(getattr(t.hit_policy, "value", t.hit_policy)) == "trailing_pages":
                 found = self._trailing(lay, keys, final, max(1, len(t.keys or ())))
             else:
-                kk = [page_key(k) for k in keys[:final]]
+                kk = page_keys(keys[:final])
                 found = self._run(lambda conn, left: self._exists(conn, kk, lay), 0)
             hits[name] = found
             final = min(final, found)
@@ -627,7 +653,7 @@ class KvtierHiCacheStorage(_Base):
     def _trailing(self, lay, keys, upto, window):
         """The longest prefix p <= upto whose last `window` pages `lay` has (0: none), probing
         p = upto, upto - 1, ... (at most _TRAILING_PROBES LOOKUPs)."""
-        kk = [page_key(k) for k in keys[:upto]]
+        kk = page_keys(keys[:upto])
 
         def probe(conn, left):
             for p in range(upto, max(0, upto - _TRAILING_PROBES), -1):
@@ -745,7 +771,7 @@ class KvtierHiCacheStorage(_Base):
         stops short of what kvtier has, the rest is loaded from L2 (one prefetch, waited for
         until the deadline) and acquired as it arrives. Returns how many leading pages were
         placed."""
-        kk = [page_key(k) for k in keys]
+        kk = page_keys(keys)
         n = len(kk)
         self._count("get_pages", n)
         done = self._acquire_pipelined(conn, kk, sink, lay)
@@ -852,7 +878,7 @@ class KvtierHiCacheStorage(_Base):
         n = len(keys)
         self._count("set_pages", n)
         ok = [False] * n
-        kk = [page_key(k) for k in keys[:n]]
+        kk = page_keys(keys[:n])
         salt = self.cfg["salt"]
         if conn.arena() is None:          # no shared arena: the bytes ride PUT
             per = max(1, conn.client.max_message // 2 // lay.page_bytes)
