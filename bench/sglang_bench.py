@@ -24,12 +24,12 @@ against baselines run in the same process, alternating with it, on the same pool
   memcpy/bulk one copy_ of 32 MiB between two contiguous tensors, the same two each round
               (cache-warm): a ceiling, for reference.
 
---page-kib 256 halves the pages (4 layers instead of 8). Medians of --rounds rounds after warm-up
-rounds that store four times the arena's size: the client's first write to each page of its
-arena mapping is a page fault (the daemon's pages exist, the client's page-table entries do
-not yet), which a long-running server pays once; measured before that, the first rounds' set
-runs at about half the copy speed. torch runs on one thread (the backend's copies are single-threaded too). --quick: a few rounds, for CI
-(times not judged). Prints a table and, with --json, JSON.
+--page-kib 256 halves the pages (4 layers instead of 8). Medians of --rounds rounds after
+warm-up rounds that store four times the arena's size: the client's first write to each page
+of its arena mapping is a page fault (the daemon's pages exist, the client's page-table entries
+do not yet), which a long-running server pays once; before that, a set copies into the arena
+at about half the speed. torch runs on one thread (the backend's copies are single-threaded
+too). --quick: a few rounds, for CI (times not judged). Prints a table and, with --json, JSON.
 """
 
 import argparse
