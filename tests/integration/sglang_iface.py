@@ -198,12 +198,20 @@ def install():
 
 
 def config(extra, model="test/model", tp_rank=0, tp_size=1, mla=False, page_first=True,
-           pp_rank=0, pp_size=1):
+           pp_rank=0, pp_size=1, layout=None):
+    """As _generate_storage_config builds it; with "tp_lcm_size" in `extra` (popped, as SGLang
+    does) should_split_heads is SGLang's rule: not MLA, layout page_head, lcm > tp_size."""
+    extra = dict(extra)
+    lcm = extra.pop("tp_lcm_size", None)
+    if lcm:
+        assert lcm % tp_size == 0, "tp_lcm_size must be divisible by tp_size."
+    split = bool(lcm) and not mla and layout == "page_head" and lcm > tp_size
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
                                 pp_size=pp_size, attn_cp_rank=0, attn_cp_size=1,
                                 is_mla_model=mla, enable_storage_metrics=False,
                                 is_page_first_layout=page_first, model_name=model,
-                                extra_config=dict(extra))
+                                tp_lcm_size=lcm, should_split_heads=split,
+                                extra_config=extra)
 
 
 def create_backend(backend_name, storage_config, mem_pool_host):
@@ -243,7 +251,8 @@ class HostPool:
             self.size_per_token = kv_dim * itemsize * L
         else:
             shape = {"layer_first": (2, L, S, H, D), "page_first": (2, S, L, H, D),
-                     "page_first_direct": (2, pages, L, P, H, D)}[layout]
+                     "page_first_direct": (2, pages, L, P, H, D),
+                     "page_head": (2, pages, H, P, L, D)}[layout]
             self.size_per_token = H * D * L * itemsize * 2
         self.kv_buffer = torch.zeros(shape, dtype=dtype)
         self._free = list(range(0, self.size, page_size))
@@ -262,7 +271,7 @@ class HostPool:
 
     def _page(self, index):
         P = self.page_size
-        if self.layout == "page_first_direct":
+        if self.layout in ("page_first_direct", "page_head"):
             i = index // P
             return self.kv_buffer[i:i + 1] if self.mla else self.kv_buffer[:, i:i + 1]
         if self.mla:

@@ -161,7 +161,8 @@ def test_page_keys_remembers_without_changing_a_key(monkeypatch):
 
 # -- pages in and out -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct",
+                                    "page_head"])
 @pytest.mark.parametrize("v1", [True, False], ids=["v1", "generic"])
 def test_set_exists_get_byte_exact(daemon, backends, layout, v1):
     roundtrip(backends, daemon, v1, layout=layout)
@@ -856,3 +857,84 @@ def test_draft_kv_through_the_generic_calls(daemon, backends):
     # the target's own pages are unaffected, and a key of one namespace is not in the other
     assert b.batch_exists(keys) == 0
     assert b.stats()["errors"] == 0
+
+
+def _tp_server(backends, d, tp_size, tp_rank, lcm=4, heads_total=8, **kw):
+    """One TP rank of a page_head server of a model with heads_total KV heads."""
+    pool = HostPool(pages=8, heads=heads_total // tp_size, layout="page_head", **kw)
+    extra = {"tp_lcm_size": lcm} if lcm else {}
+    b = backends(d.ipc, pool, tp_size=tp_size, tp_rank=tp_rank, layout="page_head",
+                 extra=extra)
+    return pool, b, Controller(b, pool)
+
+
+def _heads(pool, idx, lo, hi):
+    """Heads [lo, hi) of the pages of idx: K then V."""
+    out = []
+    for s in idx[::pool.page_size].tolist():
+        page = pool.kv_buffer[:, s // pool.page_size, lo:hi]
+        out.append(page.clone())
+    return out
+
+
+def test_tp_lcm_split_heads_share_pages_across_tp_sizes(daemon, backends):
+    """HiCacheStorageConfig.tp_lcm_size / should_split_heads (SGLang, page_head layout): a TP=2
+    server's rank stores each page as two head groups, TP=4 ranks 2r and 2r+1's pages, so a TP=4
+    server of the same model reads them (and the other way round): one copy, byte for byte."""
+    keys = hashes(3, "lcm")
+    p2, b2, c2 = _tp_server(backends, daemon, 2, 1)
+    assert [lay.ns.split("/")[-2] for lay in b2._kv] == ["tp2of4", "tp3of4"]
+    idx = p2.alloc(3 * 16)
+    p2.fill(idx, 101)
+    assert c2.backup(keys, idx)
+    for r, lo in ((2, 0), (3, 2)):                       # TP=4 ranks 2 and 3: 2 heads each
+        p4, b4, c4 = _tp_server(backends, daemon, 4, r)
+        assert b4._kv == [b4] and b4.ns == b2._kv[r - 2].ns
+        assert c4.hits(keys) == 3
+        dst = p4.alloc(3 * 16)
+        assert c4.load(keys, dst) == 3
+        assert all(torch.equal(a, b)
+                   for a, b in zip(_heads(p4, dst, 0, 2), _heads(p2, idx, lo, lo + 2)))
+    # the other way: TP=4 ranks 0 and 1 store, the TP=2 rank 0 reads all 4 heads
+    more = hashes(2, "lcm-back")
+    src = []
+    for r in (0, 1):
+        p4, b4, c4 = _tp_server(backends, daemon, 4, r)
+        i4 = p4.alloc(2 * 16)
+        p4.fill(i4, 200 + r)
+        assert c4.backup(more, i4)
+        src.append(_heads(p4, i4, 0, 2))
+    q2, bq, cq = _tp_server(backends, daemon, 2, 0)
+    assert cq.hits(more) == 2
+    dst = q2.alloc(2 * 16)
+    assert cq.load(more, dst) == 2
+    for g in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(_heads(q2, dst, 2 * g, 2 * g + 2), src[g]))
+    # a page is a hit only with all its groups: TP=4 rank 1 alone stored this one
+    p4, b4, c4 = _tp_server(backends, daemon, 4, 1)
+    half = hashes(1, "lcm-half")
+    i4 = p4.alloc(16)
+    p4.fill(i4, 300)
+    assert c4.backup(half, i4)
+    assert cq.hits(half) == 0 and cq.load(half, q2.alloc(16)) == 0
+
+
+def test_tp_lcm_without_page_head_stays_whole(daemon, backends, caplog):
+    """should_split_heads needs page_head (SGLang only sets it then) and interface_v1: a server
+    asked to split without them keeps whole pages per rank, says so once, and works."""
+    pool = HostPool(pages=8, heads=4, layout="page_head")
+    cfg = config(dict(EXTRA, endpoint=daemon.ipc, tp_lcm_size=4), tp_size=2,
+                 layout="page_head")
+    cfg.extra_config.pop("interface_v1")
+    with caplog.at_level("WARNING", logger="kvtier.sglang"):
+        b = create_backend("dynamic", cfg, pool)
+    try:
+        assert b._kv == [b] and "tp0of2" in b.ns
+        assert "interface_v1" in caplog.text
+        c = Controller(b, pool, v1=False)
+        keys = hashes(2, "whole")
+        idx = pool.alloc(2 * 16)
+        pool.fill(idx, 7)
+        assert c.backup(keys, idx) and c.hits(keys) == 2
+    finally:
+        b.close()

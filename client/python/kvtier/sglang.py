@@ -13,7 +13,9 @@ Built against SGLang's HiCacheStorage as of v0.5.x (hicache_storage.py, 2025-202
 abstract methods (get, batch_get, set, batch_set, exists), batch_exists, the zero-copy
 batch_get_v1 / batch_set_v1 that SGLang calls when the extra config says "interface_v1", and
 the hybrid models' register_mem_host_pool_v2 and *_v2 calls (HybridCacheController, SGLang's
-default stack): every pool stored in a namespace of its own, with the hit policy asked for.
+default stack): every pool stored in a namespace of its own, with the hit policy asked for;
+with tp_lcm_size / should_split_heads (page_head layout) a page is stored as one object per
+head group of the lcm's ranks, so servers of different TP sizes share pages.
 
 Objects: one kvtier object per page, holding the page exactly as the host pool's
 get_data_page(index, flat=True) lays it out (so the v1 and the tensor paths store the same
@@ -153,9 +155,10 @@ def _settings(storage_config):
     return cfg
 
 
-def _ranks(storage_config, replicated=None):
+def _ranks(storage_config, replicated=None, tp=None):
     """The rank part of the namespace: what makes one rank's pages differ from another's.
-    `replicated` (default: an MLA model) says the pages are the same on every TP rank."""
+    `replicated` (default: an MLA model) says the pages are the same on every TP rank; `tp`
+    (rank, size) replaces the server's own TP rank and size (split heads: the lcm's)."""
     def field(name, default):
         v = getattr(storage_config, name, default)
         return default if v is None else int(v)
@@ -165,7 +168,7 @@ def _ranks(storage_config, replicated=None):
     if replicated:
         parts.append("mla")               # latent KV: the same bytes on every TP rank
     else:
-        parts.append("tp%dof%d" % (field("tp_rank", 0), field("tp_size", 1)))
+        parts.append("tp%dof%d" % (tp or (field("tp_rank", 0), field("tp_size", 1))))
     if field("pp_size", 1) > 1:
         parts.append("pp%dof%d" % (field("pp_rank", 0), field("pp_size", 1)))
     if field("attn_cp_size", 1) > 1:
@@ -218,6 +221,28 @@ _REPLICATED_POOLS = frozenset(("indexer", "draft_indexer", "deepseek_v4_c4",
                                "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state",
                                "deepseek_v4_c128_state", "deepseek_v4_c4_indexer_scale"))
 _TRAILING_PROBES = 128                    # LOOKUPs one TRAILING_PAGES pool may cost an exists
+
+
+class _HeadGroup:
+    """Head group g of `split` of a page_head host pool (kv_buffer (2, pages, heads, page_size,
+    layers, head_dim)), as a pool of its own: page views kv_buffer[:, i:i+1, group] — K's
+    run then V's, the bytes SGLang's get_split_heads_page_buffer_meta names for that group."""
+
+    def __init__(self, pool, g, split):
+        hg = pool.head_num // split
+        self._heads = slice(g * hg, (g + 1) * hg)
+        self.kv_buffer, self.page_size, self.size = pool.kv_buffer, pool.page_size, pool.size
+        self.layout, self.dtype, self.head_num = pool.layout, pool.dtype, hg
+        self.device_pool = getattr(pool, "device_pool", None)
+
+    def get_data_page(self, index, flat=True):
+        i = int(index) // self.page_size
+        page = self.kv_buffer[:, i:i + 1, self._heads]
+        return page.flatten() if flat else page
+
+    def set_from_flat_data_page(self, index, data_page):
+        page = self.get_data_page(index, flat=False)
+        page.copy_(data_page.reshape(page.shape))
 
 
 class _Layout:
@@ -341,6 +366,7 @@ class KvtierHiCacheStorage(_Base):
         self._direct = False
         self._step = None                 # elements from one page's view to the next's
         self._warned = set()
+        self._kv = [self]                 # the KV pool's layouts: self, or its head groups
         self._pools = {}                  # other pools by name: a _Layout, None if unservable
         self._flat = {}                   # (page bytes, dtype) -> _Layout: draft KV and such
         self._stats_lock = threading.Lock()
@@ -375,31 +401,73 @@ class KvtierHiCacheStorage(_Base):
             else:
                 shape = self._register_regions(mem_pool_host, why)
             self.ns = self._namespace(mem_pool_host, shape)
+            self._kv = self._head_groups(mem_pool_host) or [self]
         except Exception as e:            # noqa: BLE001
             self.ns = self._regions = None
+            self._kv = [self]
             self._warn_once("pool", "the host pool %s cannot be served (%s: %s): kvtier is a "
                             "miss-only tier for this server" % (
                                 type(mem_pool_host).__name__, type(e).__name__, e))
             return
         log.info("kvtier.sglang: namespace %s, pages of %d bytes, endpoint %s", self.ns,
                  self.page_bytes, self.cfg["endpoint"])
+        if self._kv[0] is not self:
+            log.info("kvtier.sglang: heads split in %d (tp_lcm_size %s): namespaces %s",
+                     len(self._kv), self.storage_config.tp_lcm_size,
+                     ", ".join(lay.ns for lay in self._kv))
 
-    def _register_views(self, pool, page):
-        """Pools with page views (get_data_page(flat=False)): SGLang's MHA and MLA pools.
-        Returns the page part of the namespace ("2x64x36x8x128")."""
-        self._page_size = int(pool.page_size)
-        self._page_shape = tuple(page.shape)
-        self._page_dtype = page.dtype
-        self.page_bytes = page.numel() * page.element_size()
+    def _head_groups(self, pool):
+        """SGLang's should_split_heads (tp_lcm_size > tp_size, layout page_head, not MLA): each
+        page is stored as tp_lcm_size // tp_size objects, one per head group, each in the
+        namespace of the lcm rank whose heads it holds — so servers of different TP sizes of
+        one model share one copy (a TP=2 rank's page is TP=4 ranks 2r and 2r+1's pages). None
+        when not asked for or not possible (one warning)."""
+        sc = self.storage_config
+        lcm, tp = getattr(sc, "tp_lcm_size", None), int(getattr(sc, "tp_size", 1) or 1)
+        if not getattr(sc, "should_split_heads", False) or not lcm:
+            return None
+        split, heads = int(lcm) // tp, int(getattr(pool, "head_num", 0) or 0)
+        extra = getattr(sc, "extra_config", None) or {}
+        why = ("layout %s is not page_head" % getattr(pool, "layout", None)
+               if getattr(pool, "layout", None) != "page_head" else
+               "%d heads do not split in %d" % (heads, split) if heads % split or split < 2 else
+               "interface_v1 is not set (the generic calls move whole pages)"
+               if not extra.get("interface_v1") else
+               "pages without views" if not self._direct else None)
+        if why:
+            self._warn_once("split", "should_split_heads asked, but %s: pages stay whole, "
+                            "shared only with servers of the same TP size" % why)
+            return None
+        groups = []
+        base = int(getattr(sc, "tp_rank", 0) or 0) * split
+        for g in range(split):
+            gp = _HeadGroup(pool, g, split)
+            lay = _Layout.__new__(_Layout)
+            shape = self._register_views(gp, gp.get_data_page(0, flat=False), lay)
+            lay.mem_pool_host, lay._regions = gp, None
+            lay.ns = self._namespace(pool, shape, _ranks(sc, False, (base + g, int(lcm))),
+                                     lay._page_dtype)
+            groups.append(lay)
+        return groups
+
+    def _register_views(self, pool, page, lay=None):
+        """Pools with page views (get_data_page(flat=False)): SGLang's MHA and MLA pools; sets
+        `lay`'s page geometry (default: this backend's). Returns the page part of the
+        namespace ("2x64x36x8x128")."""
+        lay = self if lay is None else lay
+        lay._page_size = int(pool.page_size)
+        lay._page_shape = tuple(page.shape)
+        lay._page_dtype = page.dtype
+        lay.page_bytes = page.numel() * page.element_size()
         # Loads write straight into the page views when get_data_page(flat=False) is a view of
         # kv_buffer (SGLang's MHA and MLA pools); else through set_from_flat_data_page.
-        self._rows = _rows_of(page)
-        self._direct = _is_view_of(page, getattr(pool, "kv_buffer", None))
+        lay._rows = _rows_of(page)
+        lay._direct = _is_view_of(page, getattr(pool, "kv_buffer", None))
         try:
-            page.view(self._rows, -1)
+            page.view(lay._rows, -1)
         except RuntimeError:
-            self._direct = False
-        self._step = _affine_step(pool, page, self._page_size)
+            lay._direct = False
+        lay._step = _affine_step(pool, page, lay._page_size)
         return "x".join(str(d) for d in page.shape)
 
     def _register_regions(self, pool, why):
@@ -416,15 +484,16 @@ class KvtierHiCacheStorage(_Base):
         self._rows, self._direct, self._step = 1, False, None
         return self._regions.shape
 
-    def _namespace(self, pool, shape):
+    def _namespace(self, pool, shape, rank_part=None, page_dtype=None):
         kind = "mla" if getattr(self.storage_config, "is_mla_model", False) else "mha"
-        page_dtype = self._page_dtype if self._regions is None else pool.dtype
+        if page_dtype is None:
+            page_dtype = self._page_dtype if self._regions is None else pool.dtype
         dtype = str(page_dtype).replace("torch.", "")
         kv_dtype = getattr(getattr(pool, "device_pool", None), "dtype", None)
         if kv_dtype is not None and kv_dtype != page_dtype:   # fp8 KV is stored as uint8
             dtype += "-" + str(kv_dtype).replace("torch.", "")
         layout = "%s.%s.%s.%s" % (kind, getattr(pool, "layout", "layout"), dtype, shape)
-        return self._ns_of(self.rank_part, layout)
+        return self._ns_of(rank_part or self.rank_part, layout)
 
     def _ns_of(self, rank_part, layout):
         ns = "%s/%s/%s" % (self.cfg["namespace"], rank_part, layout)
@@ -502,8 +571,9 @@ class KvtierHiCacheStorage(_Base):
         self._count("exists_calls", 1)
         if not keys or self.ns is None:
             return 0
-        hits = self._run(lambda conn, left: self._exists(
-            conn, page_keys(keys), self), 0)
+        kk = page_keys(keys)
+        hits = self._run(lambda conn, left: min(self._exists(conn, kk, lay)
+                                                for lay in self._kv), 0)
         self._count("exists_hits", hits)
         return hits
 
@@ -521,18 +591,23 @@ class KvtierHiCacheStorage(_Base):
         starts = _starts(host_indices, self._page_size)
         regions = self._regions.at(host_indices) if self._regions is not None else None
 
-        def sink(base, flats):
-            pool = self.mem_pool_host
-            if regions is not None:       # K and V runs of each page (no page views)
-                regions.select(range(base, base + len(flats))).move(flats, False)
-            elif self._direct:            # into the pool's page views, runs of pages at once
-                _Pages(pool, starts[base:base + len(flats)], self._page_size).move(
-                    flats, False, self._rows, self._step)
-            else:
-                for j in range(len(flats)):
-                    pool.set_from_flat_data_page(starts[base + j], flats.one(j))
+        def sink_of(lay):
+            def sink(base, flats):
+                pool = lay.mem_pool_host
+                if regions is not None:   # K and V runs of each page (no page views)
+                    regions.select(range(base, base + len(flats))).move(flats, False)
+                elif lay._direct:         # into the pool's page views, runs of pages at once
+                    _Pages(pool, starts[base:base + len(flats)], lay._page_size).move(
+                        flats, False, lay._rows, lay._step)
+                else:
+                    for j in range(len(flats)):
+                        pool.set_from_flat_data_page(starts[base + j], flats.one(j))
+            return sink
 
-        done = self._run(lambda conn, left: self._get(conn, keys, left, sink, self), 0)
+        done = n                          # split heads: a page is there when all its groups are
+        for lay in self._kv:
+            done = min(done, self._run(lambda conn, left: self._get(conn, keys[:done], left,
+                                                                    sink_of(lay), lay), 0))
         return [True] * done + [False] * (n - done)
 
     @_guarded(_falses)
@@ -543,11 +618,15 @@ class KvtierHiCacheStorage(_Base):
         if not self._fits(n, host_indices, self):
             return [False] * n
         if self._regions is not None:
-            pages = self._regions.at(host_indices)
-        else:
-            pages = _Pages(self.mem_pool_host, _starts(host_indices, self._page_size),
-                           self._page_size)
-        return self._run(lambda conn, left: self._set(conn, keys, pages, self), [False] * n)
+            return self._run(lambda conn, left: self._set(
+                conn, keys, self._regions.at(host_indices), self), [False] * n)
+        starts = _starts(host_indices, self._page_size)
+        ok = [True] * n
+        for lay in self._kv:              # split heads: every group of a page, or not stored
+            pages = _Pages(lay.mem_pool_host, starts, lay._page_size)
+            got = self._run(lambda conn, left: self._set(conn, keys, pages, lay), [False] * n)
+            ok = [a and b for a, b in zip(ok, got)]
+        return ok
 
     @_guarded(lambda key: None)
     def get(self, key, target_location=None, target_sizes=None):
@@ -719,7 +798,8 @@ class KvtierHiCacheStorage(_Base):
         """SGLang's cache flush: removes this backend's namespace (every rank sharing it)."""
         if self.ns is None:
             return
-        self._run(lambda conn, left: conn.req().clear(self.ns), 0)
+        for lay in self._kv:
+            self._run(lambda conn, left: conn.req().clear(lay.ns), 0)
 
     def get_stats(self):
         return None                       # SGLang's storage metrics want its own type
