@@ -343,7 +343,7 @@ $(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS) -lcmocka
 
 TSAN_UNIT := test_l1_concurrent test_lease test_l2_conformance test_l2_fs test_l2mgr test_reqstats \
-             test_queue test_workers test_ring test_fastpath test_cache
+             test_queue test_workers test_ring test_fastpath test_cache test_evlog
 TSAN_BIN  := $(addprefix $(BUILD)/tsan/tests/,$(TSAN_UNIT))
 
 $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
@@ -354,7 +354,8 @@ $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
 # threads), then the concurrent integration tests against a TSan daemon: 32 clients at once,
 # SIGTERM under 8 writers with L2 write-behind, clients pinging while the daemon stops, replies
 # completed on libzmq's I/O threads while the server loop counts and cuts connections; the fast
-# path: 32 ring clients, hostile and SIGKILLed ones, an instance dropped and re-established.
+# path: 32 ring clients, hostile and SIGKILLed ones, an instance dropped and re-established;
+# the event log written by L1 and L2 threads while the events socket and poll_kv_events read it.
 TSAN_INTEGRATION := tests/integration/test_reliability.py \
     tests/integration/test_adopt.py \
     "tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged[SIGTERM-None]" \
@@ -367,6 +368,8 @@ TSAN_INTEGRATION := tests/integration/test_reliability.py \
     tests/integration/test_lmcache.py::test_killed_worker_reservations_come_back \
     tests/integration/test_lmcache.py::test_lookup_loads_what_only_l2_has \
     tests/integration/test_lmcache.py::test_status_lists_contexts \
+    tests/integration/test_lmcache_events.py::test_l2_writes_loads_and_evictions \
+    tests/integration/test_events.py \
     tests/integration/test_fastpath.py::test_32_concurrent_clients \
     tests/integration/test_fastpath.py::test_hostile_request_ring \
     tests/integration/test_fastpath.py::test_sigkilled_clients_leave_no_ring_behind \

@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 
 typedef enum {
     KVT_LOG_ERROR = 3,
@@ -67,5 +68,10 @@ void kvt_errrep_report(kvt_errrep_t *rep, kvt_log_level_t level, const char *fmt
 uint64_t kvt_now_ms(void);
 uint64_t kvt_now_ns(void);
 double kvt_wall_s(void);
+
+/* A condition variable that times out on the monotonic clock, and the deadline timeout_ms
+ * from now on that clock for its pthread_cond_timedwait. */
+void kvt_cond_init_mono(pthread_cond_t *c);
+struct timespec kvt_mono_deadline(int64_t timeout_ms);
 
 #endif

@@ -38,37 +38,14 @@ struct kvt_queue {
     kvt_queue_stats_t st; /* len and depth are filled in by kvt_queue_stats */
 };
 
-static void s_cond_init(pthread_cond_t *c)
-{
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(c, &ca);
-    pthread_condattr_destroy(&ca);
-}
-
-/* Deadline timeout_ms from now on CLOCK_MONOTONIC (the clock of both condition variables). */
-static struct timespec s_deadline(int64_t timeout_ms)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += (time_t)(timeout_ms / 1000);
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    return ts;
-}
-
 kvt_queue_t *kvt_queue_new(size_t capacity, unsigned flags, char *err, size_t errlen)
 {
     kvt_queue_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
     self->efd = -1;
     pthread_mutex_init(&self->lock, NULL);
-    s_cond_init(&self->nonempty);
-    s_cond_init(&self->idle);
+    kvt_cond_init_mono(&self->nonempty);
+    kvt_cond_init_mono(&self->idle);
     self->capacity = capacity;
     self->nslots = S_SLOTS0;
     self->ring = calloc(self->nslots, sizeof *self->ring);
@@ -197,7 +174,7 @@ int kvt_queue_pop_batch(kvt_queue_t *self, void **items, size_t max, size_t *n,
     *n = 0;
     pthread_mutex_lock(&self->lock);
     if (self->len == 0 && !self->closed && timeout_ms != 0) {
-        struct timespec until = s_deadline(timeout_ms > 0 ? timeout_ms : 0);
+        struct timespec until = kvt_mono_deadline(timeout_ms > 0 ? timeout_ms : 0);
         while (self->len == 0 && !self->closed) {
             if (timeout_ms < 0)
                 pthread_cond_wait(&self->nonempty, &self->lock);
@@ -235,7 +212,7 @@ void kvt_queue_task_done(kvt_queue_t *self, size_t n)
 int kvt_queue_wait_idle(kvt_queue_t *self, int64_t timeout_ms)
 {
     pthread_mutex_lock(&self->lock);
-    struct timespec until = s_deadline(timeout_ms > 0 ? timeout_ms : 0);
+    struct timespec until = kvt_mono_deadline(timeout_ms > 0 ? timeout_ms : 0);
     int rc = 0;
     while (self->len || self->st.active) {
         if (timeout_ms == 0 || (timeout_ms > 0 && pthread_cond_timedwait(&self->idle, &self->lock,

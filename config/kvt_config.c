@@ -136,6 +136,10 @@ static const s_opt_t s_options[] = {
           "to (comma-separated)"),
     S_STR("events", "--events", "KVTIER_EVENTS", events, "", 0, s_check_optional_endpoint,
           "ENDPOINT", "ZMQ PUB endpoint for cache events; \"\" for none"),
+    S_NUM("event_log_size", "--event-log-size", "KVTIER_EVENT_LOG_SIZE", S_UINT32, event_log_size,
+          0, 1048576, "32768", 0, "N",
+          "L1/L2 change records kept for the events socket and LMCache's poll_kv_events (0: no "
+          "log, no events)"),
     S_STR("run_dir", "--run-dir", "KVTIER_RUN_DIR", run_dir, "./var/run", 0, s_check_nonempty,
           "DIR", "runtime directory (ipc socket)"),
     S_STR("data_dir", "--data-dir", "KVTIER_DATA_DIR", data_dir, "./var/data", 0, s_check_nonempty,
@@ -1290,6 +1294,8 @@ int kvt_config_finish(kvt_config_t *self, char *err, size_t errlen)
             return rc;
     if ((rc = s_check_bind(self, "events", self->events, err, errlen)) != 0)
         return rc;
+    if (self->events[0] && !self->event_log_size)
+        return s_fail(err, errlen, "events: needs the event log (event_log_size > 0)");
     if ((rc = s_check_bind(self, "lmcache.listen", self->lmcache_listen, err, errlen)) != 0 ||
         (rc = s_check_lmcache_curve(self, err, errlen)) != 0)
         return rc;

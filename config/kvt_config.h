@@ -23,6 +23,7 @@ typedef struct kvt_config {
     uint32_t http_timeout_s;       /* idle HTTP connections are closed after this */
     char *http_hosts;              /* extra Host names HTTP answers to, comma-separated */
     char *events;   /* ZMQ PUB endpoint, or "" for none */
+    uint32_t event_log_size; /* records of the event log (storage/kvt_evlog); 0: none */
     char *run_dir;  /* ipc socket, pid-style runtime files */
     char *data_dir; /* default home of the fs L2 */
     uint64_t l1_size;

@@ -1,16 +1,14 @@
-/* DESIGN: producers (server, workers, evictor, HTTP) encode under no lock and push the bytes
- * into a bounded kvt_queue; the publisher thread takes everything queued at once and sends it,
- * beating between batches and at least every 200 ms while idle. On destroy the queue is closed:
- * the thread sends what was queued before, then returns. The socket is created by the main
- * thread at start-up (so a bad endpoint fails the start) and from then on used only by the
- * publisher thread. */
+/* DESIGN: the publisher thread waits on the log (at most 200 ms, so it beats and sees a stop),
+ * reads up to S_BATCH records past its cursor, encodes and sends each, gives them back, and goes
+ * on from the last one. On destroy it is told to stop: it sends what the log holds by then and
+ * returns. The socket is created by the main thread at start-up (so a bad endpoint fails the
+ * start) and from then on used only by the publisher thread. */
 #include "kvt_events.h"
 
 #include "kvt_error.h"
-#include "kvt_rundir.h"
 #include "kvt_log.h"
 #include "kvt_msg.h"
-#include "kvt_queue.h"
+#include "kvt_rundir.h"
 #include "kvt_thread.h"
 
 #include <czmq.h>
@@ -19,105 +17,107 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define S_MAX_QUEUED 4096
+#define S_BATCH 1024
 #define S_SNDHWM 10000
-
-typedef struct {
-    size_t len;
-    char data[];
-} s_ev_t;
+#define S_WAIT_MS 200
 
 struct kvt_events {
     zsock_t *pub;
-    kvt_queue_t *queue;
+    kvt_evlog_t *log;
     kvt_thread_t *thread;
-    void *batch[S_MAX_QUEUED]; /* the publisher thread's */
+    atomic_bool stop;
+    uint64_t cursor;             /* the publisher thread's: the last record it took */
+    kvt_evrec_t *batch[S_BATCH]; /* the publisher thread's */
+    msgpack_sbuffer sb;          /* the publisher thread's */
     _Atomic uint64_t published, dropped;
 };
 
 static kvt_errrep_t s_rep_drop = KVT_ERRREP_INIT(10000);
 
-static void s_drop(kvt_events_t *self, const char *why)
+static void s_drop(kvt_events_t *self, uint64_t n, const char *why)
 {
-    atomic_fetch_add_explicit(&self->dropped, 1, memory_order_relaxed);
-    kvt_errrep_report(&s_rep_drop, KVT_LOG_WARN, "events: dropped an event: %s", why);
+    atomic_fetch_add_explicit(&self->dropped, n, memory_order_relaxed);
+    kvt_errrep_report(&s_rep_drop, KVT_LOG_WARN, "events: dropped %llu event(s): %s",
+                      (unsigned long long)n, why);
 }
 
-void kvt_events_publish(kvt_events_t *self, const char *event, const kvt_ns_t *ns,
-                        const kvt_key_t *keys, uint32_t n, const char *tier)
+static void s_encode(msgpack_sbuffer *sb, const kvt_evrec_t *r)
 {
-    if (!self || n == 0)
-        return;
-    msgpack_sbuffer sb;
-    msgpack_sbuffer_init(&sb);
+    msgpack_sbuffer_clear(sb);
     msgpack_packer pk;
-    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
     msgpack_pack_map(&pk, 5);
     kvt_pack_str(&pk, "event");
-    kvt_pack_str(&pk, event);
+    kvt_pack_str(&pk, kvt_ev_name(r->kind));
     kvt_pack_str(&pk, "ns");
-    kvt_pack_strn(&pk, ns->name, ns->name_len);
+    kvt_pack_strn(&pk, r->ns.name, r->ns.name_len);
     kvt_pack_str(&pk, "salt");
-    kvt_pack_strn(&pk, ns->salt ? (const void *)ns->salt : "", ns->salt_len);
+    kvt_pack_strn(&pk, r->ns.salt ? (const void *)r->ns.salt : "", r->ns.salt_len);
     kvt_pack_str(&pk, "keys");
-    msgpack_pack_array(&pk, n);
-    for (uint32_t i = 0; i < n; i++) {
+    msgpack_pack_array(&pk, r->n);
+    for (uint32_t i = 0; i < r->n; i++) {
         msgpack_pack_bin(&pk, KVT_KEY_LEN);
-        msgpack_pack_bin_body(&pk, keys[i].b, KVT_KEY_LEN);
+        msgpack_pack_bin_body(&pk, r->keys[i].b, KVT_KEY_LEN);
     }
     kvt_pack_str(&pk, "tier");
-    kvt_pack_str(&pk, tier);
-    s_ev_t *ev = malloc(sizeof *ev + sb.size);
-    kvt_assert(ev);
-    ev->len = sb.size;
-    memcpy(ev->data, sb.data, sb.size);
-    msgpack_sbuffer_destroy(&sb);
-    int rc = kvt_queue_push(self->queue, ev, 1);
-    if (rc != 0)
-        free(ev);
-    if (rc == KVT_EBUSY) /* KVT_EUNAVAIL: stopping; not counted, as nothing is sent any more */
-        s_drop(self, "publisher queue full");
+    kvt_pack_str(&pk, kvt_ev_tier(r->kind));
 }
 
-static void s_send_all(kvt_events_t *self, void **batch, size_t n)
+/* Sends what the log holds past the cursor, S_BATCH records at a time; false once it is all
+ * sent. */
+static bool s_send_batch(kvt_events_t *self)
 {
     void *sock = zsock_resolve(self->pub);
-    for (size_t i = 0; i < n; i++) {
-        s_ev_t *ev = batch[i];
-        if (zmq_send(sock, ev->data, ev->len, ZMQ_DONTWAIT) < 0)
-            s_drop(self, errno == EAGAIN ? "a subscriber is not reading (high-water mark)"
-                                         : zmq_strerror(errno));
+    kvt_evlog_span_t span;
+    uint32_t n = kvt_evlog_read(self->log, self->cursor, self->batch, S_BATCH, &span);
+    if (span.first > self->cursor + 1)
+        s_drop(self, span.first - self->cursor - 1,
+               "the publisher fell behind the event log (event_log_size)");
+    for (uint32_t i = 0; i < n; i++) {
+        s_encode(&self->sb, self->batch[i]);
+        if (zmq_send(sock, self->sb.data, self->sb.size, ZMQ_DONTWAIT) < 0)
+            s_drop(self, 1,
+                   errno == EAGAIN ? "a subscriber is not reading (high-water mark)"
+                                   : zmq_strerror(errno));
         else
             atomic_fetch_add_explicit(&self->published, 1, memory_order_relaxed);
-        free(ev);
     }
+    if (n)
+        self->cursor = self->batch[n - 1]->seq;
+    else if (span.last > self->cursor)
+        self->cursor = span.last;
+    kvt_evlog_put(self->batch, n);
     /* subscription messages queue up on an XPUB: read and discard them */
     char buf[256];
     while (zmq_recv(sock, buf, sizeof buf, ZMQ_DONTWAIT) >= 0)
         ;
+    return n == S_BATCH;
 }
 
 static bool s_run(kvt_thread_t *t, void *arg)
 {
     kvt_events_t *self = arg;
     for (;;) {
-        size_t n = 0;
-        int rc = kvt_queue_pop_batch(self->queue, self->batch, S_MAX_QUEUED, &n,
-                                     kvt_thread_idle_ms(t));
-        s_send_all(self, self->batch, n); /* n = 0: still reads the subscriptions */
-        kvt_queue_task_done(self->queue, n);
-        if (rc == KVT_EUNAVAIL) /* closed, and what was queued before is sent */
+        long wait = kvt_thread_idle_ms(t);
+        kvt_evlog_wait(self->log, self->cursor, wait < S_WAIT_MS ? wait : S_WAIT_MS);
+        bool stop = atomic_load(&self->stop); /* read before the send: what came before goes */
+        while (s_send_batch(self))
+            ;
+        if (stop)
             return true;
         if (!kvt_thread_beat(t))
             return false;
     }
 }
 
-kvt_events_t *kvt_events_new(const char *endpoint, kvt_sup_t *sup, char *err, size_t errlen)
+kvt_events_t *kvt_events_new(const char *endpoint, kvt_evlog_t *log, kvt_sup_t *sup, char *err,
+                             size_t errlen)
 {
     kvt_events_t *self = calloc(1, sizeof *self);
     kvt_assert(self);
-    self->queue = kvt_queue_new(S_MAX_QUEUED, 0, err, errlen);
+    self->log = log;
+    self->cursor = kvt_evlog_span(log).last;
+    msgpack_sbuffer_init(&self->sb);
     self->pub = zsock_new(ZMQ_XPUB);
     if (!self->pub) {
         snprintf(err, errlen, "events: cannot create the socket: %s", zmq_strerror(errno));
@@ -150,11 +150,9 @@ void kvt_events_destroy(kvt_events_t **self_p)
     if (!self_p || !*self_p)
         return;
     kvt_events_t *self = *self_p;
-    kvt_queue_close(self->queue);
+    atomic_store(&self->stop, true);
     kvt_thread_join(&self->thread);
-    for (void *ev; kvt_queue_pop(self->queue, &ev, 0) == 0;) /* a thread that died left them */
-        free(ev);
-    kvt_queue_destroy(&self->queue);
+    msgpack_sbuffer_destroy(&self->sb);
     zsock_destroy(&self->pub);
     free(self);
     *self_p = NULL;
@@ -169,7 +167,9 @@ void kvt_events_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
                       .value = (double)atomic_load(&self->published)};
     emit(emit_ctx, &p);
     kvt_sample_t d = {.name = "events_dropped_total",
-                      .help = "Cache events dropped: queue full or a subscriber not reading.",
+                      .help =
+                          "Cache events not sent: the publisher fell behind the event log, or a "
+                          "subscriber was not reading.",
                       .kind = KVT_METRIC_COUNTER,
                       .value = (double)atomic_load(&self->dropped)};
     emit(emit_ctx, &d);

@@ -18,6 +18,7 @@
 #include "kvt_error.h"
 #include "kvt_hash.h"
 #include "kvt_lmc.h"
+#include "kvt_lmc_events.h"
 #include "kvt_lmc_registry.h"
 #include "kvt_log.h"
 #include "kvt_router.h"
@@ -159,6 +160,7 @@ struct kvt_lmcache_door {
     uint32_t chunk;
     kvt_lmc_limits_t lim;
 
+    kvt_lmc_events_t *events;     /* poll_kv_events over the cache service's event log */
     kvt_lmc_registry_t *registry; /* the registrations a restarted daemon still knows */
     uint32_t restored;            /* registrations taken from the previous daemon */
     kvt_sessions_t *conns; /* the client connections: who registered what, reply accounting */
@@ -843,6 +845,8 @@ static void s_op_prepare_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *ke
         sel[m] = keys[c0 + i];
         idx[m++] = i;
     }
+    if (m) /* what poll_kv_events tells of these chunks needs their tokens */
+        kvt_lmc_events_bind(self->events, keys, key->tokens, c0, idx, m);
     kvt_slot_t *slots = m ? malloc(m * sizeof *slots) : NULL;
     kvt_lmc_slot_t *out = m ? malloc(m * sizeof *out) : NULL;
     uint32_t *chunk = m ? malloc(m * sizeof *chunk) : NULL;
@@ -1461,7 +1465,37 @@ static int s_do_report(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t
     return rc;
 }
 
-/* get_chunk_size, noop, get_experimental: no arguments, a constant answer. */
+/* poll_kv_events: (model_name, cursor, max_events); an argument that does not decode is named. */
+static int s_do_poll(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
+                     char *why, size_t whylen)
+{
+    (void)op;
+    static const char *const names[] = {"model_name", "cursor", "max_events"};
+    char model[KVT_LMC_MAX_MODEL + 1];
+    uint64_t cursor = 0, max = 0;
+    int i = 0;
+    int rc = kvt_lmc_decode_str(S_ARG(0), model, sizeof model, why, whylen);
+    if (!rc && ++i)
+        rc = kvt_lmc_decode_uint(S_ARG(1), INT64_MAX, &cursor, why, whylen);
+    if (!rc && ++i)
+        rc = kvt_lmc_decode_uint(S_ARG(2), UINT32_MAX, &max, why, whylen);
+    if (rc) {
+        char inner[200];
+        snprintf(inner, sizeof inner, "%s", why);
+        snprintf(why, whylen, "%s: %s", names[i], inner);
+        return rc;
+    }
+    if (max == 0) {
+        snprintf(why, whylen, "max_events must be at least 1");
+        return KVT_EBADREQ;
+    }
+    kvt_lmc_events_poll(self->events, model, cursor, (uint32_t)max, s_value(r));
+    return 0;
+}
+
+/* get_chunk_size, noop, get_experimental: no arguments, a constant answer. get_experimental
+ * lists "kv_events" while the event log is on: LMCache's worker then polls poll_kv_events
+ * instead of announcing its own stores. */
 static int s_do_const(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t *a, s_answer_t *r,
                       char *why, size_t whylen)
 {
@@ -1470,7 +1504,10 @@ static int s_do_const(kvt_lmcache_door_t *self, kvt_lmc_op_t op, const s_args_t 
         msgpack_pack_uint32(s_value(r), self->chunk);
     else if (op == KVT_LMC_NOOP)
         msgpack_pack_str_with_body(s_value(r), "OK", 2);
-    else
+    else if (kvt_lmc_events_enabled(self->events)) {
+        msgpack_pack_array(s_value(r), 1);
+        msgpack_pack_str_with_body(s_value(r), "kv_events", 9);
+    } else
         msgpack_pack_array(s_value(r), 0);
     return 0;
 }
@@ -1498,6 +1535,7 @@ static const s_op_fn s_ops[KVT_LMC_NOPS] = {
     [KVT_LMC_REPORT_BLOCK_ALLOCATION] = s_do_report,
     [KVT_LMC_NOOP] = s_do_const,
     [KVT_LMC_GET_EXPERIMENTAL] = s_do_const,
+    [KVT_LMC_POLL_KV_EVENTS] = s_do_poll,
     [KVT_LMC_ABORT_STORE] = s_do_transfer,
 };
 
@@ -1808,6 +1846,7 @@ kvt_lmcache_door_t *kvt_lmcache_door_new(const kvt_config_t *cfg, kvt_sup_t *sup
     snprintf(self->shm_name, sizeof self->shm_name, "%s", path + strlen(dir));
     self->pool_size = kvt_l1_capacity(l1);
     self->chunk = cfg->chunk_tokens;
+    self->events = kvt_lmc_events_new(kvt_cache_evlog(cache), self->chunk);
     uint64_t tokens = (uint64_t)cfg->max_keys * cfg->chunk_tokens;
     self->lim.max_tokens = tokens > UINT32_MAX ? UINT32_MAX : (uint32_t)tokens;
     self->lim.max_items = self->lim.max_tokens + 2u * cfg->max_keys + 4096u;
@@ -1910,6 +1949,7 @@ void kvt_lmcache_door_destroy(kvt_lmcache_door_t **self_p)
     kvt_u64map_destroy(&self->told);
     kvt_sessions_destroy(&self->conns); /* replies still in libzmq hold their connections */
     kvt_queue_destroy(&self->lookups_done);
+    kvt_lmc_events_destroy(&self->events);
     pthread_mutex_destroy(&self->lock);
     free(self);
     *self_p = NULL;
@@ -2020,4 +2060,5 @@ void kvt_lmcache_door_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_c
                                    .help = "LMCache replies dropped: client gone or not reading",
                                    .kind = KVT_METRIC_COUNTER,
                                    .value = (double)atomic_load(&self->dropped)});
+    kvt_lmc_events_metrics_source(self->events, emit, emit_ctx);
 }

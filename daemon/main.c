@@ -115,13 +115,6 @@ static void s_gpu_owner_gone(void *ctx, kvt_owner_kind_t kind, uint64_t owner, b
         kvt_gpu_owner_gone(ctx, owner);
 }
 
-/* The cache service's L1 and L2 changes feed the events socket. */
-static void s_on_event(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_key_t *keys,
-                       uint32_t n, const char *tier)
-{
-    kvt_events_publish(ctx, event, ns, keys, n, tier);
-}
-
 static json_t *s_status_hook(void *ctx)
 {
     s_parts_t *p = ctx;
@@ -294,11 +287,11 @@ int main(int argc, char **argv)
     l2 = kvt_cache_l2(cache);
     kvt_metrics_add_source(metrics, kvt_l1_metrics_source, l1);
     if (cfg->events[0]) {
-        events = kvt_events_new(cfg->events, sup, err, sizeof err);
+        /* the cache service's log of L1 and L2 changes feeds the events socket */
+        events = kvt_events_new(cfg->events, kvt_cache_evlog(cache), sup, err, sizeof err);
         if (!events)
             goto done;
         kvt_metrics_add_source(metrics, kvt_events_metrics_source, events);
-        kvt_cache_set_events(cache, s_on_event, events);
     }
     kvt_metrics_add_source(metrics, kvt_prefetch_metrics_source, kvt_cache_prefetch(cache));
     kvt_metrics_add_source(metrics, kvt_l2mgr_metrics_source, l2);

@@ -1161,6 +1161,55 @@ void kvt_lmc_pack_prepare_retrieve(msgpack_packer *pk, bool success, const kvt_l
     s_pack_slots(pk, slots, n);
 }
 
+void kvt_lmc_pack_poll_head(msgpack_packer *pk, bool enabled, uint64_t incarnation,
+                            uint64_t next_cursor, bool lost, uint32_t nevents)
+{
+    msgpack_pack_map(pk, 5);
+    kvt_pack_str(pk, "enabled");
+    enabled ? msgpack_pack_true(pk) : msgpack_pack_false(pk);
+    kvt_pack_str(pk, "incarnation");
+    msgpack_pack_uint64(pk, incarnation);
+    kvt_pack_str(pk, "next_cursor");
+    msgpack_pack_uint64(pk, next_cursor);
+    kvt_pack_str(pk, "lost");
+    lost ? msgpack_pack_true(pk) : msgpack_pack_false(pk);
+    kvt_pack_str(pk, "events");
+    msgpack_pack_array(pk, nevents);
+}
+
+void kvt_lmc_pack_kv_event(msgpack_packer *pk, const kvt_lmc_kv_event_t *ev)
+{
+    msgpack_pack_map(pk, 8);
+    kvt_pack_str(pk, "seq");
+    msgpack_pack_uint64(pk, ev->seq);
+    kvt_pack_str(pk, "kind");
+    kvt_pack_str(pk, ev->stored ? "stored" : "removed");
+    kvt_pack_str(pk, "medium");
+    kvt_pack_str(pk, ev->storage ? "STORAGE" : "CPU");
+    kvt_pack_str(pk, "model_name");
+    kvt_pack_str(pk, ev->model);
+    kvt_pack_str(pk, "block_hashes");
+    msgpack_pack_array(pk, ev->n);
+    for (uint32_t i = 0; i < ev->n; i++) {
+        msgpack_pack_bin(pk, KVT_KEY_LEN);
+        msgpack_pack_bin_body(pk, ev->hashes[i].b, KVT_KEY_LEN);
+    }
+    kvt_pack_str(pk, "parent_block_hash");
+    if (ev->parent) {
+        msgpack_pack_bin(pk, KVT_KEY_LEN);
+        msgpack_pack_bin_body(pk, ev->parent->b, KVT_KEY_LEN);
+    } else {
+        msgpack_pack_nil(pk);
+    }
+    kvt_pack_str(pk, "token_ids");
+    msgpack_pack_array(pk, ev->tokens ? ev->n * ev->block_size : 0);
+    for (uint32_t i = 0; ev->tokens && i < ev->n; i++)
+        for (uint32_t t = 0; t < ev->block_size; t++)
+            msgpack_pack_uint32(pk, ev->tokens[i][t]);
+    kvt_pack_str(pk, "block_size");
+    msgpack_pack_uint32(pk, ev->block_size);
+}
+
 void kvt_lmc_pack_error(msgpack_packer *pk, const char *error_type, const char *message)
 {
     if (!message)

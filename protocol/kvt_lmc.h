@@ -28,8 +28,8 @@
 /* XX(NAME, wire id, "method name", min args, max args, served) — the frozen table of
  * LMCache's wire.py (ids 1..34), then the ops newer clients send by method name only (their id
  * is kvtier's own, never read from the wire). `served`: the engine-driven shared-memory path kvtier
- * answers; the rest (CUDA-IPC mode, blend, p2p, events) are refused with an error reply naming the
- * op. Argument counts are those of the served ops' RequestClient signatures (defaults are sent too;
+ * answers, and poll_kv_events; the rest (CUDA-IPC mode, blend, p2p) are refused with an error
+ * reply naming the op. Argument counts are those of the served ops' RequestClient signatures (defaults are sent too;
  * clear's `force` and ping's `instance_id` may be left out, end_session may carry a second frame).
  */
 #define KVT_LMC_OP_MAP(XX)                                                                         \
@@ -66,7 +66,7 @@
     XX(P2P_UNLOCK_OBJECTS, 31, "p2p_unlock_objects", 0, 0, false)                                  \
     XX(GET_EXPERIMENTAL, 32, "get_experimental", 0, 0, true)                                       \
     XX(CB_PROTOCOL_HANDSHAKE, 33, "cb_protocol_handshake", 0, 0, false)                            \
-    XX(POLL_KV_EVENTS, 34, "poll_kv_events", 0, 0, false)                                          \
+    XX(POLL_KV_EVENTS, 34, "poll_kv_events", 3, 3, true)                                           \
     XX(ABORT_STORE, 35, "abort_store", 2, 2, true)
 
 typedef enum {
@@ -190,6 +190,28 @@ void kvt_lmc_pack_prepare_store(msgpack_packer *pk, const kvt_lmc_slot_t *slots,
 /* PrepareRetrieveResponse: {success, data: bin "", context: {slots: [...]}}. */
 void kvt_lmc_pack_prepare_retrieve(msgpack_packer *pk, bool success, const kvt_lmc_slot_t *slots,
                                    uint32_t n);
+/* KVEventPollResult's head: {enabled, incarnation, next_cursor, lost, events: [...]}, the
+ * events array's header for `nevents` records, each packed next by kvt_lmc_pack_kv_event. */
+void kvt_lmc_pack_poll_head(msgpack_packer *pk, bool enabled, uint64_t incarnation,
+                            uint64_t next_cursor, bool lost, uint32_t nevents);
+
+/* One KVEventRecord: a run of n blocks (chunks) of one model. */
+typedef struct {
+    uint64_t seq;
+    bool stored;  /* kind "stored" (else "removed") */
+    bool storage; /* medium "STORAGE" (L2; else "CPU": L1) */
+    const char *model;
+    const kvt_key_t *hashes; /* block_hashes, each a bin of KVT_KEY_LEN */
+    uint32_t n;
+    const kvt_key_t *parent;       /* parent_block_hash, NULL packs nil */
+    const uint32_t *const *tokens; /* stored: n blocks of block_size token ids; else NULL */
+    uint32_t block_size;
+} kvt_lmc_kv_event_t;
+
+/* {seq, kind, medium, model_name, block_hashes, parent_block_hash, token_ids, block_size}:
+ * a removed record carries token_ids [] and parent nil. */
+void kvt_lmc_pack_kv_event(msgpack_packer *pk, const kvt_lmc_kv_event_t *ev);
+
 /* The error reply's value frame (after the KVT_LMC_ERROR_MARKER frame): {error_type, message},
  * message cut to 4096 bytes. */
 void kvt_lmc_pack_error(msgpack_packer *pk, const char *error_type, const char *message);

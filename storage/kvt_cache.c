@@ -14,6 +14,7 @@
 #include "kvt_cache.h"
 
 #include "kvt_error.h"
+#include "kvt_evlog.h"
 #include "kvt_log.h"
 #include "kvt_u64map.h"
 #include "kvt_workers.h"
@@ -26,6 +27,7 @@
 
 #define S_MAX_LISTENERS 4
 #define S_QUEUE 4096 /* lookups waiting for a lookup thread; past it: busy */
+#define S_EVLOG_BYTES (64u << 20) /* keys the event log keeps, whatever event_log_size says */
 
 enum { S_AT_CALLER, S_QUEUED, S_PROBING, S_LOADING, S_BACK };
 
@@ -39,8 +41,7 @@ struct kvt_cache {
     kvt_l1_t *l1;
     kvt_prefetch_t *prefetch;
     kvt_l2mgr_t *l2;
-    kvt_cache_event_fn on_event;
-    void *event_ctx;
+    kvt_evlog_t *evlog; /* NULL: event_log_size 0 */
 
     pthread_mutex_t lock; /* owners; a leaf */
     kvt_u64map_t *owners; /* id -> kind, as a pointer-sized integer */
@@ -55,18 +56,17 @@ struct kvt_cache {
     _Atomic uint64_t l2_lookups, l2_refused;
 };
 
-static const char *const s_event_names[] = {[KVT_L1_STORED] = "stored",
-                                            [KVT_L1_EVICTED] = "evicted",
-                                            [KVT_L1_REMOVED] = "removed",
-                                            [KVT_L1_LOADED] = "stored"};
+static const kvt_ev_kind_t s_l1_kinds[] = {[KVT_L1_STORED] = KVT_EV_STORED,
+                                           [KVT_L1_EVICTED] = KVT_EV_EVICTED,
+                                           [KVT_L1_REMOVED] = KVT_EV_REMOVED,
+                                           [KVT_L1_LOADED] = KVT_EV_STORED};
 
-/* L1 changes: objects clients stored go to L2 write-behind; every change to the events. */
+/* L1 changes: objects clients stored go to L2 write-behind; every change to the event log. */
 static void s_on_l1(void *ctx, kvt_l1_event_t event, const kvt_ns_t *ns, const kvt_key_t *keys,
                     uint32_t n)
 {
     kvt_cache_t *self = ctx;
-    if (self->on_event)
-        self->on_event(self->event_ctx, s_event_names[event], ns, keys, n, "l1");
+    kvt_evlog_append(self->evlog, s_l1_kinds[event], ns, keys, n);
     if (event == KVT_L1_STORED)
         kvt_l2mgr_on_stored(self->l2, ns, keys, n);
 }
@@ -76,8 +76,9 @@ static void s_on_l2(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_
 {
     (void)adapter;
     kvt_cache_t *self = ctx;
-    if (self->on_event)
-        self->on_event(self->event_ctx, event, ns, keys, n, "l2");
+    kvt_evlog_append(self->evlog,
+                     strcmp(event, "l2_stored") == 0 ? KVT_EV_L2_STORED : KVT_EV_L2_REMOVED, ns,
+                     keys, n);
 }
 
 /* ---- lookups ---- */
@@ -277,6 +278,8 @@ kvt_cache_t *kvt_cache_new(const kvt_config_t *cfg, kvt_sup_t *sup, int *code, c
     pthread_mutex_init(&self->lock, NULL);
     self->owners = kvt_u64map_new();
     self->next_owner = 1;
+    if (cfg->event_log_size)
+        self->evlog = kvt_evlog_new(cfg->event_log_size, S_EVLOG_BYTES);
     self->l1 = kvt_l1_new(cfg, err, errlen);
     if (!self->l1)
         goto fail;
@@ -332,6 +335,7 @@ void kvt_cache_destroy(kvt_cache_t **self_p)
     if (self->l1)
         kvt_l1_set_listener(self->l1, NULL, NULL);
     kvt_l1_destroy(&self->l1);
+    kvt_evlog_destroy(&self->evlog); /* after L1's last event */
     kvt_u64map_destroy(&self->owners);
     pthread_mutex_destroy(&self->lock);
     free(self);
@@ -353,10 +357,9 @@ kvt_prefetch_t *kvt_cache_prefetch(kvt_cache_t *self)
     return self->prefetch;
 }
 
-void kvt_cache_set_events(kvt_cache_t *self, kvt_cache_event_fn fn, void *ctx)
+kvt_evlog_t *kvt_cache_evlog(kvt_cache_t *self)
 {
-    self->on_event = fn;
-    self->event_ctx = ctx;
+    return self->evlog;
 }
 
 void kvt_cache_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
@@ -389,4 +392,12 @@ void kvt_cache_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
                       .kind = KVT_METRIC_GAUGE,
                       .value = self->lookups ? (double)kvt_workers_pending(self->lookups) : 0};
     emit(emit_ctx, &q);
+    if (self->evlog) {
+        kvt_sample_t e = {.name = "event_log_records_total",
+                          .help = "Records the event log took (L1 and L2 changes): its newest "
+                                  "sequence number.",
+                          .kind = KVT_METRIC_COUNTER,
+                          .value = (double)kvt_evlog_span(self->evlog).last};
+        emit(emit_ctx, &e);
+    }
 }

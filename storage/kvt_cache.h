@@ -9,7 +9,9 @@
  *   - the tiered lookup: the L1 prefix inline on the caller's thread, then the L2 probe (one
  *     deadline, l2_lookup_timeout_ms) and the prefetch loads on the service's own threads, the
  *     finished lookup pushed to the caller's queue (its eventfd wakes the caller's poll), never
- *     polled for.
+ *     polled for;
+ *   - the event log (kvt_evlog) of every L1 and L2 change, which the events socket and the
+ *     LMCache door's poll_kv_events read, each with its own cursor.
  *
  * Every call is thread-safe. The lookup threads ("lookup-i") are the service's; watchers of
  * prefetch jobs run on the L2 manager's prefetch threads. */
@@ -17,6 +19,7 @@
 #define KVT_CACHE_H
 
 #include "kvt_config.h"
+#include "kvt_evlog.h"
 #include "kvt_l1.h"
 #include "kvt_l2mgr.h"
 #include "kvt_prefetch.h"
@@ -42,10 +45,6 @@ typedef enum {
 /* Told when an owner closes, after its leases went: drop what else it held. Called on the
  * thread that closed it (the door of its kind). */
 typedef void (*kvt_owner_gone_fn)(void *ctx, kvt_owner_kind_t kind, uint64_t owner, bool expired);
-
-/* L1 and L2 changes, for the events publisher (tier "l1" or "l2"). Any thread. */
-typedef void (*kvt_cache_event_fn)(void *ctx, const char *event, const kvt_ns_t *ns,
-                                   const kvt_key_t *keys, uint32_t n, const char *tier);
 
 /* One tiered lookup. The caller fills the first part and keeps the struct, its namespace and
  * its keys alive until kvt_cache_lookup answers it at once or it comes back through `done`. */
@@ -93,8 +92,9 @@ kvt_l1_t *kvt_cache_l1(kvt_cache_t *self);
 kvt_l2mgr_t *kvt_cache_l2(kvt_cache_t *self);
 kvt_prefetch_t *kvt_cache_prefetch(kvt_cache_t *self);
 
-/* Where L1 and L2 events go besides write-behind (start-up only; fn NULL: nowhere). */
-void kvt_cache_set_events(kvt_cache_t *self, kvt_cache_event_fn fn, void *ctx);
+/* The log of L1 and L2 changes (kvt_evlog), for the events socket and LMCache's
+ * poll_kv_events; NULL when event_log_size is 0. */
+kvt_evlog_t *kvt_cache_evlog(kvt_cache_t *self);
 
 /* ---- owners ---- */
 

@@ -379,6 +379,9 @@ class LmcClient:
     def get_experimental(self):
         return self.call(OPS["get_experimental"])
 
+    def poll_kv_events(self, model_name, cursor, max_events):
+        return self.call(OPS["poll_kv_events"], model_name, cursor, max_events)
+
     def register(self, payload):
         return self.call(OPS["register_kv_cache_engine_driven_context"], payload)
 

@@ -251,7 +251,7 @@ def test_small_ops(door, transport):
     iid = new_instance_id()                     # unknown: false once, then true (see
     assert c.ping(iid) is False                 # test_a_reaped_worker_registers_again)
     assert c.ping(iid) is True
-    assert c.get_experimental() == []
+    assert c.get_experimental() == ["kv_events"]   # the event log is on by default
     w = Worker(door)
     assert c.ping(w.iid) is True
     c.report_block_allocation(w.iid, MODEL, [
@@ -273,7 +273,7 @@ def test_pipelined_requests_matched_by_uid(door):
         args = (None,) if op == OPS["ping"] else ()
         uid, opf = c.send(op, *args)
         sent[uid] = (opf, {OPS["noop"]: "OK", "noop": "OK", OPS["get_chunk_size"]: C,
-                           OPS["get_experimental"]: [], OPS["ping"]: True}[op])
+                           OPS["get_experimental"]: ["kv_events"], OPS["ping"]: True}[op])
     for _ in range(len(sent)):
         frames = c.recv_frames()
         assert frames is not None, "missing replies: %d left" % len(sent)

@@ -9,8 +9,12 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 
+import time  # noqa: E402
+
 import pytest  # noqa: E402
 import zmq  # noqa: E402
+
+import kvtier  # noqa: E402
 
 from lmc_client import (ERROR_MARKER, Layout,  # noqa: E402
                         golden_key_bytes, ipc_key, pack, selftest, unpack)
@@ -41,7 +45,8 @@ EXCHANGES = [
     # an instance that is not registered: false, then true (the adapter registers again)
     ("ping_instance", [([b"\x00", b"\x16", IID], [b"\x00", b"\x16", b"\xc2"]),
                        ([b"\x01", b"\x16", IID], [b"\x01", b"\x16", b"\xc3"])]),
-    ("get_experimental", [([b"\x00", b"\x20"], [b"\x00", b"\x20", b"\x90"])]),
+    # the event log is on (event_log_size 32768 by default): poll_kv_events is offered
+    ("get_experimental", [([b"\x00", b"\x20"], [b"\x00", b"\x20", b"\x91\xa9kv_events"])]),
     ("clear", [([b"\x00", b"\x14", b"\xc2"], [b"\x00", b"\x14"])]),
     ("end_session_two_frames", [([b"\x00", b"\x0d", s("r"), b"\x80"], [b"\x00", b"\x0d"])]),
     ("unregister_unknown", [([b"\x00", b"\x0f", IID], [b"\x00", b"\x0f"])]),
@@ -163,3 +168,22 @@ def test_golden_struct_replies(lmc_endpoint):
     assert got[2] == pack(pr)
     sock.send_multipart([b"\x04", b"\x13", key, IID])
     assert recv(sock) == [b"\x04", b"\x13", b"\xc3"]
+
+    # poll_kv_events("m", 0, 1024): the one L1 record so far (seq 1), the two chunks as one
+    # stored CPU run with their tokens, written out field by field
+    sock.send_multipart([b"\x05", b"\x22", s("m"), b"\x00", b"\xcd\x04\x00"])
+    got = recv(sock)
+    assert len(got) == 3 and got[:2] == [b"\x05", b"\x22"], got
+    k0, k1 = kvtier.hash_tokens(list(range(512)), 256)
+    head = b"\x85" + s("enabled") + b"\xc3" + s("incarnation") + b"\xcf"
+    inc = int.from_bytes(got[2][len(head):len(head) + 8], "big")
+    assert got[2].startswith(head) and abs(inc / 1e9 - time.time()) < 86400, got[2][:40]
+    event = (b"\x88" + s("seq") + b"\x01" + s("kind") + s("stored") + s("medium") + s("CPU")
+             + s("model_name") + s("m") + s("block_hashes") + b"\x92\xc4\x10" + k0
+             + b"\xc4\x10" + k1 + s("parent_block_hash") + b"\xc0" + s("token_ids")
+             + b"\xdc\x02\x00" + bytes(range(128)) + b"".join(b"\xcc" + bytes([t])
+                                                           for t in range(128, 256))
+             + b"".join(b"\xcd" + t.to_bytes(2, "big") for t in range(256, 512))
+             + s("block_size") + b"\xcd\x01\x00")
+    assert got[2][len(head) + 8:] == (s("next_cursor") + b"\x01" + s("lost") + b"\xc2"
+                                      + s("events") + b"\x91" + event), got[2][len(head) + 8:]

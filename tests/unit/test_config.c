@@ -141,6 +141,7 @@ static void test_defaults(void **state)
     assert_int_equal(c->n_l2, 0);
     assert_string_equal(c->http, "127.0.0.1:8080");
     assert_string_equal(c->events, "");
+    assert_int_equal(c->event_log_size, 32768);
     assert_string_equal(c->run_dir, "./var/run");
     assert_string_equal(c->data_dir, "./var/data");
     assert_true(c->l1_size == (1ull << 30));
@@ -506,6 +507,21 @@ static void test_watermarks(void **state)
     s_set_ok(c, "high_watermark", "0.95");
     s_finish_ok(c);
     kvt_config_destroy(&c);
+}
+
+static void test_events_need_the_log(void **state)
+{
+    (void)state;
+    kvt_config_t *c = kvt_config_new();
+    s_set_ok(c, "event_log_size", "0");
+    s_finish_ok(c); /* no log, no events socket: fine */
+    s_set_ok(c, "events", "ipc:///tmp/kvt-events.sock");
+    s_finish_fails(c, "events: needs the event log (event_log_size > 0)");
+    s_set_ok(c, "event_log_size", "1");
+    s_finish_ok(c);
+    kvt_config_destroy(&c);
+    s_set_fails("event_log_size", "1048577",
+                "event_log_size: 1048577 is out of range [0, 1048576]");
 }
 
 static void test_loopback_rule(void **state)
@@ -1155,6 +1171,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_json_values, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_json_errors, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_watermarks, s_setup, s_teardown),
+        cmocka_unit_test_setup_teardown(test_events_need_the_log, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_loopback_rule, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_l2_none, s_setup, s_teardown),
         cmocka_unit_test_setup_teardown(test_list_flags, s_setup, s_teardown),

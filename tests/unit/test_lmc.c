@@ -122,8 +122,8 @@ static void test_op_table_roundtrip(void **state)
         assert_string_equal(name, info->name);
         p_free(&b);
     }
-    /* the engine-driven path of §4: ops 8..24 and 32 */
-    assert_int_equal(served, 18);
+    /* the engine-driven path of §4: ops 8..24 and 32, and poll_kv_events (34) */
+    assert_int_equal(served, 19);
     assert_string_equal(kvt_lmc_opinfo(KVT_LMC_REGISTER_CONTEXT)->name,
                         "register_kv_cache_engine_driven_context");
     assert_string_equal(kvt_lmc_opinfo(KVT_LMC_POLL_KV_EVENTS)->name, "poll_kv_events");
