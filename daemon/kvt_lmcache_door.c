@@ -62,7 +62,7 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 typedef struct s_xfer {
     XXH128_hash_t id;
     bool store;
-    uint64_t lease;
+    uint64_t lease[KVT_LMC_MAX_OGROUPS]; /* one per object group (hybrid), else [0]; 0: none */
     uint64_t t_ms;
     struct s_xfer *next;
 } s_xfer_t;
@@ -79,6 +79,9 @@ typedef struct {
     uint64_t shape[KVT_LMC_MAX_SHAPE];
     uint32_t ndim;
     uint64_t obj_size;
+    uint32_t nog; /* hybrid: object groups, each chunk one object per group (0: plain layout) */
+    kvt_lmc_ogroup_t og[KVT_LMC_MAX_OGROUPS];
+    uint64_t og_size[KVT_LMC_MAX_OGROUPS]; /* bytes of a chunk's object of each group */
     uint64_t registered_ms, last_seen_ms;
     bool restored;    /* known from the previous daemon's registry, not registered with this one */
     kvt_conn_t *conn; /* the connection that registered it: only it acts for the worker while
@@ -103,6 +106,8 @@ typedef struct s_req {
     char salt[KVT_MAX_SALT + 1];
     uint32_t salt_len;
     uint32_t world;
+    uint32_t nog;     /* a hybrid deployment's object groups (0: the plain layout) */
+    uint32_t lanes;   /* namespaces looked up: world x object groups (or x 1) */
     uint32_t readers; /* retrieves per worker after which its locks go (num_kv_readers) */
     uint32_t hits;    /* chunks every worker has (valid when !pending) */
     uint32_t target;  /* pending: chunks the L2 loads should complete */
@@ -110,10 +115,10 @@ typedef struct s_req {
     bool dropped;     /* out of the tables, its lookups still out: freed when they are back */
     uint32_t out;     /* pending: the cache service's lookups not back yet */
     kvt_key_t *keys;  /* pending: the chunk keys (the lookups borrow them) */
-    kvt_lookup_t *lks; /* pending: one tiered lookup per worker */
+    kvt_lookup_t *lks; /* pending: one tiered lookup per lane */
     char *nsbufs;     /* their namespaces, KVT_MAX_NS + 1 bytes each */
     uint64_t owner;   /* whose read leases they are: the asking connection's */
-    uint64_t *leases; /* read lease per worker, 0 when none or released */
+    uint64_t *leases; /* read lease per lane, 0 when none or released */
     uint32_t *reads;
     uint64_t deadline_ms;
     struct s_req *older, *newer;
@@ -307,6 +312,25 @@ static kvt_ns_t s_ns(const char *model, uint32_t world, uint32_t worker, const c
     return (kvt_ns_t){(const uint8_t *)buf, (uint32_t)len, (const uint8_t *)salt, salt_len};
 }
 
+/* Object group g's namespace of a hybrid worker: the worker's with ".g<g>" (nog 0: the
+ * worker's own, the plain layout). */
+static kvt_ns_t s_ns_g(const char *model, uint32_t world, uint32_t worker, uint32_t g,
+                       uint32_t nog, const char *salt, uint32_t salt_len, char *buf, size_t cap)
+{
+    kvt_ns_t ns = s_ns(model, world, worker, salt, salt_len, buf, cap);
+    if (nog) {
+        int len = snprintf(buf + ns.name_len, cap - ns.name_len, ".g%" PRIu32, g);
+        ns.name_len += (uint32_t)len;
+    }
+    return ns;
+}
+
+static kvt_ns_t s_ns_og(const kvt_lmc_key_t *key, uint32_t g, uint32_t nog, char *buf, size_t cap)
+{
+    return s_ns_g(key->model, key->world_size, key->worker_id, g, nog, key->salt, key->salt_len,
+                  buf, cap);
+}
+
 /* The chunk keys 0..n of a key's token_ids (n full chunks must be there). */
 static kvt_key_t *s_hash(const kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint32_t n)
 {
@@ -379,6 +403,14 @@ static s_xfer_t *s_xfer_take(s_ctx_t *ctx, XXH128_hash_t id, bool store)
         }
     }
     return NULL;
+}
+
+/* Gives back every lease of a transfer that will not be committed. */
+static void s_xfer_release(kvt_lmcache_door_t *self, const s_ctx_t *ctx, const s_xfer_t *x)
+{
+    for (uint32_t g = 0; g < KVT_LMC_MAX_OGROUPS; g++)
+        if (x->lease[g])
+            kvt_l1_release(self->l1, ctx->owner, x->lease[g]);
 }
 
 static void s_xfers_free(s_ctx_t *ctx)
@@ -494,10 +526,10 @@ static s_req_t *s_req_find(kvt_lmcache_door_t *self, const char *id)
 
 static void s_req_release_locks(kvt_lmcache_door_t *self, s_req_t *q)
 {
-    for (uint32_t w = 0; w < q->world; w++)
-        if (q->leases[w]) {
-            kvt_l1_release(self->l1, q->owner, q->leases[w]); /* gone with its owner: a no-op */
-            q->leases[w] = 0;
+    for (uint32_t l = 0; l < q->lanes; l++)
+        if (q->leases[l]) {
+            kvt_l1_release(self->l1, q->owner, q->leases[l]); /* gone with its owner: a no-op */
+            q->leases[l] = 0;
             self->lookup_locks--;
         }
 }
@@ -548,20 +580,28 @@ static void s_req_drop(kvt_lmcache_door_t *self, s_req_t *q)
     s_req_free(q);
 }
 
-/* Locks the first `n` chunks of every worker (what is still there of them): hits = the
- * shortest prefix locked. */
+/* Lane l's namespace: worker l / groups, object group l % groups. */
+static kvt_ns_t s_lane_ns(const s_req_t *q, uint32_t l, char *buf, size_t cap)
+{
+    uint32_t per = q->nog ? q->nog : 1;
+    return s_ns_g(q->model, q->world, l / per, l % per, q->nog, q->salt, q->salt_len, buf, cap);
+}
+
+/* Locks the first `n` chunks of every lane (what is still there of them): hits = the
+ * shortest prefix locked. A sliding-window group is held to the same leading run as the
+ * others (every group stores every chunk): never a hit that cannot be read back. */
 static void s_req_lock(kvt_lmcache_door_t *self, s_req_t *q, const kvt_key_t *keys, uint32_t n)
 {
     char nsbuf[KVT_MAX_NS + 1];
     uint32_t hits = n;
-    for (uint32_t w = 0; w < q->world && n; w++) {
-        kvt_ns_t ns = s_ns(q->model, q->world, w, q->salt, q->salt_len, nsbuf, sizeof nsbuf);
+    for (uint32_t l = 0; l < q->lanes && n; l++) {
+        kvt_ns_t ns = s_lane_ns(q, l, nsbuf, sizeof nsbuf);
         uint32_t got = 0;
         uint64_t lease = 0;
         /* the asking connection's lease: held to max_leased_bytes like a v1 client's */
         if (kvt_l1_lookup(self->l1, q->owner, &ns, keys, n, true, &got, &lease) != 0)
             got = 0, lease = 0;
-        q->leases[w] = lease;
+        q->leases[l] = lease;
         if (lease)
             self->lookup_locks++;
         if (got < hits)
@@ -587,9 +627,9 @@ static void s_lookup_back(kvt_lmcache_door_t *self, kvt_lookup_t *lk)
         return;
     }
     uint32_t target = UINT32_MAX;
-    for (uint32_t w = 0; w < q->world; w++)
-        if (q->lks[w].hits < target)
-            target = q->lks[w].hits;
+    for (uint32_t l = 0; l < q->lanes; l++)
+        if (q->lks[l].hits < target)
+            target = q->lks[l].hits;
     q->pending = false;
     self->npending--;
     s_req_lock(self, q, q->keys, target);
@@ -603,7 +643,8 @@ static void s_lookup_back(kvt_lmcache_door_t *self, kvt_lookup_t *lk)
         s_waits_run(self, false);
 }
 
-static s_req_t *s_req_new(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint32_t world)
+static s_req_t *s_req_new(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint32_t world,
+                          uint32_t nog)
 {
     uint64_t h = s_req_hash(self, key->request_id);
     s_req_t *old = kvt_u64map_get(self->reqs, h); /* the same id (or, once in 2^64, not) */
@@ -619,8 +660,10 @@ static s_req_t *s_req_new(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, ui
     memcpy(q->salt, key->salt, sizeof q->salt);
     q->salt_len = key->salt_len;
     q->world = world;
+    q->nog = nog;
+    q->lanes = world * (nog ? nog : 1);
     q->readers = key->num_kv_readers ? key->num_kv_readers : 1;
-    q->leases = calloc(world ? world : 1, sizeof *q->leases);
+    q->leases = calloc(q->lanes ? q->lanes : 1, sizeof *q->leases);
     q->reads = calloc(world ? world : 1, sizeof *q->reads);
     kvt_assert(q->leases && q->reads);
     q->deadline_ms = kvt_now_ms() + self->cfg->lease_ms;
@@ -688,21 +731,25 @@ static void s_op_lookup(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, s_an
 {
     uint64_t end = key->end < key->ntokens ? key->end : key->ntokens;
     uint64_t nchunks = end / self->chunk;
-    /* one index probe per chunk and worker: bounded like one v1 request's keys */
-    if (nchunks * key->world_size > self->cfg->max_keys) {
-        s_error(r, KVT_ETOOBIG,
-                "lookup: %" PRIu64 " chunks x world_size %u exceed max_keys (%u)", nchunks,
-                key->world_size, self->cfg->max_keys);
-        return;
-    }
     /* like LMCache's server: no worker of this deployment registered, nothing to lock (this
      * also bounds world_size, and the per-request arrays, by real registrations) */
     bool known = false;
+    uint32_t nog = 0; /* a hybrid deployment: every object group's namespace is looked up */
     for (s_ctx_t *c = kvt_u64map_first(self->ctxs); c && !known; c = kvt_u64map_next(self->ctxs))
-        known = c->world_size == key->world_size && strcmp(c->model, key->model) == 0;
+        if ((known = c->world_size == key->world_size && strcmp(c->model, key->model) == 0))
+            nog = c->nog;
+    /* one index probe per chunk and namespace: bounded like one v1 request's keys */
+    uint64_t per = nog ? nog : 1;
+    if (nchunks * key->world_size * per > self->cfg->max_keys) {
+        s_error(r, KVT_ETOOBIG,
+                "lookup: %" PRIu64 " chunks x world_size %u x %" PRIu64 " object groups exceed "
+                "max_keys (%u)",
+                nchunks, key->world_size, per, self->cfg->max_keys);
+        return;
+    }
     uint64_t owner = known && nchunks ? s_asker_owner(self) : 0;
     uint32_t n = owner ? (uint32_t)nchunks : 0;
-    s_req_t *q = s_req_new(self, key, known ? key->world_size : 0);
+    s_req_t *q = s_req_new(self, key, known ? key->world_size : 0, nog);
     q->owner = owner;
     kvt_key_t *keys = s_hash(self, key, n);
     atomic_fetch_add(&self->lookup_chunks, n);
@@ -714,15 +761,14 @@ static void s_op_lookup(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, s_an
     }
     /* past S_MAX_PENDING requests loading, a lookup is its L1 part only */
     bool l2 = self->npending < S_MAX_PENDING;
-    q->lks = calloc(q->world, sizeof *q->lks);
-    q->nsbufs = malloc((size_t)q->world * (KVT_MAX_NS + 1));
+    q->lks = calloc(q->lanes, sizeof *q->lks);
+    q->nsbufs = malloc((size_t)q->lanes * (KVT_MAX_NS + 1));
     kvt_assert(q->lks && q->nsbufs);
     q->keys = keys;
-    for (uint32_t w = 0; w < q->world; w++) {
-        kvt_lookup_t *lk = &q->lks[w];
+    for (uint32_t l = 0; l < q->lanes; l++) {
+        kvt_lookup_t *lk = &q->lks[l];
         lk->owner = q->owner;
-        lk->ns = s_ns(q->model, q->world, w, q->salt, q->salt_len,
-                      q->nsbufs + (size_t)w * (KVT_MAX_NS + 1), KVT_MAX_NS + 1);
+        lk->ns = s_lane_ns(q, l, q->nsbufs + (size_t)l * (KVT_MAX_NS + 1), KVT_MAX_NS + 1);
         lk->keys = keys;
         lk->n = n;
         lk->prefetch = lk->until_loaded = true;
@@ -737,9 +783,9 @@ static void s_op_lookup(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, s_an
         return;
     }
     uint32_t target = n;
-    for (uint32_t w = 0; w < q->world; w++)
-        if (q->lks[w].hits < target)
-            target = q->lks[w].hits;
+    for (uint32_t l = 0; l < q->lanes; l++)
+        if (q->lks[l].hits < target)
+            target = q->lks[l].hits;
     s_req_lock(self, q, keys, target);
     free(q->keys);
     free(q->lks);
@@ -780,14 +826,17 @@ static void s_op_free_locks(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key)
 static void s_lookup_read(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key, uint32_t c1)
 {
     s_req_t *q = s_req_find(self, key->request_id);
-    uint32_t w = key->worker_id;
-    if (!q || !key->has_worker || q->pending || w >= q->world || c1 < q->hits || !q->leases[w])
+    uint32_t w = key->worker_id, per = q && q->nog ? q->nog : 1;
+    if (!q || !key->has_worker || q->pending || w >= q->world || c1 < q->hits)
         return;
-    if (++q->reads[w] >= q->readers) {
-        kvt_l1_release(self->l1, q->owner, q->leases[w]);
-        q->leases[w] = 0;
-        self->lookup_locks--;
-    }
+    if (++q->reads[w] < q->readers)
+        return;
+    for (uint32_t l = w * per; l < (w + 1) * per; l++) /* the worker's object groups */
+        if (q->leases[l]) {
+            kvt_l1_release(self->l1, q->owner, q->leases[l]);
+            q->leases[l] = 0;
+            self->lookup_locks--;
+        }
 }
 
 /* ---- transfers ---------------------------------------------------------------------------- */
@@ -819,6 +868,107 @@ static bool s_prepare_begin(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
     return true;
 }
 
+/* Bytes of one tensor of a hybrid chunk object (checked against overflow at registration). */
+static uint64_t s_tensor_bytes(const kvt_lmc_tensor_t *t)
+{
+    uint64_t b = kvt_lmc_dtype_size(t->dtype);
+    for (uint32_t d = 0; d < t->ndim; d++)
+        b *= t->shape[d];
+    return b;
+}
+
+/* The slots of a hybrid chunk object at `offset`: its tensors one after the other. */
+static void s_tensor_slots(const kvt_lmc_ogroup_t *og, uint64_t offset, kvt_lmc_slot_t *out)
+{
+    for (uint32_t t = 0; t < og->ntensors; t++) {
+        const kvt_lmc_tensor_t *ts = &og->t[t];
+        out[t] = (kvt_lmc_slot_t){.offset = offset, .length = s_tensor_bytes(ts),
+                                  .ndim = ts->ndim, .dtype = ts->dtype};
+        memcpy(out[t].shape, ts->shape, sizeof out[t].shape);
+        offset += out[t].length;
+    }
+}
+
+/* A transfer of a worker, its leases given: kept until its commit names it. */
+static void s_xfer_add(s_ctx_t *ctx, bool store, XXH128_hash_t id, const uint64_t *lease,
+                       uint32_t nlease)
+{
+    s_xfer_t *x = calloc(1, sizeof *x);
+    kvt_assert(x);
+    x->id = id;
+    x->store = store;
+    memcpy(x->lease, lease, nlease * sizeof *lease);
+    x->t_ms = kvt_now_ms();
+    x->next = ctx->xfers;
+    ctx->xfers = x;
+    ctx->nxfers++;
+}
+
+/* prepare_store of a hybrid worker: in each object group's namespace, an object for every
+ * selected chunk that group does not have yet, under a lease per group. All or nothing: when
+ * one group cannot reserve, no group gets slots. */
+static void s_prepare_store_groups(kvt_lmcache_door_t *self, s_ctx_t *ctx,
+                                   const kvt_lmc_key_t *key, uint32_t c0, uint32_t c1,
+                                   const kvt_key_t *keys, const kvt_key_t *sel,
+                                   const uint32_t *idx, uint32_t m, s_answer_t *r)
+{
+    kvt_lmc_ogroup_reply_t rep[KVT_LMC_MAX_OGROUPS];
+    uint64_t lease[KVT_LMC_MAX_OGROUPS] = {0};
+    size_t per = m ? m : 1;
+    kvt_slot_t *slots = malloc(per * sizeof *slots);
+    uint32_t *chunks = malloc(ctx->nog * per * sizeof *chunks);
+    kvt_lmc_slot_t *out = malloc(ctx->nog * per * KVT_LMC_MAX_KGROUPS * sizeof *out);
+    kvt_assert(slots && chunks && out);
+    bool ok = true, any = false;
+    for (uint32_t g = 0; g < ctx->nog; g++) {
+        const kvt_lmc_ogroup_t *og = &ctx->og[g];
+        kvt_lmc_ogroup_reply_t *rg = &rep[g];
+        *rg = (kvt_lmc_ogroup_reply_t){g, chunks + g * per, 0,
+                                       out + g * per * KVT_LMC_MAX_KGROUPS, og->ntensors};
+        if (!m || !ok)
+            continue;
+        char nsbuf[KVT_MAX_NS + 1], err[200];
+        kvt_ns_t ns = s_ns_og(key, g, ctx->nog, nsbuf, sizeof nsbuf);
+        uint32_t nslots = 0;
+        if (kvt_l1_reserve(self->l1, ctx->owner, &ns, sel, m, NULL, ctx->og_size[g], slots,
+                           &nslots, &lease[g], err, sizeof err) != 0) {
+            kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                              "lmcache: prepare_store of %u chunks, object group %u: %s "
+                              "(answered with no slots)",
+                              m, g, err);
+            ok = false;
+            continue;
+        }
+        uint32_t *gchunks = chunks + g * per;
+        kvt_lmc_slot_t *gout = out + g * per * KVT_LMC_MAX_KGROUPS;
+        for (uint32_t i = 0; i < nslots; i++) {
+            if (!slots[i].length)
+                continue; /* this group has it already */
+            s_tensor_slots(og, slots[i].offset, gout + rg->n * og->ntensors);
+            gchunks[rg->n++] = idx[i];
+        }
+        any |= lease[g] != 0;
+    }
+    if (!ok) {
+        for (uint32_t g = 0; g < ctx->nog; g++) {
+            if (lease[g])
+                kvt_l1_release(self->l1, ctx->owner, lease[g]);
+            lease[g] = 0;
+            rep[g].n = 0;
+        }
+        any = false;
+    }
+    if (any) {
+        char nsbuf[KVT_MAX_NS + 1];
+        kvt_ns_t ns = s_ns_og(key, 0, 0, nsbuf, sizeof nsbuf);
+        s_xfer_add(ctx, true, s_xfer_id(true, key, &ns, c0, c1, &keys[c1 - 1]), lease, ctx->nog);
+    }
+    kvt_lmc_pack_prepare_store_groups(s_value(r), rep, ctx->nog);
+    free(slots);
+    free(chunks);
+    free(out);
+}
+
 static void s_op_prepare_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
                                uint64_t instance, s_answer_t *r)
 {
@@ -826,6 +976,7 @@ static void s_op_prepare_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *ke
     uint32_t c0, c1;
     if (!s_prepare_begin(self, key, instance, "prepare_store", r, &ctx, &c0, &c1))
         return;
+    s_ctx_t *worker = ctx; /* a hybrid worker is answered in its form even with no slots */
     if (ctx && ctx->nxfers >= S_MAX_XFERS) {
         kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
                           "lmcache: instance %" PRId64 " has %u transfers prepared and not "
@@ -847,6 +998,13 @@ static void s_op_prepare_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *ke
     }
     if (m) /* what poll_kv_events tells of these chunks needs their tokens */
         kvt_lmc_events_bind(self->events, keys, key->tokens, c0, idx, m);
+    if (worker && worker->nog) {
+        s_prepare_store_groups(self, worker, key, c0, c1, keys, sel, idx, m, r);
+        free(keys);
+        free(sel);
+        free(idx);
+        return;
+    }
     kvt_slot_t *slots = m ? malloc(m * sizeof *slots) : NULL;
     kvt_lmc_slot_t *out = m ? malloc(m * sizeof *out) : NULL;
     uint32_t *chunk = m ? malloc(m * sizeof *chunk) : NULL;
@@ -873,17 +1031,8 @@ static void s_op_prepare_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *ke
         s_slot(ctx, &slots[i], &out[nout]);
         chunk[nout++] = idx[i];
     }
-    if (lease) {
-        s_xfer_t *x = calloc(1, sizeof *x);
-        kvt_assert(x);
-        x->id = s_xfer_id(true, key, &ns, c0, c1, &keys[c1 - 1]);
-        x->store = true;
-        x->lease = lease;
-        x->t_ms = kvt_now_ms();
-        x->next = ctx->xfers;
-        ctx->xfers = x;
-        ctx->nxfers++;
-    }
+    if (lease)
+        s_xfer_add(ctx, true, s_xfer_id(true, key, &ns, c0, c1, &keys[c1 - 1]), &lease, 1);
     kvt_lmc_pack_prepare_store(s_value(r), out, chunk, nout);
     free(keys);
     free(sel);
@@ -925,15 +1074,19 @@ static void s_op_commit_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key
     }
     s_xfer_t *x = s_commit_find(self, ctx, key, true, &c1);
     if (x && !data_len) {
-        uint32_t stored = 0;
-        char err[200];
-        ok = kvt_l1_commit(self->l1, ctx->owner, x->lease, NULL, 0, &stored, err, sizeof err) ==
-             0;
-        if (!ok)
-            kvt_log(KVT_LOG_INFO, "lmcache: commit_store of instance %" PRId64 ": %s",
-                    (int64_t)instance, err);
+        ok = true; /* a hybrid worker's chunk is stored when every group's object is */
+        for (uint32_t g = 0; g < KVT_LMC_MAX_OGROUPS; g++) {
+            uint32_t stored = 0;
+            char err[200];
+            if (x->lease[g] && kvt_l1_commit(self->l1, ctx->owner, x->lease[g], NULL, 0, &stored,
+                                             err, sizeof err) != 0) {
+                ok = false;
+                kvt_log(KVT_LOG_INFO, "lmcache: commit_store of instance %" PRId64 ": %s",
+                        (int64_t)instance, err);
+            }
+        }
     } else if (x) {
-        kvt_l1_release(self->l1, ctx->owner, x->lease);
+        s_xfer_release(self, ctx, x);
     }
     free(x);
     ok ? msgpack_pack_true(s_value(r)) : msgpack_pack_false(s_value(r));
@@ -948,9 +1101,73 @@ static void s_op_abort_store(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
     uint32_t c1 = 0;
     s_xfer_t *x = s_commit_find(self, ctx, key, true, &c1);
     if (x)
-        kvt_l1_release(self->l1, ctx->owner, x->lease);
+        s_xfer_release(self, ctx, x);
     x ? msgpack_pack_true(s_value(r)) : msgpack_pack_false(s_value(r));
     free(x);
+}
+
+/* prepare_retrieve of a hybrid worker: every object group's objects of the chunks it needs
+ * (the last sw_chunks of the range for a sliding-window group, all of them otherwise), each
+ * read-locked, or a miss with an empty context (LMCache's all-or-nothing). */
+static void s_prepare_retrieve_groups(kvt_lmcache_door_t *self, s_ctx_t *ctx,
+                                      const kvt_lmc_key_t *key, uint64_t instance, uint32_t c0,
+                                      uint32_t c1, s_answer_t *r)
+{
+    uint32_t n = c1 - c0;
+    if (!n || ctx->nxfers >= S_MAX_XFERS) {
+        kvt_lmc_pack_prepare_retrieve_groups(s_value(r), false, NULL, 0);
+        return;
+    }
+    kvt_key_t *keys = s_hash(self, key, c1);
+    kvt_lmc_ogroup_reply_t rep[KVT_LMC_MAX_OGROUPS];
+    uint64_t lease[KVT_LMC_MAX_OGROUPS] = {0};
+    kvt_slot_t *slots = malloc(n * sizeof *slots);
+    uint32_t *chunks = malloc((size_t)ctx->nog * n * sizeof *chunks);
+    kvt_lmc_slot_t *out = malloc((size_t)ctx->nog * n * KVT_LMC_MAX_KGROUPS * sizeof *out);
+    kvt_assert(slots && chunks && out);
+    bool ok = true;
+    for (uint32_t g = 0; g < ctx->nog && ok; g++) {
+        const kvt_lmc_ogroup_t *og = &ctx->og[g];
+        uint32_t first = og->sw_chunks > 0 && n > (uint32_t)og->sw_chunks ? c1 - og->sw_chunks
+                                                                          : c0;
+        uint32_t want = c1 - first, nslots = 0;
+        char nsbuf[KVT_MAX_NS + 1];
+        kvt_ns_t ns = s_ns_og(key, g, ctx->nog, nsbuf, sizeof nsbuf);
+        ok = kvt_l1_acquire(self->l1, ctx->owner, &ns, keys + first, want, slots, &nslots,
+                            &lease[g]) == 0 &&
+             nslots == want;
+        uint32_t *gchunks = chunks + (size_t)g * n;
+        kvt_lmc_slot_t *gout = out + (size_t)g * n * KVT_LMC_MAX_KGROUPS;
+        rep[g] = (kvt_lmc_ogroup_reply_t){g, gchunks, want, gout, og->ntensors};
+        for (uint32_t i = 0; ok && i < want; i++) {
+            if (slots[i].length != ctx->og_size[g]) {
+                kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                                  "lmcache: prepare_retrieve: a chunk of %s holds %" PRIu64
+                                  " bytes, instance %" PRId64 "'s object group %u %" PRIu64
+                                  ": a miss",
+                                  nsbuf, slots[i].length, (int64_t)instance, g, ctx->og_size[g]);
+                ok = false;
+            }
+            gchunks[i] = first - c0 + i;
+            s_tensor_slots(og, slots[i].offset, gout + i * og->ntensors);
+        }
+        if (ok && kvt_l1_verify(self->l1, ctx->owner, lease[g], want) < want)
+            ok = false; /* l1_checksum found a damaged object (logged and removed by L1) */
+    }
+    if (ok) {
+        char nsbuf[KVT_MAX_NS + 1];
+        kvt_ns_t ns = s_ns_og(key, 0, 0, nsbuf, sizeof nsbuf);
+        s_xfer_add(ctx, false, s_xfer_id(false, key, &ns, c0, c1, &keys[c1 - 1]), lease, ctx->nog);
+    } else {
+        for (uint32_t g = 0; g < ctx->nog; g++)
+            if (lease[g])
+                kvt_l1_release(self->l1, ctx->owner, lease[g]);
+    }
+    kvt_lmc_pack_prepare_retrieve_groups(s_value(r), ok, rep, ctx->nog);
+    free(keys);
+    free(slots);
+    free(chunks);
+    free(out);
 }
 
 static void s_op_prepare_retrieve(kvt_lmcache_door_t *self, const kvt_lmc_key_t *key,
@@ -960,6 +1177,10 @@ static void s_op_prepare_retrieve(kvt_lmcache_door_t *self, const kvt_lmc_key_t 
     uint32_t c0, c1;
     if (!s_prepare_begin(self, key, instance, "prepare_retrieve", r, &ctx, &c0, &c1))
         return;
+    if (ctx && ctx->nog) {
+        s_prepare_retrieve_groups(self, ctx, key, instance, c0, c1, r);
+        return;
+    }
     uint32_t n = c1 - c0, nslots = 0;
     if (!ctx || !n || ctx->nxfers >= S_MAX_XFERS) {
         kvt_lmc_pack_prepare_retrieve(s_value(r), false, NULL, 0);
@@ -995,14 +1216,7 @@ static void s_op_prepare_retrieve(kvt_lmcache_door_t *self, const kvt_lmc_key_t 
     if (ok && kvt_l1_verify(self->l1, ctx->owner, lease, n) < n)
         ok = false; /* l1_checksum found a damaged chunk (logged and removed by L1) */
     if (ok) {
-        s_xfer_t *x = calloc(1, sizeof *x);
-        kvt_assert(x);
-        x->id = s_xfer_id(false, key, &ns, c0, c1, &keys[c1 - 1]);
-        x->lease = lease;
-        x->t_ms = kvt_now_ms();
-        x->next = ctx->xfers;
-        ctx->xfers = x;
-        ctx->nxfers++;
+        s_xfer_add(ctx, false, s_xfer_id(false, key, &ns, c0, c1, &keys[c1 - 1]), &lease, 1);
     } else if (lease) {
         kvt_l1_release(self->l1, ctx->owner, lease);
     }
@@ -1019,7 +1233,7 @@ static void s_op_commit_retrieve(kvt_lmcache_door_t *self, const kvt_lmc_key_t *
     uint32_t c1 = 0;
     s_xfer_t *x = s_commit_find(self, ctx, key, false, &c1);
     if (x) {
-        kvt_l1_release(self->l1, ctx->owner, x->lease);
+        s_xfer_release(self, ctx, x);
         s_lookup_read(self, key, c1);
         free(x);
     }
@@ -1028,6 +1242,41 @@ static void s_op_commit_retrieve(kvt_lmcache_door_t *self, const kvt_lmc_key_t *
 }
 
 /* ---- registration ------------------------------------------------------------------------- */
+
+/* A hybrid registration's object groups: known dtypes, each chunk object (its tensors) at
+ * most a fourth of the arena, the worker's tokens per chunk kvtierd's. NULL, or why not. */
+static const char *s_ogroups_check(const kvt_lmcache_door_t *self, const kvt_lmc_ctx_t *p,
+                                   char *why, size_t whylen)
+{
+    if (p->tokens_per_chunk != self->chunk) {
+        snprintf(why, whylen, "the worker's chunks are %u tokens, kvtierd's chunk_tokens is %u: "
+                              "start kvtierd with --chunk-tokens %u",
+                 p->tokens_per_chunk, self->chunk, p->tokens_per_chunk);
+        return why;
+    }
+    for (uint32_t g = 0; g < p->nogroups; g++) {
+        uint64_t total = 0;
+        for (uint32_t k = 0; k < p->og[g].ntensors; k++) {
+            const kvt_lmc_tensor_t *t = &p->og[g].t[k];
+            uint64_t b = kvt_lmc_dtype_size(t->dtype);
+            if (!b) {
+                snprintf(why, whylen, "object group %u: dtype '%s' is not a dtype kvtier knows",
+                         g, t->dtype);
+                return why;
+            }
+            for (uint32_t d = 0; d < t->ndim && b <= self->pool_size; d++)
+                b *= t->shape[d]; /* each factor < 2^32, the product stops past the pool */
+            total += b;
+            if (b > self->pool_size || total > self->pool_size / 4) {
+                snprintf(why, whylen, "object group %u: a chunk's object does not fit a fourth "
+                                      "of the L1 arena (%" PRIu64 " bytes)",
+                         g, self->pool_size);
+                return why;
+            }
+        }
+    }
+    return NULL;
+}
 
 /* Checks a registration against what the door can serve; NULL, or why not. */
 static const char *s_ctx_check(const kvt_lmcache_door_t *self, const kvt_lmc_ctx_t *p, char *why,
@@ -1041,9 +1290,12 @@ static const char *s_ctx_check(const kvt_lmcache_door_t *self, const kvt_lmc_ctx
     else if (p->world_size < 1 || p->world_size > KVT_LMC_MAX_WORLD)
         snprintf(why, whylen, "world_size %u is outside 1..%u", p->world_size,
                  KVT_LMC_MAX_WORLD);
-    else if (p->ngroups > 1)
-        snprintf(why, whylen, "%u engine groups (a hybrid KV cache) are not supported; start "
+    else if (p->ngroups > 1 && !p->nogroups)
+        snprintf(why, whylen, "%u engine groups without object_group_layout_shapes: this "
+                              "worker's hybrid layout is one kvtier does not know; start "
                               "vLLM with --disable-hybrid-kv-cache-manager", p->ngroups);
+    else if (p->nogroups)
+        return s_ogroups_check(self, p, why, whylen);
     else if (p->num_physical_slots && p->num_physical_slots != self->chunk)
         snprintf(why, whylen, "the worker gathers %" PRIu64 " tokens per chunk, kvtierd's "
                               "chunk_tokens is %u: start kvtierd with --chunk-tokens %" PRIu64,
@@ -1081,7 +1333,8 @@ static bool s_same_layout(const s_ctx_t *c, const kvt_lmc_ctx_t *p)
     return strcmp(c->model, p->model) == 0 && strcmp(c->dtype, p->dtype) == 0 &&
            c->world_size == p->world_size && c->num_layers == p->num_layers &&
            c->block_size == p->block_size && c->hidden == p->hidden_dim_size &&
-           c->use_mla == p->use_mla;
+           c->use_mla == p->use_mla && c->nog == p->nogroups &&
+           memcmp(c->og, p->og, p->nogroups * sizeof *p->og) == 0;
 }
 
 /* Workers the current connection registered (bounded like v1's instances per connection). */
@@ -1124,6 +1377,14 @@ static void s_ctx_fill(kvt_lmcache_door_t *self, s_ctx_t *ctx, const kvt_lmc_ctx
     ctx->shape[ctx->ndim++] = p->num_layers;
     ctx->shape[ctx->ndim++] = self->chunk;
     ctx->shape[ctx->ndim++] = p->hidden_dim_size;
+    ctx->nog = p->nogroups;
+    memcpy(ctx->og, p->og, sizeof ctx->og);
+    for (uint32_t g = 0; g < ctx->nog; g++) {
+        ctx->og_size[g] = 0;
+        for (uint32_t k = 0; k < ctx->og[g].ntensors; k++)
+            ctx->og_size[g] += s_tensor_bytes(&ctx->og[g].t[k]);
+        ctx->obj_size += ctx->og_size[g]; /* a chunk's bytes, all groups together */
+    }
     ctx->last_seen_ms = kvt_now_ms();
 }
 
@@ -1162,10 +1423,10 @@ static void s_op_register(kvt_lmcache_door_t *self, const kvt_lmc_ctx_t *p, cons
     kvt_lmc_registry_set(self->registry, p->instance_id, payload, len);
     kvt_log(KVT_LOG_INFO,
             "lmcache: instance %" PRId64 " %s: %s, world_size %u, %u layers x %" PRIu64
-            " x %s%s (%" PRIu64 " bytes per chunk)",
+            " x %s%s (%" PRIu64 " bytes per chunk%s)",
             (int64_t)p->instance_id, created ? "registered" : "registered again", p->model,
             p->world_size, p->num_layers, p->hidden_dim_size, p->dtype,
-            p->use_mla ? ", MLA" : "", size);
+            p->use_mla ? ", MLA" : "", ctx->obj_size, ctx->nog ? ", hybrid: object groups" : "");
     kvt_lmc_pack_register(s_value(r), self->shm_name, self->pool_size, NULL);
 }
 
@@ -1736,7 +1997,7 @@ static void s_sweep(kvt_lmcache_door_t *self, uint64_t now)
                     pp = &x->next;
                     continue;
                 }
-                kvt_l1_release(self->l1, c->owner, x->lease); /* never committed: discarded */
+                s_xfer_release(self, c, x); /* never committed: discarded */
                 *pp = x->next;
                 c->nxfers--;
                 free(x);
@@ -1917,11 +2178,11 @@ void kvt_lmcache_door_destroy(kvt_lmcache_door_t **self_p)
     while (self->orphans) {
         for (s_req_t *q = self->orphans, *next; q; q = next) {
             next = q->newer;
-            for (uint32_t w = 0; w < q->world; w++) {
-                if (!kvt_cache_lookup_cancel(self->cache, &q->lks[w]))
+            for (uint32_t l = 0; l < q->lanes; l++) {
+                if (!kvt_cache_lookup_cancel(self->cache, &q->lks[l]))
                     continue;
                 bool last = q->out == 1;
-                s_lookup_back(self, &q->lks[w]); /* it will not come back: count it */
+                s_lookup_back(self, &q->lks[l]); /* it will not come back: count it */
                 if (last)
                     break; /* q is freed */
             }
@@ -1975,16 +2236,19 @@ json_t *kvt_lmcache_door_status_json(kvt_lmcache_door_t *self)
     size_t total = kvt_u64map_size(self->ctxs), shown = 0;
     for (s_ctx_t *c = kvt_u64map_first(self->ctxs); c && shown < S_STATUS_MAX;
          c = kvt_u64map_next(self->ctxs), shown++) {
-        json_t *shape = json_array();
+        json_t *shape = json_array(), *groups = json_array();
         for (uint32_t i = 0; i < c->ndim; i++)
             json_array_append_new(shape, json_integer((json_int_t)c->shape[i]));
+        for (uint32_t g = 0; g < c->nog; g++)
+            json_array_append_new(groups, json_integer((json_int_t)c->og_size[g]));
         json_array_append_new(
             list,
-            json_pack("{s:s,s:s,s:i,s:i,s:I,s:s,s:b,s:o,s:I,s:I,s:i,s:I,s:b}", "worker",
+            json_pack("{s:s,s:s,s:i,s:i,s:I,s:s,s:b,s:o,s:I,s:o,s:I,s:i,s:I,s:b}", "worker",
                       s_worker_digest(self, c->instance_id, digest), "model_name", c->model,
                       "world_size", (int)c->world_size, "num_layers", (int)c->num_layers,
                       "hidden_dim_size", (json_int_t)c->hidden, "dtype", c->dtype, "use_mla",
                       c->use_mla, "slot_shape", shape, "chunk_bytes", (json_int_t)c->obj_size,
+                      "object_group_bytes", groups,
                       "idle_ms", (json_int_t)(now - c->last_seen_ms), "prepared_transfers",
                       (int)c->nxfers, "leased_bytes",
                       (json_int_t)kvt_l1_owner_bytes(self->l1, c->owner), "restored", c->restored));

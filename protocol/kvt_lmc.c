@@ -805,14 +805,142 @@ void kvt_lmc_key_free(kvt_lmc_key_t *key)
 /* ---- RegisterEngineDrivenContextPayload ---- */
 
 enum { C_INSTANCE, C_MODEL, C_WORLD, C_BLOCK, C_LAYERS, C_HIDDEN, C_DTYPE, C_MLA, C_SLOTS,
-       C_GROUPS, C_COUNT };
+       C_GROUPS, C_SHAPES, C_DTYPES, C_SW, C_META, C_COUNT };
 static const char *const s_ctx_fields[C_COUNT] = {
     [C_INSTANCE] = "instance_id",     [C_MODEL] = "model_name",
     [C_WORLD] = "world_size",         [C_BLOCK] = "block_size",
     [C_LAYERS] = "num_layers",        [C_HIDDEN] = "hidden_dim_size",
     [C_DTYPE] = "dtype_str",          [C_MLA] = "use_mla",
     [C_SLOTS] = "num_physical_slots", [C_GROUPS] = "engine_group_infos",
+    [C_SHAPES] = "object_group_layout_shapes",
+    [C_DTYPES] = "object_group_layout_dtype_strs",
+    [C_SW] = "num_chunks_in_sw",      [C_META] = "transfer_metadata_wire",
 };
+
+/* An array of lo..hi elements (nil counts as empty when lo is 0). */
+static int s_array(const msgpack_object *o, const char *what, const char *field, uint32_t lo,
+                   uint32_t hi, uint32_t *n, char *err, size_t errlen)
+{
+    *n = 0;
+    if (o && o->type == MSGPACK_OBJECT_NIL && lo == 0)
+        return 0;
+    if (!o || o->type != MSGPACK_OBJECT_ARRAY)
+        return o ? s_wrong(what, field, "an array", o, err, errlen)
+                 : s_missing(what, field, err, errlen);
+    if (o->via.array.size < lo || o->via.array.size > hi) {
+        s_err(err, errlen, "%s: %s must have %u to %u entries, got %u", what, field, lo, hi,
+              o->via.array.size);
+        return KVT_EBADREQ;
+    }
+    *n = o->via.array.size;
+    return 0;
+}
+
+/* A hybrid registration's object groups: shapes [og][kg][dim], dtypes [og][kg], windows [og]
+ * (empty: every group full attention), and the transfer metadata's tokens_per_chunk, object
+ * group ids in order and kernel group counts, which must agree with the shapes. */
+static int s_ogroups(const msgpack_object *const *v, kvt_lmc_ctx_t *out, char *err, size_t errlen)
+{
+    static const char W[] = "payload";
+    uint32_t nog = 0, n;
+    int rc = v[C_SHAPES] ? s_array(v[C_SHAPES], W, "object_group_layout_shapes", 0,
+                                   KVT_LMC_MAX_OGROUPS, &nog, err, errlen)
+                         : 0;
+    if (rc || nog == 0)
+        return rc;
+    if ((rc = s_array(v[C_DTYPES], W, "object_group_layout_dtype_strs", nog, nog, &n, err,
+                      errlen)))
+        return rc;
+    uint32_t nsw = 0;
+    if (v[C_SW] && (rc = s_array(v[C_SW], W, "num_chunks_in_sw", 0, nog, &nsw, err, errlen)))
+        return rc;
+    if (nsw && nsw != nog) {
+        s_err(err, errlen, "%s: num_chunks_in_sw has %u entries for %u object groups", W, nsw,
+              nog);
+        return KVT_EBADREQ;
+    }
+    for (uint32_t g = 0; g < nog; g++) {
+        kvt_lmc_ogroup_t *og = &out->og[g];
+        const msgpack_object *sh = &v[C_SHAPES]->via.array.ptr[g];
+        const msgpack_object *dt = &v[C_DTYPES]->via.array.ptr[g];
+        uint32_t nt, nd;
+        char f[64], f2[64];
+        snprintf(f, sizeof f, "object_group_layout_shapes[%u]", g);
+        snprintf(f2, sizeof f2, "object_group_layout_dtype_strs[%u]", g);
+        if ((rc = s_array(sh, W, f, 1, KVT_LMC_MAX_KGROUPS, &nt, err, errlen)) ||
+            (rc = s_array(dt, W, f2, nt, nt, &nd, err, errlen)))
+            return rc;
+        og->ntensors = nt;
+        for (uint32_t k = 0; k < nt; k++) {
+            kvt_lmc_tensor_t *t = &og->t[k];
+            const msgpack_object *dims = &sh->via.array.ptr[k];
+            snprintf(f, sizeof f, "object_group_layout_shapes[%u][%u]", g, k);
+            if ((rc = s_array(dims, W, f, 1, KVT_LMC_MAX_SHAPE, &t->ndim, err, errlen)))
+                return rc;
+            for (uint32_t d = 0; d < t->ndim; d++)
+                if ((rc = s_uint(&dims->via.array.ptr[d], W, f, 1, UINT32_MAX, &t->shape[d], err,
+                                 errlen)))
+                    return rc;
+            snprintf(f2, sizeof f2, "object_group_layout_dtype_strs[%u][%u]", g, k);
+            if ((rc = s_str(&dt->via.array.ptr[k], W, f2, 1, KVT_MAX_DTYPE, NULL, t->dtype, NULL,
+                            err, errlen)))
+                return rc;
+        }
+        og->sw_chunks = -1; /* -1 (or 0): full attention */
+        const msgpack_object *w = nsw ? &v[C_SW]->via.array.ptr[g] : NULL;
+        uint64_t sw = 0;
+        if (w && w->type != MSGPACK_OBJECT_NEGATIVE_INTEGER &&
+            (rc = s_uint(w, W, "num_chunks_in_sw[]", 0, INT32_MAX, &sw, err, errlen)))
+            return rc;
+        if (sw)
+            og->sw_chunks = (int32_t)sw;
+    }
+    out->nogroups = nog;
+    /* the transfer metadata: LMCache's server refuses object groups without it */
+    const msgpack_object *m = v[C_META];
+    if (!m || m->type == MSGPACK_OBJECT_NIL)
+        return s_missing(W, "transfer_metadata_wire (object groups need it)", err, errlen);
+    static const char *const mf[] = {"tokens_per_chunk", "object_groups"};
+    const msgpack_object *mv[2];
+    if ((rc = s_fields(m, "transfer_metadata_wire", mf, 2, mv, err, errlen)))
+        return rc;
+    uint64_t tpc;
+    if (!mv[0])
+        return s_missing("transfer_metadata_wire", "tokens_per_chunk", err, errlen);
+    if ((rc = s_uint(mv[0], "transfer_metadata_wire", "tokens_per_chunk", 1, UINT32_MAX, &tpc, err,
+                     errlen)))
+        return rc;
+    out->tokens_per_chunk = (uint32_t)tpc;
+    uint32_t nmog;
+    if ((rc = s_array(mv[1], "transfer_metadata_wire", "object_groups", nog, nog, &nmog, err,
+                      errlen)))
+        return rc;
+    static const char *const gf[] = {"object_group_id", "kernel_group_ids", "sw_size_chunks"};
+    for (uint32_t g = 0; g < nog; g++) {
+        const msgpack_object *gv[3];
+        uint64_t id;
+        uint32_t nk;
+        if ((rc = s_fields(&mv[1]->via.array.ptr[g], "transfer_metadata_wire.object_groups[g]",
+                           gf, 3, gv, err, errlen)))
+            return rc;
+        if (!gv[0] || !gv[1])
+            return s_missing("transfer_metadata_wire.object_groups[g]",
+                             gv[0] ? "kernel_group_ids" : "object_group_id", err, errlen);
+        if ((rc = s_uint(gv[0], "transfer_metadata_wire.object_groups[g]", "object_group_id", 0,
+                         UINT32_MAX, &id, err, errlen)) ||
+            (rc = s_array(gv[1], "transfer_metadata_wire.object_groups[g]", "kernel_group_ids",
+                          0, UINT32_MAX, &nk, err, errlen)))
+            return rc;
+        if (id != g || nk != out->og[g].ntensors) {
+            s_err(err, errlen,
+                  "transfer_metadata_wire: object group %u has id %llu and %u kernel groups; the "
+                  "layout shapes have %u",
+                  g, (unsigned long long)id, nk, out->og[g].ntensors);
+            return KVT_EBADREQ;
+        }
+    }
+    return 0;
+}
 
 static int s_ctx(const msgpack_object *root, kvt_lmc_ctx_t *out, char *err, size_t errlen)
 {
@@ -871,7 +999,7 @@ static int s_ctx(const msgpack_object *root, kvt_lmc_ctx_t *out, char *err, size
             }
         out->ngroups = o->via.array.size;
     }
-    return 0;
+    return s_ogroups(v, out, err, errlen);
 }
 
 int kvt_lmc_decode_ctx(const uint8_t *buf, size_t len, const kvt_lmc_limits_t *lim,
@@ -1159,6 +1287,52 @@ void kvt_lmc_pack_prepare_retrieve(msgpack_packer *pk, bool success, const kvt_l
     kvt_pack_str(pk, "context");
     msgpack_pack_map(pk, 1);
     s_pack_slots(pk, slots, n);
+}
+
+static void s_pack_ogroups(msgpack_packer *pk, const kvt_lmc_ogroup_reply_t *g, uint32_t ng)
+{
+    msgpack_pack_map(pk, 1);
+    kvt_pack_str(pk, "object_groups");
+    msgpack_pack_array(pk, ng);
+    for (uint32_t i = 0; i < ng; i++) {
+        msgpack_pack_map(pk, 3);
+        kvt_pack_str(pk, "object_group_id");
+        msgpack_pack_uint32(pk, g[i].id);
+        kvt_pack_str(pk, "chunk_indices");
+        msgpack_pack_array(pk, g[i].n);
+        for (uint32_t c = 0; c < g[i].n; c++)
+            msgpack_pack_uint32(pk, g[i].chunk_indices[c]);
+        kvt_pack_str(pk, "slots");
+        msgpack_pack_array(pk, g[i].n);
+        for (uint32_t c = 0; c < g[i].n; c++) {
+            msgpack_pack_array(pk, g[i].ntensors);
+            for (uint32_t t = 0; t < g[i].ntensors; t++)
+                s_pack_slot(pk, &g[i].slots[(size_t)c * g[i].ntensors + t]);
+        }
+    }
+}
+
+void kvt_lmc_pack_prepare_store_groups(msgpack_packer *pk, const kvt_lmc_ogroup_reply_t *g,
+                                       uint32_t ng)
+{
+    msgpack_pack_map(pk, 1);
+    kvt_pack_str(pk, "context");
+    s_pack_ogroups(pk, g, ng);
+}
+
+void kvt_lmc_pack_prepare_retrieve_groups(msgpack_packer *pk, bool success,
+                                          const kvt_lmc_ogroup_reply_t *g, uint32_t ng)
+{
+    msgpack_pack_map(pk, 3);
+    kvt_pack_str(pk, "success");
+    success ? msgpack_pack_true(pk) : msgpack_pack_false(pk);
+    kvt_pack_str(pk, "data");
+    msgpack_pack_bin(pk, 0);
+    kvt_pack_str(pk, "context");
+    if (success)
+        s_pack_ogroups(pk, g, ng);
+    else
+        msgpack_pack_map(pk, 0); /* LMCache's server: a failed retrieve has an empty context */
 }
 
 void kvt_lmc_pack_poll_head(msgpack_packer *pk, bool enabled, uint64_t incarnation,

@@ -123,6 +123,23 @@ typedef struct {
     uint32_t null_mask_len;
 } kvt_lmc_key_t;
 
+#define KVT_LMC_MAX_OGROUPS 8 /* object groups of a hybrid registration */
+#define KVT_LMC_MAX_KGROUPS 8 /* kernel groups (tensors) in one object group */
+
+/* One tensor of a hybrid chunk object: a kernel group's piece, as the worker declared it. */
+typedef struct {
+    uint64_t shape[KVT_LMC_MAX_SHAPE];
+    uint32_t ndim;
+    char dtype[KVT_MAX_DTYPE + 1];
+} kvt_lmc_tensor_t;
+
+/* One object group of a hybrid registration: per chunk, one object of its tensors in order. */
+typedef struct {
+    int32_t sw_chunks; /* a retrieve needs the last sw_chunks chunks; <= 0: every chunk */
+    uint32_t ntensors;
+    kvt_lmc_tensor_t t[KVT_LMC_MAX_KGROUPS];
+} kvt_lmc_ogroup_t;
+
 /* RegisterEngineDrivenContextPayload (the fields kvtier uses; others are ignored). */
 typedef struct {
     uint64_t instance_id; /* an int of either sign, kept as its 64 bits */
@@ -135,6 +152,11 @@ typedef struct {
     bool use_mla;
     uint64_t num_physical_slots; /* 0 when nil */
     uint32_t ngroups;            /* entries of engine_group_infos (0: one non-hybrid group) */
+    /* hybrid models: object_group_layout_shapes / _dtype_strs, num_chunks_in_sw and
+     * transfer_metadata_wire.tokens_per_chunk (0: no object groups, the plain layout) */
+    uint32_t nogroups;
+    uint32_t tokens_per_chunk;
+    kvt_lmc_ogroup_t og[KVT_LMC_MAX_OGROUPS];
 } kvt_lmc_ctx_t;
 
 /* Argument decoders: one msgpack object filling the whole frame. Return 0, or KVT_EBADREQ /
@@ -179,6 +201,25 @@ typedef struct {
     uint32_t ndim;
     const char *dtype;
 } kvt_lmc_slot_t;
+
+/* One object group's part of a hybrid prepare reply: n chunk_indices, and n x ntensors slots
+ * (chunk by chunk, each chunk's tensors in order). */
+typedef struct {
+    uint32_t id;
+    const uint32_t *chunk_indices;
+    uint32_t n;
+    const kvt_lmc_slot_t *slots;
+    uint32_t ntensors;
+} kvt_lmc_ogroup_reply_t;
+
+/* PrepareStoreResponse of a hybrid worker: {context: {object_groups: [{object_group_id,
+ * chunk_indices, slots: [[slot, ...], ...]}, ...]}}. */
+void kvt_lmc_pack_prepare_store_groups(msgpack_packer *pk, const kvt_lmc_ogroup_reply_t *g,
+                                       uint32_t ng);
+/* PrepareRetrieveResponse of a hybrid worker: {success, data: bin "", context}, context as
+ * above when success, {} otherwise. */
+void kvt_lmc_pack_prepare_retrieve_groups(msgpack_packer *pk, bool success,
+                                          const kvt_lmc_ogroup_reply_t *g, uint32_t ng);
 
 /* RegisterEngineDrivenContextResponse: {shm_name, pool_size, scratch_offset: 0,
  * scratch_size: 0, error}; error NULL packs nil. */

@@ -102,6 +102,18 @@ static void s_ctx(const uint8_t *buf, size_t len, const kvt_lmc_limits_t *lim)
         CHECK(c.hidden_dim_size >= 1);
         CHECK(strlen(c.dtype) <= KVT_MAX_DTYPE);
         (void)kvt_lmc_dtype_size(c.dtype);
+        CHECK(c.nogroups <= KVT_LMC_MAX_OGROUPS);
+        CHECK(!c.nogroups || c.tokens_per_chunk >= 1);
+        for (uint32_t g = 0; g < c.nogroups; g++) {
+            CHECK(c.og[g].ntensors >= 1 && c.og[g].ntensors <= KVT_LMC_MAX_KGROUPS);
+            for (uint32_t k = 0; k < c.og[g].ntensors; k++) {
+                const kvt_lmc_tensor_t *t = &c.og[g].t[k];
+                CHECK(t->ndim >= 1 && t->ndim <= KVT_LMC_MAX_SHAPE);
+                for (uint32_t d = 0; d < t->ndim; d++)
+                    CHECK(t->shape[d] >= 1 && t->shape[d] <= UINT32_MAX);
+                CHECK(strlen(t->dtype) >= 1 && strlen(t->dtype) <= KVT_MAX_DTYPE);
+            }
+        }
     }
 }
 

@@ -108,6 +108,18 @@ LMC_SEEDS = {
                                                     "layer_indices": [0, 1],
                                                     "tokens_per_block": 16}],
                                kernel_groups=[[1, 2]])),
+    "ctx_object_groups": (T_CTX, dict(
+        LMC_CTX, engine_group_infos=[{"engine_group_id": 0}, {"engine_group_id": 1}],
+        object_group_layout_shapes=[[[2, 2, 16, 32]], [[2, 1, 8, 32], [1, 1, 64]]],
+        object_group_layout_dtype_strs=[["float16"], ["bfloat16", "float32"]],
+        num_chunks_in_sw=[-1, 1],
+        transfer_metadata_wire={"num_chunks_in_sw": [-1, 1], "tokens_per_chunk": 16,
+                                "kernel_groups": [],
+                                "object_groups": [
+                                    {"object_group_id": 0, "kernel_group_ids": [0],
+                                     "sw_size_chunks": -1},
+                                    {"object_group_id": 1, "kernel_group_ids": [1, 2],
+                                     "sw_size_chunks": 1}]})),
     "int_instance": (T_INT, 0x25895F0102030405),
     "int_nil": (T_INT_NIL, None),
     "int_negative": (T_INT_NIL, -2),

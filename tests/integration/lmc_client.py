@@ -157,6 +157,56 @@ class Layout:
                                 self.hidden, self.dtype, use_mla=self.use_mla, **kw)
 
 
+class HybridLayout:
+    """A hybrid model's registration as LMCache's worker builds it (transfer_context/
+    worker_transfer.py, transfer_plan.py): kernel groups (one per attention kind's layers),
+    object groups of kernel groups with a sliding window in chunks (-1: full attention), each
+    kernel group's per-chunk tensor [kv_size, num_layers, slots_per_chunk_in_window, hidden]
+    (without the leading 1 when kv_size is 1)."""
+
+    def __init__(self, chunk_tokens, kernel_groups, object_groups):
+        """kernel_groups: [(kv_size, num_layers, slots_per_chunk_in_window, hidden, dtype)];
+        object_groups: [(kernel_group_ids, sw_size_chunks)]."""
+        self.chunk_tokens = chunk_tokens
+        self.kernel_groups, self.object_groups = kernel_groups, object_groups
+        self.shapes, self.dtypes, self.nbytes = [], [], []
+        for kg_ids, _ in object_groups:
+            sh = []
+            for k in kg_ids:
+                kv, layers, slots, hidden, _dt = kernel_groups[k]
+                sh.append(([kv] if kv > 1 else []) + [layers, slots, hidden])
+            self.shapes.append(sh)
+            self.dtypes.append([kernel_groups[k][4] for k in kg_ids])
+            self.nbytes.append([math.prod(x) * DTYPE_SIZES[d] for x, d in
+                                zip(sh, self.dtypes[-1])])
+
+    def metadata(self, tokens_per_chunk=None):
+        """KVTransferMetadataWire, as a map (msgspec Struct)."""
+        kgs = [{"kernel_group_id": i, "engine_group_id": i, "layer_indices": list(range(l)),
+                "blocks_per_chunk": 1, "blocks_per_window": 1, "slots_per_chunk_in_window": s,
+                "kv_size": kv, "num_layers": l, "hidden_dim_size": h, "slots_per_block": s,
+                "tokens_per_block": self.chunk_tokens, "dtype_str": d, "engine_kv_format_int": 0}
+               for i, (kv, l, s, h, d) in enumerate(self.kernel_groups)]
+        ogs = [{"object_group_id": g, "kernel_group_ids": list(ids), "sw_size_chunks": sw}
+               for g, (ids, sw) in enumerate(self.object_groups)]
+        return {"num_chunks_in_sw": [sw for _, sw in self.object_groups],
+                "tokens_per_chunk": tokens_per_chunk or self.chunk_tokens,
+                "kernel_groups": kgs, "object_groups": ogs}
+
+    def payload(self, instance_id, model_name, world_size, **kw):
+        kv, layers, _, hidden, dtype = self.kernel_groups[0]
+        p = register_payload(instance_id, model_name, world_size, layers, hidden, dtype,
+                             engine_group_infos=[{"engine_group_id": i,
+                                                  "layer_indices": list(range(k[1]))}
+                                                 for i, k in enumerate(self.kernel_groups)])
+        p.update({"object_group_layout_shapes": self.shapes,
+                  "object_group_layout_dtype_strs": self.dtypes,
+                  "num_chunks_in_sw": [sw for _, sw in self.object_groups],
+                  "transfer_metadata_wire": self.metadata()})
+        p.update(kw)
+        return p
+
+
 def check_slots(slots, layout, pool_size):
     """Asserts each slot is {offset, length, shape, dtype} of `layout`, inside the pool,
     page-aligned (every L1 object is), and that no two overlap."""

@@ -102,6 +102,9 @@ class PoolTransfer:
 class PoolTransferResult:
     kv_hit_pages: int
     extra_pool_hit_pages: dict
+    # TRAILING_PAGES pools make some prefix lengths restorable and shorter ones not; each
+    # rank's list of every restorable length, which the caller intersects across ranks
+    restorable_prefix_pages: Optional[List[int]] = None
 
 
 def count_pool_hits(results):

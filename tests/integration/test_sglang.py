@@ -806,6 +806,34 @@ def test_hybrid_pools_are_stored_and_loaded_byte_exact(daemon, backends):
         client.close()
 
 
+def test_restorable_prefix_pages_intersect_the_pools(daemon, backends):
+    """PoolTransferResult.restorable_prefix_pages (SGLang's fix for sparse TRAILING_PAGES
+    windows): every prefix length each pool can restore, intersected — not the smallest of
+    the pools' longest, which can be a length one pool cannot restore."""
+    from sglang_iface import PoolName
+    b, kv, pools, ctl = _hybrid(daemon, backends)
+    keys = hashes(5, "rest")
+    _save_node(ctl, kv, pools, keys[:3], 91)          # states after pages 3 and 5
+    _save_node(ctl, kv, pools, keys, 92)
+    r = ctl.hits(keys)
+    # Mamba (window 1): pages 2 and 4 -> {3, 5}; SWA (window 2): pages 1-4 -> {3, 4, 5}
+    assert r.restorable_prefix_pages == [3, 5] and r.kv_hit_pages == 5
+    # SWA loses its page 4: SWA {3, 4}, Mamba {3, 5}; the longest of both (4) is no answer
+    client = kvtier.Client(daemon.ipc)
+    try:
+        swa = b._pools["swa"]
+        assert client.remove(swa.ns, [page_key(keys[4])], salt=b.cfg["salt"]) == 1
+    finally:
+        client.close()
+    r = ctl.hits(keys)
+    assert r.extra_pool_hit_pages["mamba"] == 5 and r.extra_pool_hit_pages["swa"] == 4
+    assert r.restorable_prefix_pages == [3] and r.kv_hit_pages == 3
+    n, hits, got = _load_node(ctl, kv, pools, keys, r.kv_hit_pages)
+    assert n == 3 and hits[PoolName.MAMBA] == 1 and hits[PoolName.SWA] == 2
+    # KV alone: every prefix it has
+    assert b.batch_exists_v2(keys, []).restorable_prefix_pages == [1, 2, 3, 4, 5]
+
+
 def test_hybrid_hit_policies_shrink_the_prefix(daemon, backends):
     """TRAILING_PAGES: a prefix is usable up to the last node boundary whose state was saved
     (a state saved after page 3 of 5: 3 pages). ALL_PAGES: the first page the pool lacks ends

@@ -204,14 +204,20 @@ def _pool_name(transfer):
     return str(getattr(name, "value", name))
 
 
-def _transfer_result(kv_hits, pool_hits=None):
-    """SGLang's PoolTransferResult(kv_hit_pages, extra_pool_hit_pages)."""
+def _transfer_result(kv_hits, pool_hits=None, restorable=None):
+    """SGLang's PoolTransferResult(kv_hit_pages, extra_pool_hit_pages[,
+    restorable_prefix_pages]); the third field only where SGLang's class has it."""
     try:
         from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
     except ImportError:                   # (v2 is only called by an SGLang that has it)
         return types.SimpleNamespace(kv_hit_pages=kv_hits,
-                                     extra_pool_hit_pages=dict(pool_hits or {}))
-    return PoolTransferResult(kv_hits, dict(pool_hits or {}))
+                                     extra_pool_hit_pages=dict(pool_hits or {}),
+                                     restorable_prefix_pages=restorable)
+    try:
+        return PoolTransferResult(kv_hits, dict(pool_hits or {}),
+                                  restorable_prefix_pages=restorable)
+    except TypeError:                     # releases before the field
+        return PoolTransferResult(kv_hits, dict(pool_hits or {}))
 
 
 # Pools whose pages are the same on every TP rank of an MLA model (Mooncake's backend keys
@@ -698,14 +704,16 @@ class KvtierHiCacheStorage(_Base):
     # hashes, each pool in its own namespace. A pool never registered or not servable is a
     # miss, so the prefixes that need it are misses: never a KV page without its side pools.
 
-    @_guarded(lambda keys: _transfer_result(0))
+    @_guarded(lambda keys: _transfer_result(0, None, []))
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
-        """SGLang's PoolTransferResult: kv_hit_pages is the longest prefix of `keys` that the
-        KV pool has and that every pool asked for can restore. ALL_PAGES pools must have every
-        page of it; TRAILING_PAGES pools the last len(transfer.keys) pages before its end (the
-        prefix shrinks until one such window is complete)."""
+        """SGLang's PoolTransferResult. restorable_prefix_pages: every prefix length (in pages)
+        that the KV pool has and every pool asked for can restore — ALL_PAGES pools every page
+        of it, TRAILING_PAGES pools the last len(transfer.keys) pages before its end — so that
+        SGLang can intersect the ranks' lists; kv_hit_pages is the longest of them;
+        extra_pool_hit_pages each pool's own longest."""
         final = self.batch_exists(keys, extra_info)
         hits = {"kv": final} if final else {}
+        ends = set(range(1, final + 1))
         for t in pool_transfers or ():
             name = _pool_name(t)
             if name == "kv":
@@ -717,31 +725,42 @@ class KvtierHiCacheStorage(_Base):
                                     "(register_mem_host_pool_v2): its prefixes are misses"
                                     % name)
                 found = 0
-            elif final == 0:
+            elif not ends:
                 found = 0
             elif getattr(t, "hit_policy", None) is not None and \
                     str(getattr(t.hit_policy, "value", t.hit_policy)) == "trailing_pages":
-                found = self._trailing(lay, keys, final, max(1, len(t.keys or ())))
+                legal = self._trailing(lay, keys, max(ends), max(1, len(t.keys or ())))
+                found = max(legal, default=0)
+                ends &= legal
             else:
-                kk = page_keys(keys[:final])
+                kk = page_keys(keys[:max(ends)])
                 found = self._run(lambda conn, left: self._exists(conn, kk, lay), 0)
             hits[name] = found
-            final = min(final, found)
-        return _transfer_result(final, hits)
+            ends &= set(range(1, found + 1))
+        restorable = sorted(ends)
+        return _transfer_result(restorable[-1] if restorable else 0, hits, restorable)
 
     def _trailing(self, lay, keys, upto, window):
-        """The longest prefix p <= upto whose last `window` pages `lay` has (0: none), probing
-        p = upto, upto - 1, ... (at most _TRAILING_PROBES LOOKUPs)."""
+        """The prefix lengths p <= upto whose last `window` pages `lay` has, as a set: probing
+        p = upto downwards, and past a missing page straight to the prefix that ends before it
+        (at most _TRAILING_PROBES LOOKUPs; shorter prefixes are left out)."""
         kk = page_keys(keys[:upto])
 
         def probe(conn, left):
-            for p in range(upto, max(0, upto - _TRAILING_PROBES), -1):
-                win = kk[max(0, p - window):p]
-                if conn.req().lookup(lay.ns, win, salt=self.cfg["salt"],
-                                     prefetch=True).hits == len(win):
-                    return p
-            return 0
-        return self._run(probe, 0)
+            legal, p = set(), upto
+            for _ in range(_TRAILING_PROBES):
+                if p < 1:
+                    break
+                lo = max(0, p - window)
+                got = conn.req().lookup(lay.ns, kk[lo:p], salt=self.cfg["salt"],
+                                        prefetch=True).hits
+                if got == p - lo:
+                    legal.add(p)
+                    p -= 1
+                else:                     # every window holding page lo + got fails too
+                    p = lo + got
+            return legal
+        return self._run(probe, set())
 
     @_guarded(lambda transfers: _transfer_misses(transfers))
     def batch_get_v2(self, transfers, extra_info=None):
