@@ -101,8 +101,9 @@ static bool s_run(kvt_thread_t *t, void *arg)
         long wait = kvt_thread_idle_ms(t);
         kvt_evlog_wait(self->log, self->cursor, wait < S_WAIT_MS ? wait : S_WAIT_MS);
         bool stop = atomic_load(&self->stop); /* read before the send: what came before goes */
-        while (s_send_batch(self))
-            ;
+        while (s_send_batch(self)) /* catching up: still beat between batches */
+            if (!stop && !kvt_thread_beat(t))
+                return false;
         if (stop)
             return true;
         if (!kvt_thread_beat(t))

@@ -5,8 +5,9 @@
  *
  * A poll reads the log S_PAGE records at a time, turning each record of the model into events
  * (a removed record into one event, a stored record into one event per run of bound chunks
- * whose parents chain), until max_events are collected or S_SCAN records were read; a record
- * is taken whole, so a reply may run past max_events by the rest of its last record. The
+ * whose parents chain, at most S_MAX_RUN_TOKENS tokens each), until max_events are collected
+ * or S_SCAN records were read. A record is taken whole or not at all: one whose events would
+ * go past max_events waits for the next poll, unless it is the reply's first. The
  * events point into the records and the bindings, both kept until the reply is packed. Which
  * state each (block, medium) had last in this reply is kept in a u64map, so the TP workers'
  * copies of a chunk come out once. */
@@ -21,7 +22,8 @@
 #include <string.h>
 
 #define S_BIND_BYTES (16u << 20) /* token ids kept for the bindings */
-#define S_MIN_BINDINGS 1024
+#define S_MIN_BINDINGS 4          /* even with chunks of a million tokens: 16 MiB */
+#define S_MAX_RUN_TOKENS (1u << 20) /* token ids in one event: a longer run is split */
 #define S_PAGE 256
 #define S_SCAN 65536 /* records one poll reads at most (other models' included) */
 #define S_PREFIX "lmcache/"
@@ -224,8 +226,10 @@ static void s_translate(kvt_lmc_events_t *self, const kvt_evrec_t *r)
             ev = NULL;
             continue;
         }
-        /* a run goes on while each block's parent is the block before it */
-        if (!ev || !b->has_parent || !prev || memcmp(b->parent.b, prev->b, KVT_KEY_LEN) != 0)
+        /* a run goes on while each block's parent is the block before it (and it is not
+         * too long for one event) */
+        if (!ev || !b->has_parent || !prev || memcmp(b->parent.b, prev->b, KVT_KEY_LEN) != 0 ||
+            (uint64_t)(ev->n + 1) * self->chunk > S_MAX_RUN_TOKENS)
             ev = s_ev_open(self, r, true, storage, b->has_parent ? &b->parent : NULL);
         s_ev_add(self, ev, k, &self->tokens[(size_t)(b - self->binds) * self->chunk]);
         prev = k;
@@ -251,23 +255,35 @@ void kvt_lmc_events_poll(kvt_lmc_events_t *self, const char *model, uint64_t cur
     size_t mlen = strlen(model);
     self->nev = self->nh = self->nheld = 0;
     uint64_t next = cursor;
-    for (uint32_t scanned = 0; self->nev < max_events && scanned < S_SCAN;) {
+    for (uint32_t scanned = 0; scanned < S_SCAN;) {
         s_grow((void **)&self->held, &self->heldcap, self->nheld + S_PAGE, sizeof *self->held);
         kvt_evrec_t **page = self->held + self->nheld;
         uint32_t n = kvt_evlog_read(self->log, next, page, S_PAGE, &span);
         if (span.first > next + 1)
             lost = true; /* older than the log, or dropped while this poll read */
         uint32_t used = 0;
-        while (used < n && self->nev < max_events) {
-            kvt_evrec_t *r = page[used++];
-            next = r->seq;
-            if (s_of_model(&r->ns, model, mlen))
+        bool full = false;
+        while (used < n && !full) {
+            kvt_evrec_t *r = page[used];
+            if (s_of_model(&r->ns, model, mlen)) {
+                uint32_t nev = self->nev, nh = self->nh;
                 s_translate(self, r);
+                /* past max_events: this record waits for the next poll, unless it is the
+                 * reply's first (one record alone may make more; it must not block) */
+                if (self->nev > max_events && nev) {
+                    self->nev = nev, self->nh = nh;
+                    full = true;
+                    break;
+                }
+                full = self->nev >= max_events;
+            }
+            next = r->seq;
+            used++;
         }
         kvt_evlog_put(page + used, n - used);
         self->nheld += used;
         scanned += used;
-        if (n < S_PAGE)
+        if (n < S_PAGE || full)
             break;
     }
     kvt_lmc_pack_poll_head(pk, true, inc, next, lost, self->nev);

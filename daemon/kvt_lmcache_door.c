@@ -914,6 +914,13 @@ static void s_prepare_store_groups(kvt_lmcache_door_t *self, s_ctx_t *ctx,
 {
     kvt_lmc_ogroup_reply_t rep[KVT_LMC_MAX_OGROUPS];
     uint64_t lease[KVT_LMC_MAX_OGROUPS] = {0};
+    if ((uint64_t)m * ctx->nog > self->cfg->max_keys) {
+        kvt_errrep_report(&s_rep_worker, KVT_LOG_WARN,
+                          "lmcache: prepare_store of %u chunks x %u object groups exceeds "
+                          "max_keys (%u): answered with no slots",
+                          m, ctx->nog, self->cfg->max_keys);
+        m = 0;
+    }
     size_t per = m ? m : 1;
     kvt_slot_t *slots = malloc(per * sizeof *slots);
     uint32_t *chunks = malloc(ctx->nog * per * sizeof *chunks);
@@ -1114,7 +1121,8 @@ static void s_prepare_retrieve_groups(kvt_lmcache_door_t *self, s_ctx_t *ctx,
                                       uint32_t c1, s_answer_t *r)
 {
     uint32_t n = c1 - c0;
-    if (!n || ctx->nxfers >= S_MAX_XFERS) {
+    /* one object per chunk and group: bounded like one v1 request's keys */
+    if (!n || ctx->nxfers >= S_MAX_XFERS || (uint64_t)n * ctx->nog > self->cfg->max_keys) {
         kvt_lmc_pack_prepare_retrieve_groups(s_value(r), false, NULL, 0);
         return;
     }
@@ -1264,10 +1272,11 @@ static const char *s_ogroups_check(const kvt_lmcache_door_t *self, const kvt_lmc
                          g, t->dtype);
                 return why;
             }
-            for (uint32_t d = 0; d < t->ndim && b <= self->pool_size; d++)
-                b *= t->shape[d]; /* each factor < 2^32, the product stops past the pool */
-            total += b;
-            if (b > self->pool_size || total > self->pool_size / 4) {
+            bool over = false;
+            for (uint32_t d = 0; d < t->ndim && !over; d++)
+                over = __builtin_mul_overflow(b, t->shape[d], &b);
+            over = over || __builtin_add_overflow(total, b, &total);
+            if (over || b > self->pool_size || total > self->pool_size / 4) {
                 snprintf(why, whylen, "object group %u: a chunk's object does not fit a fourth "
                                       "of the L1 arena (%" PRIu64 " bytes)",
                          g, self->pool_size);

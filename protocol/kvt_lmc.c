@@ -1376,7 +1376,9 @@ void kvt_lmc_pack_kv_event(msgpack_packer *pk, const kvt_lmc_kv_event_t *ev)
         msgpack_pack_nil(pk);
     }
     kvt_pack_str(pk, "token_ids");
-    msgpack_pack_array(pk, ev->tokens ? ev->n * ev->block_size : 0);
+    uint64_t ntok = ev->tokens ? (uint64_t)ev->n * ev->block_size : 0;
+    kvt_assert(ntok <= UINT32_MAX); /* the caller keeps an event's run short */
+    msgpack_pack_array(pk, (uint32_t)ntok);
     for (uint32_t i = 0; ev->tokens && i < ev->n; i++)
         for (uint32_t t = 0; t < ev->block_size; t++)
             msgpack_pack_uint32(pk, ev->tokens[i][t]);

@@ -206,6 +206,29 @@ def test_lost_cursor_and_paging(door):
     assert p2["events"][0]["seq"] == last and p2["next_cursor"] == last
 
 
+def test_a_record_is_answered_whole_or_waits(door):
+    """max_events holds: a record whose events would go past it waits for the next poll —
+    unless it alone has more, which then comes alone (a poll always moves on)."""
+    door.start()
+    c = door.client()
+    w = Worker(door)
+    a = tokens_of("whole-a", C)
+    w.store(a, 0, C, "a")                                 # one record, one event
+    b = tokens_of("whole-b", 3 * C)
+    mask = [[False, True, False]]                         # chunks 0 and 2: two runs
+    assert w.store(b, 0, 3 * C, "b", null_chunk_mask=mask) == [0, 2]
+    kb = keys_of(b)
+    r = poll(c, 0, max_events=2)
+    assert [e["block_hashes"] for e in r["events"]] == [keys_of(a)], r
+    r2 = poll(c, r["next_cursor"], max_events=2)
+    assert [e["block_hashes"] for e in r2["events"]] == [kb[:1], kb[2:]], r2
+    assert r2["events"][1]["parent_block_hash"] == kb[1]   # chunk 2's parent, not stored
+    assert r2["events"][0]["seq"] == r2["events"][1]["seq"] == r2["next_cursor"]
+    # one event asked for: the two-event record still comes, whole, and alone
+    r3 = poll(c, r["next_cursor"], max_events=1)
+    assert len(r3["events"]) == 2 and r3["next_cursor"] == r2["next_cursor"], r3
+
+
 def test_stores_with_unknown_tokens_are_left_out(door):
     """A v1 client's PUT into a door namespace has no prompt: nothing to tell a router (the
     worker would drop a stored event without token ids), counted."""

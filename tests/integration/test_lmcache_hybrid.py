@@ -223,8 +223,10 @@ def test_abort_and_an_uncommitted_store_leave_nothing(door):
      "arena"),
     ({"object_group_layout_shapes": [[[2, 0, C, 32]], [[2, 1, 8, 32], [1, 1, 64]]]},
      "object_group_layout_shapes[0][0]"),
+    ({"object_group_layout_shapes": [[[2**32 - 1] * 4], [[2, 1, 8, 32], [1, 1, 64]]],
+      "object_group_layout_dtype_strs": [["float64"], ["bfloat16", "float32"]]}, "arena"),
 ], ids=["no-metadata", "tokens-per-chunk", "dtype", "dtype-count", "kernel-count", "windows",
-        "too-many-groups", "too-big", "zero-dim"])
+        "too-many-groups", "too-big", "zero-dim", "product-past-2^64"])
 def test_bad_hybrid_registrations_are_refused(door, change, mention):
     door.start()
     c = door.client()
