@@ -806,11 +806,14 @@ def test_hybrid_pools_are_stored_and_loaded_byte_exact(daemon, backends):
         client.close()
 
 
-def test_restorable_prefix_pages_intersect_the_pools(daemon, backends):
+def test_restorable_prefix_pages_intersect_the_pools(daemon_factory, backends):
     """PoolTransferResult.restorable_prefix_pages (SGLang's fix for sparse TRAILING_PAGES
     windows): every prefix length each pool can restore, intersected — not the smallest of
     the pools' longest, which can be a length one pool cannot restore."""
     from sglang_iface import PoolName
+    # L1 alone: with write-behind, an L2 copy written after the REMOVE below would bring the
+    # removed page back through the lookup's prefetch
+    daemon = daemon_factory("--l2", "none")
     b, kv, pools, ctl = _hybrid(daemon, backends)
     keys = hashes(5, "rest")
     _save_node(ctl, kv, pools, keys[:3], 91)          # states after pages 3 and 5
