@@ -71,6 +71,7 @@ obj = $(patsubst %.c,$(1)/obj/%.o,$(2))
 
 CORE_OBJ   := $(call obj,$(BUILD),$(CORE_SRC) $(DAEMON_SRC))
 CLIENT_OBJ := $(call obj,$(BUILD),$(CLIENT_SRC) common/kvt_error.c common/kvt_ring.c common/kvt_fdpass.c \
+                common/kvt_resident.c \
                 protocol/kvt_msg.c protocol/kvt_proto.c protocol/kvt_hash.c)
 CLIENT_LIBS = $(shell pkg-config --libs libzmq msgpack jansson libxxhash 2>/dev/null)
 ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))
@@ -110,7 +111,8 @@ deps-py: deps
 # no network). The Python tests run on this interpreter, against the installed copy.
 PY_SRC   := VERSION $(wildcard client/python/*.toml client/python/*.py client/python/kvtier/*.py) \
             client/python/MANIFEST.in client/kvtier_ring.c client/kvtier.h common/kvt_ring.c \
-            common/kvt_ring.h common/kvt_error.c common/kvt_error.h
+            common/kvt_ring.h common/kvt_error.c common/kvt_error.h common/kvt_resident.c \
+            common/kvt_resident.h common/kvt_key.h
 PYVENV   := $(BUILD)/pyvenv
 PYTEST   := $(abspath $(PYVENV))/bin/python
 pyclient: deps-py $(PYVENV)/.installed
@@ -343,7 +345,7 @@ $(BUILD)/tsan/tests/%: tests/unit/%.c $(TSAN_OBJ)
 	$(CC) $(ALLCFLAGS) -O1 -g $(TSAN) -o $@ $^ $(LIBS) -lcmocka
 
 TSAN_UNIT := test_l1_concurrent test_lease test_l2_conformance test_l2_fs test_l2mgr test_reqstats \
-             test_queue test_workers test_ring test_fastpath test_cache test_evlog
+             test_queue test_workers test_ring test_fastpath test_cache test_evlog test_resident
 TSAN_BIN  := $(addprefix $(BUILD)/tsan/tests/,$(TSAN_UNIT))
 
 $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
@@ -355,7 +357,8 @@ $(BUILD)/tsan/kvtierd: $(BUILD)/tsan/obj/daemon/main.o $(TSAN_OBJ)
 # SIGTERM under 8 writers with L2 write-behind, clients pinging while the daemon stops, replies
 # completed on libzmq's I/O threads while the server loop counts and cuts connections; the fast
 # path: 32 ring clients, hostile and SIGKILLed ones, an instance dropped and re-established;
-# the event log written by L1 and L2 threads while the events socket and poll_kv_events read it.
+# the event log written by L1 and L2 threads while the events socket and poll_kv_events read it;
+# the residency map read by a thread while another writes and rebuilds it.
 TSAN_INTEGRATION := tests/integration/test_reliability.py \
     tests/integration/test_adopt.py \
     "tests/integration/test_l2.py::test_sigterm_under_load_keeps_what_l2_acknowledged[SIGTERM-None]" \

@@ -185,6 +185,7 @@ def main():
         for a_, b_ in ((src_idx, dst_idx), (gsrc_idx, gdst_idx)):
             if not torch.equal(pool.kv_buffer[:, b_], pool.kv_buffer[:, a_]):
                 raise SystemExit("the pages read back differ from the pages stored")
+        bstats = be.stats()
         be.close()
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -200,6 +201,8 @@ def main():
                "exists_ms": med["exists"] * 1e3,
                "exists_again_ms": med["exists/again"] * 1e3, "ping_ms": med["ping"] * 1e3,
                "exists_vs_stat": med["stat/64"] / med["exists"],
+               "exists_local": bstats.get("exists_local", 0),
+               "exists_calls": bstats.get("exists_calls", 0),
                "ratio_vs_memcpy": {k: med[b_] / med[k] for k, b_ in base.items()},
                "ratio_vs_bulk": {k: med["memcpy/bulk"] / med[k] for k in base}}
     print("SGLang backend: %d pages of %d KiB (%d MiB), median of %d rounds%s"
@@ -217,6 +220,8 @@ def main():
             k, med[k] * 1e3, med[k] / med["stat/64"], "ok" if med[k] <= 1e-4 else "ABOVE"))
     print("%-12s %9.3f   (a PING's round trip: any request's floor)" % ("ping",
                                                                        med["ping"] * 1e3))
+    print("exists calls answered from the residency map, without a request: %d of %d"
+          % (bstats.get("exists_local", 0), bstats.get("exists_calls", 0)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

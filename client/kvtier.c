@@ -59,6 +59,8 @@
 #include "kvt_hash.h"
 #include "kvt_msg.h"
 #include "kvt_proto.h"
+#include "kvt_resident.h"
+#include "kvt_fdpass.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -331,6 +333,42 @@ static int s_parse_slots(kvtier_t *self, uint32_t type, const msgpack_object *bo
         slots[i] = (kvtier_slot_t){(uint8_t *)self->arena + off, off, len};
     }
     *nslots = a->via.array.size;
+    return 0;
+}
+
+int kvtier_resident(kvtier_t *self, const char *ns, const char *salt,
+                    const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, uint32_t *l1)
+{
+    if (l1)
+        *l1 = 0;
+    if (!self)
+        return KVT_EINVAL;
+    int rc = s_check_keyed(self, "resident", ns, salt, keys, n);
+    if (rc)
+        return rc;
+    if (!l1)
+        return kvc_fail(self, KVT_EINVAL, "resident: l1 is NULL");
+    if (!self->res_map || !kvc_pair_mine(self))
+        return kvc_fail(self, KVT_EUNAVAIL, "resident: no residency map (%s)",
+                        self->req_ring ? "the daemon offered none" : "no fast-path pair");
+    uint64_t now = kvc_mono_ns();
+    if (now - self->res_checked_ns > 10000000u) { /* a poll costs more than the probe */
+        if (kvt_fdpass_peer_gone(self->ring_sock)) {
+            kvc_pair_drop(self);
+            return kvc_fail(self, KVT_EUNAVAIL, "resident: the daemon let the pair go");
+        }
+        self->res_checked_ns = now;
+    }
+    kvt_resident_view_t v;
+    char why[160];
+    if (kvt_resident_view(self->res_map, self->res_map_len, &v, why, sizeof why) != 0)
+        return kvc_fail(self, KVT_EUNAVAIL, "resident: %s", why);
+    if (!kvt_resident_fresh(&v))
+        return kvc_fail(self, KVT_EUNAVAIL, "resident: the daemon has not kept the map for a "
+                                            "second (stopped, wedged or gone)");
+    kvt_ns_t nsv = {(const uint8_t *)ns, (uint32_t)strlen(ns), (const uint8_t *)salt,
+                    salt ? (uint32_t)strlen(salt) : 0};
+    *l1 = kvt_resident_prefix(&v, &nsv, (const kvt_key_t *)keys, n);
     return 0;
 }
 

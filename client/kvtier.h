@@ -187,6 +187,15 @@ int kvtier_lookup(kvtier_t *self, const char *ns, const char *salt,
                   const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, unsigned flags,
                   uint32_t *hits, uint32_t *l1, uint64_t *lease, uint64_t *job);
 
+/* The residency map (docs/protocol.md "Residency map"), which comes with the fast path's pair:
+ * *l1 = how many leading keys are READY in L1 now (or were a moment ago), without a request.
+ * Fewer than n says nothing about the rest (L2, or a key the map left out): kvtier_lookup
+ * knows. KVTIER_EUNAVAIL when the map cannot answer: no pair or no map with it (an older
+ * daemon, resident_map off), the daemon gone (its handoff connection, looked at every 10 ms
+ * at most) or not beating it for a second, a forked child's copy of the handle. */
+int kvtier_resident(kvtier_t *self, const char *ns, const char *salt,
+                    const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, uint32_t *l1);
+
 /* PREFETCH_STATUS of a job from kvtier_lookup. */
 int kvtier_prefetch_status(kvtier_t *self, uint64_t job, int *done, uint32_t *loaded,
                            uint32_t *hits);
@@ -360,6 +369,17 @@ typedef struct {
 } kvtier_ring_stats_t;
 
 void kvtier_ring_stats(const kvtier_ring_t *ring, kvtier_ring_stats_t *out);
+
+/* The residency map (docs/protocol.md "Residency map"): a read-only mapping of `size` bytes
+ * that the daemon handed over with the ring pair (HELLO with `resident: true`). Answers how
+ * many of keys[0..n) (16 bytes each, back to back) lead the batch in L1 of namespace
+ * ns (ns_len bytes) with salt (salt_len bytes, 0 for none): every one of them is READY in L1
+ * now, or was a moment ago. Fewer than n says nothing about the rest: ask the daemon (LOOKUP).
+ * KVTIER_EINVAL when the region is not a residency map; KVTIER_EUNAVAIL when the daemon no
+ * longer keeps it (it has not beaten for a second: killed, stopped or wedged; or it closed
+ * it at stop): ask the daemon, and HELLO again for a new map. Any thread. */
+int64_t kvtier_resident_prefix(const void *region, size_t size, const void *ns, size_t ns_len,
+                               const void *salt, size_t salt_len, const void *keys, uint32_t n);
 
 /* The server's message (or a local one) for the last failed call; "" after a success. */
 const char *kvtier_last_error(const kvtier_t *self);

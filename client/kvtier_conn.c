@@ -246,11 +246,24 @@ static bool s_pair_attach(kvtier_t *self, const msgpack_object *offer)
     if (!(req % 8 == 0 && rep % 8 == 0 && req <= size && rep <= size && region <= size - req &&
           region <= size - rep && (req + region <= rep || rep + region <= req)))
         return false;
-    int fd = -1, sock = -1;
-    if (kvt_fdpass_fetch(path, ticket, self->timeout_ms, &fd, &sock, why, sizeof why) != 0) {
+    uint64_t rsize = s_uint(kvc_get(offer, "resident"));
+    int fds[2] = {-1, -1}, sock = -1, nfds = 0;
+    if (kvt_fdpass_fetch(path, ticket, self->timeout_ms, fds, rsize ? 2 : 1, &nfds, &sock, why,
+                         sizeof why) != 0) {
         snprintf(self->error, sizeof self->error, "fast path: %.200s", why);
         return false;
     }
+    int fd = fds[0];
+    const uint8_t *res = NULL;
+    struct stat rst;
+    if (nfds == 2 && fstat(fds[1], &rst) == 0 && rsize <= (uint64_t)rst.st_size &&
+        rsize <= SIZE_MAX) {
+        /* populated: a probe lands on any page of the map and should not fault there */
+        void *m = mmap(NULL, (size_t)rsize, PROT_READ, MAP_SHARED | MAP_POPULATE, fds[1], 0);
+        res = m == MAP_FAILED ? NULL : m;
+    }
+    if (nfds == 2)
+        close(fds[1]);
     struct stat st;
     uint8_t *base = NULL;
     if (fstat(fd, &st) == 0 && (uint64_t)st.st_size == size) {
@@ -277,6 +290,8 @@ static bool s_pair_attach(kvtier_t *self, const msgpack_object *offer)
         kvt_ring_destroy(&c);
         if (base)
             munmap(base, (size_t)size);
+        if (res)
+            munmap((void *)res, (size_t)rsize);
         close(sock);
         return false;
     }
@@ -291,6 +306,9 @@ static bool s_pair_attach(kvtier_t *self, const msgpack_object *offer)
     self->rep_ring = c;
     self->ring_map = base;
     self->ring_map_len = (size_t)size;
+    self->res_map = res;
+    self->res_map_len = res ? (size_t)rsize : 0;
+    self->res_checked_ns = kvc_mono_ns();
     self->ring_sock = sock;
     self->ring_gen = atomic_load_explicit(&kvc_fork_gen, memory_order_relaxed);
     self->ring_posted = 0;
@@ -328,14 +346,14 @@ static void s_apply_hello(kvtier_t *self, const msgpack_object *body)
         s_pair_attach(self, offer); /* an offer that does not check out: the socket serves */
 }
 
-/* HELLO {version, client, instance, token?, fastpath?}: token joins an instance that exists;
- * fastpath asks for a ring pair. */
+/* HELLO {version, client, instance, token?, fastpath?, resident?}: token joins an instance
+ * that exists; fastpath asks for a ring pair, and the residency map with it. */
 void kvc_hello_body(msgpack_sbuffer *sb, const char *client, const char *instance,
                          const char *token, bool fastpath)
 {
     msgpack_packer pk;
     bool with_token = token && *token;
-    kvc_body_begin(sb, &pk, 3 + (with_token ? 1 : 0) + (fastpath ? 1 : 0));
+    kvc_body_begin(sb, &pk, 3 + (with_token ? 1 : 0) + (fastpath ? 2 : 0));
     kvt_pack_str(&pk, "version");
     msgpack_pack_uint32(&pk, KVT_PROTO_VERSION);
     kvt_pack_str(&pk, "client");
@@ -348,6 +366,8 @@ void kvc_hello_body(msgpack_sbuffer *sb, const char *client, const char *instanc
     }
     if (fastpath) {
         kvt_pack_str(&pk, "fastpath");
+        msgpack_pack_true(&pk);
+        kvt_pack_str(&pk, "resident");
         msgpack_pack_true(&pk);
     }
 }

@@ -73,6 +73,9 @@ struct kvtier {
     kvt_ring_t *rep_ring;  /* consumer of the reply ring */
     uint8_t *ring_map;     /* the pair's memory (the daemon's memfd), ring_map_len bytes */
     size_t ring_map_len;
+    const uint8_t *res_map; /* the residency map that came with the pair (read-only), or NULL */
+    size_t res_map_len;
+    uint64_t res_checked_ns; /* when the handoff connection was last found open */
     int ring_sock;         /* the handoff connection, open while the pair is (-1: none) */
     unsigned ring_gen;     /* kvc_fork_gen when attached */
     uint64_t ring_posted;  /* uid of the last request posted on the ring not yet confirmed */

@@ -1,13 +1,17 @@
 /* kvtier_ring: libkvtier's fast-path ring calls for clients in other languages (kvtier.h,
  * "the fast-path ring"): thin wrappers over common/kvt_ring. Kept apart from the rest of
  * libkvtier because it needs nothing else — no ZeroMQ, no msgpack — so the Python package
- * builds this file with kvt_ring.c and kvt_error.c into a library of its own
- * (client/python/setup.py) and has the fast path without libkvtier installed. Each handle is
+ * builds this file with kvt_ring.c, kvt_resident.c and kvt_error.c into a library of its own
+ * (client/python/setup.py) and has the fast path without libkvtier installed (without the
+ * residency map where xxhash.h is missing: KVT_NO_RESIDENT). Each handle is
  * used by one thread at a time (the caller's). */
 #include "kvtier.h"
 
 #include "kvt_error.h"
 #include "kvt_ring.h"
+#ifndef KVT_NO_RESIDENT
+#include "kvt_resident.h"
+#endif
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,3 +89,20 @@ void kvtier_ring_close(kvtier_ring_t *self)
 {
     kvt_ring_close(self->ring);
 }
+
+#ifndef KVT_NO_RESIDENT
+int64_t kvtier_resident_prefix(const void *region, size_t size, const void *ns, size_t ns_len,
+                               const void *salt, size_t salt_len, const void *keys, uint32_t n)
+{
+    kvt_resident_view_t v;
+    char why[120];
+    if (!ns || ns_len == 0 || ns_len > KVT_MAX_NS || salt_len > KVT_MAX_SALT ||
+        (salt_len && !salt) || (n && !keys) ||
+        kvt_resident_view(region, size, &v, why, sizeof why) != 0)
+        return KVT_EINVAL;
+    if (!kvt_resident_fresh(&v))
+        return KVT_EUNAVAIL;
+    kvt_ns_t nsv = {ns, (uint32_t)ns_len, salt, (uint32_t)salt_len};
+    return kvt_resident_prefix(&v, &nsv, keys, n);
+}
+#endif

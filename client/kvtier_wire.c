@@ -343,6 +343,10 @@ void kvc_pair_drop(kvtier_t *self)
         munmap(self->ring_map, self->ring_map_len);
     self->ring_map = NULL;
     self->ring_map_len = 0;
+    if (self->res_map)
+        munmap((void *)self->res_map, self->res_map_len);
+    self->res_map = NULL;
+    self->res_map_len = 0;
     if (self->ring_sock >= 0)
         close(self->ring_sock); /* the daemon sees this client let go */
     self->ring_sock = -1;

@@ -17,22 +17,26 @@
 
 #define S_WHY_MAX 200
 
-int kvt_fdpass_send(int sock, int fd)
+int kvt_fdpass_send(int sock, const int *fds, int nfds)
 {
+    if (nfds < 1 || nfds > KVT_FDPASS_MAX_FDS)
+        return -EINVAL;
     char k = 'K';
     struct iovec iov = {&k, 1};
     union {
         struct cmsghdr h;
-        char buf[CMSG_SPACE(sizeof(int))];
+        char buf[CMSG_SPACE(KVT_FDPASS_MAX_FDS * sizeof(int))];
     } ctl;
     memset(&ctl, 0, sizeof ctl);
-    struct msghdr m = {
-        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
+    struct msghdr m = {.msg_iov = &iov,
+                       .msg_iovlen = 1,
+                       .msg_control = ctl.buf,
+                       .msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int))};
     struct cmsghdr *c = CMSG_FIRSTHDR(&m);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    c->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
+    memcpy(CMSG_DATA(c), fds, (size_t)nfds * sizeof(int));
     return sendmsg(sock, &m, MSG_NOSIGNAL) == 1 ? 0 : -errno;
 }
 
@@ -45,8 +49,8 @@ int kvt_fdpass_refuse(int sock, const char *why)
     return send(sock, buf, n + 1, MSG_NOSIGNAL) == (ssize_t)(n + 1) ? 0 : -errno;
 }
 
-/* The descriptors a message carried: the first into *fd, the rest closed. */
-static int s_take_fds(struct msghdr *m, int *fd)
+/* The descriptors a message carried: the first `max` into fds, the rest closed. Their count. */
+static int s_take_fds(struct msghdr *m, int *fds, int max)
 {
     int n = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(m); c; c = CMSG_NXTHDR(m, c)) {
@@ -56,19 +60,35 @@ static int s_take_fds(struct msghdr *m, int *fd)
         for (size_t i = 0; i < k; i++) {
             int f;
             memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
-            if (n++ == 0)
-                *fd = f;
+            if (n < max)
+                fds[n] = f;
             else
                 close(f);
+            n++;
         }
     }
     return n;
 }
 
-int kvt_fdpass_fetch(const char *path, const char *ticket, int timeout_ms, int *fd, int *sock,
-                     char *err, size_t errlen)
+static void s_close_fds(int *fds, int n)
 {
-    *fd = *sock = -1;
+    for (int i = 0; i < n; i++) {
+        close(fds[i]);
+        fds[i] = -1;
+    }
+}
+
+int kvt_fdpass_fetch(const char *path, const char *ticket, int timeout_ms, int *fds, int maxfds,
+                     int *nfds, int *sock, char *err, size_t errlen)
+{
+    *nfds = 0;
+    *sock = -1;
+    if (maxfds < 1 || maxfds > KVT_FDPASS_MAX_FDS) {
+        snprintf(err, errlen, "at most %d descriptors", KVT_FDPASS_MAX_FDS);
+        return KVT_EINVAL;
+    }
+    for (int i = 0; i < maxfds; i++)
+        fds[i] = -1;
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     if (strlen(path) >= sizeof sa.sun_path) {
         snprintf(err, errlen, "the handoff socket path is too long for a unix socket");
@@ -98,7 +118,7 @@ int kvt_fdpass_fetch(const char *path, const char *ticket, int timeout_ms, int *
     struct iovec iov = {buf, sizeof buf - 1};
     union {
         struct cmsghdr h;
-        char b[CMSG_SPACE(4 * sizeof(int))];
+        char b[CMSG_SPACE((KVT_FDPASS_MAX_FDS + 2) * sizeof(int))];
     } ctl;
     struct msghdr m = {
         .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof ctl.b};
@@ -106,15 +126,13 @@ int kvt_fdpass_fetch(const char *path, const char *ticket, int timeout_ms, int *
     do
         n = recvmsg(s, &m, MSG_CMSG_CLOEXEC);
     while (n < 0 && errno == EINTR);
-    int got = -1;
-    int nfds = n > 0 ? s_take_fds(&m, &got) : 0;
-    if (n == 1 && buf[0] == 'K' && nfds == 1 && !(m.msg_flags & MSG_CTRUNC)) {
-        *fd = got;
+    int got = n > 0 ? s_take_fds(&m, fds, maxfds) : 0;
+    if (n == 1 && buf[0] == 'K' && got >= 1 && got <= maxfds && !(m.msg_flags & MSG_CTRUNC)) {
+        *nfds = got;
         *sock = s;
         return 0;
     }
-    if (nfds)
-        close(got);
+    s_close_fds(fds, got < maxfds ? got : maxfds);
     if (n > 0 && buf[0] == 'E') {
         buf[n] = '\0';
         snprintf(err, errlen, "the daemon refused the ring pair: %s", buf + 1);

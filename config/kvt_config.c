@@ -208,6 +208,13 @@ static const s_opt_t s_options[] = {
     S_NUM("max_leased_bytes", "--max-leased-bytes", "KVTIER_MAX_LEASED_BYTES", S_SIZE,
           max_leased_bytes, 0, S_T, "0", 0, "SIZE",
           "L1 bytes one client instance may hold under leases (0: no limit)"),
+    S_BOOLEAN("resident_map", "--resident-map", "KVTIER_RESIDENT_MAP", resident_map, "true", 0,
+              "share a map of the keys in L1 with fast-path clients, which then find a batch "
+              "in L1 without a request"),
+    S_NUM("resident_slots", "--resident-slots", "KVTIER_RESIDENT_SLOTS", S_UINT32, resident_slots,
+          0, 134217728, "0", 0, "N",
+          "slots of the residency map (8 bytes each; holds about half as many keys; 0: two per "
+          "64 KiB of L1)"),
     S_BOOLEAN("l1_checksum", "--l1-checksum", "KVTIER_L1_CHECKSUM", l1_checksum, "false", 0,
               "checksum L1 objects at COMMIT; GET and write-behind skip damaged ones"),
     S_BOOLEAN("l1.adopt", "--l1-adopt", "KVTIER_L1_ADOPT", l1_adopt, "true", 0,

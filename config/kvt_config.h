@@ -58,6 +58,10 @@ typedef struct kvt_config {
     /* bytes one client instance may hold under leases (reservations and read pins), 0: no
      * limit; the daemon's own leases are never limited */
     uint64_t max_leased_bytes;
+    /* the residency map (common/kvt_resident) that fast-path clients read, and its slots (0:
+     * sized from the L1: two per 64 KiB) */
+    bool resident_map;
+    uint32_t resident_slots;
     /* XXH3-64 of every L1 object at COMMIT, checked by GET and before write-behind */
     bool l1_checksum;
     /* the arena outlives the daemon (a stable name, kept at stop) and the next one adopts what

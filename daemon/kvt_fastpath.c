@@ -25,6 +25,7 @@
 #include <netinet/in.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -139,6 +140,8 @@ struct kvt_fastpath {
     _Atomic bool stop;
     bool no_waitv; /* the kernel lacks futex_waitv: doorbell sleeps of S_HELD_POLL_NS */
     _Atomic uint64_t open_count, requests, declined, quieted, cooled, dropped[S_DROP_REASONS];
+    int resident_fd; /* a read-only descriptor of the residency map, -1 */
+    size_t resident_size;
 };
 
 static uint64_t s_now_ns(void)
@@ -568,6 +571,7 @@ kvt_fastpath_t *kvt_fastpath_new(const kvt_config_t *cfg, kvt_handoff_t *handoff
     self->fn = fn;
     self->ctx = ctx;
     self->current = -1;
+    self->resident_fd = -1;
     self->buflen = self->cap - KVT_RING_REC_HDR; /* kvt_ring_max_payload */
     self->buf = malloc(self->buflen);
     kvt_assert(self->buf);
@@ -617,9 +621,29 @@ void kvt_fastpath_destroy(kvt_fastpath_t **self_p)
     kvt_fastpath_stop(self);
     for (uint32_t i = 0; i < self->nslots; i++)
         s_close(self, &self->slots[i], S_DROP_SHUTDOWN);
+    if (self->resident_fd >= 0)
+        close(self->resident_fd);
     free(self->buf);
     free(self);
     *self_p = NULL;
+}
+
+void kvt_fastpath_set_resident(kvt_fastpath_t *self, int fd, size_t size)
+{
+    if (!self || fd < 0)
+        return;
+    /* a read-only open of the memfd: besides its seals, the descriptor itself cannot write */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    int ro = open(path, O_RDONLY | O_CLOEXEC);
+    if (ro < 0)
+        ro = fcntl(fd, F_DUPFD_CLOEXEC, 3); /* no /proc: the seals still forbid writing */
+    if (ro < 0) {
+        kvt_log(KVT_LOG_WARN, "fastpath: the residency map is not offered: %s", strerror(errno));
+        return;
+    }
+    self->resident_fd = ro;
+    self->resident_size = size;
 }
 
 bool kvt_fastpath_local(int fd)
@@ -658,7 +682,8 @@ static kvt_handoff_peer_t s_peer_of(kvt_conn_t *conn)
 
 /* The pair's memory: a memfd sealed at its size (no one can shrink it under the other side's
  * mapping: no SIGBUS either way), formatted, and offered to conn's process alone. */
-static int s_pair_new(kvt_fastpath_t *self, s_slot_t *s, kvt_conn_t *conn, char *ticket)
+static int s_pair_new(kvt_fastpath_t *self, s_slot_t *s, kvt_conn_t *conn, bool resident,
+                      char *ticket)
 {
     char err[160];
     s->memfd = memfd_create("kvtier-ring-pair", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -683,7 +708,8 @@ static int s_pair_new(kvt_fastpath_t *self, s_slot_t *s, kvt_conn_t *conn, char 
         !(s->rep = kvt_ring_new(s->rep_region, self->ring_region, self->cap, KVT_RING_PRODUCER, err,
                                 sizeof err)))
         goto fail; /* cannot happen: the regions are ours and aligned */
-    s->handoff = kvt_handoff_offer(self->handoff, s->memfd, s_peer_of(conn), S_CLAIM_MS, ticket);
+    s->handoff = kvt_handoff_offer(self->handoff, s->memfd, resident ? self->resident_fd : -1,
+                                   s_peer_of(conn), S_CLAIM_MS, ticket);
     if (!s->handoff)
         goto fail;
     return 0;
@@ -694,9 +720,10 @@ fail:
     return KVT_EINTERNAL;
 }
 
-int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
+int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner, bool resident,
                       kvt_fastpath_offer_t *offer)
 {
+    resident = resident && self->resident_fd >= 0;
     uint64_t now = kvt_now_ms();
     s_slot_t *pick = NULL, *own = NULL;
     for (uint32_t i = 0; i < self->nslots; i++) {
@@ -721,7 +748,7 @@ int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
         return KVT_EBUSY;
     }
     char ticket[KVT_FDPASS_TICKET_HEX + 1];
-    if (s_pair_new(self, pick, conn, ticket) != 0) {
+    if (s_pair_new(self, pick, conn, resident, ticket) != 0) {
         atomic_fetch_add_explicit(&self->declined, 1, memory_order_relaxed);
         return KVT_EINTERNAL;
     }
@@ -736,7 +763,8 @@ int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
                                     .size = self->pair_bytes,
                                     .request = 0,
                                     .reply = self->ring_region,
-                                    .capacity = self->cap};
+                                    .capacity = self->cap,
+                                    .resident = resident ? self->resident_size : 0};
     memcpy(offer->ticket, ticket, sizeof offer->ticket);
     s_ring_bell(self); /* a sleeping thread adds the new ring to its wait */
     return 0;

@@ -77,7 +77,12 @@ typedef struct {
     char ticket[KVT_FDPASS_TICKET_HEX + 1];
     uint64_t size, request, reply;
     uint32_t capacity;
+    uint64_t resident; /* bytes of the residency map sent with the pair; 0: none */
 } kvt_fastpath_offer_t;
+
+/* Offers the residency map (the L1's memfd of `size` bytes; a read-only descriptor of it is
+ * kept) with each pair whose HELLO asks for it. Before kvt_fastpath_start. Accepts NULL. */
+void kvt_fastpath_set_resident(kvt_fastpath_t *self, int fd, size_t size);
 
 /* Whether a client on descriptor fd can be on this machine (a unix socket, or tcp from a
  * loopback address): only those are offered a pair, which a client elsewhere could not map
@@ -85,8 +90,9 @@ typedef struct {
 bool kvt_fastpath_local(int fd);
 
 /* HELLO with fastpath: true on `conn` acting for `owner` (lock held): closes the connection's
- * previous slot and opens a fresh one. 0 and *offer; KVT_EBUSY when no slot is free. */
-int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner,
+ * previous slot and opens a fresh one, its offer carrying the residency map too when
+ * `resident` (and there is one). 0 and *offer; KVT_EBUSY when no slot is free. */
+int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner, bool resident,
                       kvt_fastpath_offer_t *offer);
 
 /* Answers a request of slot `ref` with the reply frames (lock held). 0 (pushed, or held in

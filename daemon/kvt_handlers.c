@@ -64,7 +64,9 @@ static int s_hello(kvt_rq_t *c)
     kvt_fastpath_offer_t offer;
     bool offered = (c->req.present & KVT_F_FASTPATH) && c->req.fastpath && c->svc->fastpath &&
                    c->conn && (c->ring.slot || kvt_fastpath_local(kvt_conn_fd(c->conn))) &&
-                   kvt_fastpath_open(c->svc->fastpath, c->conn, c->owner, &offer) == 0;
+                   kvt_fastpath_open(c->svc->fastpath, c->conn, c->owner,
+                                     (c->req.present & KVT_F_RESIDENT) && c->req.resident,
+                                     &offer) == 0;
     msgpack_packer *pk = &c->pk;
     kvt_pack_ok(pk, offered ? 8 : 7);
     kvt_pack_str(pk, "shm");
@@ -79,7 +81,7 @@ static int s_hello(kvt_rq_t *c)
     msgpack_pack_uint64(pk, kvt_l1_page_size(c->svc->l1));
     if (offered) {
         kvt_pack_str(pk, "fastpath");
-        msgpack_pack_map(pk, 6);
+        msgpack_pack_map(pk, offer.resident ? 7 : 6);
         kvt_pack_str(pk, "socket");
         kvt_pack_str(pk, offer.socket);
         kvt_pack_str(pk, "ticket");
@@ -92,6 +94,10 @@ static int s_hello(kvt_rq_t *c)
         msgpack_pack_uint64(pk, offer.reply);
         kvt_pack_str(pk, "capacity");
         msgpack_pack_uint32(pk, offer.capacity);
+        if (offer.resident) {
+            kvt_pack_str(pk, "resident");
+            msgpack_pack_uint64(pk, offer.resident);
+        }
     }
     kvt_pack_str(pk, "version");
     msgpack_pack_uint32(pk, KVT_PROTO_VERSION);

@@ -39,6 +39,7 @@ typedef struct {
     uint64_t id; /* 0: a free entry */
     uint8_t ticket[S_TICKET_LEN];
     int fd;   /* the offered descriptor (ours), -1 once sent */
+    int fd2;  /* a second one sent with it (the residency map), or -1 */
     int sock; /* the claimant's connection, -1 */
     kvt_handoff_peer_t peer;
     uint64_t deadline_ms;
@@ -133,10 +134,13 @@ static void s_claim(kvt_handoff_t *self, int sock, const char *hex)
         s_refuse(self, sock, S_R_PEER, why);
         return;
     }
-    int rc = kvt_fdpass_send(sock, hit->fd);
+    int fds[2] = {hit->fd, hit->fd2};
+    int rc = kvt_fdpass_send(sock, fds, hit->fd2 >= 0 ? 2 : 1);
     if (rc == 0) {
         close(hit->fd);
-        hit->fd = -1;
+        if (hit->fd2 >= 0)
+            close(hit->fd2);
+        hit->fd = hit->fd2 = -1;
         hit->sock = sock;
         hit->state = KVT_HANDOFF_CLAIMED;
         atomic_fetch_add_explicit(&self->claimed, 1, memory_order_relaxed);
@@ -201,7 +205,7 @@ static void s_reap(kvt_handoff_t *self, const struct pollfd *pf, uint32_t from, 
             if (o->sock >= 0)
                 close(o->sock);
             memset(o, 0, sizeof *o);
-            o->fd = o->sock = -1;
+            o->fd = o->fd2 = o->sock = -1;
         }
     }
     for (uint32_t k = from; k < from + n; k++) {
@@ -288,7 +292,7 @@ kvt_handoff_t *kvt_handoff_new(const kvt_config_t *cfg, uint32_t max_offers, cha
     self->offers = calloc(self->noffers, sizeof *self->offers);
     kvt_assert(self->offers);
     for (uint32_t i = 0; i < self->noffers; i++)
-        self->offers[i].fd = self->offers[i].sock = -1;
+        self->offers[i].fd = self->offers[i].fd2 = self->offers[i].sock = -1;
     self->next_id = 1;
     int n = snprintf(self->path, sizeof self->path, "%s/%s", cfg->run_dir, KVT_HANDOFF_SOCK);
     if (n < 0 || (size_t)n >= sizeof self->path) {
@@ -343,6 +347,8 @@ void kvt_handoff_destroy(kvt_handoff_t **self_p)
     for (uint32_t i = 0; i < self->noffers; i++) {
         if (self->offers[i].fd >= 0)
             close(self->offers[i].fd);
+        if (self->offers[i].fd2 >= 0)
+            close(self->offers[i].fd2);
         if (self->offers[i].sock >= 0)
             close(self->offers[i].sock);
     }
@@ -364,8 +370,8 @@ const char *kvt_handoff_path(const kvt_handoff_t *self)
     return self->path;
 }
 
-uint64_t kvt_handoff_offer(kvt_handoff_t *self, int fd, kvt_handoff_peer_t peer, uint64_t ttl_ms,
-                           char *ticket)
+uint64_t kvt_handoff_offer(kvt_handoff_t *self, int fd, int fd2, kvt_handoff_peer_t peer,
+                           uint64_t ttl_ms, char *ticket)
 {
     uint8_t t[S_TICKET_LEN];
     if (getrandom(t, sizeof t, 0) != (ssize_t)sizeof t)
@@ -373,6 +379,11 @@ uint64_t kvt_handoff_offer(kvt_handoff_t *self, int fd, kvt_handoff_peer_t peer,
     int dup = fcntl(fd, F_DUPFD_CLOEXEC, 3);
     if (dup < 0)
         return 0;
+    int dup2 = fd2 >= 0 ? fcntl(fd2, F_DUPFD_CLOEXEC, 3) : -1;
+    if (fd2 >= 0 && dup2 < 0) {
+        close(dup);
+        return 0;
+    }
     uint64_t id = 0;
     pthread_mutex_lock(&self->lock);
     s_offer_t *o = NULL;
@@ -383,6 +394,7 @@ uint64_t kvt_handoff_offer(kvt_handoff_t *self, int fd, kvt_handoff_peer_t peer,
         id = self->next_id++;
         *o = (s_offer_t){.id = id,
                          .fd = dup,
+                         .fd2 = dup2,
                          .sock = -1,
                          .peer = peer,
                          .deadline_ms = kvt_now_ms() + ttl_ms,
@@ -393,6 +405,8 @@ uint64_t kvt_handoff_offer(kvt_handoff_t *self, int fd, kvt_handoff_peer_t peer,
     pthread_mutex_unlock(&self->lock);
     if (!id) {
         close(dup);
+        if (dup2 >= 0)
+            close(dup2);
         return 0;
     }
     static const char hex[] = "0123456789abcdef";
@@ -433,7 +447,9 @@ void kvt_handoff_cancel(kvt_handoff_t *self, uint64_t id)
     if (o) {
         if (o->fd >= 0)
             close(o->fd);
-        o->fd = -1;
+        if (o->fd2 >= 0)
+            close(o->fd2);
+        o->fd = o->fd2 = -1;
         if (o->sock >= 0)
             shutdown(o->sock, SHUT_RDWR); /* closed by the thread, which may be polling it */
         o->cancelled = true;

@@ -51,10 +51,11 @@ void kvt_handoff_destroy(kvt_handoff_t **self_p);
 
 const char *kvt_handoff_path(const kvt_handoff_t *self);
 
-/* Offers a duplicate of fd to `peer` for ttl_ms; writes the ticket (KVT_FDPASS_TICKET_HEX hex
- * digits and a NUL) into ticket. The offer's id (never 0), or 0 when max_offers are open. */
-uint64_t kvt_handoff_offer(kvt_handoff_t *self, int fd, kvt_handoff_peer_t peer, uint64_t ttl_ms,
-                           char *ticket);
+/* Offers a duplicate of fd (and of fd2, sent with it, unless fd2 is -1) to `peer` for ttl_ms;
+ * writes the ticket (KVT_FDPASS_TICKET_HEX hex digits and a NUL) into ticket. The offer's id
+ * (never 0), or 0 when max_offers are open. */
+uint64_t kvt_handoff_offer(kvt_handoff_t *self, int fd, int fd2, kvt_handoff_peer_t peer,
+                           uint64_t ttl_ms, char *ticket);
 
 kvt_handoff_state_t kvt_handoff_state(kvt_handoff_t *self, uint64_t id);
 

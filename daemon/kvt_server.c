@@ -602,6 +602,9 @@ kvt_server_t *kvt_server_new(const kvt_config_t *cfg, kvt_metrics_t *metrics,
                                           self->svc.sessions, s_ring_request, self);
     if (self->svc.fastpath)
         kvt_metrics_add_source(metrics, kvt_fastpath_metrics_source, self->svc.fastpath);
+    if (self->svc.fastpath && kvt_l1_resident(l1))
+        kvt_fastpath_set_resident(self->svc.fastpath, kvt_resident_fd(kvt_l1_resident(l1)),
+                                  kvt_resident_size(kvt_l1_resident(l1)));
     self->svc.gpu = gpu;
     kvt_cache_on_owner_gone(cache, s_owner_gone, self);
     kvt_limits_init(&self->lim, cfg->max_message, cfg->max_keys);

@@ -322,6 +322,7 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
     case KVT_FI_LOCK: r->lock = o->via.boolean; break;
     case KVT_FI_PREFETCH: r->prefetch = o->via.boolean; break;
     case KVT_FI_FASTPATH: r->fastpath = o->via.boolean; break;
+    case KVT_FI_RESIDENT: r->resident = o->via.boolean; break;
     case KVT_FI_TOKENS: r->tokens = str; break;
     case KVT_FI_DEVICE: r->device = o->via.u64; break;
     case KVT_FI_LAYERS: r->layers = o->via.u64; break;

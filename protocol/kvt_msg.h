@@ -45,6 +45,7 @@ typedef struct kvt_req {
     uint64_t size;
     bool lock, prefetch;
     bool fastpath; /* HELLO: the client asks for a fast-path ring pair */
+    bool resident; /* HELLO: ... and for the residency map with it */
     uint64_t job, lease, chunk_tokens;
     uint64_t *failed;
     uint32_t nfailed;

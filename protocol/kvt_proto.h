@@ -47,7 +47,8 @@
     XX(BLOCK_IDS, "block_ids", UINTS)                                                          \
     XX(EVENT, "event", BIN)                                                                    \
     XX(TOKEN, "token", STR)                                                                    \
-    XX(FASTPATH, "fastpath", BOOL)
+    XX(FASTPATH, "fastpath", BOOL)                                                             \
+    XX(RESIDENT, "resident", BOOL)
 
 typedef enum {
 #define KVT_XX(f, name, kind) KVT_FI_##f,
@@ -82,7 +83,7 @@ typedef enum {
  * configured max_message)) */
 #define KVT_REQ_MAP(XX)                                                                        \
     XX(1, HELLO, "hello", INLINE, KVT_F_VERSION | KVT_F_CLIENT | KVT_F_INSTANCE,               \
-       KVT_F_TOKEN | KVT_F_FASTPATH,                                                           \
+       KVT_F_TOKEN | KVT_F_FASTPATH | KVT_F_RESIDENT,                                          \
        65536)                                                                                  \
     XX(2, BYE, "bye", INLINE, KVT_F_INSTANCE, KVT_NONE, 65536)                                 \
     XX(3, PING, "ping", INLINE, KVT_NONE, KVT_F_INSTANCE, 65536)                               \

@@ -43,6 +43,7 @@
 #include "kvt_lease.h"
 #include "kvt_log.h"
 #include "kvt_queue.h"
+#include "kvt_resident.h"
 #include "kvt_thread.h"
 
 #include <czmq.h>
@@ -77,6 +78,7 @@ enum { S_RESERVED = 1, S_READY = 2, S_DOOMED = 3 };
 typedef struct {
     kvt_ns_t key; /* first: the hash table key points here */
     uint64_t hash;
+    uint64_t rhash; /* its part of a residency tag (kvt_resident_ns_hash) */
     uint64_t refs; /* objects + requests in flight; under ns_lock */
     uint8_t bytes[];
 } s_ns_t;
@@ -138,6 +140,9 @@ struct kvt_l1 {
     /* l1.adopt: the journal of what L1 holds (NULL when off), the thread that checksums
      * committed objects for it (those COMMIT did not sum), and what the start adopted */
     kvt_journal_t *journal;
+    /* resident_slots: the residency map clients read (NULL when off); follows the READY
+     * objects under their shard locks */
+    kvt_resident_t *resident;
     _Atomic bool journal_lost; /* a write failed: the file is gone, nothing more is promised */
     kvt_thread_t *summer;
     kvt_queue_t *sum_q;
@@ -215,6 +220,8 @@ static s_ns_t *s_ns_get(kvt_l1_t *self, const kvt_ns_t *ref, bool create)
         kvt_assert(ns);
         ns->key = kvt_ns_copy(ref, ns->bytes);
         ns->hash = s_nskey_hash(&ns->key);
+        if (self->resident)
+            ns->rhash = kvt_resident_ns_hash(kvt_resident_seed(self->resident), &ns->key);
         zhashx_insert(self->ns_table, &ns->key, ns);
     }
     if (ns)
@@ -301,6 +308,18 @@ static void s_batches_emit(kvt_l1_t *self, s_batches_t *bs, kvt_l1_event_t event
 static uint64_t s_hash(const s_ns_t *ns, const kvt_key_t *key)
 {
     return XXH3_64bits_withSeed(key->b, KVT_KEY_LEN, ns->hash);
+}
+
+/* The residency map follows READY objects: called under the object's shard lock. */
+static void s_resident(kvt_l1_t *self, const s_obj_t *o, bool ready)
+{
+    if (!self->resident)
+        return;
+    uint64_t tag = kvt_resident_tag(o->ns->rhash, &o->key);
+    if (ready)
+        kvt_resident_add(self->resident, tag);
+    else
+        kvt_resident_del(self->resident, tag);
 }
 
 static s_shard_t *s_shard(kvt_l1_t *self, uint64_t h)
@@ -480,6 +499,7 @@ static void s_pending_clear(kvt_l1_t *self, s_obj_t *o)
 static bool s_remove_ready(kvt_l1_t *self, s_shard_t *sh, s_obj_t *o)
 {
     s_journal_drop(self, o);
+    s_resident(self, o, false);
     s_unlink(sh, o);
     pthread_mutex_lock(&self->lru_lock);
     s_lru_remove(self, o);
@@ -773,6 +793,7 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
             tosum[nsum++] = o;
         }
         o->state = S_READY;
+        s_resident(self, o, true);
         o->l2_pending = 0;
         if (!loaded && self->l2_writes)
             s_pending_set(self, o, self->l2_writes);
@@ -1208,6 +1229,7 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
                 unwritten++;
                 unwritten_bytes += kvt_block_size(o->block);
             }
+            s_resident(self, o, false);
             s_unlink(sh, o);
             s_lru_remove(self, o);
             o->state = S_DOOMED;
@@ -1344,6 +1366,8 @@ static bool s_evictor(kvt_thread_t *t, void *arg)
     while (!kvt_queue_closed(self->ev_wake)) {
         if (!kvt_thread_beat(t))
             return false;
+        if (self->resident)
+            kvt_resident_beat(self->resident);
         s_check_arena(self);
         s_maybe_compact(self);
         uint64_t used = kvt_alloc_used(self->alloc);
@@ -1577,6 +1601,7 @@ static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_
         o->pins = 1; /* the check's (s_verifier) */
         a[i].obj = o;
         s_insert(sh, o);
+        s_resident(self, o, true);
         s_lru_push_head(self, o);
         s_inc(&self->objects, 1);
         self->adopt.objects++;
@@ -1731,6 +1756,8 @@ void kvt_l1_stop(kvt_l1_t *self)
     kvt_thread_join(&self->summer);
     kvt_queue_close(self->ev_wake);
     kvt_thread_join(&self->evictor);
+    if (self->resident) /* nothing beats it from now on: clients stop believing it at once */
+        kvt_resident_close(self->resident);
     self->started = false;
 }
 
@@ -1767,6 +1794,15 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
     pthread_rwlock_init(&self->commit_lock, &rwa);
     pthread_rwlockattr_destroy(&rwa);
     self->ev_wake = kvt_queue_new(1, 0, err, errlen); /* no eventfd: cannot fail */
+    /* two slots per 64 KiB of L1: KV pages and chunks are rarely smaller, and a small map
+     * stays in the caches and the TLB of the clients that probe it */
+    uint64_t slots = cfg->resident_slots ? cfg->resident_slots : 2 * (self->capacity >> 16);
+    if (slots > (1u << 24) && !cfg->resident_slots)
+        slots = 1u << 24;
+    if (cfg->resident_map && !(self->resident = kvt_resident_new((uint32_t)slots, err, errlen))) {
+        kvt_l1_destroy(&self);
+        return NULL;
+    }
     if (!s_seed && getrandom(&s_seed, sizeof s_seed, 0) != sizeof s_seed)
         s_seed = kvt_now_ns() ^ (uint64_t)getpid();
     self->ns_table = zhashx_new();
@@ -1803,6 +1839,7 @@ void kvt_l1_destroy(kvt_l1_t **self_p)
     }
     zhashx_destroy(&self->ns_table);
     kvt_journal_destroy(&self->journal); /* the file stays: the next daemon's to read */
+    kvt_resident_destroy(&self->resident);
     kvt_alloc_destroy(&self->alloc);
     kvt_arena_destroy(&self->arena);
     pthread_mutex_destroy(&self->lru_lock);
@@ -1817,6 +1854,11 @@ void kvt_l1_set_listener(kvt_l1_t *self, kvt_l1_listener_fn fn, void *ctx)
 {
     self->listener = fn;
     self->listener_ctx = ctx;
+}
+
+kvt_resident_t *kvt_l1_resident(const kvt_l1_t *self)
+{
+    return self->resident;
 }
 
 const char *kvt_l1_shm_path(const kvt_l1_t *self)
@@ -1932,6 +1974,19 @@ void kvt_l1_metrics_source(void *ctx, kvt_sample_fn emit, void *emit_ctx)
                           .value = rows[i].v};
         emit(emit_ctx, &s);
     }
+    if (self->resident) {
+        kvt_resident_stats_t rs;
+        kvt_resident_stats(self->resident, &rs);
+        kvt_sample_t e = {.name = "resident_map_entries",
+                          .help = "Keys the residency map clients read holds (READY in L1).",
+                          .kind = KVT_METRIC_GAUGE, .value = (double)rs.entries};
+        kvt_sample_t f = {.name = "resident_map_full_total",
+                          .help = "Keys left out of the residency map: no free slot in their "
+                                  "window (raise resident_slots when it grows).",
+                          .kind = KVT_METRIC_COUNTER, .value = (double)rs.full};
+        emit(emit_ctx, &e);
+        emit(emit_ctx, &f);
+    }
 }
 
 /* /status l1.adopt: what the start adopted, or why it started empty; the journal's state. */
@@ -1983,6 +2038,16 @@ json_t *kvt_l1_status_json(kvt_l1_t *self)
             "skipped", (json_int_t)s_get(&self->l2_skipped), "skipped_bytes",
             (json_int_t)s_get(&self->l2_skipped_bytes));
         json_object_set_new(st_json, "l2_backlog", backlog);
+    }
+    if (st_json && self->resident) {
+        kvt_resident_stats_t rs;
+        kvt_resident_stats(self->resident, &rs);
+        json_object_set_new(st_json, "resident_map",
+                            json_pack("{s:I,s:I,s:I,s:I,s:I,s:I}", "slots", (json_int_t)rs.slots,
+                                      "bytes", (json_int_t)kvt_resident_size(self->resident),
+                                      "entries", (json_int_t)rs.entries, "deleted",
+                                      (json_int_t)rs.deleted, "full", (json_int_t)rs.full,
+                                      "rebuilds", (json_int_t)rs.rebuilds));
     }
     return st_json;
 }

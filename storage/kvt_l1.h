@@ -18,6 +18,7 @@
 #include "kvt_config.h"
 #include "kvt_key.h"
 #include "kvt_metrics.h"
+#include "kvt_resident.h"
 #include "kvt_supervisor.h"
 
 #include <jansson.h>
@@ -60,6 +61,9 @@ int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup);
 /* Stops the eviction controller (idempotent; destroy does it too). After it, and once no
  * request runs, nothing in L1 calls the listener any more. */
 void kvt_l1_stop(kvt_l1_t *self);
+
+/* The residency map fast-path clients read (NULL with resident_slots 0). */
+kvt_resident_t *kvt_l1_resident(const kvt_l1_t *self);
 
 const char *kvt_l1_shm_path(const kvt_l1_t *self);
 /* The arena's page size in bytes (4096, or 2097152 on huge pages): HELLO's shm.page_size. */

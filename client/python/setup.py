@@ -3,7 +3,8 @@
 carries, so a build from an sdist (no VERSION file beside it) reads it from there.
 
 The fast path's ring code (libkvtier's kvtier_ring_* calls: client/kvtier_ring.c over
-common/kvt_ring.c, nothing but libc) is built into the package as kvtier/_kvtring*.so, which
+common/kvt_ring.c, nothing but libc; and kvtier_resident_prefix over common/kvt_resident.c,
+which also needs the xxhash.h header) is built into the package as kvtier/_kvtring*.so, which
 kvtier._ring loads with ctypes: `pip install ./client/python` alone gives the fast path,
 without libkvtier installed. The C files are copied into csrc/ from the source tree (an sdist
 carries them). Optional: without a C compiler the install still succeeds, without the fast
@@ -21,7 +22,8 @@ REPO_VERSION = os.path.join(REPO, "VERSION")
 VERSION_PY = os.path.join(HERE, "kvtier", "_version.py")
 CSRC = os.path.join(HERE, "csrc")
 RING_FILES = ["client/kvtier_ring.c", "client/kvtier.h", "common/kvt_ring.c",
-              "common/kvt_ring.h", "common/kvt_error.c", "common/kvt_error.h"]
+              "common/kvt_ring.h", "common/kvt_error.c", "common/kvt_error.h",
+              "common/kvt_resident.c", "common/kvt_resident.h", "common/kvt_key.h"]
 
 
 def _ring_sources():
@@ -32,7 +34,16 @@ def _ring_sources():
             src, dst = os.path.join(REPO, f), os.path.join(CSRC, os.path.basename(f))
             if not os.path.exists(dst) or open(src, "rb").read() != open(dst, "rb").read():
                 shutil.copyfile(src, dst)
-    return [os.path.join("csrc", os.path.basename(f)) for f in RING_FILES if f.endswith(".c")]
+    srcs = [os.path.join("csrc", os.path.basename(f)) for f in RING_FILES if f.endswith(".c")]
+    return srcs if _have_xxhash() else [f for f in srcs if not f.endswith("kvt_resident.c")]
+
+
+def _have_xxhash():
+    """Whether xxhash.h (Debian: libxxhash-dev) is there: the residency map's tags are XXH3
+    (inlined from the header, no library to link). Without it the ring builds alone."""
+    dirs = ["/usr/include", "/usr/local/include"]
+    dirs += [d for v in ("CPATH", "C_INCLUDE_PATH") for d in os.environ.get(v, "").split(":") if d]
+    return any(os.path.exists(os.path.join(d, "xxhash.h")) for d in dirs)
 
 
 def _version():
@@ -59,7 +70,8 @@ def _version():
 # A shared object loaded with ctypes, not a Python module (it defines no PyInit_): setuptools
 # builds it with the compiler and flags it uses for extensions.
 RING = Extension("kvtier._kvtring", sources=_ring_sources(), include_dirs=["csrc"],
-                 define_macros=[("_GNU_SOURCE", None)],
+                 define_macros=[("_GNU_SOURCE", None)] + ([] if _have_xxhash() else
+                                                          [("KVT_NO_RESIDENT", None)]),
                  extra_compile_args=["-std=gnu11", "-O2", "-fvisibility=default"],
                  optional=True)
 

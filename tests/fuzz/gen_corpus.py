@@ -27,6 +27,8 @@ SEEDS = {
     "ping": (3, {}),
     "hello_token": (1, {"version": 1, "client": "vllm", "instance": "host-0:1234",
                         "token": "0123456789abcdef0123456789abcdef"}),
+    "hello_fastpath": (1, {"version": 1, "client": "sglang", "instance": "host-0:99",
+                           "fastpath": True, "resident": True}),
     "ping_instance": (3, {"instance": "host-0:1234"}),
     "lookup": (4, {"ns": "llama3-8b", "keys": [K1, K2], "salt": "s", "lock": True,
                    "prefetch": False}),

@@ -1009,6 +1009,16 @@ static int s_fastpath(kvtier_t *c)
     S_CHECK(stored == N, "stored %u", stored);
     S_OK(c, kvtier_lookup(c, S_NS "-fp", NULL, (s_keys_t)keys, N, 0, &hits, &l1, NULL, NULL));
     S_CHECK(hits == N && l1 == N, "lookup: hits %u l1 %u", hits, l1);
+    /* the residency map came with the pair (and only with it): the same answer, no request */
+    uint32_t rl1 = 99;
+    if (want) {
+        S_OK(c, kvtier_resident(c, S_NS "-fp", NULL, (s_keys_t)keys, N, &rl1));
+        S_CHECK(rl1 == N, "resident: %u of %u", rl1, N);
+        S_OK(c, kvtier_resident(c, S_NS "-fp", "salted", (s_keys_t)keys, N, &rl1));
+        S_CHECK(rl1 == 0, "resident with another salt: %u", rl1);
+    } else {
+        S_FAILS(c, KVT_EUNAVAIL, kvtier_resident(c, S_NS "-fp", NULL, (s_keys_t)keys, N, &rl1));
+    }
     S_OK(c, kvtier_acquire(c, S_NS "-fp", NULL, (s_keys_t)keys, N, slots, &n, &lease));
     S_CHECK(n == N && lease, "acquire: %u slots", n);
     for (uint32_t i = 0; i < N; i++) {
@@ -1047,6 +1057,10 @@ static int s_fastpath(kvtier_t *c)
             kvtier_fastpath_active(c), want);
     S_OK(c, kvtier_clear(c, S_NS "-fp", &cleared));
     S_CHECK(cleared == N, "clear removed %llu", (unsigned long long)cleared);
+    if (want) {
+        S_OK(c, kvtier_resident(c, S_NS "-fp", NULL, (s_keys_t)keys, N, &rl1));
+        S_CHECK(rl1 == 0, "resident after clear: %u", rl1);
+    }
     printf("fastpath: active %d, %d objects round-tripped\n", want, N);
 out:
     free(big);

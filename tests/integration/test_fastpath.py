@@ -129,7 +129,10 @@ def test_default_client_gets_a_pair_and_is_byte_exact(daemon_factory, clients):
     assert c.fastpath_why == ""
     offer = c.info["fastpath"]
     shm = c.info["shm"]
-    assert set(offer) == {"socket", "ticket", "size", "request", "reply", "capacity"}
+    # "resident": the residency map, which the client asks for where its ring library has it
+    assert set(offer) - {"resident"} == {"socket", "ticket", "size", "request", "reply",
+                                         "capacity"}
+    assert ("resident" in offer) == _ring.has_resident(_ring.library())
     assert offer["capacity"] == before["ring_bytes"]
     region = HDR_SIZE + offer["capacity"]
     # docs/protocol.md: the pair is a memory of its own, collected from the handoff socket:
@@ -206,20 +209,23 @@ def test_without_libkvtier_the_client_stays_on_zmq(daemon_factory):
 
 def test_the_installed_package_carries_its_fast_path(daemon_factory):
     """`pip install ./client/python` alone (no libkvtier on the system, no KVTIER_LIBRARY):
-    the package's own build of the ring calls (kvtier/_kvtring*.so) gives the fast path."""
+    the package's own build of the ring calls (kvtier/_kvtring*.so) gives the fast path, and
+    the residency map (xxhash.h is installed here)."""
     d = daemon_factory()
     script = ("import json, os, kvtier, kvtier._ring as r\n"
               "c = kvtier.Client(%r, heartbeat_ms=0)\n"
               "c.store('fp-own', [b'o' * 16], [b'w' * 3000])\n"
               "got = c.fetch('fp-own', [b'o' * 16])[0].decode()\n"
+              "res = c.resident_prefix('fp-own', [b'o' * 16, b'p' * 16])\n"
               "print(json.dumps([c.fastpath, c.fastpath_why, r.path,"
-              " os.path.dirname(os.path.abspath(kvtier.__file__)), got]))\n"
+              " os.path.dirname(os.path.abspath(kvtier.__file__)), got, res]))\n"
               "c.close()\n" % d.ipc)
     env = {k: v for k, v in os.environ.items() if k not in ("KVTIER_LIBRARY", "LD_LIBRARY_PATH")}
     cp = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         timeout=30, env=env, cwd="/")
     assert cp.returncode == 0, cp.stderr[-3000:]
-    fastpath, why, path, pkg, got = json.loads(cp.stdout.strip().splitlines()[-1])
+    fastpath, why, path, pkg, got, res = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert res == 1, "the package's own library reads the residency map too"
     assert fastpath is True, why
     assert os.path.dirname(path) == pkg and os.path.basename(path).startswith("_kvtring"), path
     assert got == "w" * 3000

@@ -239,6 +239,36 @@ def test_partial_hits_count_the_leading_pages(daemon, backends):
     assert c.hits(keys[4:]) == 2
 
 
+def test_exists_of_pages_in_l1_sends_no_request(daemon, backends, monkeypatch):
+    """batch_exists of pages all in L1 is answered from the residency map (no LOOKUP, no
+    daemon to wake); a batch running past L1 still asks the daemon, which counts L2 too."""
+    from kvtest import metric_value
+    monkeypatch.delenv("KVTIER_FASTPATH", raising=False)
+    if not kvtier._ring.has_resident(kvtier._ring.library()):
+        pytest.skip("no kvtier_resident_prefix in the ring library: %s" % kvtier._ring.why)
+
+    def lookups():
+        return metric_value(daemon.metrics()[1], "kvtier_requests_total", type="lookup") or 0
+
+    pool = HostPool(pages=16)
+    c = Controller(backends(daemon.ipc, pool), pool)
+    keys = hashes(8, "rm")
+    idx = pool.alloc(8 * 16)
+    pool.fill(idx, 3)
+    assert c.backup(keys[:6], idx[:6 * 16])
+    before = lookups()
+    for _ in range(5):
+        assert c.hits(keys[:6]) == 6
+    assert lookups() == before
+    assert c.backend.stats()["exists_local"] == 5
+    assert c.hits(keys) == 6                      # past L1: one LOOKUP
+    assert lookups() == before + 1
+    assert c.backend.stats()["exists_local"] == 5
+    kvtier.Client(daemon.ipc).remove(c.backend.ns, [kvtier.sglang.page_key(keys[2])])
+    assert c.hits(keys[:6]) == 2                  # the map saw the REMOVE: LOOKUP again
+    assert lookups() == before + 2
+
+
 def test_eviction_turns_into_misses(daemon_factory, backends):
     """No L2 and an L1 of 8 MiB: pages pushed out by newer ones are misses, not errors."""
     d = daemon_factory("--l2", "none", "--l1-size", "8M")
@@ -351,6 +381,7 @@ def test_daemon_killed_and_restarted(daemon_factory, backends):
     pool.fill(idx, 21)
     assert c.backup(keys[:4], idx[:4 * 16]) and c.hits(keys[:4]) == 4
     d.stop(signal.SIGKILL)
+    time.sleep(0.02)      # the residency map's reader looks at the daemon every 10 ms at most
     t0 = time.monotonic()
     assert c.hits(keys[:4]) == 0
     assert c.backup(keys[4:8], idx[4 * 16:8 * 16]) is False
@@ -569,7 +600,9 @@ def test_slow_l2_is_not_an_outage(daemon_factory, backends):
 def test_stalled_daemon_then_back(daemon_factory, backends):
     """The daemon stops answering (SIGSTOP) while two threads call: each call ends within
     about timeout_ms, the probe finds it silent (an outage: misses at once), and after SIGCONT
-    the backend is back, and stays back (a late timeout from before does not count again)."""
+    the backend is back, and stays back (a late timeout from before does not count again).
+    The calls come once the residency map went stale (its beat is a second old): until then
+    batch_exists of pages in L1 is answered from it without asking the daemon."""
     d = daemon_factory("--l2", "none")
     pool = HostPool(pages=16)
     b = backends(d.ipc, pool, extra={"timeout_ms": 300, "reconnect_interval_ms": 100})
@@ -579,6 +612,7 @@ def test_stalled_daemon_then_back(daemon_factory, backends):
     assert c.backup(keys, idx)
     d.send_signal(signal.SIGSTOP)
     try:
+        time.sleep(1.2)                   # past the map's KVT_RES_STALE_NS
         took = []
 
         def call():

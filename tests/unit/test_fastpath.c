@@ -82,7 +82,7 @@ static void s_request(void *ctx, kvt_fastpath_ref_t ref, kvt_conn_t *conn, const
     if (n >= 1 && fr[0].len == 3 && memcmp(fr[0].ptr, "bye", 3) == 0)
         kvt_fastpath_owner_gone(s->fp, s->owner, false);
     if (n >= 1 && fr[0].len == 5 && memcmp(fr[0].ptr, "hello", 5) == 0)
-        assert_int_equal(kvt_fastpath_open(s->fp, s->reopen_conn, s->owner, &s->reopened), 0);
+        assert_int_equal(kvt_fastpath_open(s->fp, s->reopen_conn, s->owner, false, &s->reopened), 0);
     if (s->hold)
         return;
     kvt_ring_iov_t iov[8];
@@ -161,8 +161,8 @@ static void s_attach(fx_t *f, const kvt_fastpath_offer_t *o, cli_t *c)
     assert_string_equal(o->socket, kvt_handoff_path(f->handoff));
     assert_int_equal(strlen(o->ticket), KVT_FDPASS_TICKET_HEX);
     assert_true(o->request == 0 && o->reply == rs && o->size >= 2 * rs && o->size % 4096 == 0);
-    int fd = -1;
-    if (kvt_fdpass_fetch(o->socket, o->ticket, 2000, &fd, &c->sock, err, sizeof err) != 0)
+    int fd = -1, nf = 0;
+    if (kvt_fdpass_fetch(o->socket, o->ticket, 2000, &fd, 1, &nf, &c->sock, err, sizeof err) != 0)
         fail_msg("fetch: %s", err);
     struct stat st;
     assert_int_equal(fstat(fd, &st), 0);
@@ -219,7 +219,7 @@ static kvt_conn_t *s_conn(fx_t *f, const char *rid, int fd)
 static int s_open(fx_t *f, kvt_conn_t *c, uint64_t owner, kvt_fastpath_offer_t *o)
 {
     pthread_mutex_lock(&f->lock);
-    int rc = kvt_fastpath_open(f->fp, c, owner, o);
+    int rc = kvt_fastpath_open(f->fp, c, owner, false, o);
     pthread_mutex_unlock(&f->lock);
     return rc;
 }
@@ -712,7 +712,7 @@ static void test_handoff_tickets(void **state)
 {
     fx_t *f = *state;
     char err[256];
-    int fd = -1, sock = -1;
+    int fd = -1, sock = -1, nf = 0;
     kvt_conn_t *c = s_conn(f, "t", 40);
     kvt_fastpath_offer_t o;
     assert_int_equal(s_open(f, c, 61, &o), 0);
@@ -720,17 +720,17 @@ static void test_handoff_tickets(void **state)
     char wrong[KVT_FDPASS_TICKET_HEX + 1];
     memcpy(wrong, o.ticket, sizeof wrong);
     wrong[0] = wrong[0] == 'a' ? 'b' : 'a';
-    assert_int_equal(kvt_fdpass_fetch(o.socket, wrong, 2000, &fd, &sock, err, sizeof err),
+    assert_int_equal(kvt_fdpass_fetch(o.socket, wrong, 2000, &fd, 1, &nf, &sock, err, sizeof err),
                      KVT_EUNAVAIL);
     assert_non_null(strstr(err, "no such ticket"));
     assert_int_equal(kvt_fdpass_fetch(o.socket, "not-hex-at-all-not-hex-at-all-!!", 2000, &fd,
-                                      &sock, err, sizeof err),
+                                      1, &nf, &sock, err, sizeof err),
                      KVT_EUNAVAIL);
     assert_non_null(strstr(err, "not a ticket"));
     cli_t cl;
     s_attach(f, &o, &cl); /* the holder: the pair */
     /* the same ticket again (a process that read it somewhere): nothing */
-    assert_int_equal(kvt_fdpass_fetch(o.socket, o.ticket, 2000, &fd, &sock, err, sizeof err),
+    assert_int_equal(kvt_fdpass_fetch(o.socket, o.ticket, 2000, &fd, 1, &nf, &sock, err, sizeof err),
                      KVT_EUNAVAIL);
     assert_true(fd < 0);
     assert_int_equal(s_send(&cl, "mine"), 0);
@@ -757,28 +757,28 @@ static void test_handoff_expiry_and_bound(void **state)
 {
     fx_t *f = *state;
     char ticket[KVT_FDPASS_TICKET_HEX + 1], err[256];
-    int fd = open("/dev/null", O_RDONLY), got = -1, sock = -1;
+    int fd = open("/dev/null", O_RDONLY), got = -1, sock = -1, nf = 0;
     kvt_handoff_peer_t anyone = {0, 0};
-    uint64_t id = kvt_handoff_offer(f->handoff, fd, anyone, 50, ticket);
+    uint64_t id = kvt_handoff_offer(f->handoff, fd, -1, anyone, 50, ticket);
     assert_true(id != 0);
     assert_int_equal(kvt_handoff_state(f->handoff, id), KVT_HANDOFF_WAITING);
     usleep(80000);
     assert_int_equal(kvt_handoff_state(f->handoff, id), KVT_HANDOFF_EXPIRED);
     assert_int_equal(
-        kvt_fdpass_fetch(kvt_handoff_path(f->handoff), ticket, 2000, &got, &sock, err, sizeof err),
+        kvt_fdpass_fetch(kvt_handoff_path(f->handoff), ticket, 2000, &got, 1, &nf, &sock, err, sizeof err),
         KVT_EUNAVAIL);
     kvt_handoff_cancel(f->handoff, id);
     /* S_RINGS offers at once, then no more until one ends */
     uint64_t ids[S_RINGS];
     for (unsigned i = 0; i < S_RINGS; i++)
-        assert_true((ids[i] = kvt_handoff_offer(f->handoff, fd, anyone, 60000, ticket)) != 0);
-    assert_int_equal(kvt_handoff_offer(f->handoff, fd, anyone, 60000, ticket), 0);
+        assert_true((ids[i] = kvt_handoff_offer(f->handoff, fd, -1, anyone, 60000, ticket)) != 0);
+    assert_int_equal(kvt_handoff_offer(f->handoff, fd, -1, anyone, 60000, ticket), 0);
     kvt_handoff_cancel(f->handoff, ids[0]);
-    uint64_t again = kvt_handoff_offer(f->handoff, fd, anyone, 60000, ticket);
+    uint64_t again = kvt_handoff_offer(f->handoff, fd, -1, anyone, 60000, ticket);
     assert_true(again != 0);
     /* the holder of the newest ticket gets a descriptor */
     assert_int_equal(
-        kvt_fdpass_fetch(kvt_handoff_path(f->handoff), ticket, 2000, &got, &sock, err, sizeof err),
+        kvt_fdpass_fetch(kvt_handoff_path(f->handoff), ticket, 2000, &got, 1, &nf, &sock, err, sizeof err),
         0);
     assert_true(got >= 0);
     assert_int_equal(kvt_handoff_state(f->handoff, again), KVT_HANDOFF_CLAIMED);

@@ -14,7 +14,9 @@
 #include "kvt_log.h"
 #include "kvt_supervisor.h"
 
+#include <fcntl.h>
 #include <jansson.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <setjmp.h>
@@ -40,7 +42,9 @@ typedef struct {
     uint64_t cap;
 } fx_t;
 
-static kvt_l1_t *s_l1_new(const char *size, kvt_config_t **cfg_out)
+/* An L1 of `size` for these tests, with one more option (opt = value) unless opt is NULL. */
+static kvt_l1_t *s_l1_new_with(const char *size, const char *opt, const char *value,
+                               kvt_config_t **cfg_out)
 {
     char err[KVT_ERR_LEN] = "";
     kvt_config_t *cfg = kvt_config_new();
@@ -49,11 +53,18 @@ static kvt_l1_t *s_l1_new(const char *size, kvt_config_t **cfg_out)
     assert_int_equal(kvt_config_set(cfg, "allow_unpinned", "true", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "l1.hugepages", "off", false, err, sizeof err), 0);
     assert_int_equal(kvt_config_set(cfg, "l1.adopt", "false", false, err, sizeof err), 0);
+    if (opt)
+        assert_int_equal(kvt_config_set(cfg, opt, value, false, err, sizeof err), 0);
     kvt_l1_t *l1 = kvt_l1_new(cfg, err, sizeof err);
     if (!l1)
         fail_msg("kvt_l1_new: %s", err);
     *cfg_out = cfg;
     return l1;
+}
+
+static kvt_l1_t *s_l1_new(const char *size, kvt_config_t **cfg_out)
+{
+    return s_l1_new_with(size, NULL, NULL, cfg_out);
 }
 
 static int s_setup(void **state)
@@ -1604,6 +1615,87 @@ static void test_adopted_objects_checked_before_served(void **state)
     kvt_config_destroy(&cfg);
 }
 
+/* ---- the residency map ----------------------------------------------------------------- */
+
+/* The map (what a fast-path client maps, through a read-only descriptor of it) follows the
+ * READY objects: nothing at RESERVE, the keys at COMMIT, each namespace and salt apart, gone
+ * at REMOVE (pinned or not), eviction and CLEAR. */
+static void test_resident_map_follows_ready(void **state)
+{
+    fx_t *f = *state;
+    kvt_resident_t *r = kvt_l1_resident(f->l1);
+    assert_non_null(r);
+    char path[64], why[160];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", kvt_resident_fd(r));
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    assert_true(fd >= 0);
+    void *map = mmap(NULL, kvt_resident_size(r), PROT_READ, MAP_SHARED, fd, 0);
+    assert_true(map != MAP_FAILED);
+    close(fd);
+    kvt_resident_view_t v;
+    assert_int_equal(kvt_resident_view(map, kvt_resident_size(r), &v, why, sizeof why), 0);
+
+    kvt_ns_t a = s_ns("a", ""), as = s_ns("a", "x"), ab = s_ns("ab", ""), a_b = s_ns("a", "b");
+    kvt_key_t k[8];
+    s_keys(k, 40, 0, 8);
+    kvt_slot_t slots[8];
+    uint32_t nslots, stored;
+    uint64_t lease;
+    char err[KVT_ERR_LEN];
+    assert_int_equal(kvt_l1_reserve(f->l1, 1, &a, k, 4, NULL, 4096, slots, &nslots, &lease, err,
+                                    sizeof err),
+                     0);
+    assert_int_equal(kvt_resident_prefix(&v, &a, k, 4), 0); /* reserved is not there yet */
+    assert_int_equal(kvt_l1_commit(f->l1, 1, lease, NULL, 0, &stored, err, sizeof err), 0);
+    assert_int_equal(kvt_resident_prefix(&v, &a, k, 8), 4);
+    assert_int_equal(kvt_resident_prefix(&v, &as, k, 4), 0);
+    assert_int_equal(kvt_resident_prefix(&v, &a_b, k, 4), 0);
+    assert_int_equal(s_store(f, 1, &ab, k, 2, 4096), 2);
+    assert_int_equal(kvt_resident_prefix(&v, &ab, k, 4), 2);
+    assert_int_equal(kvt_resident_prefix(&v, &a_b, k, 4), 0); /* "ab"+"" is not "a"+"b" */
+
+    /* REMOVE of a pinned object: gone from the map at once, freed at its unpin */
+    kvt_slot_t s1;
+    uint32_t n;
+    uint64_t rl;
+    assert_int_equal(kvt_l1_acquire(f->l1, 2, &a, &k[1], 1, &s1, &n, &rl), 0);
+    uint32_t removed;
+    assert_int_equal(kvt_l1_remove(f->l1, &a, &k[1], 1, &removed), 0);
+    assert_int_equal(removed, 1);
+    assert_int_equal(kvt_resident_prefix(&v, &a, k, 4), 1);
+    assert_int_equal(kvt_resident_prefix(&v, &a, &k[2], 2), 2);
+    kvt_l1_release(f->l1, 2, rl);
+
+    /* eviction */
+    assert_true(kvt_l1_evict(f->l1, f->cap) > 0);
+    assert_int_equal(kvt_resident_prefix(&v, &a, k, 1), 0);
+    assert_int_equal(kvt_resident_prefix(&v, &a, &k[2], 1), 0);
+    assert_int_equal(kvt_resident_prefix(&v, &ab, k, 1), 0);
+
+    /* CLEAR of one namespace */
+    assert_int_equal(s_store(f, 1, &a, k, 3, 4096), 3);
+    assert_int_equal(s_store(f, 1, &as, k, 3, 4096), 3);
+    uint64_t cleared;
+    assert_int_equal(kvt_l1_clear(f->l1, (const uint8_t *)"a", 1, &cleared), 0);
+    assert_int_equal(kvt_resident_prefix(&v, &a, k, 3), 0);
+    assert_int_equal(kvt_resident_prefix(&v, &as, k, 3), 0);
+    kvt_resident_stats_t st;
+    kvt_resident_stats(r, &st);
+    assert_int_equal(st.entries, 0);
+    munmap(map, kvt_resident_size(r));
+}
+
+/* resident_map false: no map. */
+static void test_resident_map_off(void **state)
+{
+    (void)state;
+    kvt_config_t *cfg;
+    kvt_l1_t *l1 = s_l1_new_with("16M", "resident_map", "false", &cfg);
+    assert_null(kvt_l1_resident(l1));
+    kvt_l1_destroy(&l1);
+    kvt_config_destroy(&cfg);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1635,6 +1727,8 @@ int main(void)
         cmocka_unit_test(test_max_leased_bytes),
         cmocka_unit_test(test_l1_checksum),
         cmocka_unit_test(test_adopted_objects_checked_before_served),
+        T(test_resident_map_follows_ready),
+        cmocka_unit_test(test_resident_map_off),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -28,8 +28,9 @@ import select
 import socket
 import struct
 import threading
+import time
 
-__all__ = ["library", "why", "Pair", "RingError", "EBADREQ", "ETOOBIG", "EBUSY", "EUNAVAIL",
+__all__ = ["library", "why", "Pair", "has_resident", "RingError", "EBADREQ", "ETOOBIG", "EBUSY", "EUNAVAIL",
            "ETIMEDOUT", "EINVAL", "HDR_SIZE"]
 
 # KVTIER_E* (client/kvtier.h)
@@ -91,7 +92,34 @@ def _bind(lib):
         lib.kvtier_ring_set_spin.restype = None
         lib.kvtier_ring_stats.argtypes = [vp, ctypes.POINTER(RingStats)]
         lib.kvtier_ring_stats.restype = None
+    if hasattr(lib, "kvtier_resident_prefix"):   # older builds, or built without xxhash.h
+        lib.kvtier_resident_prefix.argtypes = [vp, sz, ctypes.c_char_p, sz, ctypes.c_char_p, sz,
+                                               ctypes.c_char_p, ctypes.c_uint32]
+        lib.kvtier_resident_prefix.restype = ctypes.c_int64
     return lib
+
+
+def has_resident(lib):
+    """Whether this library reads the residency map (kvtier_resident_prefix)."""
+    return lib is not None and hasattr(lib, "kvtier_resident_prefix")
+
+
+_libc = None
+
+
+def _libc_map():
+    """libc's mmap and munmap: the residency map is mapped read-only, which Python's mmap
+    cannot hand to ctypes as an address."""
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.mmap.restype = ctypes.c_void_p
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munmap.restype = ctypes.c_int
+        _libc = libc
+    return _libc
 
 
 def _load():
@@ -183,9 +211,13 @@ TICKET_HEX = 32                 # KVT_FDPASS_TICKET_HEX
 
 def fetch(offer, timeout_s):
     """Collects the pair's memory that a HELLO offered (`fastpath: {socket, ticket, size, ...}`)
-    from the daemon's handoff socket: (mmap of `size` bytes, the open handoff connection).
-    Raises OSError / ValueError (the Client then stays on ZMQ)."""
+    from the daemon's handoff socket: (mmap of `size` bytes, the open handoff connection,
+    (address, bytes) of a read-only mapping of the residency map when the offer names one
+    (`resident`), else None). Raises OSError / ValueError (the Client then stays on ZMQ)."""
     path, ticket, size = offer.get("socket"), offer.get("ticket"), offer.get("size")
+    rsize = offer.get("resident")
+    if rsize is not None and (not isinstance(rsize, int) or rsize <= 0):
+        raise ValueError("the fastpath offer's residency map size %r is not a size" % (rsize,))
     if not isinstance(path, str) or not isinstance(ticket, str) or len(ticket) != TICKET_HEX \
             or not isinstance(size, int) or size <= 0:
         raise ValueError("the fastpath offer names no handoff socket, ticket and size")
@@ -195,16 +227,23 @@ def fetch(offer, timeout_s):
         sock.connect(path)
         sock.sendall(ticket.encode("ascii"))
         msg, fds, _flags, _addr = socket.recv_fds(sock, 256, 4)
+        resident = None
         try:
             if msg[:1] == b"E":
                 raise ValueError("the daemon refused the ring pair: %s"
                                  % msg[1:].decode("utf-8", "replace"))
-            if msg != b"K" or len(fds) != 1:
+            if msg != b"K" or len(fds) != (1 if rsize is None else 2):
                 raise ValueError("the handoff socket answered no ring pair")
             if os.fstat(fds[0]).st_size != size:
                 raise ValueError("the ring pair's memory is not the %d bytes offered" % size)
+            if rsize is not None:
+                resident = _map_resident(fds[1], rsize)
             mm = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if resident is not None:
+                _libc_map().munmap(resident[0], resident[1])
+            raise
         finally:
             for fd in fds:
                 os.close(fd)                  # the mapping keeps the memory
@@ -212,7 +251,22 @@ def fetch(offer, timeout_s):
         sock.close()
         raise
     sock.setblocking(False)
-    return mm, sock
+    return mm, sock, resident
+
+
+def _map_resident(fd, size):
+    """(address, size) of a read-only shared mapping of the residency map's descriptor."""
+    if os.fstat(fd).st_size < size:
+        raise ValueError("the residency map's memory is smaller than the %d bytes offered" % size)
+    libc = _libc_map()
+    # populated now: a probe lands on any page of the map, and a first touch of each would
+    # otherwise be a page fault on the hot path
+    addr = libc.mmap(None, size, mmap.PROT_READ,
+                     mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0x8000), fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        e = ctypes.get_errno()
+        raise OSError(e, "mapping the residency map: %s" % os.strerror(e))
+    return addr, size
 
 
 def peer_gone(sock):
@@ -236,7 +290,10 @@ class Pair:
         self._lib = lib
         self._req = self._rep = None
         self._views = []
-        self._mm, self._sock = fetch(offer, timeout_s)
+        self._resident = None
+        self._poller = None
+        self._gone_at = 0.0                   # when daemon_gone() last said no
+        self._mm, self._sock, self._resident = fetch(offer, timeout_s)
         try:
             self._setup(offer.get("request"), offer.get("reply"), offer.get("capacity"))
         except BaseException:
@@ -335,9 +392,40 @@ class Pair:
     def attached(self):
         return self._req is not None
 
+    @property
+    def resident(self):
+        """Whether the residency map came with the pair."""
+        return self._resident is not None and has_resident(self._lib)
+
+    def resident_prefix(self, ns, salt, keys, n):
+        """How many of n keys (16 bytes each, joined in `keys`) of namespace ns (bytes) with
+        salt (bytes) lead the batch in L1 by the residency map; None without one, or once the
+        daemon is gone (its handoff connection, looked at every 10 ms at most: a poll costs
+        more than the probe; its beat, in the map, every time)."""
+        r = self._resident
+        if r is None or not has_resident(self._lib):
+            return None
+        now = time.monotonic()
+        if now - self._gone_at > 0.01:
+            if self.daemon_gone():
+                return None
+            self._gone_at = now
+        got = self._lib.kvtier_resident_prefix(r[0], r[1], ns, len(ns), salt, len(salt), keys, n)
+        return got if got >= 0 else None
+
     def daemon_gone(self):
         """True once the daemon let the pair go or died (its handoff connection ended)."""
-        return self._sock is None or peer_gone(self._sock)
+        sock = self._sock
+        if sock is None:
+            return True
+        p = self._poller
+        if p is None:                         # one poll object for the pair's life: each
+            p = self._poller = select.poll()  # resident_prefix asks
+            p.register(sock, select.POLLIN | select.POLLPRI)
+        try:
+            return bool(p.poll(0))
+        except (OSError, ValueError):
+            return True
 
     def drop(self, close):
         """Ends the pair: close=True first closes both of this client's sides (the daemon
@@ -353,9 +441,13 @@ class Pair:
         self._req = self._rep = None
         views, self._views = self._views, []
         del views                             # the last references: the mmap is free again
+        self._poller = None
         sock, self._sock = getattr(self, "_sock", None), None
         if sock is not None:
             sock.close()                      # the daemon sees this client let go
+        res, self._resident = getattr(self, "_resident", None), None
+        if res is not None:
+            _libc_map().munmap(res[0], res[1])
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
             try:

@@ -376,7 +376,8 @@ class KvtierHiCacheStorage(_Base):
         self._pools = {}                  # other pools by name: a _Layout, None if unservable
         self._flat = {}                   # (page bytes, dtype) -> _Layout: draft KV and such
         self._stats_lock = threading.Lock()
-        self._stats = dict.fromkeys(("exists_calls", "exists_hits", "get_pages", "get_hits",
+        self._stats = dict.fromkeys(("exists_calls", "exists_hits", "exists_local",
+                                     "get_pages", "get_hits",
                                      "set_pages", "set_stored", "set_skipped", "errors",
                                      "timeouts", "outages"), 0)
         pool = kwargs if hasattr(kwargs, "get_data_page") else None
@@ -860,8 +861,13 @@ class KvtierHiCacheStorage(_Base):
         return True
 
     def _exists(self, conn, keys, lay):
-        """One LOOKUP with prefetch: the L2 part of the hits starts loading into L1 now, for
-        the get SGLang makes next (a prefix all in L1 makes a job that is done at once)."""
+        """Every page in L1 by the residency map: answered without a request (no daemon to
+        wake). Else one LOOKUP with prefetch: the L2 part of the hits starts loading into L1
+        now, for the get SGLang makes next."""
+        local = conn.client.resident_prefix(lay.ns, keys, salt=self.cfg["salt"])
+        if local is not None and local == len(keys):
+            self._count("exists_local", 1)
+            return local
         return conn.req().lookup(lay.ns, keys, salt=self.cfg["salt"], prefetch=True).hits
 
     def _get(self, conn, keys, deadline, sink, lay):
