@@ -375,7 +375,7 @@ void kvtier_ring_stats(const kvtier_ring_t *ring, kvtier_ring_stats_t *out);
  * many of keys[0..n) (16 bytes each, back to back) lead the batch in L1 of namespace
  * ns (ns_len bytes) with salt (salt_len bytes, 0 for none): every one of them is READY in L1
  * now, or was a moment ago. Fewer than n says nothing about the rest: ask the daemon (LOOKUP).
- * KVTIER_EINVAL when the region is not a residency map; KVTIER_EUNAVAIL when the daemon no
+ * KVTIER_EINVAL when the region is not (an 8-byte aligned mapping of) a residency map; KVTIER_EUNAVAIL when the daemon no
  * longer keeps it (it has not beaten for a second: killed, stopped or wedged; or it closed
  * it at stop): ask the daemon, and HELLO again for a new map. Any thread. */
 int64_t kvtier_resident_prefix(const void *region, size_t size, const void *ns, size_t ns_len,

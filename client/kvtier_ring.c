@@ -97,6 +97,7 @@ int64_t kvtier_resident_prefix(const void *region, size_t size, const void *ns, 
     kvt_resident_view_t v;
     char why[120];
     if (!ns || ns_len == 0 || ns_len > KVT_MAX_NS || salt_len > KVT_MAX_SALT ||
+        (uintptr_t)region % 8 || /* the slots are loaded as aligned 64-bit atomics */
         (salt_len && !salt) || (n && !keys) ||
         kvt_resident_view(region, size, &v, why, sizeof why) != 0)
         return KVT_EINVAL;

@@ -1,10 +1,10 @@
 /* DESIGN: open addressing with linear probing inside a fixed window, one writer at a time
- * (the mutex) and lock-free readers. A slot only ever holds a whole tag, 0 or 1, stored and
+ * (the mutex) and lock-free readers. A slot only ever holds a whole tag or 0, stored and
  * loaded as one aligned 64-bit atomic, so a reader sees each slot either before or after a
- * change, never torn. A reader may see a slot emptied by a rebuild and miss a live key (it
+ * change, never torn. A reader may miss a live key whose tag is being moved by a deletion (it
  * then asks the daemon); it never sees a tag that was not live at some moment during its
- * scan, because a tag is written only for a key that is READY and deleted (made 1) before
- * its key stops being READY returns. Tags hash the namespace and the key with XXH3 under a
+ * scan, because a tag is written only for a key that is READY and overwritten before its key
+ * stops being READY returns. Tags hash the namespace and the key with XXH3 under a
  * per-run seed (xxhash.h inlined: the Python package builds this file without libxxhash). */
 #define XXH_INLINE_ALL
 #include "kvt_resident.h"
@@ -24,7 +24,7 @@
 #include <xxhash.h>
 
 #define S_EMPTY 0u
-#define S_DELETED 1u
+#define S_RESERVED 1u /* never a tag (the first version marked deleted slots with it) */
 
 size_t kvt_resident_region_size(uint32_t slots)
 {
@@ -40,7 +40,7 @@ uint64_t kvt_resident_ns_hash(uint64_t seed, const kvt_ns_t *ns)
 uint64_t kvt_resident_tag(uint64_t nsh, const kvt_key_t *key)
 {
     uint64_t t = XXH3_64bits_withSeed(key->b, KVT_KEY_LEN, nsh);
-    return t > S_DELETED ? t : t + 2;
+    return t > S_RESERVED ? t : t + 2;
 }
 
 static uint64_t s_load(const uint64_t *p)
@@ -94,8 +94,10 @@ static uint64_t s_mono_ns(void)
 
 bool kvt_resident_fresh(const kvt_resident_view_t *v)
 {
+    /* beat first, the clock after: on one CLOCK_MONOTONIC now >= beat; a beat ahead of the
+     * clock is another clock's (another time namespace) and says nothing */
     uint64_t beat = s_load(v->beat), now = s_mono_ns();
-    return beat != 0 && (now < beat || now - beat <= KVT_RES_STALE_NS);
+    return beat != 0 && now >= beat && now - beat <= KVT_RES_STALE_NS;
 }
 
 static bool s_found(const uint64_t *slots, uint64_t mask, uint32_t window, uint64_t tag)
@@ -120,15 +122,15 @@ uint32_t kvt_resident_prefix(const kvt_resident_view_t *v, const kvt_ns_t *ns,
 {
     uint64_t nsh = kvt_resident_ns_hash(v->seed, ns);
     uint64_t tags[S_GROUP];
-    for (uint32_t base = 0; base < n; base += S_GROUP) {
-        uint32_t m = n - base < S_GROUP ? n - base : S_GROUP;
+    for (uint64_t base = 0; base < n; base += S_GROUP) {
+        uint32_t m = n - base < S_GROUP ? (uint32_t)(n - base) : S_GROUP;
         for (uint32_t j = 0; j < m; j++) {
             tags[j] = kvt_resident_tag(nsh, &keys[base + j]);
             __builtin_prefetch(&v->slots[tags[j] & v->mask]);
         }
         for (uint32_t j = 0; j < m; j++)
             if (!s_found(v->slots, v->mask, v->window, tags[j]))
-                return base + j;
+                return (uint32_t)base + j;
     }
     return n;
 }
@@ -142,7 +144,7 @@ struct kvt_resident {
     uint64_t *slots;
     uint64_t mask, seed;
     pthread_mutex_t lock; /* the writer's; a leaf */
-    uint64_t entries, deleted, full, rebuilds;
+    uint64_t entries, full;
 };
 
 kvt_resident_t *kvt_resident_new(uint32_t slots, char *err, size_t errlen)
@@ -179,7 +181,11 @@ kvt_resident_t *kvt_resident_new(uint32_t slots, char *err, size_t errlen)
     }
     /* after our own writable mapping: no one else can map it writable, resize it or unseal */
     if (fcntl(self->fd, F_ADD_SEALS,
-              F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+              F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0 &&
+        /* before Linux 5.1 there is no FUTURE_WRITE: the read-only descriptors clients get
+         * still cannot write (kvt_fastpath_set_resident) */
+        (errno != EINVAL ||
+         fcntl(self->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)) {
         snprintf(err, errlen, "sealing the residency map: %s", strerror(errno));
         goto fail;
     }
@@ -242,14 +248,13 @@ size_t kvt_resident_size(const kvt_resident_t *self)
     return self->size;
 }
 
-/* Places tag (not present) in its window: true, or false when the window is full. Lock held. */
+/* Places tag (not present) in the first empty slot of its window: true, or false when the
+ * window is full. Lock held. */
 static bool s_place(kvt_resident_t *self, uint64_t tag)
 {
     for (uint64_t i = 0; i < KVT_RES_WINDOW; i++) {
         uint64_t *s = &self->slots[(tag + i) & self->mask];
-        if (*s == S_EMPTY || *s == S_DELETED) {
-            if (*s == S_DELETED)
-                self->deleted--;
+        if (*s == S_EMPTY) {
             s_store(s, tag);
             self->entries++;
             return true;
@@ -267,53 +272,46 @@ void kvt_resident_add(kvt_resident_t *self, uint64_t tag)
     pthread_mutex_unlock(&self->lock);
 }
 
-/* Empties the deleted slots: the live tags are taken out and placed again into an empty
- * table, in slot order. Linear probing fills the same set of slots whatever the order, but a
- * tag may now land past its window: it is left out (counted in `full`), which only makes its
- * key a question for the daemon. Lock held. */
-static void s_rebuild(kvt_resident_t *self)
-{
-    uint64_t *live = malloc((self->entries ? self->entries : 1) * sizeof *live);
-    if (!live)
-        return; /* the deleted slots stay: lookups stay correct, only longer */
-    uint64_t n = 0;
-    for (uint64_t i = 0; i <= self->mask; i++) {
-        uint64_t t = self->slots[i];
-        if (t > S_DELETED && n < self->entries)
-            live[n++] = t;
-        if (t != S_EMPTY)
-            s_store(&self->slots[i], S_EMPTY);
-    }
-    self->entries = self->deleted = 0;
-    for (uint64_t i = 0; i < n; i++)
-        (void)s_place(self, live[i]);
-    self->rebuilds++;
-    free(live);
-}
-
+/* Backward-shift deletion: the tag's slot is overwritten by the next tag of its run that may
+ * move back to it (closer to its home slot), whose old slot is filled the same way, and the
+ * last slot so freed is emptied. No deleted-slot markers pile up, so the map never needs a
+ * rebuild under the lock; every store puts a whole live tag or 0 in a slot. A reader racing
+ * it can miss a tag on the move (it sees the slot before it arrives, the old slot after it
+ * left): a miss, which only sends it to the daemon; it can only find tags that are live. */
 void kvt_resident_del(kvt_resident_t *self, uint64_t tag)
 {
     pthread_mutex_lock(&self->lock);
+    uint64_t hole = UINT64_MAX;
     for (uint64_t i = 0; i < KVT_RES_WINDOW; i++) {
-        uint64_t *s = &self->slots[(tag + i) & self->mask];
-        if (*s == tag) {
-            s_store(s, S_DELETED);
-            self->entries--;
-            self->deleted++;
+        uint64_t at = (tag + i) & self->mask, t = self->slots[at];
+        if (t == tag) {
+            hole = at;
             break;
         }
-        if (*s == S_EMPTY)
+        if (t == S_EMPTY)
             break;
     }
-    if (self->deleted > (self->mask + 1) / 4)
-        s_rebuild(self);
+    if (hole != UINT64_MAX) {
+        self->entries--;
+        for (uint64_t j = (hole + 1) & self->mask, n = 0; n <= self->mask;
+             j = (j + 1) & self->mask, n++) {
+            uint64_t t = self->slots[j];
+            if (t == S_EMPTY)
+                break;
+            /* t may fill the hole when its home is not after the hole on the way to j */
+            if (((j - (t & self->mask)) & self->mask) >= ((j - hole) & self->mask)) {
+                s_store(&self->slots[hole], t);
+                hole = j;
+            }
+        }
+        s_store(&self->slots[hole], S_EMPTY);
+    }
     pthread_mutex_unlock(&self->lock);
 }
 
 void kvt_resident_stats(kvt_resident_t *self, kvt_resident_stats_t *out)
 {
     pthread_mutex_lock(&self->lock);
-    *out = (kvt_resident_stats_t){self->mask + 1, self->entries, self->deleted, self->full,
-                                  self->rebuilds};
+    *out = (kvt_resident_stats_t){self->mask + 1, self->entries, self->full};
     pthread_mutex_unlock(&self->lock);
 }

@@ -9,7 +9,7 @@
  * be in L2, or the map was full): the client asks the daemon (LOOKUP).
  *
  * Layout (docs/protocol.md "Residency map"): a 128-byte header, then `slots` u64 tags (a power
- * of two). A tag is never 0 (an empty slot) or 1 (a deleted one); a key's tag sits within
+ * of two). A tag is never 0 (an empty slot) or 1 (reserved); a key's tag sits within
  * KVT_RES_WINDOW slots of (tag & (slots - 1)), wrapping.
  *
  * Writer: the daemon's L1 (kvt_l1), under the key's shard lock so one key's changes land in
@@ -101,13 +101,13 @@ void kvt_resident_beat(kvt_resident_t *self);
 void kvt_resident_close(kvt_resident_t *self);
 
 /* Adds or deletes the tag of `key` (kvt_resident_tag). A tag that finds no free slot in its
- * window is left out (counted: `full`). Deleting rebuilds the map once a quarter of its
- * slots are deleted ones (readers meanwhile may miss keys: they then ask the daemon). */
+ * window is left out (counted: `full`). Deleting shifts the tags after it back towards
+ * their home slots (readers meanwhile may miss a moving tag: they then ask the daemon). */
 void kvt_resident_add(kvt_resident_t *self, uint64_t tag);
 void kvt_resident_del(kvt_resident_t *self, uint64_t tag);
 
 typedef struct {
-    uint64_t slots, entries, deleted, full, rebuilds;
+    uint64_t slots, entries, full;
 } kvt_resident_stats_t;
 
 void kvt_resident_stats(kvt_resident_t *self, kvt_resident_stats_t *out);

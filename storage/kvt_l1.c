@@ -997,6 +997,8 @@ static uint32_t s_ready_prefix(kvt_l1_t *self, s_ns_t *ns, const kvt_key_t *keys
                                  kvt_block_offset(o->block),
                              o->length) == o->sum;
             o->unverified = !ok;
+            if (ok) /* the map shows adopted objects once they are checked */
+                s_resident(self, o, true);
         }
         if (ok && acct && !s_charge(self, acct, s_pages(o->length), NULL)) {
             ok = false;
@@ -1487,6 +1489,8 @@ static void s_verify_one(kvt_l1_t *self, s_obj_t *o)
                           o->length) == o->sum;
     pthread_mutex_lock(&sh->lock);
     bool bad = o->state == S_READY && o->unverified && !ok;
+    if (ok && o->state == S_READY && o->unverified)
+        s_resident(self, o, true); /* the map shows adopted objects once they are checked */
     if (ok)
         o->unverified = false;
     pthread_mutex_unlock(&sh->lock);
@@ -1601,7 +1605,6 @@ static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_
         o->pins = 1; /* the check's (s_verifier) */
         a[i].obj = o;
         s_insert(sh, o);
-        s_resident(self, o, true);
         s_lru_push_head(self, o);
         s_inc(&self->objects, 1);
         self->adopt.objects++;
@@ -1799,10 +1802,10 @@ kvt_l1_t *kvt_l1_new(const kvt_config_t *cfg, char *err, size_t errlen)
     uint64_t slots = cfg->resident_slots ? cfg->resident_slots : 2 * (self->capacity >> 16);
     if (slots > (1u << 24) && !cfg->resident_slots)
         slots = 1u << 24;
-    if (cfg->resident_map && !(self->resident = kvt_resident_new((uint32_t)slots, err, errlen))) {
-        kvt_l1_destroy(&self);
-        return NULL;
-    }
+    char rerr[160];
+    if (cfg->resident_map &&
+        !(self->resident = kvt_resident_new((uint32_t)slots, rerr, sizeof rerr)))
+        kvt_log(KVT_LOG_WARN, "l1: no residency map (%s): fast-path clients ask the daemon", rerr);
     if (!s_seed && getrandom(&s_seed, sizeof s_seed, 0) != sizeof s_seed)
         s_seed = kvt_now_ns() ^ (uint64_t)getpid();
     self->ns_table = zhashx_new();
@@ -2043,11 +2046,10 @@ json_t *kvt_l1_status_json(kvt_l1_t *self)
         kvt_resident_stats_t rs;
         kvt_resident_stats(self->resident, &rs);
         json_object_set_new(st_json, "resident_map",
-                            json_pack("{s:I,s:I,s:I,s:I,s:I,s:I}", "slots", (json_int_t)rs.slots,
+                            json_pack("{s:I,s:I,s:I,s:I}", "slots", (json_int_t)rs.slots,
                                       "bytes", (json_int_t)kvt_resident_size(self->resident),
-                                      "entries", (json_int_t)rs.entries, "deleted",
-                                      (json_int_t)rs.deleted, "full", (json_int_t)rs.full,
-                                      "rebuilds", (json_int_t)rs.rebuilds));
+                                      "entries", (json_int_t)rs.entries, "full",
+                                      (json_int_t)rs.full));
     }
     return st_json;
 }

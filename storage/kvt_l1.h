@@ -62,7 +62,8 @@ int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup);
  * request runs, nothing in L1 calls the listener any more. */
 void kvt_l1_stop(kvt_l1_t *self);
 
-/* The residency map fast-path clients read (NULL with resident_slots 0). */
+/* The residency map fast-path clients read (NULL with resident_map off, or when it could not
+ * be made). */
 kvt_resident_t *kvt_l1_resident(const kvt_l1_t *self);
 
 const char *kvt_l1_shm_path(const kvt_l1_t *self);

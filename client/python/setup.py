@@ -39,11 +39,21 @@ def _ring_sources():
 
 
 def _have_xxhash():
-    """Whether xxhash.h (Debian: libxxhash-dev) is there: the residency map's tags are XXH3
-    (inlined from the header, no library to link). Without it the ring builds alone."""
+    """Whether xxhash.h 0.8 or later (Debian: libxxhash-dev) is there: the residency map's tags
+    are XXH3, stable from 0.8 on (inlined from the header, no library to link). Without it the
+    ring builds alone, with no residency map."""
     dirs = ["/usr/include", "/usr/local/include"]
     dirs += [d for v in ("CPATH", "C_INCLUDE_PATH") for d in os.environ.get(v, "").split(":") if d]
-    return any(os.path.exists(os.path.join(d, "xxhash.h")) for d in dirs)
+    for d in dirs:
+        try:
+            with open(os.path.join(d, "xxhash.h"), encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        ver = [re.search(r"#\s*define\s+XXH_VERSION_%s\s+(\d+)" % p, text)
+               for p in ("MAJOR", "MINOR")]
+        return all(ver) and (int(ver[0].group(1)), int(ver[1].group(1))) >= (0, 8)
+    return False
 
 
 def _version():
