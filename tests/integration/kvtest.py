@@ -141,6 +141,28 @@ def free_port():
         return s.getsockname()[1]
 
 
+def install_module(name, attrs):
+    """Registers a module `name` (and the packages above it, empty) in sys.modules holding
+    `attrs` (a dict): an engine's interface written in a test module (sglang_iface,
+    vllm_ec_iface) under the engine's own module name, so that the code under test imports it
+    as it would the engine's. Idempotent: an existing module is returned as it is."""
+    import types
+    if name in sys.modules:
+        return sys.modules[name]
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        pkg_name = ".".join(parts[:i])
+        if pkg_name not in sys.modules:
+            pkg = types.ModuleType(pkg_name)
+            pkg.__path__ = []
+            sys.modules[pkg_name] = pkg
+    mod = types.ModuleType(name)
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    sys.modules[name] = mod
+    return mod
+
+
 def wait_until(pred, timeout, interval=0.05, what="condition"):
     """Polls pred() until it returns a truthy value, which is returned. Raises AssertionError
     naming `what` (and the last value seen) after `timeout` seconds."""

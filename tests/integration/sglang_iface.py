@@ -31,8 +31,6 @@ import abc
 import dataclasses
 import enum
 import importlib
-import sys
-import types
 from typing import Any, List, Optional
 
 import torch
@@ -182,22 +180,10 @@ MODULE = "sglang.srt.mem_cache.hicache_storage"
 
 def install():
     """Registers this interface as sglang.srt.mem_cache.hicache_storage (idempotent)."""
-    if MODULE in sys.modules:
-        return sys.modules[MODULE]
-    parts = MODULE.split(".")
-    for i in range(1, len(parts)):
-        name = ".".join(parts[:i])
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = []
-            sys.modules[name] = pkg
-    mod = types.ModuleType(MODULE)
-    for name in ("HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo",
-                 "PoolName", "PoolHitPolicy", "PoolTransfer", "PoolTransferResult",
-                 "count_pool_hits"):
-        setattr(mod, name, globals()[name])
-    sys.modules[MODULE] = mod
-    return mod
+    from kvtest import install_module
+    return install_module(MODULE, {n: globals()[n] for n in (
+        "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "PoolName",
+        "PoolHitPolicy", "PoolTransfer", "PoolTransferResult", "count_pool_hits")})
 
 
 def config(extra, model="test/model", tp_rank=0, tp_size=1, mla=False, page_first=True,

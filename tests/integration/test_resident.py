@@ -20,7 +20,6 @@ import time
 
 import pytest
 
-import kvtier  # noqa: E402
 from kvtier import _ring  # noqa: E402
 from kvtest import PAGE, metric_value, payload, wait_until  # noqa: E402
 from test_fastpath import clients  # noqa: E402,F401 - the fixture
