@@ -482,6 +482,7 @@ bench-smoke: deps $(BENCH_L1) $(BENCH_L2) $(BENCH_HUGE) $(BENCH_RING) $(BUILD)/k
 	timeout 120 $(BENCH_RING) --quick > /dev/null
 	timeout 120 $(BUILD)/kvtier-bench --quick --daemon $(BUILD)/kvtierd > /dev/null
 	timeout 120 $(PYTEST) bench/sglang_bench.py --quick --daemon $(BUILD)/kvtierd > /dev/null
+	timeout 120 $(PYTEST) bench/media_bench.py --quick --daemon $(BUILD)/kvtierd > /dev/null
 
 # The SGLang HiCache backend (kvtier.sglang) against memcpy of the same pages, in one process
 # (bench/sglang_bench.py; < 1 min). BENCH_SGLANG_ARGS="--rounds 100 --json FILE".
@@ -653,6 +654,9 @@ deb-test: $(DEB_STAMP)
 # build/bench.json. `make bench-smoke` runs its --quick mode, which judges no timing.
 BENCH      := $(BUILD)/kvtier-bench
 BENCH_ARGS ?= --json $(BUILD)/bench.json
+# bench/media_bench.py: one 9 MiB item written once, read by 4 worker processes, against a
+# shared-memory ring buffer and a ZMQ socket (issue 33; < 1 min)
+BENCH_MEDIA_ARGS ?= --json $(BUILD)/bench-media.json
 
 .PHONY: bench
 
@@ -660,10 +664,11 @@ $(BENCH): bench/kvtier_bench.c $(BUILD)/libkvtier.a
 	$(CC) $(ALLCFLAGS) -O2 -o $@ $^ $(CLIENT_LIBS) \
 	  $(shell pkg-config --libs libczmq hiredis 2>/dev/null) -lpthread
 
-bench: deps $(BUILD)/kvtierd $(BENCH) $(BENCH_HUGE) $(BENCH_RING)
+bench: deps $(BUILD)/kvtierd $(BENCH) $(BENCH_HUGE) $(BENCH_RING) pyclient
 	timeout 600 $(BENCH) --daemon $(BUILD)/kvtierd $(BENCH_ARGS)
 	timeout 120 $(BENCH_HUGE) $(BENCH_HUGE_ARGS)
 	timeout 300 $(BENCH_RING) $(BENCH_RING_ARGS)
+	timeout 300 $(PYTEST) bench/media_bench.py --daemon $(BUILD)/kvtierd $(BENCH_MEDIA_ARGS)
 
 # ---- fuzzing ------------------------------------------------------------------------------
 # libFuzzer harnesses (tests/fuzz/), built with clang and ASan+UBSan from the sources they

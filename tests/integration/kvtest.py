@@ -141,6 +141,21 @@ def free_port():
         return s.getsockname()[1]
 
 
+def closing_factory(build, close):
+    """The body of a fixture that makes objects on demand and closes them at teardown, last
+    made first: `yield from closing_factory(build, close)` yields make(*a, **kw) -> build(...)."""
+    made = []
+
+    def make(*args, **kwargs):
+        obj = build(*args, **kwargs)
+        made.append(obj)
+        return obj
+
+    yield make
+    for obj in reversed(made):
+        close(obj)
+
+
 def install_module(name, attrs):
     """Registers a module `name` (and the packages above it, empty) in sys.modules holding
     `attrs` (a dict): an engine's interface written in a test module (sglang_iface,

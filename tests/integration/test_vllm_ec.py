@@ -20,7 +20,7 @@ vllm_ec_iface.install()                   # before kvtier.vllm binds its base cl
 import kvtier  # noqa: E402
 from kvtier.vllm import HEADER_BYTES, KvtierECConnector, ec_key  # noqa: E402
 
-from kvtest import metric_value, wait_until  # noqa: E402
+from kvtest import closing_factory, metric_value, wait_until  # noqa: E402
 from test_c_client import restart_daemon  # noqa: E402
 
 HIDDEN = 64
@@ -68,16 +68,7 @@ class Engine:
 
 @pytest.fixture
 def engines():
-    made = []
-
-    def make(*a, **kw):
-        e = Engine(*a, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
+    yield from closing_factory(Engine, Engine.close)
 
 
 def requests_of(d, type_):

@@ -12,7 +12,9 @@
 Modules: client (Client, the requests), errors (KvtierError and one subclass per wire code),
 hashing (hash_tokens, xxh3_128: keys computed locally), events (Subscriber), heartbeat (the
 thread that keeps an idle Client's instance alive), sglang (KvtierHiCacheStorage, SGLang's
-HiCache storage backend; imported on demand, needs torch).
+HiCache storage backend), vllm (KvtierECConnector, vLLM's encoder-cache connector), media
+(MediaCache: tensors or bytes by hash, one writer and many zero-copy readers) and tensorobj
+(their object format); those four are imported on demand and need torch.
 Not thread-safe: one Client (and one Subscriber) per thread.
 """
 

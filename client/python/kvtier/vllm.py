@@ -44,14 +44,15 @@ client is reconnected in the background of later calls (every reconnect_interval
 import hashlib
 import logging
 import os
-import struct
 import threading
 import time
 
 import torch
 
+from . import tensorobj
 from .client import Client
 from .errors import KvtierError
+from .tensorobj import HEADER_BYTES
 
 try:                                           # vLLM's base class when vLLM is installed
     from vllm.distributed.ec_transfer.ec_connector.base import (ECConnectorBase as _Base,
@@ -85,7 +86,7 @@ except ImportError:
 
     ECConnectorRole = None
 
-__all__ = ["KvtierECConnector", "KvtierECMetadata", "ec_key", "DEFAULTS"]
+__all__ = ["KvtierECConnector", "KvtierECMetadata", "ec_key", "DEFAULTS", "HEADER_BYTES"]
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -105,11 +106,6 @@ DEFAULTS = {
 _INTS = {"timeout_ms": 1, "load_timeout_ms": 0, "pin_timeout_ms": 1000,
          "reconnect_interval_ms": 10}
 DEFAULT_ENDPOINT = "ipc:///run/kvtier/kvtier.sock"
-
-_MAGIC = b"KVTEC001"
-_HDR = struct.Struct("<8s16s16sII4Q")        # magic, key, dtype name, ndim, 0, shape
-HEADER_BYTES = 128
-_MAX_DIMS = 4
 
 
 def ec_key(identifier):
@@ -464,28 +460,11 @@ class KvtierECConnector(_Base):
     def _read(self, arena, off, length, ident):
         """A tensor view of the object at arena[off:off+length] when its header says it is
         `ident`'s, else None (never bytes of another item)."""
-        if off < 0 or length < HEADER_BYTES or off + length > len(arena):
-            self._warn_once("range", "an item's range is outside the arena")
-            return None
-        magic, key, dname, ndim, _, *dims = _HDR.unpack_from(arena, off)
-        dname = dname.rstrip(b"\0").decode("ascii", "replace")
-        dtype = getattr(torch, dname, None)
-        if magic != _MAGIC or key != ec_key(ident) or not isinstance(dtype, torch.dtype) or \
-                not 1 <= ndim <= _MAX_DIMS:
+        t = tensorobj.view(arena, off, length, ec_key(ident))
+        if t is None:
             self._warn_once("header", "item %s: the arena does not hold it where the "
                             "scheduler said: not loaded" % ident)
-            return None
-        shape = tuple(dims[:ndim])
-        count = 1
-        for d in shape:
-            count *= d
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        if HEADER_BYTES + nbytes != length:
-            self._warn_once("size", "item %s: header and object size disagree" % ident)
-            return None
-        flat = torch.frombuffer(arena, dtype=torch.uint8, count=nbytes,
-                                offset=off + HEADER_BYTES)
-        return flat.view(dtype).view(shape)
+        return t
 
     def _target_device(self):
         if self._device is None:
@@ -508,30 +487,24 @@ class KvtierECConnector(_Base):
             if not self.is_producer or mm_hash in self._saving:
                 return
             t = encoder_cache.get(mm_hash)
-            if t is None or t.dim() < 1 or t.dim() > _MAX_DIMS:
+            if t is None:
                 return
-            dname = _dtype_name(t.dtype).encode("ascii")
-            if len(dname) > 16:
-                self._warn_once("dtype", "dtype %s cannot be stored" % t.dtype)
+            try:
+                size = tensorobj.size_of(t)
+            except ValueError as e:
+                self._warn_once("shape", "item %s cannot be stored: %s" % (mm_hash, e))
                 return
-            nbytes = t.numel() * t.element_size()
             key = ec_key(mm_hash)
             got = self._call("save_caches", lambda c: c.reserve_offsets(
-                self.ns, [key], HEADER_BYTES + nbytes, salt=self._salt), None)
+                self.ns, [key], size, salt=self._salt), None)
             if got is None:
                 return
             if not got.slots or got.slots[0] is None:
                 self._stats["save_skipped"] += 1      # stored already (by us or another rank)
                 return
-            off, _ = got.slots[0]
-            c = self._client
-            dims = list(t.shape) + [0] * (_MAX_DIMS - t.dim())
             failed = ()
             try:
-                _HDR.pack_into(c.arena, off, _MAGIC, key, dname, t.dim(), 0, *dims)
-                dst = torch.frombuffer(c.arena, dtype=torch.uint8, count=nbytes,
-                                       offset=off + HEADER_BYTES)
-                dst.copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+                tensorobj.write(self._client.arena, got.slots[0][0], key, t)
             except Exception as e:             # noqa: BLE001 - the object is discarded
                 self._warn_once("copy", "item %s could not be copied: %s" % (mm_hash, e))
                 failed = (0,)
