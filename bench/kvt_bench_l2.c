@@ -186,9 +186,9 @@ static int s_rm_one(const char *path, const struct stat *st, int flag, struct FT
 /* ---- the L2 path ------------------------------------------------------------------------ */
 
 static void s_on_event(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_key_t *keys,
-                       uint32_t n, const char *adapter)
+                       const uint64_t *sizes, uint32_t n, const char *adapter)
 {
-    (void)ctx, (void)ns, (void)keys, (void)adapter;
+    (void)ctx, (void)ns, (void)keys, (void)sizes, (void)adapter;
     if (strcmp(event, "l2_stored") == 0)
         atomic_fetch_add(&s_l2_stored, n);
 }

@@ -16,6 +16,7 @@
 #define KVT_IPC_HANDLE_LEN 64   /* cudaIpcMemHandle_t / cudaIpcEventHandle_t, as bytes */
 #define KVT_MAX_GPU_LAYERS 4096 /* entries of `handles` (a layer = one device buffer) */
 #define KVT_MAX_DTYPE 32        /* bytes of a dtype name */
+#define KVT_MAX_LABEL 255       /* bytes of an object's label (RESERVE/PUT `labels`) */
 
 /* A key by value: a struct rather than a bare array, so that a batch of keys is a plain
  * `const kvt_key_t *keys` and a key can be assigned and returned. Layout is exactly the wire's
@@ -30,6 +31,12 @@ static inline bool kvt_key_eq(const kvt_key_t *a, const kvt_key_t *b)
 {
     return memcmp(a->b, b->b, KVT_KEY_LEN) == 0;
 }
+
+/* A borrowed run of bytes (a decoded string, an object's label; len 0: none). */
+typedef struct {
+    const uint8_t *ptr;
+    uint32_t len;
+} kvt_bytes_t;
 
 /* A namespace: a non-empty name and an optional salt (salt_len 0; salt may then be NULL).
  * Borrowed view: it owns none of its bytes, which belong to whoever built it (the decoded

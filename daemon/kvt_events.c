@@ -46,7 +46,7 @@ static void s_encode(msgpack_sbuffer *sb, const kvt_evrec_t *r)
     msgpack_sbuffer_clear(sb);
     msgpack_packer pk;
     msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, 5);
+    msgpack_pack_map(&pk, 5 + (r->sizes != NULL) + (r->labels != NULL));
     kvt_pack_str(&pk, "event");
     kvt_pack_str(&pk, kvt_ev_name(r->kind));
     kvt_pack_str(&pk, "ns");
@@ -61,6 +61,21 @@ static void s_encode(msgpack_sbuffer *sb, const kvt_evrec_t *r)
     }
     kvt_pack_str(&pk, "tier");
     kvt_pack_str(&pk, kvt_ev_tier(r->kind));
+    if (r->sizes) {
+        kvt_pack_str(&pk, "sizes");
+        msgpack_pack_array(&pk, r->n);
+        for (uint32_t i = 0; i < r->n; i++)
+            msgpack_pack_uint64(&pk, r->sizes[i]);
+    }
+    if (r->labels) { /* checked UTF-8 when they came in, so str; nil for a key without one */
+        kvt_pack_str(&pk, "labels");
+        msgpack_pack_array(&pk, r->n);
+        for (uint32_t i = 0; i < r->n; i++)
+            if (r->labels[i].len)
+                kvt_pack_strn(&pk, r->labels[i].ptr, r->labels[i].len);
+            else
+                msgpack_pack_nil(&pk);
+    }
 }
 
 /* Sends what the log holds past the cursor, S_BATCH records at a time; false once it is all

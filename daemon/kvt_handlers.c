@@ -256,9 +256,9 @@ static int s_slots_request(kvt_rq_t *c, bool reserve)
     uint32_t n = 0;
     uint64_t lease = 0;
     if (reserve)
-        rc = kvt_l1_reserve(c->svc->l1, c->owner, &r->ns, r->keys, r->nkeys,
-                            (r->present & KVT_F_SIZES) ? r->sizes : NULL, r->size, slots, &n,
-                            &lease, c->err, sizeof c->err);
+        rc = kvt_l1_reserve_labeled(c->svc->l1, c->owner, &r->ns, r->keys, r->labels, r->nkeys,
+                                    (r->present & KVT_F_SIZES) ? r->sizes : NULL, r->size,
+                                    slots, &n, &lease, c->err, sizeof c->err);
     else
         rc = kvt_l1_acquire(c->svc->l1, c->owner, &r->ns, r->keys, r->nkeys, slots, &n, &lease);
     if (rc == KVT_ENOSPC && !reserve) /* max_leased_bytes */
@@ -469,8 +469,8 @@ static int s_put(kvt_rq_t *c)
     for (uint32_t i = 0; i < r->nkeys; i++)
         sizes[i] = zmq_msg_size(&c->data[i]);
     uint32_t stored = 0;
-    int rc = kvt_l1_write(c->svc->l1, &r->ns, r->keys, r->nkeys, sizes, 0, false, s_put_fill, c,
-                          &stored, NULL, c->err, sizeof c->err);
+    int rc = kvt_l1_write(c->svc->l1, &r->ns, r->keys, r->labels, r->nkeys, sizes, 0, false,
+                          s_put_fill, c, &stored, NULL, c->err, sizeof c->err);
     if (rc == 0) {
         kvt_pack_ok(&c->pk, 1);
         s_pack_uint_field(&c->pk, "stored", stored);

@@ -167,7 +167,7 @@ int kvt_msg_read_uint(const uint8_t *buf, size_t len, uint64_t *out)
 
 /* ---- body decoding ---- */
 
-typedef enum { S_UINT, S_BOOL, S_STR, S_BIN, S_KEYS, S_UINTS, S_HANDLES } s_kind_t;
+typedef enum { S_UINT, S_BOOL, S_STR, S_BIN, S_KEYS, S_UINTS, S_HANDLES, S_LABELS } s_kind_t;
 
 static const s_kind_t s_kinds[KVT_FIELD_COUNT] = {
 #define KVT_XX(f, name, kind) [KVT_FI_##f] = S_##kind,
@@ -228,6 +228,67 @@ static int s_uint_array(kvt_req_t *r, int fi, const msgpack_object *o, uint32_t 
     }
     *out = v;
     *n = cnt;
+    return 0;
+}
+
+/* Strict UTF-8 (no overlong forms, surrogates or code points past U+10FFFF): labels go out in
+ * events as msgpack str, and a subscriber that decodes them as text must not choke on one. */
+static bool s_utf8(const uint8_t *p, uint32_t n)
+{
+    for (uint32_t i = 0; i < n;) {
+        uint8_t c = p[i];
+        uint32_t len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3
+                                   : (c & 0xF8) == 0xF0 ? 4 : 0;
+        if (len == 0 || len > n - i)
+            return false;
+        uint32_t cp = len == 1 ? c : c & (0x7F >> len);
+        for (uint32_t k = 1; k < len; k++) {
+            if ((p[i + k] & 0xC0) != 0x80)
+                return false;
+            cp = cp << 6 | (p[i + k] & 0x3F);
+        }
+        static const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
+        if (cp < min[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return false;
+        i += len;
+    }
+    return true;
+}
+
+static int s_labels(kvt_req_t *r, const msgpack_object *o, const kvt_limits_t *lim)
+{
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return s_wrong_type(r, KVT_FI_LABELS, "array of str", o);
+    uint32_t cnt = o->via.array.size;
+    if (cnt > lim->max_keys)
+        return s_fail(r, KVT_ETOOBIG, "field '%s': too many entries", "labels");
+    kvt_bytes_t *v = NULL;
+    if (cnt) {
+        v = msgpack_zone_malloc(r->mp.zone, (size_t)cnt * sizeof *v);
+        if (!v)
+            return s_fail(r, KVT_ENOMEM, "%s: out of memory", "labels");
+    }
+    for (uint32_t i = 0; i < cnt; i++) {
+        const msgpack_object *e = &o->via.array.ptr[i];
+        v[i] = (kvt_bytes_t){0};
+        if (e->type == MSGPACK_OBJECT_NIL)
+            continue;
+        if (e->type != MSGPACK_OBJECT_STR)
+            return s_wrong_type(r, KVT_FI_LABELS, "array of str or nil", e);
+        if (e->via.str.size > KVT_MAX_LABEL) {
+            snprintf(r->error, sizeof r->error,
+                     "field 'labels': entry %u is %u bytes, at most %d", i, e->via.str.size,
+                     KVT_MAX_LABEL);
+            return KVT_EBADREQ;
+        }
+        if (!s_utf8((const uint8_t *)e->via.str.ptr, e->via.str.size)) {
+            snprintf(r->error, sizeof r->error, "field 'labels': entry %u is not UTF-8", i);
+            return KVT_EBADREQ;
+        }
+        v[i] = (kvt_bytes_t){(const uint8_t *)e->via.str.ptr, e->via.str.size};
+    }
+    r->labels = v;
+    r->nlabels = cnt;
     return 0;
 }
 
@@ -310,6 +371,8 @@ static int s_field(kvt_req_t *r, int fi, const msgpack_object *o, const kvt_limi
         r->nhandles = cnt;
         return 0;
     }
+    case S_LABELS:
+        return s_labels(r, o, lim);
     case S_UINTS:
         break;
     }
@@ -401,6 +464,11 @@ static int s_lookup_field(const char *name, uint32_t len)
 /* Rules between fields that the table cannot say. */
 static int s_cross_check(kvt_req_t *r)
 {
+    if ((r->present & KVT_F_LABELS) && r->nlabels != r->nkeys) {
+        snprintf(r->error, sizeof r->error, "'labels' has %u entries for %u keys", r->nlabels,
+                 r->nkeys);
+        return KVT_EBADREQ;
+    }
     switch (r->type) {
     case KVT_REQ_RESERVE: {
         bool has_sizes = r->present & KVT_F_SIZES, has_size = r->present & KVT_F_SIZE;

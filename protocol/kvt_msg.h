@@ -25,11 +25,6 @@ typedef struct {
 /* Limits derived from max_message and max_keys (the config's), used by the server. */
 void kvt_limits_init(kvt_limits_t *lim, uint64_t max_message, uint32_t max_keys);
 
-typedef struct {
-    const uint8_t *ptr; /* points into the request's zone or the message frame */
-    uint32_t len;
-} kvt_bytes_t;
-
 /* A decoded request body. Pointers stay valid until kvt_req_release(); `present` has a
  * KVT_F_* bit for every field that was given (a nil value counts as absent). */
 typedef struct kvt_req {
@@ -57,6 +52,8 @@ typedef struct kvt_req {
     uint64_t device, layers, num_blocks, block_tokens, token_bytes;
     kvt_bytes_t dtype, event;
     kvt_bytes_t token; /* HELLO: the token of an instance to join */
+    kvt_bytes_t *labels; /* RESERVE, PUT: nlabels == nkeys; len 0 for a key without one */
+    uint32_t nlabels;
     uint64_t *block_ids; /* nkeys runs of nblock_ids / nkeys ids each, chunk by chunk */
     uint32_t nblock_ids;
     msgpack_unpacked mp; /* the per-request zone */

@@ -18,7 +18,8 @@
 #define KVT_MAX_TOKEN 64 /* HELLO's instance token (the daemon issues 32 hex digits) */
 
 /* XX(FIELD, "wire name", kind) — kinds: UINT, BOOL, STR, BIN, KEYS (array of bin16),
- * UINTS (array of uint), HANDLES (array of bin64: CUDA IPC memory handles). `present` is a
+ * UINTS (array of uint), HANDLES (array of bin64: CUDA IPC memory handles), LABELS (array of
+ * UTF-8 str of at most KVT_MAX_LABEL bytes, or nil). `present` is a
  * uint32 bitmask: at most 32 fields. */
 #define KVT_FIELD_MAP(XX)                                                                      \
     XX(VERSION, "version", UINT)                                                               \
@@ -48,7 +49,8 @@
     XX(EVENT, "event", BIN)                                                                    \
     XX(TOKEN, "token", STR)                                                                    \
     XX(FASTPATH, "fastpath", BOOL)                                                             \
-    XX(RESIDENT, "resident", BOOL)
+    XX(RESIDENT, "resident", BOOL)                                                             \
+    XX(LABELS, "labels", LABELS)
 
 typedef enum {
 #define KVT_XX(f, name, kind) KVT_FI_##f,
@@ -90,11 +92,12 @@ typedef enum {
     XX(4, LOOKUP, "lookup", INLINE_THEN_LOOKUP, KVT_KEYED,                                     \
        KVT_F_SALT | KVT_F_LOCK | KVT_F_PREFETCH, 0)                                             \
     XX(5, PREFETCH_STATUS, "prefetch_status", INLINE, KVT_F_JOB, KVT_NONE, 65536)              \
-    XX(6, RESERVE, "reserve", INLINE, KVT_KEYED, KVT_F_SALT | KVT_F_SIZES | KVT_F_SIZE, 0)      \
+    XX(6, RESERVE, "reserve", INLINE, KVT_KEYED,                                               \
+       KVT_F_SALT | KVT_F_SIZES | KVT_F_SIZE | KVT_F_LABELS, 0)                                 \
     XX(7, COMMIT, "commit", INLINE, KVT_F_LEASE, KVT_F_FAILED, 0)                              \
     XX(8, ACQUIRE, "acquire", INLINE, KVT_KEYED, KVT_F_SALT, 0)                                \
     XX(9, RELEASE, "release", INLINE, KVT_F_LEASE, KVT_NONE, 65536)                            \
-    XX(10, PUT, "put", WORKER, KVT_KEYED, KVT_F_SALT, 0)                                       \
+    XX(10, PUT, "put", WORKER, KVT_KEYED, KVT_F_SALT | KVT_F_LABELS, 0)                        \
     XX(11, GET, "get", INLINE, KVT_KEYED, KVT_F_SALT, 0)                                       \
     XX(12, REMOVE, "remove", INLINE, KVT_KEYED, KVT_F_SALT, 0)                                 \
     XX(13, CLEAR, "clear", WORKER, KVT_NONE, KVT_F_NS, 65536)                                  \

@@ -62,23 +62,23 @@ static const kvt_ev_kind_t s_l1_kinds[] = {[KVT_L1_STORED] = KVT_EV_STORED,
                                            [KVT_L1_LOADED] = KVT_EV_STORED};
 
 /* L1 changes: objects clients stored go to L2 write-behind; every change to the event log. */
-static void s_on_l1(void *ctx, kvt_l1_event_t event, const kvt_ns_t *ns, const kvt_key_t *keys,
-                    uint32_t n)
+static void s_on_l1(void *ctx, const kvt_l1_change_t *c)
 {
     kvt_cache_t *self = ctx;
-    kvt_evlog_append(self->evlog, s_l1_kinds[event], ns, keys, n);
-    if (event == KVT_L1_STORED)
-        kvt_l2mgr_on_stored(self->l2, ns, keys, n);
+    kvt_evlog_append(self->evlog, s_l1_kinds[c->event], c->ns, c->keys, c->sizes, c->labels,
+                     c->n);
+    if (c->event == KVT_L1_STORED)
+        kvt_l2mgr_on_stored(self->l2, c->ns, c->keys, c->n);
 }
 
 static void s_on_l2(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_key_t *keys,
-                    uint32_t n, const char *adapter)
+                    const uint64_t *sizes, uint32_t n, const char *adapter)
 {
     (void)adapter;
     kvt_cache_t *self = ctx;
     kvt_evlog_append(self->evlog,
                      strcmp(event, "l2_stored") == 0 ? KVT_EV_L2_STORED : KVT_EV_L2_REMOVED, ns,
-                     keys, n);
+                     keys, sizes, NULL, n);
 }
 
 /* ---- lookups ---- */

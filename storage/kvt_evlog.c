@@ -41,11 +41,6 @@ const char *kvt_ev_tier(kvt_ev_kind_t kind)
     return kind >= KVT_EV_L2_STORED ? "l2" : "l1";
 }
 
-static size_t s_rec_bytes(const kvt_evrec_t *r)
-{
-    return sizeof *r + r->n * sizeof *r->keys + r->ns.name_len + r->ns.salt_len;
-}
-
 static void s_unref(kvt_evrec_t *r)
 {
     if (atomic_fetch_sub_explicit(&r->refs, 1, memory_order_acq_rel) == 1)
@@ -88,23 +83,43 @@ void kvt_evlog_destroy(kvt_evlog_t **self_p)
 static void s_drop_oldest(kvt_evlog_t *self)
 {
     kvt_evrec_t **slot = &self->ring[self->first % self->capacity];
-    self->bytes -= s_rec_bytes(*slot);
+    self->bytes -= (*slot)->bytes;
     s_unref(*slot);
     *slot = NULL;
     self->first++;
 }
 
 uint64_t kvt_evlog_append(kvt_evlog_t *self, kvt_ev_kind_t kind, const kvt_ns_t *ns,
-                          const kvt_key_t *keys, uint32_t n)
+                          const kvt_key_t *keys, const uint64_t *sizes,
+                          const kvt_bytes_t *labels, uint32_t n)
 {
     if (!self || n == 0)
         return 0;
-    size_t nsb = kvt_ns_size(ns);
-    kvt_evrec_t *r = malloc(sizeof *r + n * sizeof *keys + nsb);
+    /* one allocation: the record, sizes, labels (views), keys, namespace, label bytes */
+    size_t lb = 0;
+    for (uint32_t i = 0; labels && i < n; i++)
+        lb += labels[i].len;
+    size_t nsb = kvt_ns_size(ns), szb = sizes ? n * sizeof *sizes : 0;
+    size_t lvb = labels ? n * sizeof *labels : 0;
+    size_t bytes = sizeof(kvt_evrec_t) + szb + lvb + n * sizeof *keys + nsb + lb;
+    kvt_evrec_t *r = malloc(bytes);
     kvt_assert(r);
-    kvt_key_t *k = (kvt_key_t *)(r + 1);
-    memcpy(k, keys, n * sizeof *keys);
-    r->ns = kvt_ns_copy(ns, (uint8_t *)(k + n));
+    uint8_t *p = (uint8_t *)(r + 1);
+    r->sizes = sizes ? memcpy(p, sizes, szb) : NULL;
+    p += szb;
+    kvt_bytes_t *lv = labels ? (kvt_bytes_t *)(void *)p : NULL;
+    p += lvb;
+    kvt_key_t *k = memcpy(p, keys, n * sizeof *keys);
+    p += n * sizeof *keys;
+    r->ns = kvt_ns_copy(ns, p);
+    p += nsb;
+    for (uint32_t i = 0; lv && i < n; i++) {
+        lv[i] = (kvt_bytes_t){labels[i].len ? memcpy(p, labels[i].ptr, labels[i].len) : NULL,
+                              labels[i].len};
+        p += labels[i].len;
+    }
+    r->labels = lv;
+    r->bytes = bytes;
     r->keys = k;
     r->n = n;
     r->kind = kind;
@@ -117,7 +132,7 @@ uint64_t kvt_evlog_append(kvt_evlog_t *self, kvt_ev_kind_t kind, const kvt_ns_t 
     if (self->last - self->first >= self->capacity) /* full: the new one takes the oldest slot */
         s_drop_oldest(self);
     self->ring[r->seq % self->capacity] = r;
-    self->bytes += s_rec_bytes(r);
+    self->bytes += r->bytes;
     while (self->max_bytes && self->bytes > self->max_bytes && self->first < self->last)
         s_drop_oldest(self);
     uint64_t seq = r->seq;

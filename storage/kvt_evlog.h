@@ -35,7 +35,10 @@ typedef struct {
     kvt_ns_t ns; /* points into the record */
     uint32_t n;
     const kvt_key_t *keys;
-    uint64_t wall_ms; /* when it was logged */
+    const uint64_t *sizes;     /* each object's bytes; NULL when not known (l2_removed) */
+    const kvt_bytes_t *labels; /* RESERVE/PUT `labels`; NULL when none has one */
+    size_t bytes;              /* what the record takes */
+    uint64_t wall_ms;          /* when it was logged */
     atomic_uint refs;
 } kvt_evrec_t;
 
@@ -48,9 +51,11 @@ const char *kvt_ev_tier(kvt_ev_kind_t kind);
 kvt_evlog_t *kvt_evlog_new(uint32_t capacity, size_t max_bytes);
 void kvt_evlog_destroy(kvt_evlog_t **self_p);
 
-/* Logs one change (n >= 1 keys; n == 0 logs nothing and returns 0). Returns its seq. */
+/* Logs one change (n >= 1 keys; n == 0 logs nothing and returns 0): keys[0..n), and, where
+ * not NULL, their sizes and labels (copied). Returns its seq. */
 uint64_t kvt_evlog_append(kvt_evlog_t *self, kvt_ev_kind_t kind, const kvt_ns_t *ns,
-                          const kvt_key_t *keys, uint32_t n);
+                          const kvt_key_t *keys, const uint64_t *sizes,
+                          const kvt_bytes_t *labels, uint32_t n);
 
 /* Where a reader stands against the log. */
 typedef struct {

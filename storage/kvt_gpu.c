@@ -1353,8 +1353,8 @@ int kvt_gpu_store(kvt_gpu_t *self, uint64_t owner, const kvt_gpu_copy_args_t *r,
     if (!reg)
         return rc;
     s_store_t st = {self, reg, r, per, chunk_bytes};
-    rc = kvt_l1_write(self->l1, &r->ns, r->keys, r->nkeys, NULL, chunk_bytes, false, s_store_fill,
-                      &st, stored, NULL, err, errlen);
+    rc = kvt_l1_write(self->l1, &r->ns, r->keys, NULL, r->nkeys, NULL, chunk_bytes, false,
+                      s_store_fill, &st, stored, NULL, err, errlen);
     s_reg_put(self, reg);
     return rc;
 }

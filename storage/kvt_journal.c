@@ -74,7 +74,7 @@ static void s_frame(uint8_t *p, uint16_t type, size_t len, uint64_t salt, bool m
 
 static size_t s_put_payload(const kvt_journal_put_t *p)
 {
-    return S_PUT_FIXED + p->ns.name_len + p->ns.salt_len;
+    return S_PUT_FIXED + p->ns.name_len + p->ns.salt_len + p->label.len;
 }
 
 static void s_put_encode(uint8_t *q, const kvt_journal_put_t *p)
@@ -87,11 +87,13 @@ static void s_put_encode(uint8_t *q, const kvt_journal_put_t *p)
     q[33] = p->l2_pending;
     kvt_le_put16(q + 34, (uint16_t)p->ns.name_len);
     kvt_le_put16(q + 36, (uint16_t)p->ns.salt_len);
-    kvt_le_put16(q + 38, 0);
+    kvt_le_put16(q + 38, (uint16_t)p->label.len);
     memcpy(q + 40, p->key.b, KVT_KEY_LEN);
     memcpy(q + S_PUT_FIXED, p->ns.name, p->ns.name_len);
     if (p->ns.salt_len)
         memcpy(q + S_PUT_FIXED + p->ns.name_len, p->ns.salt, p->ns.salt_len);
+    if (p->label.len)
+        memcpy(q + S_PUT_FIXED + p->ns.name_len + p->ns.salt_len, p->label.ptr, p->label.len);
 }
 
 /* ---- parsing ---- */
@@ -128,15 +130,18 @@ static bool s_put_decode(const uint8_t *q, size_t len, kvt_journal_put_t *p)
     p->offset = kvt_le_get64(q + 8);
     p->length = kvt_le_get64(q + 16);
     p->sum = kvt_le_get64(q + 24);
-    if (q[32] > 1 || kvt_le_get16(q + 38) != 0)
+    if (q[32] > 1)
         return false;
     p->has_sum = q[32];
     p->l2_pending = q[33];
-    uint32_t nl = kvt_le_get16(q + 34), sl = kvt_le_get16(q + 36);
-    if (nl == 0 || nl > KVT_MAX_NS || sl > KVT_MAX_SALT || len != S_PUT_FIXED + nl + sl)
+    /* versions 1 and 2 wrote 0 where version 3 writes the label's length */
+    uint32_t nl = kvt_le_get16(q + 34), sl = kvt_le_get16(q + 36), ll = kvt_le_get16(q + 38);
+    if (nl == 0 || nl > KVT_MAX_NS || sl > KVT_MAX_SALT || ll > KVT_MAX_LABEL ||
+        len != S_PUT_FIXED + nl + sl + ll)
         return false;
     memcpy(p->key.b, q + 40, KVT_KEY_LEN);
     p->ns = (kvt_ns_t){q + S_PUT_FIXED, nl, sl ? q + S_PUT_FIXED + nl : NULL, sl};
+    p->label = (kvt_bytes_t){ll ? q + S_PUT_FIXED + nl + sl : NULL, ll};
     return true;
 }
 
@@ -451,7 +456,8 @@ static bool s_encode_puts(kvt_journal_t *self, kvt_journal_put_t *puts, size_t n
 
 static bool s_ns_ok(const kvt_journal_put_t *p)
 {
-    return p->ns.name_len >= 1 && p->ns.name_len <= KVT_MAX_NS && p->ns.salt_len <= KVT_MAX_SALT;
+    return p->ns.name_len >= 1 && p->ns.name_len <= KVT_MAX_NS && p->ns.salt_len <= KVT_MAX_SALT &&
+           p->label.len <= KVT_MAX_LABEL;
 }
 
 /* A fresh file for self->hdr (a new salt) holding the PUT records of live[0..n), written to

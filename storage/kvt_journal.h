@@ -16,8 +16,9 @@
  *   HEADER  u32 version, u32 0, u64 salt, u64 arena_size, u64 page_size, u64 arena_dev,
  *           u64 arena_ino, u64 created (CLOCK_REALTIME ns), then the arena path (no NUL);
  *   PUT     u64 seq, u64 offset, u64 length, u64 sum, u8 has_sum, u8 l2_pending, u16 name_len,
- *           u16 salt_len, u16 0, key[16], name, salt — an object committed (seq: its identity
- *           in this journal, increasing);
+ *           u16 salt_len, u16 label_len, key[16], name, salt, label — an object committed (seq:
+ *           its identity in this journal, increasing; label: RESERVE/PUT's, version 3; earlier
+ *           versions wrote label_len 0);
  *   SUM     u64 seq, u64 sum — its XXH3-64, computed after the commit;
  *   DROP    u64 seq — it left L1 (removed, evicted, cleared, cut off);
  *   CLEAR   (empty) — every object before it left L1;
@@ -40,7 +41,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVT_JOURNAL_VERSION 2u /* written; 1 is read as well */
+#define KVT_JOURNAL_VERSION 3u /* written; 1 and 2 are read as well */
 #define KVT_JOURNAL_VERSION_MIN 1u
 #define KVT_JOURNAL_MAX_PATH 1024u
 
@@ -61,13 +62,15 @@ typedef struct {
     char path[KVT_JOURNAL_MAX_PATH + 1];
 } kvt_journal_header_t;
 
-/* One committed object. name/salt view the parsed buffer (parse) or the caller's bytes (put). */
+/* One committed object. name/salt/label view the parsed buffer (parse) or the caller's bytes
+ * (put). */
 typedef struct {
     uint64_t seq, offset, length, sum;
     bool has_sum;
     uint8_t l2_pending;
     kvt_key_t key;
     kvt_ns_t ns;
+    kvt_bytes_t label; /* len 0: none */
 } kvt_journal_put_t;
 
 typedef struct {

@@ -98,6 +98,7 @@ typedef struct s_obj {
     uint64_t hash;
     uint64_t length;
     s_ns_t *ns;
+    uint8_t *label; /* RESERVE/PUT `labels`: [0] its length (1..255), then its bytes; or NULL */
     kvt_block_t *block;
     struct s_obj *hnext;
     struct s_obj *lru_prev, *lru_next;
@@ -254,6 +255,8 @@ static void s_ns_ref(kvt_l1_t *self, s_ns_t *ns)
 typedef struct {
     s_ns_t *ns;
     kvt_key_t *keys;
+    uint64_t *sizes;
+    kvt_bytes_t *labels; /* NULL until a key with a label comes; each a copy the batch owns */
     uint32_t n, cap;
 } s_batch_t;
 
@@ -262,10 +265,12 @@ typedef struct {
     uint32_t n, cap;
 } s_batches_t;
 
-static void s_batches_add(kvt_l1_t *self, s_batches_t *bs, s_ns_t *ns, const kvt_key_t *key)
+/* Notes object `o` (alive, under its shard lock or ours alone) for the next event. */
+static void s_batches_add(kvt_l1_t *self, s_batches_t *bs, const s_obj_t *o)
 {
     if (!self->listener)
         return;
+    s_ns_t *ns = o->ns;
     s_batch_t *b = NULL;
     for (uint32_t i = bs->n; i-- > 0;) /* the last batch is the likely one */
         if (bs->b[i].ns == ns) {
@@ -279,15 +284,34 @@ static void s_batches_add(kvt_l1_t *self, s_batches_t *bs, s_ns_t *ns, const kvt
             kvt_assert(bs->b);
         }
         b = &bs->b[bs->n++];
-        *b = (s_batch_t){ns, NULL, 0, 0};
+        *b = (s_batch_t){.ns = ns};
         s_ns_ref(self, ns);
     }
     if (b->n == b->cap) {
         b->cap = b->cap ? 2 * b->cap : 16;
         b->keys = realloc(b->keys, b->cap * sizeof *b->keys);
-        kvt_assert(b->keys);
+        b->sizes = realloc(b->sizes, b->cap * sizeof *b->sizes);
+        kvt_assert(b->keys && b->sizes);
+        if (b->labels) {
+            b->labels = realloc(b->labels, b->cap * sizeof *b->labels);
+            kvt_assert(b->labels);
+        }
     }
-    b->keys[b->n++] = *key;
+    if (o->label && !b->labels) {
+        b->labels = calloc(b->cap, sizeof *b->labels);
+        kvt_assert(b->labels);
+    }
+    if (b->labels) {
+        uint8_t *copy = NULL;
+        if (o->label) {
+            copy = malloc(o->label[0]);
+            kvt_assert(copy);
+            memcpy(copy, o->label + 1, o->label[0]);
+        }
+        b->labels[b->n] = (kvt_bytes_t){copy, o->label ? o->label[0] : 0};
+    }
+    b->keys[b->n] = o->key;
+    b->sizes[b->n++] = o->length;
 }
 
 /* Tells the listener (no L1 lock may be held) and frees the batches. */
@@ -295,7 +319,12 @@ static void s_batches_emit(kvt_l1_t *self, s_batches_t *bs, kvt_l1_event_t event
 {
     for (uint32_t i = 0; i < bs->n; i++) {
         s_batch_t *b = &bs->b[i];
-        self->listener(self->listener_ctx, event, &b->ns->key, b->keys, b->n);
+        kvt_l1_change_t c = {event, &b->ns->key, b->keys, b->sizes, b->labels, b->n};
+        self->listener(self->listener_ctx, &c);
+        for (uint32_t k = 0; b->labels && k < b->n; k++)
+            free((void *)b->labels[k].ptr);
+        free(b->labels);
+        free(b->sizes);
         free(b->keys);
         s_ns_put(self, b->ns);
     }
@@ -406,11 +435,26 @@ static void s_lru_push_head(kvt_l1_t *self, s_obj_t *o)
 
 /* ---- objects ---- */
 
+/* An object's own copy of a label ([0]: its length, then the bytes; at most KVT_MAX_LABEL of
+ * them); NULL for none. */
+static uint8_t *s_label_new(const kvt_bytes_t *l)
+{
+    if (!l->len)
+        return NULL;
+    uint32_t len = l->len < KVT_MAX_LABEL ? l->len : KVT_MAX_LABEL;
+    uint8_t *p = malloc(1 + len);
+    kvt_assert(p);
+    p[0] = (uint8_t)len;
+    memcpy(p + 1, l->ptr, len);
+    return p;
+}
+
 /* Frees an object nobody can reach any more. */
 static void s_destroy_obj(kvt_l1_t *self, s_obj_t *o)
 {
     kvt_alloc_put(self->alloc, o->block);
     s_ns_put(self, o->ns);
+    free(o->label);
     free(o);
 }
 
@@ -451,7 +495,9 @@ static kvt_journal_put_t s_put_of(const s_obj_t *o, bool l2_pending)
                                .has_sum = o->has_sum || o->jsummed,
                                .l2_pending = l2_pending,
                                .key = o->key,
-                               .ns = o->ns->key};
+                               .ns = o->ns->key,
+                               .label = {o->label ? o->label + 1 : NULL,
+                                         o->label ? o->label[0] : 0u}};
 }
 
 /* The PUT records of a commit's objects, written while they are still RESERVED (ours alone),
@@ -636,6 +682,15 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ref, const kv
                    uint64_t size, kvt_slot_t *slots, uint32_t *nslots, uint64_t *lease,
                    char *err, size_t errlen)
 {
+    return kvt_l1_reserve_labeled(self, owner, ref, keys, NULL, n, sizes, size, slots, nslots,
+                                  lease, err, errlen);
+}
+
+int kvt_l1_reserve_labeled(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ref,
+                           const kvt_key_t *keys, const kvt_bytes_t *labels, uint32_t n,
+                           const uint64_t *sizes, uint64_t size, kvt_slot_t *slots,
+                           uint32_t *nslots, uint64_t *lease, char *err, size_t errlen)
+{
     *nslots = 0;
     *lease = 0;
     if (n == 0)
@@ -691,10 +746,13 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ref, const kv
         o->length = sz;
         o->ns = ns;
         o->block = b;
+        if (labels)
+            o->label = s_label_new(&labels[i]);
         pthread_mutex_lock(&sh->lock);
         if (s_find(sh, ns, &keys[i], h)) { /* another writer got there first */
             pthread_mutex_unlock(&sh->lock);
             kvt_alloc_put(self->alloc, b);
+            free(o->label);
             free(o);
             s_uncharge(self, acct, s_pages(sz));
             slots[i] = (kvt_slot_t){0, 0};
@@ -774,8 +832,7 @@ static int s_commit(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint64_t 
     s_batches_t bs = {0};
     for (uint32_t i = 0; i < l->nitems; i++)
         if (l->items[i])
-            s_batches_add(self, &bs, ((s_obj_t *)l->items[i])->ns,
-                          &((s_obj_t *)l->items[i])->key);
+            s_batches_add(self, &bs, l->items[i]);
     /* in reverse, so the head of the prefix ends up most recent; an object COMMIT did not sum
      * goes to the summer (pinned until summed) so that the journal gets its checksum */
     bool summing = atomic_load(&self->sum_on) && !atomic_load(&self->journal_lost);
@@ -833,9 +890,10 @@ int kvt_l1_commit_loaded(kvt_l1_t *self, uint64_t owner, uint64_t id, const uint
     return s_commit(self, owner, id, failed, nfailed, true, sums, stored, err, errlen);
 }
 
-int kvt_l1_write(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uint32_t n,
-                 const uint64_t *sizes, uint64_t size, bool loaded, kvt_l1_fill_fn fill,
-                 void *ctx, uint32_t *stored, uint32_t *present, char *err, size_t errlen)
+int kvt_l1_write(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
+                 const kvt_bytes_t *labels, uint32_t n, const uint64_t *sizes, uint64_t size,
+                 bool loaded, kvt_l1_fill_fn fill, void *ctx, uint32_t *stored,
+                 uint32_t *present, char *err, size_t errlen)
 {
     *stored = 0;
     if (present)
@@ -846,8 +904,8 @@ int kvt_l1_write(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uint
     kvt_assert(slots && failed && (sums || !loaded));
     uint32_t nslots = 0, nfailed = 0;
     uint64_t lease = 0;
-    int rc = kvt_l1_reserve(self, KVT_OWNER_DAEMON, ns, keys, n, sizes, size, slots, &nslots,
-                            &lease, err, errlen);
+    int rc = kvt_l1_reserve_labeled(self, KVT_OWNER_DAEMON, ns, keys, labels, n, sizes, size,
+                                    slots, &nslots, &lease, err, errlen);
     for (uint32_t i = 0; present && i < nslots; i++)
         *present += slots[i].length == 0;
     if (rc == 0 && lease) {
@@ -879,7 +937,7 @@ static void s_damaged(kvt_l1_t *self, s_obj_t *o, const char *instead)
     pthread_mutex_lock(&sh->lock);
     bool found = o->state == S_READY;
     if (found) {
-        s_batches_add(self, &bs, o->ns, &o->key);
+        s_batches_add(self, &bs, o);
         bool free_it = s_remove_ready(self, sh, o);
         kvt_assert(!free_it); /* pinned by the caller: its release frees it */
     }
@@ -1105,7 +1163,7 @@ int kvt_l1_remove(kvt_l1_t *self, const kvt_ns_t *ref, const kvt_key_t *keys,
         s_obj_t *o = s_find(sh, ns, &keys[i], h);
         bool gone = o && o->state == S_READY;
         if (gone)
-            s_batches_add(self, &bs, ns, &o->key);
+            s_batches_add(self, &bs, o);
         bool free_it = gone && s_remove_ready(self, sh, o);
         pthread_mutex_unlock(&sh->lock);
         if (free_it)
@@ -1146,7 +1204,7 @@ static uint64_t s_remove_if(kvt_l1_t *self, s_pick_fn pick, const void *ctx)
                 if (o->state != S_READY || !pick(o, ctx))
                     continue;
                 removed++;
-                s_batches_add(self, &bs, o->ns, &o->key);
+                s_batches_add(self, &bs, o);
                 if (s_remove_ready(self, sh, o)) {
                     o->hnext = victims;
                     victims = o;
@@ -1235,7 +1293,7 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
             s_unlink(sh, o);
             s_lru_remove(self, o);
             o->state = S_DOOMED;
-            s_batches_add(self, &bs, o->ns, &o->key);
+            s_batches_add(self, &bs, o);
             o->hnext = victims;
             victims = o;
             freed += kvt_block_size(o->block);
@@ -1581,6 +1639,7 @@ static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_
         o->hash = s_hash(o->ns, &o->key);
         o->length = a[i].p.length;
         o->block = a[i].block;
+        o->label = s_label_new(&a[i].p.label);
         o->jseq = a[i].p.seq;
         o->owed_l2 = a[i].p.l2_pending;
         o->sum = a[i].p.sum;
@@ -1719,7 +1778,7 @@ static void s_requeue_owed(kvt_l1_t *self)
                 if (!self->l2_writes || o->l2_pending)
                     continue;
                 s_pending_set(self, o, self->l2_writes);
-                s_batches_add(self, &bs, o->ns, &o->key);
+                s_batches_add(self, &bs, o);
             }
         pthread_mutex_unlock(&sh->lock);
     }

@@ -34,11 +34,22 @@ typedef struct kvt_l1 kvt_l1_t;
 /* STORED: committed by a client; LOADED: committed by a prefetch from L2 (already there). */
 typedef enum { KVT_L1_STORED, KVT_L1_EVICTED, KVT_L1_REMOVED, KVT_L1_LOADED } kvt_l1_event_t;
 
+/* One change: keys[0..n) of one namespace, each object's length in bytes, and their labels
+ * (RESERVE/PUT `labels`; NULL when none of them has one, else len 0 for those without). All
+ * views, valid during the listener's call. */
+typedef struct {
+    kvt_l1_event_t event;
+    const kvt_ns_t *ns;
+    const kvt_key_t *keys;
+    const uint64_t *sizes;
+    const kvt_bytes_t *labels;
+    uint32_t n;
+} kvt_l1_change_t;
+
 /* Told, after the fact and outside every L1 lock, which keys of one namespace became readable,
  * were evicted or were removed; once per request (or eviction round) and namespace. Called from
  * whichever thread did the work. */
-typedef void (*kvt_l1_listener_fn)(void *ctx, kvt_l1_event_t event, const kvt_ns_t *ns,
-                                   const kvt_key_t *keys, uint32_t n);
+typedef void (*kvt_l1_listener_fn)(void *ctx, const kvt_l1_change_t *change);
 
 /* A byte range of the arena. length == 0 means "nil": already stored (RESERVE). */
 typedef struct {
@@ -85,6 +96,13 @@ int kvt_l1_reserve(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ns, const kvt
                    uint64_t size, kvt_slot_t *slots, uint32_t *nslots, uint64_t *lease,
                    char *err, size_t errlen);
 
+/* RESERVE with a label per key (labels NULL, or n entries; len 0: none; at most KVT_MAX_LABEL
+ * bytes kept): the object keeps its label while in L1, and its events carry it. */
+int kvt_l1_reserve_labeled(kvt_l1_t *self, uint64_t owner, const kvt_ns_t *ns,
+                           const kvt_key_t *keys, const kvt_bytes_t *labels, uint32_t n,
+                           const uint64_t *sizes, uint64_t size, kvt_slot_t *slots,
+                           uint32_t *nslots, uint64_t *lease, char *err, size_t errlen);
+
 /* COMMIT: the write lease's objects become READY, except the indices in failed[], which are
  * discarded. KVT_EUNKLEASE / KVT_ELEXPIRED / KVT_EBADREQ (a read lease, an index out of range).
  * While L2 write-behind is on (kvt_l1_set_l2_writes), a committed object is not evicted
@@ -111,15 +129,17 @@ typedef int (*kvt_l1_fill_fn)(void *ctx, uint8_t *base, const kvt_slot_t *slots,
                               size_t errlen);
 
 /* The daemon's own store into L1 (inline PUT, STORE_GPU, a prefetch load from L2): RESERVE
- * keys[0..n) under a daemon write lease (sizes and size as for kvt_l1_reserve: the longest
- * prefix that fits), let `fill` write the new objects, then COMMIT them (kvt_l1_commit_loaded
- * when `loaded`) — or, when fill fails, release the lease, which discards them. *stored is what
- * COMMIT counts; *present (may be NULL) the keys of the reserved prefix that were already
- * stored. Returns RESERVE's error (KVT_ENOSPC: not even the first key fits), fill's or
- * COMMIT's; 0 without calling fill when every key is stored already. */
-int kvt_l1_write(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys, uint32_t n,
-                 const uint64_t *sizes, uint64_t size, bool loaded, kvt_l1_fill_fn fill,
-                 void *ctx, uint32_t *stored, uint32_t *present, char *err, size_t errlen);
+ * keys[0..n) under a daemon write lease (labels as for kvt_l1_reserve_labeled; sizes and size
+ * as for kvt_l1_reserve: the longest prefix that fits), let `fill` write the new objects, then
+ * COMMIT them (kvt_l1_commit_loaded when `loaded`) — or, when fill fails, release the lease,
+ * which discards them. *stored is what COMMIT counts; *present (may be NULL) the keys of the
+ * reserved prefix that were already stored. Returns RESERVE's error (KVT_ENOSPC: not even the
+ * first key fits), fill's or COMMIT's; 0 without calling fill when every key is stored
+ * already. */
+int kvt_l1_write(kvt_l1_t *self, const kvt_ns_t *ns, const kvt_key_t *keys,
+                 const kvt_bytes_t *labels, uint32_t n, const uint64_t *sizes, uint64_t size,
+                 bool loaded, kvt_l1_fill_fn fill, void *ctx, uint32_t *stored,
+                 uint32_t *present, char *err, size_t errlen);
 
 /* Write-behind: every committed object must be written by `n` adapters before it may be
  * evicted (0, the default: no L2). Start-up only. */

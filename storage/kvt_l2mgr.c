@@ -75,7 +75,7 @@ typedef struct s_job {
     uint32_t n;
     kvt_ns_t ns;     /* views bytes */
     kvt_key_t *keys; /* in bytes */
-    uint64_t *sizes; /* loads; in bytes */
+    uint64_t *sizes; /* loads: the sizes to load; stores: of keys[0..nok); in bytes */
     uint8_t bytes[];
 } s_job_t;
 
@@ -152,16 +152,18 @@ static void s_sleep_ms(uint64_t ms)
 static s_job_t *s_job_new(s_kind_t kind, const kvt_ns_t *ns, const kvt_key_t *keys,
                           const uint64_t *sizes, uint32_t n)
 {
+    bool with_sizes = sizes || kind == S_STORE;
     size_t extra = kvt_ns_size(ns) + (size_t)n * sizeof *keys +
-                   (sizes ? (size_t)n * sizeof(uint64_t) : 0) + sizeof(uint64_t);
+                   (with_sizes ? (size_t)n * sizeof(uint64_t) : 0) + sizeof(uint64_t);
     s_job_t *j = calloc(1, sizeof *j + extra);
     kvt_assert(j);
     j->kind = kind;
     j->n = n;
     uint8_t *p = j->bytes;
-    if (sizes) { /* first, for alignment */
+    if (with_sizes) { /* first, for alignment */
         j->sizes = (uint64_t *)(void *)p;
-        memcpy(j->sizes, sizes, (size_t)n * sizeof(uint64_t));
+        if (sizes)
+            memcpy(j->sizes, sizes, (size_t)n * sizeof(uint64_t));
         p += (size_t)n * sizeof(uint64_t);
     }
     j->keys = (kvt_key_t *)(void *)p; /* kvt_key_t is bytes: any alignment */
@@ -179,10 +181,11 @@ static void s_give_up(kvt_l2mgr_t *m, const s_job_t *j)
 }
 
 static void s_event(kvt_l2mgr_t *m, const char *event, const kvt_ns_t *ns,
-                    const kvt_key_t *keys, uint32_t n, const s_adapter_t *a)
+                    const kvt_key_t *keys, const uint64_t *sizes, uint32_t n,
+                    const s_adapter_t *a)
 {
     if (m->on_event && n)
-        m->on_event(m->event_ctx, event, ns, keys, n, a->label);
+        m->on_event(m->event_ctx, event, ns, keys, sizes, n, a->label);
 }
 
 static void s_note_ok(s_adapter_t *a)
@@ -224,7 +227,7 @@ static void s_corrupt(s_adapter_t *a, const kvt_ns_t *ns, const kvt_key_t *key,
             rc == 0 || rc == KVT_ENOTFOUND ? "removed" : "and could not be removed");
     if (rc == 0) {
         s_inc(&a->removed, 1);
-        s_event(a->mgr, "l2_removed", ns, key, 1, a);
+        s_event(a->mgr, "l2_removed", ns, key, NULL, 1, a);
     } else if (rc != KVT_ENOTFOUND) {
         s_note_error(a, rc, "remove", name);
     }
@@ -330,6 +333,7 @@ static void s_do_store(s_adapter_t *a, s_job_t *j)
         /* the bytes are the adapter's now; the object stays unevictable until the flush */
         kvt_l1_release(m->l1, KVT_OWNER_DAEMON, lease);
         if (rc == 0) {
+            j->sizes[j->nok] = slot.length;
             j->keys[j->nok++] = j->keys[i]; /* nok <= i: compacts in place */
             j->ok_bytes += slot.length;
         } else {
@@ -361,7 +365,7 @@ static void s_flush_held(s_adapter_t *a, s_job_t *held, bool report)
             s_note_ok(a);
             s_inc(&a->stored, j->nok);
             s_inc(&a->bytes_stored, j->ok_bytes);
-            s_event(m, "l2_stored", &j->ns, j->keys, j->nok, a);
+            s_event(m, "l2_stored", &j->ns, j->keys, j->sizes, j->nok, a);
         } else if (report && j->nok) {
             char what[64];
             snprintf(what, sizeof what, "%u objects", j->nok);
@@ -389,7 +393,7 @@ static void s_do_remove(s_adapter_t *a, s_job_t *j)
             s_note_error(a, rc, "remove", name);
         }
     }
-    s_event(a->mgr, "l2_removed", &j->ns, done, ndone, a);
+    s_event(a->mgr, "l2_removed", &j->ns, done, NULL, ndone, a);
     free(done);
 }
 
@@ -696,8 +700,8 @@ static void s_do_load(kvt_l2mgr_t *m, s_job_t *j)
     uint32_t stored = 0, present = 0;
     char err[160];
     s_load_t ld = {m, j};
-    kvt_l1_write(m->l1, &j->ns, j->keys, j->n, j->sizes, 0, true, s_load_fill, &ld, &stored,
-                 &present, err, sizeof err);
+    kvt_l1_write(m->l1, &j->ns, j->keys, NULL, j->n, j->sizes, 0, true, s_load_fill, &ld,
+                 &stored, &present, err, sizeof err);
     s_load_done(m, j, stored + present);
 }
 

@@ -26,9 +26,10 @@
 
 typedef struct kvt_l2mgr kvt_l2mgr_t;
 
-/* Told about l2_stored / l2_removed: keys of one namespace, per batch. */
+/* Told about l2_stored / l2_removed: keys of one namespace, per batch, with the objects' sizes
+ * (l2_stored; NULL for l2_removed, which does not know them). */
 typedef void (*kvt_l2_event_fn)(void *ctx, const char *event, const kvt_ns_t *ns,
-                                const kvt_key_t *keys, uint32_t n,
+                                const kvt_key_t *keys, const uint64_t *sizes, uint32_t n,
                                 const char *adapter);
 
 /* Opens every adapter of cfg->l2 ("none" or an empty list: no L2) and starts their threads.

@@ -5,12 +5,12 @@
  * rest is a program that builds a journal with correct frames and checksums (framed here
  * independently of the writer, from the format in kvt_journal.h): a header (arena size from
  * the input), then up to 256 writes of 1 to 3 records each — PUT (offset, length, key,
- * namespace of any length, including out-of-bounds ones), SUM, DROP, CLEAR, L2DONE, or a record of
- * an unknown type — followed by a mutation (none, a cut, a flipped byte). Checked (abort = a
- * finding): the valid prefix is within the input and, for a journal of well-formed records
- * left intact, the whole file; the
- * live set is sorted by offset, page-aligned, disjoint and inside the arena, with seqs that
- * were put; a second parse of the valid prefix alone gives the same prefix. ASan/UBSan see any
+ * namespace and label of any length, including out-of-bounds ones), SUM, DROP, CLEAR, L2DONE,
+ * or a record of an unknown type — followed by a mutation (none, a cut, a flipped byte).
+ * Checked (abort = a finding): the valid prefix is within the input and, for a journal of
+ * well-formed records left intact, the whole file; the live set is sorted by offset,
+ * page-aligned, disjoint and inside the arena, with seqs that were put, namespaces and labels
+ * within bounds; a second parse of the valid prefix alone gives the same prefix. ASan/UBSan see any
  * read outside the input. Build and run: make fuzz. */
 #include "fuzz_input.h"
 #include "kvt_error.h"
@@ -104,6 +104,10 @@ static void s_verify(const uint8_t *buf, size_t len, bool whole)
                 "namespace out of bounds");
         s_check(p->ns.name >= buf && p->ns.name + p->ns.name_len <= buf + valid,
                 "namespace outside the valid prefix");
+        s_check(p->label.len <= KVT_MAX_LABEL &&
+                    (!p->label.len ||
+                     (p->label.ptr >= buf && p->label.ptr + p->label.len <= buf + valid)),
+                "label out of bounds");
         end = p->offset + ext;
     }
     free(live);
@@ -141,7 +145,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         int nrec = 1 + (int)(s_take(&in, 1) % 3);
         for (int r = 0; r < nrec; r++) {
             uint8_t op = (uint8_t)s_take(&in, 1);
-            uint8_t pay[56 + 400];
+            uint8_t pay[56 + 700];
             memset(pay, 0, sizeof pay);
             bool more = r + 1 < nrec;
             switch (op % 7) {
@@ -154,16 +158,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 pay[32] = (uint8_t)(s_take(&in, 1) % 3); /* 2: malformed has_sum */
                 pay[33] = (uint8_t)s_take(&in, 1);
                 uint32_t nl = (uint32_t)s_take(&in, 2) % 300, sl = (uint32_t)s_take(&in, 1);
+                uint32_t ll = (uint32_t)s_take(&in, 2) % 300; /* version 3's label */
                 uint32_t room = (uint32_t)sizeof pay - 56;
                 if (nl > room)
                     nl = room;
                 if (sl > room - nl)
                     sl = room - nl;
+                if (ll > room - nl - sl)
+                    ll = room - nl - sl;
                 s_le(pay + 34, nl, 2);
                 s_le(pay + 36, sl, 2);
+                s_le(pay + 38, ll, 2);
                 pay[40] = op;
-                wellformed &= pay[32] <= 1 && nl >= 1 && nl <= KVT_MAX_NS && sl <= KVT_MAX_SALT;
-                s_record(&o, KVT_JREC_PUT, more, pay, 56 + nl + sl, salt);
+                wellformed &= pay[32] <= 1 && nl >= 1 && nl <= KVT_MAX_NS && sl <= KVT_MAX_SALT &&
+                              ll <= KVT_MAX_LABEL;
+                s_record(&o, KVT_JREC_PUT, more, pay, 56 + nl + sl + ll, salt);
                 break;
             }
             case 2: /* SUM of some earlier (or later) seq */

@@ -1,8 +1,11 @@
 """Cache events (kvtierd --events ENDPOINT) through kvtier.Subscriber: stored / removed /
-evicted with the right ns, salt, keys and tier, one message per request per (ns, salt); and a
-subscriber that never reads does not stall the daemon — its events are dropped and counted."""
+evicted with the right ns, salt, keys, sizes and tier, one message per request per (ns, salt);
+the labels objects were stored with (RESERVE/PUT `labels`) on every event of theirs, also
+after a restart that adopted them, and bad labels refused with nothing lost; and a subscriber
+that never reads does not stall the daemon — its events are dropped and counted."""
 
 import os
+import signal
 import threading
 import time
 
@@ -82,6 +85,12 @@ def check_shape(ev):
     assert isinstance(ev["keys"], list) and ev["keys"], "event without keys: %r" % ev
     assert all(isinstance(k, bytes) and len(k) == 16 for k in ev["keys"]), ev
     assert ev["tier"] == "l1", ev
+    sizes = ev.get("sizes")
+    assert isinstance(sizes, list) and len(sizes) == len(ev["keys"]), ev
+    assert all(isinstance(s, int) and s > 0 for s in sizes), ev
+    if "labels" in ev:
+        assert len(ev["labels"]) == len(ev["keys"]), ev
+        assert any(x is not None for x in ev["labels"]), "labels of none: %r" % ev
     return ev
 
 
@@ -108,9 +117,10 @@ def test_stored_and_removed_events(daemon_factory, kv):
     k = [key(i, b"ev") for i in range(6)]
     a = [key(i, b"tenant") for i in range(3)]
 
-    # RESERVE/COMMIT -> stored, the keys in request order
-    assert c.store(NS, k[:3], [b"x" * 5000] * 3) == 3
-    expect(sub, "stored", NS, "", k[:3])
+    # RESERVE/COMMIT -> stored, the keys in request order, with their sizes, without labels
+    assert c.store(NS, k[:3], [b"x" * 5000, b"y" * 7, b"z" * 4096]) == 3
+    ev = expect(sub, "stored", NS, "", k[:3])
+    assert ev["sizes"] == [5000, 7, 4096] and "labels" not in ev, ev
     # COMMIT with a failed index: only the keys that became readable
     slots, lease = c.reserve(NS, a, 4096, salt="tenant-a")
     for s in slots:
@@ -161,17 +171,83 @@ def test_stored_and_removed_events(daemon_factory, kv):
     assert st["events_dropped_total"] == 0 and st["events_published_total"] >= 12, st
 
 
+def test_labels_on_every_event_of_an_object(daemon_factory, kv):
+    """Labels given at RESERVE and PUT come back on the stored event and on the removed event
+    of the same objects (None for a key stored without one); the first label of a key stays;
+    bad labels are a typed bad_request that stores nothing and loses nothing."""
+    d, ep = start_with_events(daemon_factory)
+    c, sub = kv(d, ep)
+    k = [key(i, b"lab") for i in range(6)]
+    mm = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+          "image-\u65e5\u672c-\U0001f600", "x" * 255]
+    assert c.store(NS, k[:3], [b"a" * 100, b"b" * 200, b"c" * 300],
+                   labels=[mm[0], None, mm[2]]) == 3
+    ev = expect(sub, "stored", NS, "", k[:3])
+    assert ev["labels"] == [mm[0], None, mm[2]] and ev["sizes"] == [100, 200, 300], ev
+    # PUT (bytes on the socket) takes them too
+    assert c.put(NS, k[3:5], [b"d" * 10, b"e" * 20], labels=[mm[1], None]) == 2
+    ev = expect(sub, "stored", NS, "", k[3:5])
+    assert ev["labels"] == [mm[1], None] and ev["sizes"] == [10, 20], ev
+    # a key stored already keeps its first label (nothing new is stored, nothing published)
+    assert c.store(NS, [k[0]], [b"a" * 100], labels=["another"]) == 0
+    expect_none(sub, "a store of a present key")
+    # bad labels: typed errors naming the field; nothing stored, nothing lost
+    bad = [(["y" * 256], "at most 255"), (["a", "b"], "'labels' has 2 entries for 1 keys"),
+           ([b"bin"], "labels")]
+    for labels, why in bad:
+        with pytest.raises(kvtier.BadRequest, match=why):
+            c.call(kvtier.RESERVE, {"ns": NS, "keys": [k[5]], "size": 4096,
+                                    "labels": labels})
+        with pytest.raises(kvtier.BadRequest, match=why):
+            c.call(kvtier.PUT, {"ns": NS, "keys": [k[5]], "labels": labels}, [b"f"])
+    with pytest.raises(TypeError):
+        c.store(NS, [k[5]], [b"f"], labels=[b"bytes"])
+    expect_none(sub, "refused labels")
+    assert c.lookup(NS, k).hits == 5
+    assert c.fetch(NS, [k[0]]) == [b"a" * 100]
+    # removed: each object with its own label, also when several go at once
+    assert c.remove(NS, [k[4], k[0], k[1]]) == 3
+    ev = expect(sub, "removed", NS, "", [k[4], k[0], k[1]])
+    assert ev["labels"] == [None, mm[0], None] and ev["sizes"] == [20, 100, 200], ev
+    assert c.remove(NS, [k[4]]) == 0
+    assert c.put(NS, [k[4]], [b"new"]) == 1          # stored again, now without a label
+    ev = expect(sub, "stored", NS, "", [k[4]])
+    assert "labels" not in ev, ev
+
+
+def test_labels_survive_a_restart(daemon_factory, kv):
+    """An adopted object (l1.adopt, after a SIGKILL) keeps its label: its removal names it."""
+    d, ep = start_with_events(daemon_factory, "--l1-adopt")
+    c, sub = kv(d, ep)
+    k = [key(i, b"kept") for i in range(2)]
+    assert c.store(NS, k, [b"p" * 5000, b"q" * 6000], labels=["mm-kept", None]) == 2
+    expect(sub, "stored", NS, "", k)
+    wait_until(lambda: d.http_json("GET", "/status")["l1"]["adopt"]["sums_pending"] == 0, 10,
+               what="every object summed (journaled)")
+    c.close()
+    d.restart(signal.SIGKILL)
+    wait_until(lambda: d.http_json("GET", "/status")["l1"]["adopt"]["verify_pending"] == 0, 30,
+               what="every adopted object checked")
+    assert d.http_json("GET", "/status")["l1"]["adopt"]["adopted"]
+    c2, sub2 = kv(d, ep)
+    assert c2.remove(NS, k) == 2
+    ev = expect(sub2, "removed", NS, "", k)
+    assert ev["labels"] == ["mm-kept", None] and ev["sizes"] == [5000, 6000], ev
+
+
 def test_evicted_events(daemon_factory, kv):
     """Filling the 64 MiB arena past the high watermark evicts; every evicted key is announced
-    once, under its own (ns, salt), and is really gone."""
+    once, under its own (ns, salt), with its size and label, and is really gone."""
     d, ep = start_with_events(daemon_factory, transport="tcp")
     c, sub = kv(d, ep)
     salts = ["", "tenant-e"]
     stored = {}                                   # key -> salt
+    labels = {}                                   # key -> label (every third has none)
     for i in range(24):                           # 24 x 4 MiB into 64 MiB
         salt = salts[i % 2]
         k = key(i, b"evict")
-        slots, lease = c.reserve(NS, [k], 4 * MiB, salt=salt)
+        labels[k] = None if i % 3 == 0 else "img-%d" % i
+        slots, lease = c.reserve(NS, [k], 4 * MiB, salt=salt, labels=[labels[k]])
         slots[0][:8] = b"evictme!"
         assert c.commit(lease) == 1
         stored[k] = salt
@@ -185,10 +261,13 @@ def test_evicted_events(daemon_factory, kv):
                 break
             check_shape(ev)
             assert ev["ns"] == NS, ev
-            for kk in ev["keys"]:
+            assert ev["sizes"] == [4 * MiB] * len(ev["keys"]), ev
+            got = ev.get("labels") or [None] * len(ev["keys"])
+            for kk, label in zip(ev["keys"], got):
                 assert stored.get(kk) == ev["salt"], \
                     "event %s for key %s under salt %r, stored under %r" \
                     % (ev["event"], kk.hex(), ev["salt"], stored.get(kk))
+                assert label == labels[kk], (ev["event"], kk, label, labels[kk])
             seen.setdefault(ev["event"], []).extend(ev["keys"])
         n = c.stats()["l1_evictions_total"]
         return n > 0 and len(seen["evicted"]) == n and len(seen["stored"]) == len(stored)
@@ -284,3 +363,37 @@ def test_slow_subscriber_does_not_stall_the_daemon(daemon_factory, kv):
     st3 = c.stats()
     assert st3["events_dropped_total"] == st2["events_dropped_total"], (st2, st3)
     assert d.alive()
+
+
+def test_embedding_events_translation():
+    """EmbeddingEvents.translate on its own: the namespace read back into model, dtype and
+    hidden size; the daemon's kinds mapped to add/evict per tier; names remembered for the
+    events without labels, at most max_names of them; other namespaces skipped."""
+    from kvtier.events import ec_namespace, parse_ec_namespace
+    for ns, want in [
+            (ec_namespace("vllm-ec/org/m-7b", "bfloat16", 4096),
+             ("vllm-ec/org/m-7b", "org/m-7b", "bfloat16", 4096)),
+            (ec_namespace("vllm-ec/m", "float16"), ("vllm-ec/m", "m", "float16", None)),
+            (ec_namespace("tenant-x/enc", "bfloat16", 64), ("tenant-x/enc", "tenant-x/enc",
+                                                            "bfloat16", 64))]:
+        p = parse_ec_namespace(ns)
+        assert (p["namespace"], p["model"], p["dtype"], p["hidden"]) == want, (ns, p)
+    assert parse_ec_namespace("plain") is None
+    ee = kvtier.EmbeddingEvents(None, max_names=2)
+    ns = "vllm-ec/m/bfloat16/h8"
+    k = [bytes([i]) * 16 for i in range(4)]
+    got = ee.translate({"event": "stored", "ns": ns, "salt": "", "tier": "l1", "keys": k[:3],
+                        "sizes": [10, 20, 30], "labels": ["a", None, "c"]})
+    assert [(e["event"], e["tier"], e["mm_hash"], e["size"], e["model"], e["hidden"])
+            for e in got] == [("add", "l1", "a", 10, "m", 8), ("add", "l1", None, 20, "m", 8),
+                              ("add", "l1", "c", 30, "m", 8)]
+    got = ee.translate({"event": "l2_removed", "ns": ns, "salt": "", "tier": "l2",
+                        "keys": [k[2], k[0]]})
+    assert [(e["event"], e["tier"], e["mm_hash"], e["size"], e["cause"]) for e in got] == \
+        [("evict", "l2", "c", None, "l2_removed"), ("evict", "l2", "a", None, "l2_removed")]
+    ee.translate({"event": "stored", "ns": ns, "salt": "", "keys": [k[3]], "sizes": [1],
+                  "labels": ["d"]})                 # a third name: the oldest ("a") goes
+    got = ee.translate({"event": "evicted", "ns": ns, "salt": "", "keys": [k[0], k[3]],
+                        "sizes": [10, 1]})
+    assert [e["mm_hash"] for e in got] == [None, "d"]
+    assert ee.translate({"event": "stored", "ns": "other/ns", "keys": [k[0]]}) == []

@@ -4,7 +4,9 @@ Scheduler, Worker), against the real daemon: an encoder (producer) engine saves 
 a prefill (consumer) engine finds them instead of running its encoder, byte for byte, with
 every TP worker reading the one copy; L2-only items brought back through
 ensure_cache_available; an item removed or pushed out between has_cache_item and the load;
-the daemon killed mid-run; two models with the same mm_hash; bad configuration."""
+the daemon killed mid-run; two models with the same mm_hash; bad configuration; and the
+daemon's events as a coordinator reads them (kvtier.EmbeddingEvents): add and evict per item
+with its mm_hash, size, tier and model."""
 
 import signal
 import time
@@ -22,6 +24,7 @@ from kvtier.vllm import HEADER_BYTES, KvtierECConnector, ec_key  # noqa: E402
 
 from kvtest import closing_factory, metric_value, wait_until  # noqa: E402
 from test_c_client import restart_daemon  # noqa: E402
+from test_events import start_with_events, sync  # noqa: E402
 
 HIDDEN = 64
 
@@ -216,6 +219,66 @@ def test_daemon_killed_mid_run_means_misses_then_back(daemon_factory, engines):
                what="the item saved to the restarted daemon")
     out, _, _ = engines(d2, "ec_consumer").step(request("d", ("k3", 4)))
     assert [how for _, how in out.scheduled["d"]] == ["load"]
+
+
+def test_coordinator_events_name_item_size_tier_and_model(daemon_factory, engines):
+    """Two models save items (one mm_hash in both); L1 is flooded (evicted, still in L2); one
+    comes back from L2 for a consumer; one is removed. A coordinator's EmbeddingEvents sees
+    every add and evict per item with its mm_hash, size, tier and model — also on the events
+    that carry no label (L2 writes, the load from L2), and nothing of other namespaces."""
+    d, ep = start_with_events(daemon_factory, "--l1-size", "8M")
+    c = kvtier.Client(d.ipc)
+    coord = kvtier.EmbeddingEvents(ep, context=d.ctx)
+    try:
+        sync(c, coord.subscriber)
+        a = engines(d, "ec_producer", model="org/model-a")
+        a.step(request("p", ("img-1", 12), ("img-2", 20)))
+        b = engines(d, "ec_producer", model="org/model-b")
+        b.step(request("p", ("img-1", 12)))
+        size = {n: HEADER_BYTES + n * HIDDEN * 2 for n in (12, 20)}
+        seen = []
+
+        def have(pred, what, since=0):
+            def check():
+                seen.extend(coord.drain(50))
+                return any(pred(e) for e in seen[since:])
+            wait_until(check, 10, interval=0.05, what=what)
+
+        for model, h, n in (("org/model-a", "img-1", 12), ("org/model-a", "img-2", 20),
+                            ("org/model-b", "img-1", 12)):
+            for tier in ("l1", "l2"):
+                have(lambda e: (e["event"], e["model"], e["mm_hash"], e["tier"]) ==
+                     ("add", model, h, tier) and e["size"] == size[n],
+                     "add of %s/%s in %s" % (model, h, tier))
+        e = next(e for e in seen if e["mm_hash"] == "img-2")
+        assert (e["dtype"], e["hidden"], e["key"]) == ("bfloat16", HIDDEN, ec_key("img-2")), e
+        assert e["namespace"] == "vllm-ec/org/model-a", e
+        # L1 flooded by other objects: each item evicted from L1, named
+        for i in range(0, 24, 4):
+            c.put("filler", [bytes([i + j]) * 16 for j in range(4)],
+                  [b"f" * (512 * 1024)] * 4)
+        for model, h in (("org/model-a", "img-1"), ("org/model-a", "img-2"),
+                         ("org/model-b", "img-1")):
+            have(lambda e: (e["event"], e["tier"], e["model"], e["mm_hash"], e["cause"]) ==
+                 ("evict", "l1", model, h, "evicted"), "eviction of %s/%s" % (model, h))
+        # back from L2 for a consumer of model a: an add in L1, named from memory
+        n_before = len(seen)
+        pre = engines(d, "ec_consumer", model="org/model-a")
+        deadline = time.monotonic() + 10
+        while pre.step(request("q", ("img-2", 20)))[1]:
+            assert time.monotonic() < deadline, "still deferred"
+            time.sleep(0.01)
+        have(lambda e: (e["event"], e["tier"], e["mm_hash"], e["model"]) ==
+             ("add", "l1", "img-2", "org/model-a"), "the load of img-2 from L2", n_before)
+        # removed: an evict with its cause
+        assert c.remove(pre.sched.connector.ns, [ec_key("img-2")]) == 1
+        have(lambda e: (e["event"], e["tier"], e["mm_hash"], e["cause"], e["size"]) ==
+             ("evict", "l1", "img-2", "removed", size[20]), "the removal of img-2")
+        assert all(e["namespace"].startswith("vllm-ec/") for e in seen), seen
+        assert all(e["mm_hash"] in ("img-1", "img-2") for e in seen), seen
+    finally:
+        coord.close()
+        c.close()
 
 
 def test_two_models_with_one_mm_hash_never_mix(daemon, engines):

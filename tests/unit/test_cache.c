@@ -113,8 +113,8 @@ static void s_in_l2_only(rig_t *g)
     for (int i = 0; i < N; i++)
         sizes[i] = OBJ;
     kvt_l1_t *l1 = kvt_cache_l1(g->cache);
-    assert_int_equal(kvt_l1_write(l1, &ns, g->keys, N, sizes, 0, false, s_fill, NULL, &stored, NULL,
-                                  err, sizeof err),
+    assert_int_equal(kvt_l1_write(l1, &ns, g->keys, NULL, N, sizes, 0, false, s_fill, NULL,
+                                  &stored, NULL, err, sizeof err),
                      0);
     assert_int_equal(stored, N);
     uint64_t found[N];

@@ -47,9 +47,9 @@ static void test_append_and_read_in_order(void **state)
     assert_int_equal(sp.last, 0);
     kvt_key_t keys[3] = {s_key(1), s_key(2), s_key(3)};
     kvt_ns_t a = s_ns("lmcache/m/1/0", "salty"), b = s_ns("other", NULL);
-    assert_int_equal(kvt_evlog_append(log, KVT_EV_STORED, &a, keys, 3), 1);
-    assert_int_equal(kvt_evlog_append(log, KVT_EV_L2_REMOVED, &b, keys + 1, 1), 2);
-    assert_int_equal(kvt_evlog_append(log, KVT_EV_EVICTED, &a, keys, 0), 0); /* nothing */
+    assert_int_equal(kvt_evlog_append(log, KVT_EV_STORED, &a, keys, NULL, NULL, 3), 1);
+    assert_int_equal(kvt_evlog_append(log, KVT_EV_L2_REMOVED, &b, keys + 1, NULL, NULL, 1), 2);
+    assert_int_equal(kvt_evlog_append(log, KVT_EV_EVICTED, &a, keys, NULL, NULL, 0), 0); /* none */
     kvt_evrec_t *out[8];
     uint32_t n = kvt_evlog_read(log, 0, out, 8, &sp);
     assert_int_equal(n, 2);
@@ -86,6 +86,54 @@ static void test_append_and_read_in_order(void **state)
     assert_null(log);
 }
 
+/* Sizes and labels are copied into the record (the caller's buffers may go at once), a key
+ * without a label reads back as len 0, and they count against the byte bound. */
+static void test_sizes_and_labels(void **state)
+{
+    (void)state;
+    kvt_evlog_t *log = kvt_evlog_new(8, 0);
+    kvt_key_t keys[3] = {s_key(1), s_key(2), s_key(3)};
+    kvt_ns_t ns = s_ns("vllm-ec/m/bfloat16/h4096", NULL);
+    uint64_t sizes[3] = {9437312, 4096, 1};
+    char a[] = "mm-0123abcd", c[] = "caf\xc3\xa9";
+    kvt_bytes_t labels[3] = {{(const uint8_t *)a, 11}, {NULL, 0}, {(const uint8_t *)c, 5}};
+    assert_int_equal(kvt_evlog_append(log, KVT_EV_STORED, &ns, keys, sizes, labels, 3), 1);
+    assert_int_equal(kvt_evlog_append(log, KVT_EV_L2_REMOVED, &ns, keys, NULL, NULL, 1), 2);
+    memset(sizes, 0xee, sizeof sizes);
+    memset(a, 'x', sizeof a - 1);
+    memset(c, 'y', sizeof c - 1);
+    kvt_evrec_t *out[2];
+    assert_int_equal(kvt_evlog_read(log, 0, out, 2, NULL), 2);
+    assert_non_null(out[0]->sizes);
+    assert_int_equal(out[0]->sizes[0], 9437312);
+    assert_int_equal(out[0]->sizes[1], 4096);
+    assert_int_equal(out[0]->sizes[2], 1);
+    assert_non_null(out[0]->labels);
+    assert_int_equal(out[0]->labels[0].len, 11);
+    assert_memory_equal(out[0]->labels[0].ptr, "mm-0123abcd", 11);
+    assert_int_equal(out[0]->labels[1].len, 0);
+    assert_int_equal(out[0]->labels[2].len, 5);
+    assert_memory_equal(out[0]->labels[2].ptr, "caf\xc3\xa9", 5);
+    assert_memory_equal(out[0]->keys, keys, sizeof keys);
+    assert_null(out[1]->sizes);
+    assert_null(out[1]->labels);
+    assert_true(out[0]->bytes >= sizeof(kvt_evrec_t) + 3 * (8 + sizeof(kvt_bytes_t) + 16) + 16);
+    assert_true(out[1]->bytes < out[0]->bytes);
+    kvt_evlog_put(out, 2);
+    kvt_evlog_destroy(&log);
+    /* a bound that holds one labeled record but not two keeps the newest */
+    kvt_evlog_t *small = kvt_evlog_new(8, 2 * sizeof(kvt_evrec_t) + 600);
+    char big[255];
+    memset(big, 'b', sizeof big);
+    kvt_bytes_t bl[2] = {{(const uint8_t *)big, 255}, {(const uint8_t *)big, 255}};
+    kvt_evlog_append(small, KVT_EV_STORED, &ns, keys, NULL, bl, 2);
+    kvt_evlog_append(small, KVT_EV_STORED, &ns, keys, NULL, bl, 2);
+    kvt_evlog_span_t sp = kvt_evlog_span(small);
+    assert_int_equal(sp.first, 2);
+    assert_int_equal(sp.last, 2);
+    kvt_evlog_destroy(&small);
+}
+
 static void test_capacity_drops_the_oldest(void **state)
 {
     (void)state;
@@ -94,7 +142,7 @@ static void test_capacity_drops_the_oldest(void **state)
     kvt_evrec_t *held[1];
     for (uint32_t i = 1; i <= 10; i++) {
         kvt_key_t k = s_key(i);
-        assert_int_equal(kvt_evlog_append(log, KVT_EV_STORED, &ns, &k, 1), i);
+        assert_int_equal(kvt_evlog_append(log, KVT_EV_STORED, &ns, &k, NULL, NULL, 1), i);
         if (i == 2) /* a reader holds seq 1 while the log drops it */
             assert_int_equal(kvt_evlog_read(log, 0, held, 1, NULL), 1);
     }
@@ -133,15 +181,15 @@ static void test_byte_bound_keeps_the_newest(void **state)
     /* room for about three records of 64 keys */
     kvt_evlog_t *log = kvt_evlog_new(1000, 3 * N * sizeof(kvt_key_t) + 512);
     for (int i = 0; i < 10; i++)
-        kvt_evlog_append(log, KVT_EV_STORED, &ns, keys, N);
+        kvt_evlog_append(log, KVT_EV_STORED, &ns, keys, NULL, NULL, N);
     kvt_evlog_span_t sp = kvt_evlog_span(log);
     assert_int_equal(sp.last, 10);
     assert_true(sp.last - sp.first + 1 >= 2);
     assert_true(sp.last - sp.first + 1 <= 3);
     /* one record bigger than the bound is still kept (alone) */
     kvt_evlog_t *tiny = kvt_evlog_new(1000, 16);
-    kvt_evlog_append(tiny, KVT_EV_STORED, &ns, keys, N);
-    kvt_evlog_append(tiny, KVT_EV_STORED, &ns, keys, N);
+    kvt_evlog_append(tiny, KVT_EV_STORED, &ns, keys, NULL, NULL, N);
+    kvt_evlog_append(tiny, KVT_EV_STORED, &ns, keys, NULL, NULL, N);
     sp = kvt_evlog_span(tiny);
     assert_int_equal(sp.first, 2);
     assert_int_equal(sp.last, 2);
@@ -161,7 +209,7 @@ static void *s_append_later(void *arg)
     nanosleep(&ts, NULL);
     kvt_key_t k = s_key(7);
     kvt_ns_t ns = s_ns("ns", NULL);
-    kvt_evlog_append(l->log, KVT_EV_REMOVED, &ns, &k, 1);
+    kvt_evlog_append(l->log, KVT_EV_REMOVED, &ns, &k, NULL, NULL, 1);
     return NULL;
 }
 
@@ -188,7 +236,8 @@ static void test_wait_wakes_times_out_and_closes(void **state)
     assert_true(s_now_ms() - t0 < 1000);
     kvt_key_t k = s_key(1);
     kvt_ns_t ns = s_ns("ns", NULL);
-    assert_int_equal(kvt_evlog_append(log, KVT_EV_STORED, &ns, &k, 1), 2); /* still logs */
+    /* still logs */
+    assert_int_equal(kvt_evlog_append(log, KVT_EV_STORED, &ns, &k, NULL, NULL, 1), 2);
     kvt_evlog_destroy(&log);
 }
 
@@ -200,7 +249,7 @@ static void *s_writer(void *arg)
     kvt_ns_t ns = s_ns("ns", NULL);
     for (uint32_t i = 0; i < S_PER_WRITER; i++) {
         kvt_key_t k = s_key(i);
-        kvt_evlog_append(log, KVT_EV_STORED, &ns, &k, 1);
+        kvt_evlog_append(log, KVT_EV_STORED, &ns, &k, NULL, NULL, 1);
     }
     return NULL;
 }
@@ -236,6 +285,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_append_and_read_in_order),
+        cmocka_unit_test(test_sizes_and_labels),
         cmocka_unit_test(test_capacity_drops_the_oldest),
         cmocka_unit_test(test_byte_bound_keeps_the_newest),
         cmocka_unit_test(test_wait_wakes_times_out_and_closes),

@@ -284,8 +284,11 @@ static void test_rewrite(void **state)
     (void)state;
     kvt_journal_t *j = s_new(NULL, 0);
     kvt_journal_put_t p[40];
+    char longest[KVT_MAX_LABEL];
+    memset(longest, 'z', sizeof longest);
     for (int i = 0; i < 40; i++)
         p[i] = s_obj((uint64_t)i * 4096, 100, "rw", (uint8_t)i);
+    p[38].label = (kvt_bytes_t){(const uint8_t *)longest, KVT_MAX_LABEL}; /* kept: version 3 */
     assert_int_equal(kvt_journal_put(j, p, 40), 0);
     for (int i = 0; i < 38; i++)
         assert_int_equal(kvt_journal_drop(j, &p[i].seq, 1), 0);
@@ -300,6 +303,7 @@ static void test_rewrite(void **state)
     assert_int_equal(kvt_journal_rewrite(j, &p[38], 2, err, sizeof err), 0);
     assert_true(kvt_journal_bytes(j) < before / 4);
     kvt_journal_put_t more = s_obj(200 * 4096, 7, "rw2", 99);
+    more.label = (kvt_bytes_t){(const uint8_t *)"mm-more", 7};
     assert_int_equal(kvt_journal_put(j, &more, 1), 0);
     assert_int_equal(more.seq, 41);
     /* a second compaction with nothing appended meanwhile; then a later SUM */
@@ -321,7 +325,11 @@ static void test_rewrite(void **state)
     assert_int_equal(rejected, 0);
     assert_int_equal(live[0].seq, 39);
     assert_int_equal(live[0].sum, 77);
+    assert_int_equal(live[0].label.len, KVT_MAX_LABEL); /* through two rewrites */
+    assert_memory_equal(live[0].label.ptr, longest, KVT_MAX_LABEL);
     assert_int_equal(live[1].seq, 41);
+    assert_int_equal(live[1].label.len, 7);
+    assert_memory_equal(live[1].label.ptr, "mm-more", 7);
     assert_string_equal(h.path, "/dev/shm/kvtier-test-l1");
     free(live);
     free(b);
@@ -362,11 +370,15 @@ static void test_l2done(void **state)
     assert_int_equal(kvt_journal_parse(b, len, &h, NULL, NULL, &valid, err, sizeof err), 0);
     assert_int_equal(h.version, 1);
     assert_int_equal(valid, len);
-    b[8] = 3; /* a later format: refused, naming it */
+    b[8] = 2; /* version 2: no labels, the same PUT records */
+    kvt_le_put64(b + body, XXH3_64bits_withSeed(b, body, 0));
+    assert_int_equal(kvt_journal_parse(b, len, &h, NULL, NULL, &valid, err, sizeof err), 0);
+    assert_int_equal(valid, len);
+    b[8] = 4; /* a later format: refused, naming it */
     kvt_le_put64(b + body, XXH3_64bits_withSeed(b, body, 0));
     assert_int_equal(kvt_journal_parse(b, len, &h, NULL, NULL, &valid, err, sizeof err),
                      KVT_EBADREQ);
-    assert_non_null(strstr(err, "version 3"));
+    assert_non_null(strstr(err, "version 4"));
     free(b);
 }
 

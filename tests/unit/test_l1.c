@@ -1696,10 +1696,151 @@ static void test_resident_map_off(void **state)
     kvt_config_destroy(&cfg);
 }
 
+/* What the listener was told, copied (its views last only for the call). */
+typedef struct {
+    kvt_l1_event_t event;
+    uint32_t n;
+    kvt_key_t keys[8];
+    uint64_t sizes[8];
+    bool labeled;
+    char labels[8][KVT_MAX_LABEL + 1]; /* "" for a key without one */
+} s_change_t;
+
+static s_change_t s_changes[16];
+static int s_nchanges;
+
+static void s_listen(void *ctx, const kvt_l1_change_t *c)
+{
+    (void)ctx;
+    assert_true(s_nchanges < 16 && c->n <= 8);
+    s_change_t *r = &s_changes[s_nchanges++];
+    memset(r, 0, sizeof *r);
+    r->event = c->event;
+    r->n = c->n;
+    r->labeled = c->labels != NULL;
+    for (uint32_t i = 0; i < c->n; i++) {
+        r->keys[i] = c->keys[i];
+        assert_non_null(c->sizes);
+        r->sizes[i] = c->sizes[i];
+        if (c->labels && c->labels[i].len)
+            memcpy(r->labels[i], c->labels[i].ptr, c->labels[i].len);
+    }
+}
+
+/* kvt_l1_write's fill: writes nothing, commits all. */
+static int s_fill_ok(void *ctx, uint8_t *base, const kvt_slot_t *slots, uint32_t n,
+                     uint64_t *failed, uint32_t *nfailed, uint64_t *sums, char *err,
+                     size_t errlen)
+{
+    (void)ctx, (void)base, (void)slots, (void)n, (void)failed, (void)nfailed, (void)sums;
+    (void)err, (void)errlen;
+    return 0;
+}
+
+static kvt_bytes_t s_label(const char *s)
+{
+    return (kvt_bytes_t){(const uint8_t *)s, s ? (uint32_t)strlen(s) : 0};
+}
+
+/* Every event says each object's length and the label it was stored with (RESERVE or the
+ * daemon's write), whether it leaves by REMOVE or eviction; a key already present keeps its
+ * first label; a batch without labels has none; a label longer than KVT_MAX_LABEL is cut. */
+static void test_events_carry_sizes_and_labels(void **state)
+{
+    fx_t *f = *state;
+    s_nchanges = 0;
+    kvt_l1_set_listener(f->l1, s_listen, NULL);
+    kvt_ns_t ns = s_ns("vllm-ec/m/bfloat16/h8", NULL);
+    kvt_key_t k[6];
+    s_keys(k, 0x51, 0, 6);
+    uint64_t sizes[3] = {5000, 6000, 7000};
+    kvt_bytes_t labels[3] = {s_label("mm-a"), s_label(NULL), s_label("mm-c")};
+    kvt_slot_t slots[3];
+    uint32_t n = 0, stored = 0, removed = 0;
+    uint64_t lease = 0;
+    char err[KVT_ERR_LEN] = "";
+    assert_int_equal(kvt_l1_reserve_labeled(f->l1, 4, &ns, k, labels, 3, sizes, 0, slots, &n,
+                                            &lease, err, sizeof err),
+                     0);
+    assert_int_equal(n, 3);
+    assert_int_equal(s_nchanges, 0); /* nothing until COMMIT */
+    assert_int_equal(kvt_l1_commit(f->l1, 4, lease, NULL, 0, &stored, err, sizeof err), 0);
+    assert_int_equal(s_nchanges, 1);
+    s_change_t *c = &s_changes[0];
+    assert_int_equal(c->event, KVT_L1_STORED);
+    assert_int_equal(c->n, 3);
+    assert_true(c->labeled);
+    assert_int_equal(c->sizes[0], 5000);
+    assert_int_equal(c->sizes[2], 7000);
+    assert_string_equal(c->labels[0], "mm-a");
+    assert_string_equal(c->labels[1], "");
+    assert_string_equal(c->labels[2], "mm-c");
+    /* the same key again with another label: present, nothing new, the first label stays */
+    kvt_bytes_t other = s_label("mm-other");
+    assert_int_equal(kvt_l1_reserve_labeled(f->l1, 4, &ns, k, &other, 1, NULL, 5000, slots, &n,
+                                            &lease, err, sizeof err),
+                     0);
+    assert_int_equal(slots[0].length, 0);
+    /* unlabeled objects: no labels at all */
+    assert_int_equal(s_store(f, 4, &ns, &k[3], 1, 4096), 1);
+    assert_int_equal(s_nchanges, 2);
+    assert_false(s_changes[1].labeled);
+    assert_int_equal(s_changes[1].sizes[0], 4096);
+    /* the daemon's own write (PUT), with a label past the limit: cut to KVT_MAX_LABEL */
+    char longest[KVT_MAX_LABEL + 10];
+    memset(longest, 'L', sizeof longest - 1);
+    longest[sizeof longest - 1] = 0;
+    kvt_bytes_t ll = s_label(longest);
+    uint64_t one = 3000;
+    assert_int_equal(kvt_l1_write(f->l1, &ns, &k[4], &ll, 1, &one, 0, false, s_fill_ok, NULL,
+                                  &stored, NULL, err, sizeof err),
+                     0);
+    assert_int_equal(s_nchanges, 3);
+    assert_int_equal(strlen(s_changes[2].labels[0]), KVT_MAX_LABEL);
+    /* REMOVE: the label and size of what went */
+    assert_int_equal(kvt_l1_remove(f->l1, &ns, &k[2], 1, &removed), 0);
+    assert_int_equal(removed, 1);
+    assert_int_equal(s_nchanges, 4);
+    c = &s_changes[3];
+    assert_int_equal(c->event, KVT_L1_REMOVED);
+    assert_true(c->labeled && c->n == 1);
+    assert_string_equal(c->labels[0], "mm-c");
+    assert_int_equal(c->sizes[0], 7000);
+    /* eviction of everything: the rest, each with its own label or none */
+    kvt_l1_evict(f->l1, f->cap);
+    assert_int_equal(s_nchanges, 5);
+    c = &s_changes[4];
+    assert_int_equal(c->event, KVT_L1_EVICTED);
+    assert_int_equal(c->n, 4);
+    assert_true(c->labeled);
+    int seen = 0;
+    for (uint32_t i = 0; i < c->n; i++) {
+        if (kvt_key_eq(&c->keys[i], &k[0])) {
+            assert_string_equal(c->labels[i], "mm-a");
+            assert_int_equal(c->sizes[i], 5000);
+            seen |= 1;
+        } else if (kvt_key_eq(&c->keys[i], &k[1])) {
+            assert_string_equal(c->labels[i], "");
+            assert_int_equal(c->sizes[i], 6000);
+            seen |= 2;
+        } else if (kvt_key_eq(&c->keys[i], &k[3])) {
+            assert_string_equal(c->labels[i], "");
+            seen |= 4;
+        } else if (kvt_key_eq(&c->keys[i], &k[4])) {
+            assert_int_equal(strlen(c->labels[i]), KVT_MAX_LABEL);
+            assert_int_equal(c->sizes[i], 3000);
+            seen |= 8;
+        }
+    }
+    assert_int_equal(seen, 15);
+    kvt_l1_set_listener(f->l1, NULL, NULL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         T(test_reserve_commit_acquire_release),
+        T(test_events_carry_sizes_and_labels),
         T(test_sizes_array),
         T(test_commit_failed_indices),
         T(test_partial_batch_and_enospc),

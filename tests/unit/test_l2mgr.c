@@ -63,16 +63,21 @@ typedef struct {
 } rig_t;
 
 static void s_on_event(void *ctx, const char *event, const kvt_ns_t *ns, const kvt_key_t *keys,
-                       uint32_t n, const char *adapter)
+                       const uint64_t *sizes, uint32_t n, const char *adapter)
 {
     rig_t *g = ctx;
     (void)keys, (void)adapter;
     assert_int_equal(ns->name_len, strlen(NS));
     assert_int_equal(ns->salt_len, 0);
-    if (strcmp(event, "l2_stored") == 0)
+    if (strcmp(event, "l2_stored") == 0) {
+        assert_non_null(sizes); /* each written object's length */
+        for (uint32_t i = 0; i < n; i++)
+            assert_int_equal(sizes[i], OBJ);
         atomic_fetch_add(&g->stored, n);
-    else if (strcmp(event, "l2_removed") == 0)
+    } else if (strcmp(event, "l2_removed") == 0) {
+        assert_null(sizes);
         atomic_fetch_add(&g->removed, n);
+    }
 }
 
 /* The one place that builds the namespace argument of the storage calls. */

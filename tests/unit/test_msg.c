@@ -387,6 +387,100 @@ static void test_reserve_rules(void **state)
     msgpack_sbuffer_destroy(&b.sb);
 }
 
+/* RESERVE (and PUT) with `labels` built from raw str payloads: n entries, NULL for nil. */
+static int s_labels_decode(kvt_req_type_t t, uint32_t nkeys, const char *const *labels,
+                           const uint32_t *lens, uint32_t n, kvt_req_t *req)
+{
+    body_t b;
+    b_init(&b, t == KVT_REQ_RESERVE ? 4 : 3);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "m");
+    b_keys(&b, nkeys, 16);
+    if (t == KVT_REQ_RESERVE) {
+        b_key(&b, "size");
+        msgpack_pack_uint32(&b.pk, 4096);
+    }
+    b_key(&b, "labels");
+    msgpack_pack_array(&b.pk, n);
+    for (uint32_t i = 0; i < n; i++)
+        if (labels[i]) {
+            msgpack_pack_str(&b.pk, lens[i]);
+            msgpack_pack_str_body(&b.pk, labels[i], lens[i]);
+        } else {
+            msgpack_pack_nil(&b.pk);
+        }
+    int rc = b_decode(&b, t, req);
+    msgpack_sbuffer_destroy(&b.sb);
+    return rc;
+}
+
+/* labels: one per key, str or nil, at most 255 bytes of strict UTF-8; on RESERVE and PUT. */
+static void test_labels(void **state)
+{
+    (void)state;
+    kvt_req_t req;
+    const char *ok[3] = {"mm-9f2c", NULL, "\xe6\x97\xa5\xf0\x9f\x98\x80"};
+    uint32_t oklen[3] = {7, 0, 7};
+    assert_int_equal(s_labels_decode(KVT_REQ_RESERVE, 3, ok, oklen, 3, &req), 0);
+    assert_true(req.present & KVT_F_LABELS);
+    assert_int_equal(req.nlabels, 3);
+    assert_int_equal(req.labels[0].len, 7);
+    assert_memory_equal(req.labels[0].ptr, "mm-9f2c", 7);
+    assert_int_equal(req.labels[1].len, 0);
+    assert_int_equal(req.labels[2].len, 7);
+    kvt_req_release(&req);
+    assert_int_equal(s_labels_decode(KVT_REQ_PUT, 3, ok, oklen, 3, &req), 0);
+    assert_int_equal(req.nlabels, 3);
+    kvt_req_release(&req);
+    /* other requests do not take labels: ignored like any unknown field */
+    assert_int_equal(s_labels_decode(KVT_REQ_ACQUIRE, 3, ok, oklen, 3, &req), 0);
+    assert_false(req.present & KVT_F_LABELS);
+    assert_null(req.labels);
+    kvt_req_release(&req);
+    /* one per key */
+    assert_int_equal(s_labels_decode(KVT_REQ_RESERVE, 2, ok, oklen, 3, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "'labels' has 3 entries for 2 keys"));
+    kvt_req_release(&req);
+    /* 255 bytes pass, 256 do not */
+    char big[256];
+    memset(big, 'a', sizeof big);
+    const char *one[1] = {big};
+    uint32_t len = 255;
+    assert_int_equal(s_labels_decode(KVT_REQ_RESERVE, 1, one, &len, 1, &req), 0);
+    kvt_req_release(&req);
+    len = 256;
+    assert_int_equal(s_labels_decode(KVT_REQ_RESERVE, 1, one, &len, 1, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "at most 255"));
+    kvt_req_release(&req);
+    /* not UTF-8: a stray continuation byte, a cut sequence, an overlong '/', a surrogate,
+     * past U+10FFFF, 0xFF */
+    static const char *const bad[] = {"a\x80", "\xe6\x97", "\xc0\xaf", "\xed\xa0\x80",
+                                      "\xf4\x90\x80\x80", "\xff"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        const char *l[1] = {bad[i]};
+        uint32_t bl = (uint32_t)strlen(bad[i]);
+        assert_int_equal(s_labels_decode(KVT_REQ_RESERVE, 1, l, &bl, 1, &req), KVT_EBADREQ);
+        assert_non_null(strstr(req.error, "not UTF-8"));
+        kvt_req_release(&req);
+    }
+    /* a bin is not a label */
+    body_t b;
+    b_init(&b, 4);
+    b_key(&b, "ns");
+    kvt_pack_str(&b.pk, "m");
+    b_keys(&b, 1, 16);
+    b_key(&b, "size");
+    msgpack_pack_uint32(&b.pk, 4096);
+    b_key(&b, "labels");
+    msgpack_pack_array(&b.pk, 1);
+    msgpack_pack_bin(&b.pk, 2);
+    msgpack_pack_bin_body(&b.pk, "ab", 2);
+    assert_int_equal(b_decode(&b, KVT_REQ_RESERVE, &req), KVT_EBADREQ);
+    assert_non_null(strstr(req.error, "labels"));
+    kvt_req_release(&req);
+    msgpack_sbuffer_destroy(&b.sb);
+}
+
 static void test_type_limits_and_tokens(void **state)
 {
     (void)state;
@@ -676,6 +770,7 @@ int main(void)
         cmocka_unit_test(test_missing_and_wrong_fields),
         cmocka_unit_test(test_keys),
         cmocka_unit_test(test_reserve_rules),
+        cmocka_unit_test(test_labels),
         cmocka_unit_test(test_type_limits_and_tokens),
         cmocka_unit_test(test_error_body_roundtrip),
         cmocka_unit_test(test_random_inputs),

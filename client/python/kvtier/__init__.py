@@ -25,7 +25,7 @@ from .client import (ACQUIRE, BYE, CLEAR, COMMIT, GET, HASH_TOKENS, HELLO, LOOKU
 from .errors import (BadRequest, Busy, InstanceDropped, Internal, KvtierError, LeaseExpired,
                      NoSpace, NotFound, ProtocolError, Timeout, TooLarge, Unavailable,
                      UnknownLease, UnknownType, UnsupportedVersion, error_for)
-from .events import Subscriber
+from .events import EmbeddingEvents, Subscriber
 from .hashing import have_xxhash, hash_tokens, token_bytes, xxh3_128
 
 try:

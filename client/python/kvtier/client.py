@@ -201,6 +201,17 @@ def _unpack(buf):
     return msgpack.unpackb(buf, raw=False, strict_map_key=False)
 
 
+def _labels(labels):
+    """RESERVE/PUT `labels`: str or None per key (the daemon checks lengths and UTF-8)."""
+    out = []
+    for label in labels:
+        if label is not None and not isinstance(label, str):
+            raise TypeError("labels: expected str or None per key, got %s"
+                            % type(label).__name__)
+        out.append(label)
+    return out
+
+
 def _keys(keys):
     """Keys as the wire wants them: a list whose bytes-likes msgpack packs as bin (bytes,
     bytearray and memoryview alike: no per-key conversion on the hot path). Checking them (16
@@ -866,10 +877,12 @@ class Client:
     # -- helpers ------------------------------------------------------------------------
 
     @staticmethod
-    def _keyed(ns, keys, salt):
+    def _keyed(ns, keys, salt, labels=None):
         body = {"ns": ns, "keys": _keys(keys)}
         if salt:
             body["salt"] = salt
+        if labels is not None:
+            body["labels"] = _labels(labels)
         return body
 
     def _need_arena(self, what):
@@ -954,31 +967,33 @@ class Client:
         r = self.call(PREFETCH_STATUS, {"job": job})[0]
         return PrefetchStatus(r.get("done"), r.get("loaded"), r.get("hits"))
 
-    def reserve(self, ns, keys, sizes, salt=None):
+    def reserve(self, ns, keys, sizes, salt=None, labels=None):
         """RESERVE -> Reservation(slots, lease). `sizes` is one int for every key or one per
         key. Each slot is a writable memoryview of exactly the size asked for, or None (already
         stored: do not write); there may be fewer slots than keys (the longest prefix that
-        fits). Write the bytes, then commit(lease). NoSpace when not even the first fits."""
-        body = self._reserve_body(ns, keys, sizes, salt)
+        fits). Write the bytes, then commit(lease). NoSpace when not even the first fits.
+        `labels`: one str (at most 255 UTF-8 bytes) or None per key, kept with each new object
+        and carried by its events (an embedding's mm_hash, say)."""
+        body = self._reserve_body(ns, keys, sizes, salt, labels)
         views, lease = self._views_for(self.call(RESERVE, body)[0], True)
         return Reservation(views, lease)
 
-    def _reserve_body(self, ns, keys, sizes, salt):
+    def _reserve_body(self, ns, keys, sizes, salt, labels=None):
         self._need_arena("RESERVE")
-        body = self._keyed(ns, keys, salt)
+        body = self._keyed(ns, keys, salt, labels)
         if isinstance(sizes, int):
             body["size"] = sizes
         else:
             body["sizes"] = list(sizes)
         return body
 
-    def reserve_offsets(self, ns, keys, sizes, salt=None):
+    def reserve_offsets(self, ns, keys, sizes, salt=None, labels=None):
         """reserve() answering Slots: (offset, length) into .arena per slot instead of views
         (None: already stored). Nothing is tracked: write through your own view of .arena
         (re-read .arena after every call: a restarted daemon's arena replaces it), then
         commit(lease)."""
         return self._ranges_for(self.call(RESERVE, self._reserve_body(ns, keys, sizes,
-                                                                     salt))[0])
+                                                                     salt, labels))[0])
 
     # The same requests in two halves, to overlap the daemon's work (and the round trip) with
     # the caller's copies: each sends its request and returns a function that waits for the
@@ -986,8 +1001,8 @@ class Client:
     # nothing is re-established on the way (InstanceDropped reaches the caller), and each
     # returned function must be called once, else its reply is kept until close().
 
-    def reserve_offsets_begin(self, ns, keys, sizes, salt=None):
-        uid = self.send(RESERVE, self._reserve_body(ns, keys, sizes, salt))
+    def reserve_offsets_begin(self, ns, keys, sizes, salt=None, labels=None):
+        uid = self.send(RESERVE, self._reserve_body(ns, keys, sizes, salt, labels))
         return lambda: self._ranges_for(self.recv(uid)[0])
 
     def acquire_offsets_begin(self, ns, keys, salt=None):
@@ -1064,10 +1079,10 @@ class Client:
         self.release(lease)
 
     @contextlib.contextmanager
-    def reserved(self, ns, keys, sizes, salt=None):
+    def reserved(self, ns, keys, sizes, salt=None, labels=None):
         """with client.reserved(ns, keys, sizes) as slots: write into the non-None slots.
         COMMIT on a normal exit; on an exception the reservation is abandoned (RELEASE)."""
-        slots, lease = self.reserve(ns, keys, sizes, salt)
+        slots, lease = self.reserve(ns, keys, sizes, salt, labels)
         try:
             yield slots
         except BaseException:
@@ -1077,11 +1092,11 @@ class Client:
         if lease:
             self.commit(lease)
 
-    def store(self, ns, keys, datas, salt=None):
+    def store(self, ns, keys, datas, salt=None, labels=None):
         """RESERVE + copy into the arena + COMMIT: stores the objects that are not stored yet
         (up to what fits). Returns how many became readable."""
         datas = list(datas)
-        slots, lease = self.reserve(ns, keys, [len(d) for d in datas], salt)
+        slots, lease = self.reserve(ns, keys, [len(d) for d in datas], salt, labels)
         if not lease:
             return 0
         for slot, d in zip(slots, datas):
@@ -1094,10 +1109,12 @@ class Client:
         with self.acquired(ns, keys, salt) as views:
             return [bytes(v) for v in views]
 
-    def put(self, ns, keys, datas, salt=None):
+    def put(self, ns, keys, datas, salt=None, labels=None):
         """PUT: the bytes ride the socket (one raw frame per key) — for clients without the
-        arena, or small objects. Returns `stored` (new objects only)."""
-        return self.call(PUT, self._keyed(ns, keys, salt), list(datas))[0].get("stored", 0)
+        arena, or small objects. Returns `stored` (new objects only). `labels` as for
+        reserve()."""
+        return self.call(PUT, self._keyed(ns, keys, salt, labels),
+                         list(datas))[0].get("stored", 0)
 
     def get(self, ns, keys, salt=None, copy=True):
         """GET -> the bytes of the leading keys found, in key order (a list of bytes; of

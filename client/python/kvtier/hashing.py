@@ -14,6 +14,7 @@ Unavailable and `Client.chunk_keys` asks the daemon instead.
 """
 
 import array
+import hashlib
 import sys
 
 from .errors import BadRequest, Unavailable
@@ -24,9 +25,37 @@ try:
 except (ImportError, AttributeError):   # missing, or too old for XXH3
     _xxh3_128 = None
 
-__all__ = ["have_xxhash", "hash_tokens", "token_bytes", "xxh3_128"]
+__all__ = ["have_xxhash", "hash_tokens", "token_bytes", "xxh3_128", "name_key", "label_of"]
+
+MAX_LABEL = 255          # bytes of a RESERVE/PUT label (UTF-8)
 
 KEY_LEN = 16
+
+
+def name_key(name):
+    """The 16-byte key of an object known by a name (an embedding's mm_hash, a media hash):
+    BLAKE2b-128 of its UTF-8. kvtier.vllm and kvtier.media key their objects so, and a
+    coordinator can compute the key of a name it was told about."""
+    if isinstance(name, str):
+        name = name.encode("utf-8")
+    return hashlib.blake2b(bytes(name), digest_size=16).digest()
+
+
+def label_of(name):
+    """`name` as an object label (RESERVE/PUT `labels`, carried by the object's events):
+    the str itself when it is one of at most MAX_LABEL UTF-8 bytes, else None (no label)."""
+    if isinstance(name, bytes):
+        try:
+            name = name.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(name, str) or len(name.encode("utf-8", "surrogatepass")) > MAX_LABEL:
+        return None
+    try:
+        name.encode("utf-8")                   # lone surrogates are not UTF-8
+    except UnicodeEncodeError:
+        return None
+    return name
 
 
 def have_xxhash():

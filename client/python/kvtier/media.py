@@ -25,19 +25,16 @@ sign of life). A Client is not thread-safe: one MediaCache per thread.
 """
 
 import contextlib
-import hashlib
 
 from . import tensorobj
 from .client import Client
+from .hashing import label_of, name_key
 
 __all__ = ["MediaCache", "MediaRef", "media_key"]
 
 
-def media_key(mm_hash):
-    """The 16-byte key of a hash string (or bytes): BLAKE2b-128 of its UTF-8."""
-    if isinstance(mm_hash, str):
-        mm_hash = mm_hash.encode("utf-8")
-    return hashlib.blake2b(bytes(mm_hash), digest_size=16).digest()
+# The 16-byte key of a hash string (or bytes): BLAKE2b-128 of its UTF-8.
+media_key = name_key
 
 
 class MediaRef(tuple):
@@ -95,7 +92,7 @@ class MediaCache:
         True when stored now, False when it was there already (nothing written)."""
         key = media_key(mm_hash)
         got = self.client.reserve_offsets(self.ns, [key], tensorobj.size_of(value),
-                                          salt=self.salt)
+                                          salt=self.salt, labels=[label_of(mm_hash)])
         if not got.slots or got.slots[0] is None:
             return False
         try:

@@ -41,7 +41,6 @@ ensure_cache_available go on and saves nothing, with a warning (one per kind); t
 client is reconnected in the background of later calls (every reconnect_interval_ms).
 """
 
-import hashlib
 import logging
 import os
 import threading
@@ -52,6 +51,8 @@ import torch
 from . import tensorobj
 from .client import Client
 from .errors import KvtierError
+from .events import ec_namespace
+from .hashing import label_of, name_key
 from .tensorobj import HEADER_BYTES
 
 try:                                           # vLLM's base class when vLLM is installed
@@ -108,11 +109,8 @@ _INTS = {"timeout_ms": 1, "load_timeout_ms": 0, "pin_timeout_ms": 1000,
 DEFAULT_ENDPOINT = "ipc:///run/kvtier/kvtier.sock"
 
 
-def ec_key(identifier):
-    """kvtier's 16-byte key of one encoder output: BLAKE2b-128 of its identifier's UTF-8."""
-    if isinstance(identifier, str):
-        identifier = identifier.encode("utf-8")
-    return hashlib.blake2b(bytes(identifier), digest_size=16).digest()
+# kvtier's 16-byte key of one encoder output: BLAKE2b-128 of its identifier's UTF-8.
+ec_key = name_key
 
 
 def _dtype_name(dtype):
@@ -150,12 +148,12 @@ def _settings(vllm_config):
             log.warning("kvtier.vllm: no model name and no namespace in the extra config: "
                         "items go to vllm-ec/unnamed-model, shared with any other such engine")
         cfg["namespace"] = "vllm-ec/" + str(model or "unnamed-model").strip("/")
-    ns = cfg["namespace"] + "/" + _dtype_name(getattr(mc, "dtype", None) or "auto")
     try:
-        ns += "/h%d" % int(mc.get_hidden_size())
+        hidden = int(mc.get_hidden_size())
     except Exception:                          # noqa: BLE001 - no hidden size: dtype only
-        pass
-    cfg["ns"] = ns
+        hidden = None
+    cfg["ns"] = ec_namespace(cfg["namespace"],
+                             _dtype_name(getattr(mc, "dtype", None) or "auto"), hidden)
     return cfg
 
 
@@ -496,7 +494,7 @@ class KvtierECConnector(_Base):
                 return
             key = ec_key(mm_hash)
             got = self._call("save_caches", lambda c: c.reserve_offsets(
-                self.ns, [key], size, salt=self._salt), None)
+                self.ns, [key], size, salt=self._salt, labels=[label_of(mm_hash)]), None)
             if got is None:
                 return
             if not got.slots or got.slots[0] is None:
