@@ -71,7 +71,7 @@ obj = $(patsubst %.c,$(1)/obj/%.o,$(2))
 
 CORE_OBJ   := $(call obj,$(BUILD),$(CORE_SRC) $(DAEMON_SRC))
 CLIENT_OBJ := $(call obj,$(BUILD),$(CLIENT_SRC) common/kvt_error.c common/kvt_ring.c common/kvt_fdpass.c \
-                common/kvt_resident.c \
+                common/kvt_resident.c common/kvt_utf8.c \
                 protocol/kvt_msg.c protocol/kvt_proto.c protocol/kvt_hash.c)
 CLIENT_LIBS = $(shell pkg-config --libs libzmq msgpack jansson libxxhash 2>/dev/null)
 ASAN_OBJ   := $(call obj,$(BUILD)/asan,$(CORE_SRC) $(DAEMON_SRC))
@@ -691,11 +691,12 @@ FUZZ_CFLAGS    = -std=gnu11 $(WARN) -D_GNU_SOURCE -DKVT_VERSION='"$(VERSION)"' $
 FUZZ_RUN_ARGS  = -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
                  -print_final_stats=1
 FUZZ_DECODE_SRC := tests/fuzz/fuzz_decode.c protocol/kvt_msg.c protocol/kvt_proto.c \
-                   common/kvt_error.c common/kvt_log.c
+                   common/kvt_error.c common/kvt_log.c common/kvt_utf8.c
 FUZZ_CONFIG_SRC := tests/fuzz/fuzz_config.c config/kvt_config.c common/kvt_error.c common/kvt_log.c \
                    common/kvt_size.c
 FUZZ_LMC_SRC    := tests/fuzz/fuzz_lmc.c protocol/kvt_lmc.c protocol/kvt_msg.c protocol/kvt_proto.c \
-                   common/kvt_error.c common/kvt_log.c daemon/kvt_lmc_registry.c common/kvt_u64map.c
+                   common/kvt_error.c common/kvt_log.c daemon/kvt_lmc_registry.c common/kvt_u64map.c \
+                   common/kvt_utf8.c
 FUZZ_RING_SRC   := tests/fuzz/fuzz_ring.c common/kvt_ring.c common/kvt_error.c
 FUZZ_JOURNAL_SRC := tests/fuzz/fuzz_journal.c storage/kvt_journal.c common/kvt_error.c
 FUZZ_SEGLOG_SRC := tests/fuzz/fuzz_seglog.c l2/kvt_seglog.c common/kvt_error.c common/kvt_log.c

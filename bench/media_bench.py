@@ -106,7 +106,7 @@ def main():
     from multiprocessing import shared_memory
 
     from kvtier.media import MediaCache
-    from sglang_bench import start_daemon
+    from _daemon import start_daemon, stop_daemon
     torch.set_num_threads(1)
     nbytes = ROWS * COLS * 2
     workdir = tempfile.mkdtemp(prefix="kvt-bench-media-")
@@ -186,8 +186,7 @@ def main():
         ctx.term()
         seg.close()
         seg.unlink()
-        proc.terminate()
-        proc.wait(timeout=20)
+        stop_daemon(proc)
         shutil.rmtree(workdir, ignore_errors=True)
     med = {w: {k: statistics.median(v) for k, v in d.items()} for w, d in times.items()}
     res = {"bytes": nbytes, "workers": args.workers, "rounds": rounds, "median_s": med,

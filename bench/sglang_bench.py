@@ -36,9 +36,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,36 +51,12 @@ import sglang_iface  # noqa: E402
 sglang_iface.install()
 import kvtier  # noqa: E402
 import kvtier.sglang  # noqa: E402,F401
+from _daemon import start_daemon, stop_daemon  # noqa: E402
 
 PAGES = 64
 ARENA = 256 << 20                         # the daemon's L1
 PAGE_KW = dict(page_size=64, layers=8, heads=2, head_dim=128, dtype=torch.bfloat16,
                layout="page_first")
-
-
-def start_daemon(binary, workdir, l1):
-    run = os.path.join(workdir, "run")
-    os.makedirs(run)
-    ipc = "ipc://" + os.path.join(run, "kvtier.sock")
-    proc = subprocess.Popen([binary, "--run-dir", run, "--data-dir", os.path.join(workdir, "d"),
-                             "--listen", ipc, "--http", "", "--l2", "none",
-                             "--l1-size", l1, "--log-level", "warn",
-                             # nothing kept in /dev/shm after the run
-                             "--l1-adopt=false"],
-                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(workdir, "log"),
-                                                                   "w"))
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            with kvtier.Client(ipc, timeout_ms=500) as c:
-                c.ping()
-            return proc, ipc
-        except kvtier.KvtierError:
-            if proc.poll() is not None:
-                raise SystemExit("kvtierd exited: %s" % open(os.path.join(workdir, "log")).read())
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("kvtierd did not answer within 20 s")
 
 
 def timed(fn):
@@ -188,8 +162,7 @@ def main():
         bstats = be.stats()
         be.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
+        stop_daemon(proc)
         shutil.rmtree(workdir, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = {"set": "memcpy/out", "get": "memcpy/in", "set/generic": "memcpy/out",

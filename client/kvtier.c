@@ -352,7 +352,7 @@ int kvtier_resident(kvtier_t *self, const char *ns, const char *salt,
         return kvc_fail(self, KVT_EUNAVAIL, "resident: no residency map (%s)",
                         self->req_ring ? "the daemon offered none" : "no fast-path pair");
     uint64_t now = kvc_mono_ns();
-    if (now - self->res_checked_ns > 10000000u) { /* a poll costs more than the probe */
+    if (now - self->res_checked_ns > KVTIER_RESIDENT_PEER_CHECK_MS * 1000000u) {
         if (kvt_fdpass_peer_gone(self->ring_sock)) {
             kvc_pair_drop(self);
             return kvc_fail(self, KVT_EUNAVAIL, "resident: the daemon let the pair go");

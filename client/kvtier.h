@@ -191,8 +191,10 @@ int kvtier_lookup(kvtier_t *self, const char *ns, const char *salt,
  * *l1 = how many leading keys are READY in L1 now (or were a moment ago), without a request.
  * Fewer than n says nothing about the rest (L2, or a key the map left out): kvtier_lookup
  * knows. KVTIER_EUNAVAIL when the map cannot answer: no pair or no map with it (an older
- * daemon, resident_map off), the daemon gone (its handoff connection, looked at every 10 ms
- * at most) or not beating it for a second, a forked child's copy of the handle. */
+ * daemon, resident_map off), the daemon gone (its handoff connection, looked at every
+ * KVTIER_RESIDENT_PEER_CHECK_MS at most) or not beating it for a second, a forked child's copy
+ * of the handle. */
+#define KVTIER_RESIDENT_PEER_CHECK_MS 10 /* a poll of the connection costs more than a probe */
 int kvtier_resident(kvtier_t *self, const char *ns, const char *salt,
                     const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, uint32_t *l1);
 

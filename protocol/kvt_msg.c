@@ -6,6 +6,7 @@
 #include "kvt_msg.h"
 
 #include "kvt_error.h"
+#include "kvt_utf8.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -231,30 +232,6 @@ static int s_uint_array(kvt_req_t *r, int fi, const msgpack_object *o, uint32_t 
     return 0;
 }
 
-/* Strict UTF-8 (no overlong forms, surrogates or code points past U+10FFFF): labels go out in
- * events as msgpack str, and a subscriber that decodes them as text must not choke on one. */
-static bool s_utf8(const uint8_t *p, uint32_t n)
-{
-    for (uint32_t i = 0; i < n;) {
-        uint8_t c = p[i];
-        uint32_t len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3
-                                   : (c & 0xF8) == 0xF0 ? 4 : 0;
-        if (len == 0 || len > n - i)
-            return false;
-        uint32_t cp = len == 1 ? c : c & (0x7F >> len);
-        for (uint32_t k = 1; k < len; k++) {
-            if ((p[i + k] & 0xC0) != 0x80)
-                return false;
-            cp = cp << 6 | (p[i + k] & 0x3F);
-        }
-        static const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
-        if (cp < min[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-            return false;
-        i += len;
-    }
-    return true;
-}
-
 static int s_labels(kvt_req_t *r, const msgpack_object *o, const kvt_limits_t *lim)
 {
     if (o->type != MSGPACK_OBJECT_ARRAY)
@@ -281,7 +258,7 @@ static int s_labels(kvt_req_t *r, const msgpack_object *o, const kvt_limits_t *l
                      KVT_MAX_LABEL);
             return KVT_EBADREQ;
         }
-        if (!s_utf8((const uint8_t *)e->via.str.ptr, e->via.str.size)) {
+        if (!kvt_utf8_valid((const uint8_t *)e->via.str.ptr, e->via.str.size)) {
             snprintf(r->error, sizeof r->error, "field 'labels': entry %u is not UTF-8", i);
             return KVT_EBADREQ;
         }

@@ -454,7 +454,8 @@ static bool s_encode_puts(kvt_journal_t *self, kvt_journal_put_t *puts, size_t n
     return true;
 }
 
-static bool s_ns_ok(const kvt_journal_put_t *p)
+/* The record's variable parts fit the format: namespace, salt and label lengths. */
+static bool s_put_ok(const kvt_journal_put_t *p)
 {
     return p->ns.name_len >= 1 && p->ns.name_len <= KVT_MAX_NS && p->ns.salt_len <= KVT_MAX_SALT &&
            p->label.len <= KVT_MAX_LABEL;
@@ -467,8 +468,8 @@ static int s_write_file(kvt_journal_t *self, const kvt_journal_put_t *live, size
                         char *err, size_t errlen)
 {
     for (size_t i = 0; i < n; i++)
-        if (!s_ns_ok(&live[i])) {
-            snprintf(err, errlen, "a carried-over object has an invalid namespace");
+        if (!s_put_ok(&live[i])) {
+            snprintf(err, errlen, "a carried-over object has an invalid namespace or label");
             return KVT_EINVAL;
         }
     uint64_t salt = 0;
@@ -647,7 +648,7 @@ int kvt_journal_put(kvt_journal_t *self, kvt_journal_put_t *puts, size_t n)
     if (n == 0)
         return 0;
     for (size_t i = 0; i < n; i++)
-        if (!s_ns_ok(&puts[i]))
+        if (!s_put_ok(&puts[i]))
             return KVT_EINVAL;
     pthread_mutex_lock(&self->lock);
     size_t at = 0;

@@ -130,7 +130,7 @@ int kvt_journal_rewrite(kvt_journal_t *self, const kvt_journal_put_t *live, size
 void kvt_journal_destroy(kvt_journal_t **self_p);
 
 /* Appends n PUT records in one write(), giving each object the next seq (into puts[i].seq).
- * 0; KVT_EINVAL (a namespace out of bounds: nothing written); KVT_EIO or KVT_ENOMEM (the
+ * 0; KVT_EINVAL (a namespace or label out of bounds: nothing written); KVT_EIO or KVT_ENOMEM (the
  * journal is then broken: every later append fails too, and the caller stops promising
  * adoption). */
 int kvt_journal_put(kvt_journal_t *self, kvt_journal_put_t *puts, size_t n);

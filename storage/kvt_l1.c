@@ -45,6 +45,7 @@
 #include "kvt_queue.h"
 #include "kvt_resident.h"
 #include "kvt_thread.h"
+#include "kvt_utf8.h"
 
 #include <czmq.h>
 #include <errno.h>
@@ -436,12 +437,15 @@ static void s_lru_push_head(kvt_l1_t *self, s_obj_t *o)
 /* ---- objects ---- */
 
 /* An object's own copy of a label ([0]: its length, then the bytes; at most KVT_MAX_LABEL of
- * them); NULL for none. */
+ * them, a longer one cut before the character that crosses the limit); NULL for none. */
 static uint8_t *s_label_new(const kvt_bytes_t *l)
 {
-    if (!l->len)
+    uint32_t len = l->len;
+    if (len > KVT_MAX_LABEL)
+        for (len = KVT_MAX_LABEL; len && (l->ptr[len] & 0xC0) == 0x80; len--)
+            ;
+    if (!len)
         return NULL;
-    uint32_t len = l->len < KVT_MAX_LABEL ? l->len : KVT_MAX_LABEL;
     uint8_t *p = malloc(1 + len);
     kvt_assert(p);
     p[0] = (uint8_t)len;
@@ -1367,6 +1371,11 @@ static int s_by_seq_put(const void *a, const void *b)
  * READY, so in the snapshot, and no PUT can come meanwhile); the snapshot takes one shard lock
  * at a time, and the DROP and SUM records appended while it runs are carried into the new file
  * (kvt_journal_mark), so none is lost whether the snapshot saw its object or not. Evictor. */
+typedef struct {
+    s_ns_t *ns;
+    uint8_t *label;
+} s_snap_hold_t;
+
 static void s_maybe_compact(kvt_l1_t *self)
 {
     if (!self->journal || atomic_load(&self->journal_lost))
@@ -1379,6 +1388,10 @@ static void s_maybe_compact(kvt_l1_t *self)
     kvt_journal_mark(self->journal);
     size_t n = 0, cap = 0;
     kvt_journal_put_t *live = NULL;
+    /* an object may go (its label freed, its namespace's last reference dropped) once its
+     * shard is unlocked, before the rewrite reads the snapshot: the snapshot holds a reference
+     * to each namespace and a copy of each label */
+    s_snap_hold_t *hold = NULL;
     bool oom = false;
     for (uint32_t s = 0; s < S_SHARDS && !oom; s++) {
         s_shard_t *sh = &self->shards[s];
@@ -1386,17 +1399,29 @@ static void s_maybe_compact(kvt_l1_t *self)
         if (n + sh->count > cap) {
             cap = (n + sh->count) * 2 + 64;
             kvt_journal_put_t *v = realloc(live, cap * sizeof *live);
-            if (!v) {
+            s_snap_hold_t *h = v ? realloc(hold, cap * sizeof *hold) : NULL;
+            live = v ? v : live;
+            hold = h ? h : hold;
+            if (!h) {
                 pthread_mutex_unlock(&sh->lock);
                 oom = true;
                 break;
             }
-            live = v;
         }
         for (uint32_t b = 0; b < sh->nbuckets; b++)
             for (s_obj_t *o = sh->buckets[b]; o; o = o->hnext)
-                if (o->state == S_READY && o->jseq)
-                    live[n++] = s_put_of(o, o->l2_pending > 0);
+                if (o->state == S_READY && o->jseq) {
+                    live[n] = s_put_of(o, o->l2_pending > 0);
+                    uint8_t *label = NULL;
+                    if (o->label) {
+                        label = malloc(1 + o->label[0]);
+                        kvt_assert(label);
+                        memcpy(label, o->label, 1 + o->label[0]);
+                        live[n].label.ptr = label + 1;
+                    }
+                    s_ns_ref(self, o->ns);
+                    hold[n++] = (s_snap_hold_t){o->ns, label};
+                }
         pthread_mutex_unlock(&sh->lock);
     }
     char err[KVT_ERR_LEN] = "out of memory taking the snapshot";
@@ -1409,6 +1434,11 @@ static void s_maybe_compact(kvt_l1_t *self)
         rc = kvt_journal_rewrite(self->journal, live, n, err, sizeof err);
     }
     pthread_rwlock_unlock(&self->commit_lock);
+    for (size_t i = 0; i < n; i++) {
+        s_ns_put(self, hold[i].ns);
+        free(hold[i].label);
+    }
+    free(hold);
     free(live);
     if (rc == 0) {
         s_inc(&self->compactions, 1);
@@ -1639,7 +1669,9 @@ static void s_adopt_objects(kvt_l1_t *self, const kvt_journal_put_t *live, size_
         o->hash = s_hash(o->ns, &o->key);
         o->length = a[i].p.length;
         o->block = a[i].block;
-        o->label = s_label_new(&a[i].p.label);
+        /* the journal is ours, but what goes out as text is checked text */
+        if (kvt_utf8_valid(a[i].p.label.ptr, a[i].p.label.len))
+            o->label = s_label_new(&a[i].p.label);
         o->jseq = a[i].p.seq;
         o->owed_l2 = a[i].p.l2_pending;
         o->sum = a[i].p.sum;

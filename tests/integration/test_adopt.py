@@ -40,11 +40,11 @@ def restart(d, sig, *extra):
     return d.restart(sig, *extra)
 
 
-def store(c, tag, n, ns=NS, size=None):
+def store(c, tag, n, ns=NS, size=None, labels=None):
     """n objects of sizes from a page to 300 KiB (or `size`), byte-exact payloads; their data."""
     keys = [key(i, tag) for i in range(n)]
     datas = [payload("%s-%d" % (tag, i), size or (4096 * (1 + i % 5) + 37 * i)) for i in range(n)]
-    slots, lease = c.reserve(ns, keys, [len(x) for x in datas])
+    slots, lease = c.reserve(ns, keys, [len(x) for x in datas], labels=labels)
     assert None not in slots
     for s, x in zip(slots, datas):
         s[:] = x
@@ -296,8 +296,9 @@ def test_journal_compaction_then_sigkill(daemon_factory):
     d = daemon_factory(*ADOPT, "--debug-journal-compact-bytes", "64K")
     c = kvtier.Client(d.ipc, instance="adopt-j", fastpath=False)
     live = {}
-    for r in range(20):
-        objs = store(c, b"j%d" % r, 60, size=4096)
+    for r in range(20):            # labelled: the snapshot copies labels of objects that go
+        objs = store(c, b"j%d" % r, 60, size=4096, labels=["mm-%d-%d" % (r, i) for i in
+                                                            range(60)])
         gone = list(objs)[:59]
         c.remove(NS, gone)
         for k in gone:

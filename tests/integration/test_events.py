@@ -397,3 +397,17 @@ def test_embedding_events_translation():
                         "sizes": [10, 1]})
     assert [e["mm_hash"] for e in got] == [None, "d"]
     assert ee.translate({"event": "stored", "ns": "other/ns", "keys": [k[0]]}) == []
+    # the same key in another namespace or salt is another item; short arrays pad with None
+    got = ee.translate({"event": "stored", "ns": "vllm-ec/other/float16", "salt": "t",
+                        "keys": [k[3], k[1]], "sizes": [5], "labels": ["e"]})
+    assert [(e["mm_hash"], e["size"], e["model"], e["hidden"]) for e in got] == \
+        [("e", 5, "other", None), (None, None, "other", None)]
+    got = ee.translate({"event": "evicted", "ns": ns, "salt": "", "keys": [k[3]]})
+    assert got[0]["mm_hash"] == "d"
+    with pytest.raises(ValueError, match="translate"):
+        ee.recv(0)
+    from kvtier.hashing import label_of
+    assert label_of("x" * 255) == "x" * 255 and label_of("x" * 256) is None
+    assert label_of("\u00e9" * 127) is not None and label_of("\u00e9" * 128) is None
+    assert label_of("a\udcff") is None and label_of(bytearray(b"mm")) == "mm"
+    assert label_of(b"\xff") is None and label_of(7) is None

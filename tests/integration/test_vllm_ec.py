@@ -173,6 +173,25 @@ def test_l2_only_items_come_back_through_ensure_cache_available(daemon_factory, 
     assert torch.equal(pre.workers[0].encoder_cache["old-image"],
                        embed(feature("old-image", 10, 30)))
 
+    # three items in L2 only, one nowhere between them: a LOOKUP per item found nowhere plus
+    # one (not one per item), one load job, and the request loads all three
+    enc.step(request("p2", ("l2-a", 20), ("l2-b", 20), ("l2-c", 20)))
+    wait_until(lambda: metric_value(d.metrics()[1], "kvtier_l2_stored_total") >= 4, 10,
+               what="the items written behind to L2")
+    for i in range(0, 24, 4):
+        c.put("filler2", filler[i:i + 4], [b"g" * (512 * 1024)] * 4)
+    assert c.lookup(ns, [ec_key(h) for h in ("l2-a", "l2-b", "l2-c")]).l1 == 0
+    r = request("q3", ("l2-a", 20), ("l2-b", 20), ("never", 20), ("l2-c", 20))
+    before = requests_of(d, "lookup")
+    out, deferred, _ = pre.step(r)
+    assert deferred and requests_of(d, "lookup") - before == 2
+    deadline = time.monotonic() + 10
+    while deferred:
+        assert time.monotonic() < deadline, "still deferred"
+        time.sleep(0.01)
+        out, deferred, _ = pre.step(r)
+    assert [how for _, how in out.scheduled["q3"]] == ["load", "load", "compute", "load"]
+
 
 def test_removed_and_evicted_after_has_cache_item_still_load_right(daemon_factory, engines):
     """Between has_cache_item (the pin) and the workers' load, the item is removed and L1 is

@@ -1755,6 +1755,7 @@ static void test_events_carry_sizes_and_labels(void **state)
     s_keys(k, 0x51, 0, 6);
     uint64_t sizes[3] = {5000, 6000, 7000};
     kvt_bytes_t labels[3] = {s_label("mm-a"), s_label(NULL), s_label("mm-c")};
+    uint64_t one = 3000;
     kvt_slot_t slots[3];
     uint32_t n = 0, stored = 0, removed = 0;
     uint64_t lease = 0;
@@ -1786,12 +1787,21 @@ static void test_events_carry_sizes_and_labels(void **state)
     assert_int_equal(s_nchanges, 2);
     assert_false(s_changes[1].labeled);
     assert_int_equal(s_changes[1].sizes[0], 4096);
-    /* the daemon's own write (PUT), with a label past the limit: cut to KVT_MAX_LABEL */
+    /* the daemon's own write (PUT), with a label past the limit: cut to KVT_MAX_LABEL, or
+     * before a character that would cross it (here a 2-byte one at 254..255) */
     char longest[KVT_MAX_LABEL + 10];
     memset(longest, 'L', sizeof longest - 1);
     longest[sizeof longest - 1] = 0;
+    kvt_bytes_t crossing = s_label(longest);
+    memcpy(longest + KVT_MAX_LABEL - 1, "\xc3\xa9", 2);
+    assert_int_equal(kvt_l1_write(f->l1, &ns, &k[5], &crossing, 1, &one, 0, false, s_fill_ok,
+                                  NULL, &stored, NULL, err, sizeof err),
+                     0);
+    assert_int_equal(strlen(s_changes[s_nchanges - 1].labels[0]), KVT_MAX_LABEL - 1);
+    assert_int_equal(kvt_l1_remove(f->l1, &ns, &k[5], 1, &removed), 0);
+    s_nchanges = 2;
+    memset(longest, 'L', sizeof longest - 1);
     kvt_bytes_t ll = s_label(longest);
-    uint64_t one = 3000;
     assert_int_equal(kvt_l1_write(f->l1, &ns, &k[4], &ll, 1, &one, 0, false, s_fill_ok, NULL,
                                   &stored, NULL, err, sizeof err),
                      0);

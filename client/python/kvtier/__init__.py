@@ -10,7 +10,8 @@
             ...read the read-only memoryviews (zero-copy)...
 
 Modules: client (Client, the requests), errors (KvtierError and one subclass per wire code),
-hashing (hash_tokens, xxh3_128: keys computed locally), events (Subscriber), heartbeat (the
+hashing (hash_tokens, xxh3_128: keys computed locally; name_key), events (Subscriber, and
+EmbeddingEvents: the events as a coordinator of multimodal embeddings reads them), heartbeat (the
 thread that keeps an idle Client's instance alive), sglang (KvtierHiCacheStorage, SGLang's
 HiCache storage backend), vllm (KvtierECConnector, vLLM's encoder-cache connector), media
 (MediaCache: tensors or bytes by hash, one writer and many zero-copy readers) and tensorobj
@@ -44,7 +45,7 @@ except ImportError:                         # a source checkout put on sys.path 
     del _repo_version
 
 __all__ = [
-    "Client", "Subscriber", "hash_tokens", "xxh3_128", "token_bytes", "have_xxhash",
+    "Client", "Subscriber", "EmbeddingEvents", "hash_tokens", "xxh3_128", "token_bytes", "have_xxhash",
     "Lookup", "PrefetchStatus", "Reservation", "Acquired", "Slots",
     "KvtierError", "BadRequest", "UnknownType", "UnsupportedVersion", "TooLarge", "NoSpace",
     "NotFound", "LeaseExpired", "UnknownLease", "Busy", "Internal", "Unavailable",

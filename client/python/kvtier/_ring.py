@@ -42,6 +42,7 @@ ETIMEDOUT = -14
 EINVAL = -15
 
 HDR_SIZE = 384                  # KVT_RING_HDR_SIZE: a region is the header + capacity bytes
+PEER_CHECK_S = 0.010            # kvtier.h KVTIER_RESIDENT_PEER_CHECK_MS
 _MAX_FRAMES = 16                # kvtier_ring_push takes at most this many frames
 _NAMES = {EBADREQ: "malformed ring", ETOOBIG: "too large", EBUSY: "busy",
           EUNAVAIL: "closed by the daemon", ETIMEDOUT: "timed out", EINVAL: "invalid argument"}
@@ -400,13 +401,13 @@ class Pair:
     def resident_prefix(self, ns, salt, keys, n):
         """How many of n keys (16 bytes each, joined in `keys`) of namespace ns (bytes) with
         salt (bytes) lead the batch in L1 by the residency map; None without one, or once the
-        daemon is gone (its handoff connection, looked at every 10 ms at most: a poll costs
-        more than the probe; its beat, in the map, every time)."""
+        daemon is gone (its handoff connection, looked at every PEER_CHECK_S at most: a poll
+        costs more than the probe; its beat, in the map, every time)."""
         r = self._resident
         if r is None or not has_resident(self._lib):
             return None
         now = time.monotonic()
-        if now - self._gone_at > 0.01:
+        if now - self._gone_at > PEER_CHECK_S:
             if self.daemon_gone():
                 return None
             self._gone_at = now

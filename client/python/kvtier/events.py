@@ -143,7 +143,7 @@ class EmbeddingEvents:
                  context=None):
         self.prefix = prefix
         self.max_names = max_names
-        self._names = collections.OrderedDict()   # key -> mm_hash
+        self._names = collections.OrderedDict()   # (ns, salt, key) -> mm_hash
         # endpoint None: no socket, for a caller that feeds translate() its own events
         self.subscriber = None if endpoint is None else \
             Subscriber(endpoint, rcvhwm=rcvhwm, context=context)
@@ -158,19 +158,22 @@ class EmbeddingEvents:
         where = parse_ec_namespace(ns) or {"namespace": ns, "model": None, "dtype": None,
                                            "hidden": None}
         keys = ev.get("keys") or []
-        sizes = ev.get("sizes") or [None] * len(keys)
-        labels = ev.get("labels") or [None] * len(keys)
+        sizes = ev.get("sizes") or ()
+        labels = ev.get("labels") or ()
+        salt = ev.get("salt", "")
         out = []
-        for key, size, label in zip(keys, sizes, labels):
+        for i, key in enumerate(keys):
             key = bytes(key)
+            size = sizes[i] if i < len(sizes) else None
+            label = labels[i] if i < len(labels) else None
             if label is not None:
-                self._remember(key, label)
+                self._remember((ns, salt, key), label)
             else:
-                label = self._names.get(key)
+                label = self._names.get((ns, salt, key))
             out.append({"event": kind[0], "mm_hash": label, "model": where["model"],
                         "tier": kind[1], "size": size, "key": key, "dtype": where["dtype"],
                         "hidden": where["hidden"], "namespace": where["namespace"],
-                        "salt": ev.get("salt", ""), "cause": ev["event"]})
+                        "salt": salt, "cause": ev["event"]})
         return out
 
     def _remember(self, key, name):
@@ -183,6 +186,8 @@ class EmbeddingEvents:
     def recv(self, timeout_ms=None):
         """The items of the next daemon event (a list, maybe empty), or None when no event
         arrives within timeout_ms (None: wait forever)."""
+        if self.subscriber is None:
+            raise ValueError("EmbeddingEvents(None) has no socket: call translate(event)")
         ev = self.subscriber.recv(timeout_ms)
         return None if ev is None else self.translate(ev)
 

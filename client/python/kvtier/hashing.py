@@ -44,9 +44,9 @@ def name_key(name):
 def label_of(name):
     """`name` as an object label (RESERVE/PUT `labels`, carried by the object's events):
     the str itself when it is one of at most MAX_LABEL UTF-8 bytes, else None (no label)."""
-    if isinstance(name, bytes):
+    if isinstance(name, (bytes, bytearray, memoryview)):
         try:
-            name = name.decode("utf-8")
+            name = bytes(name).decode("utf-8")
         except UnicodeDecodeError:
             return None
     if not isinstance(name, str) or len(name.encode("utf-8", "surrogatepass")) > MAX_LABEL:

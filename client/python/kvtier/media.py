@@ -27,6 +27,7 @@ sign of life). A Client is not thread-safe: one MediaCache per thread.
 import contextlib
 
 from . import tensorobj
+from ._config import checked as _checked
 from .client import Client
 from .hashing import label_of, name_key
 
@@ -67,9 +68,8 @@ class MediaCache:
         self.ns = namespace
         self.salt = salt
         if client is None:
-            import os
-            endpoint = endpoint or os.environ.get("KVTIER_ENDPOINT") or \
-                "ipc:///run/kvtier/kvtier.sock"
+            endpoint = _checked({"endpoint": endpoint}, {"endpoint": None}, {},
+                                ("endpoint",), where="kvtier.media")["endpoint"]
             client_kw.setdefault("client", "media")
             client = Client(endpoint, **client_kw)
         self.client = client

@@ -48,13 +48,13 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 import threading
 import time
 import types
 
 import torch
 
+from ._config import checked as _checked
 from .client import RELEASE, Client
 from .errors import KvtierError
 
@@ -85,7 +85,6 @@ DEFAULTS = {
     "heartbeat_ms": None,           # kvtier.Client's (None: lease_ms / 3)
 }
 _INTS = {"timeout_ms": 1, "reconnect_interval_ms": 10, "max_connections": 1}
-DEFAULT_ENDPOINT = "ipc:///run/kvtier/kvtier.sock"
 
 
 def page_key(page_hash):
@@ -123,29 +122,9 @@ def page_keys(hashes):
 
 
 def _settings(storage_config):
-    extra = getattr(storage_config, "extra_config", None) or {}
-    if not isinstance(extra, dict):
-        raise ValueError("kvtier.sglang: extra_config must be a dict, not %r" % (extra,))
-    cfg = dict(DEFAULTS)
-    for k in DEFAULTS:
-        if k in extra and extra[k] is not None:
-            cfg[k] = extra[k]
-    for k, low in _INTS.items():
-        v = cfg[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError("kvtier.sglang: %s must be an integer >= %d, not %r" % (k, low, v))
-    hb = cfg["heartbeat_ms"]
-    if hb is not None and (isinstance(hb, bool) or not isinstance(hb, int) or hb < 0):
-        raise ValueError("kvtier.sglang: heartbeat_ms must be an integer >= 0, not %r" % (hb,))
-    if not isinstance(cfg["shared_memory"], bool):
-        raise ValueError("kvtier.sglang: shared_memory must be true or false, not %r"
-                         % (cfg["shared_memory"],))
-    for k in ("endpoint", "namespace", "salt"):
-        if cfg[k] is not None and (not isinstance(cfg[k], str) or not cfg[k]):
-            raise ValueError("kvtier.sglang: %s must be a non-empty string, not %r"
-                             % (k, cfg[k]))
-    if cfg["endpoint"] is None:
-        cfg["endpoint"] = os.environ.get("KVTIER_ENDPOINT") or DEFAULT_ENDPOINT
+    cfg = _checked(getattr(storage_config, "extra_config", None) or {}, DEFAULTS,
+                    _INTS, ("endpoint", "namespace", "salt"), ("shared_memory",),
+                    "kvtier.sglang", "extra_config")
     if cfg["namespace"] is None:
         model = getattr(storage_config, "model_name", None)
         if not model:

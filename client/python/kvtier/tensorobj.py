@@ -18,6 +18,14 @@ MAGIC = b"KVTEC001"
 HEADER_BYTES = 128
 MAX_DIMS = 4
 _HDR = struct.Struct("<8s16s16sII4Q")
+_ITEMSIZE = {}                   # dtype -> bytes per element, learnt once per dtype
+
+
+def _itemsize(dtype):
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
 
 
 def _shape(value):
@@ -73,7 +81,7 @@ def view(arena, offset, length, key):
     count = 1
     for d in shape:
         count *= d
-    n = count * torch.empty((), dtype=dtype).element_size()
+    n = count * _itemsize(dtype)
     if HEADER_BYTES + n != length:
         return None
     if n == 0:

@@ -49,6 +49,7 @@ import time
 import torch
 
 from . import tensorobj
+from ._config import checked as _checked
 from .client import Client
 from .errors import KvtierError
 from .events import ec_namespace
@@ -106,7 +107,6 @@ DEFAULTS = {
 }
 _INTS = {"timeout_ms": 1, "load_timeout_ms": 0, "pin_timeout_ms": 1000,
          "reconnect_interval_ms": 10}
-DEFAULT_ENDPOINT = "ipc:///run/kvtier/kvtier.sock"
 
 
 # kvtier's 16-byte key of one encoder output: BLAKE2b-128 of its identifier's UTF-8.
@@ -119,26 +119,9 @@ def _dtype_name(dtype):
 
 def _settings(vllm_config):
     tc = getattr(vllm_config, "ec_transfer_config", None)
-    extra = getattr(tc, "ec_connector_extra_config", None) or {}
-    if not isinstance(extra, dict):
-        raise ValueError("kvtier.vllm: ec_connector_extra_config must be a dict, not %r"
-                         % (extra,))
-    cfg = dict(DEFAULTS)
-    for k in DEFAULTS:
-        if extra.get(k) is not None:
-            cfg[k] = extra[k]
-    for k, low in _INTS.items():
-        v = cfg[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError("kvtier.vllm: %s must be an integer >= %d, not %r" % (k, low, v))
-    hb = cfg["heartbeat_ms"]
-    if hb is not None and (isinstance(hb, bool) or not isinstance(hb, int) or hb < 0):
-        raise ValueError("kvtier.vllm: heartbeat_ms must be an integer >= 0, not %r" % (hb,))
-    for k in ("endpoint", "namespace", "salt", "device"):
-        if cfg[k] is not None and (not isinstance(cfg[k], str) or not cfg[k]):
-            raise ValueError("kvtier.vllm: %s must be a non-empty string, not %r" % (k, cfg[k]))
-    if cfg["endpoint"] is None:
-        cfg["endpoint"] = os.environ.get("KVTIER_ENDPOINT") or DEFAULT_ENDPOINT
+    cfg = _checked(getattr(tc, "ec_connector_extra_config", None) or {}, DEFAULTS,
+                    _INTS, ("endpoint", "namespace", "salt", "device"), (),
+                    "kvtier.vllm", "ec_connector_extra_config")
     mc = getattr(vllm_config, "model_config", None)
     if cfg["namespace"] is None:
         model = getattr(mc, "served_model_name", None) or getattr(mc, "model", None)
@@ -354,6 +337,8 @@ class KvtierECConnector(_Base):
                 return True
             waiting = False
             now = time.monotonic()
+            todo = []                          # (key, identifier): not in L1, not loading
+            done = {}                          # job -> finished (asked once per call)
             for key, ident in zip(keys, idents):
                 if c.resident_prefix(self.ns, [key], salt=self._salt) == 1:
                     self._prefetch.pop(ident, None)
@@ -362,19 +347,31 @@ class KvtierECConnector(_Base):
                 if job is not None:
                     if now >= job[1]:
                         continue               # waited long enough: computed if still away
-                    st = self._call("ensure", lambda c: c.prefetch_status(job[0]), None)
-                    if st is not None and not st.done:
+                    if job[0] not in done:
+                        st = self._call("ensure", lambda c: c.prefetch_status(job[0]), None)
+                        done[job[0]] = st is None or st.done
+                    if not done[job[0]]:
                         waiting = True
                         continue
-                r = self._call("ensure", lambda c: c.lookup(self.ns, [key], salt=self._salt,
+                todo.append((key, ident))
+            # A LOOKUP answers for the leading run of items it finds (in L1, then in L2, whose
+            # load it starts as one job) and stops at the first it does not: one LOOKUP per
+            # item found nowhere, plus one.
+            while todo:
+                run = [k for k, _ in todo]
+                r = self._call("ensure", lambda c: c.lookup(self.ns, run, salt=self._salt,
                                                             prefetch=True), None)
-                if r is None or r.hits == 0 or r.l1 == 1:
-                    self._prefetch.pop(ident, None)
-                    continue                   # nowhere (the encoder runs), or in L1 now
-                if r.job is not None:
-                    deadline = job[1] if job else now + self.cfg["load_timeout_ms"] / 1000.0
-                    self._prefetch[ident] = (r.job, deadline)
-                    waiting = now < deadline
+                if r is None:
+                    break
+                for j, (_, ident) in enumerate(todo[:r.hits]):
+                    old = self._prefetch.pop(ident, None)
+                    if j >= r.l1 and r.job is not None:       # loading from L2
+                        deadline = old[1] if old else now + self.cfg["load_timeout_ms"] / 1e3
+                        self._prefetch[ident] = (r.job, deadline)
+                        waiting = waiting or now < deadline
+                for _, ident in todo[r.hits:r.hits + 1]:
+                    self._prefetch.pop(ident, None)           # nowhere: the encoder runs
+                todo = todo[r.hits + 1:]
             if waiting:
                 self._stats["deferred"] += 1
             return not waiting
