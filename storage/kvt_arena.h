@@ -41,10 +41,18 @@ uint64_t kvt_arena_size(const kvt_arena_t *self);
 /* The path clients open and mmap (reported by HELLO as shm.path). */
 const char *kvt_arena_path(const kvt_arena_t *self);
 
-/* A reused arena (kvt_arena_reused) is mlock()ed from here on by a thread of its own, 16 MiB at
- * a time, instead of before the adoption; a no-op otherwise and the second time. Its failure is
- * logged (the daemon before pinned the same file under the same limits). */
-void kvt_arena_pin_start(kvt_arena_t *self);
+/* Starts the arena's background thread (a no-op the second time): a reused arena
+ * (kvt_arena_reused) is mlock()ed by it, 16 MiB at a time, instead of before the adoption (its
+ * failure is logged: the daemon before pinned the same file under the same limits); then, at
+ * SCHED_IDLE, it reads a byte of every page of the daemon's mapping. Under a hypervisor that
+ * shadows the guest's page tables the first access to each page of a mapping exits to it
+ * (about 5 us a page on the development VM, however the pages were populated), which the
+ * daemon's first pass over an object's bytes (l1_checksum, the journal's checksums, L2 writes)
+ * would pay otherwise: 1.6 GB/s instead of 10. Destroy stops it. */
+void kvt_arena_background_start(kvt_arena_t *self);
+
+/* Whether the background thread has read every page (false until then, or when stopped). */
+bool kvt_arena_warm(const kvt_arena_t *self);
 
 /* Locked in memory: mlock()ed, or on hugetlbfs pages, which are never swapped. */
 bool kvt_arena_pinned(const kvt_arena_t *self);

@@ -1833,7 +1833,7 @@ int kvt_l1_start(kvt_l1_t *self, kvt_sup_t *sup)
     }
     s_requeue_owed(self);
     s_verify_start(self);
-    kvt_arena_pin_start(self->arena);
+    kvt_arena_background_start(self->arena);
     return 0;
 }
 
@@ -2113,13 +2113,14 @@ json_t *kvt_l1_status_json(kvt_l1_t *self)
     kvt_l1_counts_t c;
     kvt_l1_counts(self, &c);
     json_t *st_json = json_pack(
-        "{s:s,s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:I,s:I,s:b,s:b,s:I,s:I,s:I,s:I}", "shm_path",
+        "{s:s,s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:I,s:I,s:b,s:b,s:b,s:I,s:I,s:I,s:I}", "shm_path",
         kvt_arena_path(self->arena), "capacity", (json_int_t)st.capacity, "used",
         (json_int_t)st.used, "free", (json_int_t)st.free, "largest_free",
         (json_int_t)st.largest_free, "fragmentation", st.fragmentation, "objects",
         (json_int_t)c.objects, "reserved", (json_int_t)c.reserved, "evictions",
         (json_int_t)c.evictions, "leases_active", (json_int_t)c.leases_active, "leases_expired",
-        (json_int_t)c.leases_expired, "pinned", kvt_arena_pinned(self->arena), "huge_pages",
+        (json_int_t)c.leases_expired, "pinned", kvt_arena_pinned(self->arena), "warm",
+        kvt_arena_warm(self->arena), "huge_pages",
         kvt_arena_huge(self->arena), "page_size", (json_int_t)kvt_arena_page_size(self->arena),
         "high_watermark_bytes", (json_int_t)self->high_bytes, "low_watermark_bytes",
         (json_int_t)self->low_bytes, "corrupt", (json_int_t)s_get(&self->corrupt));

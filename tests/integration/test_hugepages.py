@@ -22,7 +22,7 @@ sys.path.insert(0, _HERE)
 import pytest  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtest import MiB, run_kvtierd  # noqa: E402
+from kvtest import MiB, run_kvtierd, wait_until  # noqa: E402
 from test_c_client import Scenario, needs_client_test  # noqa: E402
 
 HUGE = 2 * MiB
@@ -120,6 +120,8 @@ def test_off_is_4k_in_dev_shm(daemon_factory):
     d = daemon_factory("--l1-hugepages", "off")
     l1 = _status_l1(d)
     assert l1["shm_path"].startswith("/dev/shm/kvtier-")
+    # the background thread reads every page once after the start (kvt_arena: l1.warm)
+    wait_until(lambda: _status_l1(d)["warm"] is True, 30, what="/status l1.warm")
     if _dev_shm_huge() in ("always", "within_size"):
         pytest.skip("/dev/shm is mounted huge=%s: its pages are huge whatever the daemon asks"
                     % _dev_shm_huge())

@@ -230,6 +230,36 @@ static void test_truncation_guard(void **state)
     kvt_config_destroy(&cfg);
 }
 
+/* The background thread reads every page (warm), leaves the bytes as they were, and a destroy
+ * right after its start stops it (no wait for a whole pass, no crash). */
+static void test_background_warm(void **state)
+{
+    (void)state;
+    kvt_config_t *cfg = s_cfg("64M", "true");
+    char err[KVT_ERR_LEN] = "";
+    kvt_arena_t *a = kvt_arena_new(cfg, err, sizeof err);
+    if (!a)
+        fail_msg("kvt_arena_new: %s", err);
+    uint8_t *base = kvt_arena_base(a);
+    uint64_t size = kvt_arena_size(a);
+    memset(base, 0x5a, size);
+    assert_false(kvt_arena_warm(a));
+    kvt_arena_background_start(a);
+    kvt_arena_background_start(a); /* the second time: nothing */
+    for (int i = 0; i < 3000 && !kvt_arena_warm(a); i++)
+        usleep(10000);
+    assert_true(kvt_arena_warm(a));
+    for (uint64_t off = 0; off < size; off += 4096)
+        assert_int_equal(base[off], 0x5a);
+    kvt_arena_destroy(&a);
+    a = kvt_arena_new(cfg, err, sizeof err);
+    assert_non_null(a);
+    kvt_arena_background_start(a);
+    kvt_arena_destroy(&a); /* at once */
+    assert_null(a);
+    kvt_config_destroy(&cfg);
+}
+
 int main(void)
 {
     kvt_log_set_level(KVT_LOG_ERROR);
@@ -237,6 +267,7 @@ int main(void)
         cmocka_unit_test(test_segment),
         cmocka_unit_test(test_no_fastpath_tail),
         cmocka_unit_test(test_truncation_guard),
+        cmocka_unit_test(test_background_warm),
         cmocka_unit_test(test_pinning),
         cmocka_unit_test(test_hugepages_modes),
     };

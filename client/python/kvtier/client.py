@@ -93,8 +93,11 @@ def _prefault(arena, stop):
             except OSError as e:
                 if e.errno != errno.EINVAL:   # not an old kernel: touching would be SIGBUS
                     return
-                for p in range(off, off + n, 4096):
-                    arena[p]
+            # and a read of every page (one byte each, in C): under a hypervisor that shadows
+            # page tables the first access to a page of a new mapping exits to it, populated
+            # or not (libkvtier's kvtier_conn.c says more)
+            with memoryview(arena) as mv:
+                bytes(mv[off:off + n:4096])
     except ValueError:
         return
 
