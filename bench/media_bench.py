@@ -16,7 +16,8 @@ worker copying the item into a tensor of its own:
 
 Per round and way: `write` (the writer's part before the go), `read` (from the go until the
 last worker has its copy, the signalling over a multiprocessing pipe included and the same
-for all three). Medians over the rounds; the read side is judged: kvtier >= 0.9x the shared
+for all three). Each round writes the kvtier and shm copies first, then reads them in turns
+first and second, then the socket's. Medians over the rounds; the read side is judged: kvtier >= 0.9x the shared
 memory's speed, >= 4x the socket's (issue 33). Every process first touches each page of its
 mapping of the arena once, as a long-running one has: the first touch of a page of a new
 mapping costs about 2.5 us on the development VM whatever the mapping's flags (MAP_POPULATE
@@ -158,13 +159,19 @@ def main():
             t_kw = time.perf_counter() - t0
             if ref is None:
                 raise SystemExit("the item could not be pinned")
-            t_kr = round_trip("kvtier", list(ref))
-            writer.unpin(ref)
             t0 = time.perf_counter()
             torch.frombuffer(seg.buf, dtype=torch.bfloat16, count=ROWS * COLS,
                              offset=(r % slots) * nbytes).view(ROWS, COLS).copy_(x)
             t_sw = time.perf_counter() - t0
-            t_sr = round_trip("shm", (r % slots, r % ROWS))
+            # both written before either is read, and read in turns first and second: neither
+            # way reads what the other has just pulled into the caches
+            if r % 2:
+                t_sr = round_trip("shm", (r % slots, r % ROWS))
+                t_kr = round_trip("kvtier", list(ref))
+            else:
+                t_kr = round_trip("kvtier", list(ref))
+                t_sr = round_trip("shm", (r % slots, r % ROWS))
+            writer.unpin(ref)
             t_zr = round_trip("socket", (0, r % ROWS))
             if r >= warm:
                 for w, wt, rt in (("kvtier", t_kw, t_kr), ("shm", t_sw, t_sr),
