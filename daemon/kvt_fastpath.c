@@ -770,6 +770,16 @@ int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner, bo
     return 0;
 }
 
+bool kvt_fastpath_reply_fits(kvt_fastpath_t *self, kvt_fastpath_ref_t ref,
+                             const kvt_ring_iov_t *frames, uint32_t nframes)
+{
+    s_slot_t *s = s_slot_of(self, ref);
+    if (!s)
+        return true; /* kvt_fastpath_reply drops it */
+    size_t plen = kvt_ring_msg_size(frames, nframes);
+    return plen != SIZE_MAX && plen <= kvt_ring_max_payload(s->rep);
+}
+
 int kvt_fastpath_reply(kvt_fastpath_t *self, kvt_fastpath_ref_t ref, const kvt_ring_iov_t *frames,
                        uint32_t nframes)
 {

@@ -95,6 +95,11 @@ bool kvt_fastpath_local(int fd);
 int kvt_fastpath_open(kvt_fastpath_t *self, kvt_conn_t *conn, uint64_t owner, bool resident,
                       kvt_fastpath_offer_t *offer);
 
+/* False when the reply frames can never fit slot `ref`'s ring (answer with a smaller error
+ * reply instead); true otherwise, a gone slot included (lock held). */
+bool kvt_fastpath_reply_fits(kvt_fastpath_t *self, kvt_fastpath_ref_t ref,
+                             const kvt_ring_iov_t *frames, uint32_t nframes);
+
 /* Answers a request of slot `ref` with the reply frames (lock held). 0 (pushed, or held in
  * the slot's bounded backlog); KVT_ETOOBIG when the reply can never fit the ring (answer with
  * a smaller error reply instead); KVT_EUNAVAIL when the slot is gone (the reply is dropped). */

@@ -192,6 +192,8 @@ static s_outgoing_t *s_outgoing_new(kvt_server_t *self, kvt_rq_t *rq, zmq_msg_t 
 /* A fast-path request's reply [uid, type, body, out...] goes into its reply ring (GET's data
  * frames copied in; its read lease is released with the request). A reply the ring can never
  * hold is answered too_large instead, so the client is not left waiting. */
+/* Counts the request and answers it through its ring; a reply too large for the ring becomes
+ * a too_big error reply. */
 static void s_reply_ring(kvt_server_t *self, kvt_rq_t *rq, const uint8_t *type, size_t tlen)
 {
     kvt_ring_iov_t stack_iov[8];
@@ -204,8 +206,7 @@ static void s_reply_ring(kvt_server_t *self, kvt_rq_t *rq, const uint8_t *type, 
     uint8_t *base = kvt_l1_base(self->svc.l1);
     for (uint32_t i = 0; i < rq->nout; i++)
         iov[3 + i] = (kvt_ring_iov_t){base + rq->out[i].offset, rq->out[i].length};
-    int rc = kvt_fastpath_reply(self->svc.fastpath, rq->ring, iov, n);
-    if (rc == KVT_ETOOBIG) {
+    if (!kvt_fastpath_reply_fits(self->svc.fastpath, rq->ring, iov, n)) {
         size_t want = kvt_ring_msg_size(iov, n);
         msgpack_sbuffer_clear(&rq->sbuf);
         char msg[200];
@@ -217,18 +218,20 @@ static void s_reply_ring(kvt_server_t *self, kvt_rq_t *rq, const uint8_t *type, 
         kvt_pack_error(&rq->pk, KVT_ETOOBIG, msg);
         iov[2] = (kvt_ring_iov_t){rq->sbuf.data, rq->sbuf.size};
         rq->rc = KVT_ETOOBIG;
-        rc = kvt_fastpath_reply(self->svc.fastpath, rq->ring, iov, 3);
+        n = 3;
     }
-    if (rc)
+    kvt_reqstats_request(self->stats, rq->type, rq->rc, kvt_now_ns() - rq->t0_ns);
+    if (kvt_fastpath_reply(self->svc.fastpath, rq->ring, iov, n))
         kvt_reqstats_reply_failed(self->stats);
     if (iov != stack_iov)
         free(iov);
     rq->nout = 0;
 }
 
-/* Sends the reply [rid, uid, type, body, out...], counts the request and frees it. The ROUTER
- * queues without a limit (ZMQ_SNDHWM 0), so a send fails only when the client connection is
- * gone; what a connection may leave unread is bounded per connection instead (kvt_session). */
+/* Counts the request, sends the reply [rid, uid, type, body, out...] and frees it. Counted
+ * first, so a client that has its reply finds it in /metrics. The ROUTER queues without a
+ * limit (ZMQ_SNDHWM 0), so a send fails only when the client connection is gone; what a
+ * connection may leave unread is bounded per connection instead (kvt_session). */
 static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
 {
     if (rq->rc) {
@@ -249,7 +252,6 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
     msgpack_pack_uint64(&tpk, rq->type);
     if (rq->ring.slot) {
         s_reply_ring(self, rq, typebuf, tbuf.size);
-        kvt_reqstats_request(self->stats, rq->type, rq->rc, kvt_now_ns() - rq->t0_ns);
         s_rq_free(self, rq);
         return;
     }
@@ -258,6 +260,7 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
     zmq_msg_t *frames = nframes <= 8 ? stack_frames : malloc(nframes * sizeof *frames);
     kvt_assert(frames);
     s_outgoing_new(self, rq, frames);
+    kvt_reqstats_request(self->stats, rq->type, rq->rc, kvt_now_ns() - rq->t0_ns);
     void *sock = self->sock;
     uint32_t sent = 0;
     if (s_send_buf(sock, zmq_msg_data(&rq->rid), zmq_msg_size(&rq->rid), true) == 0 &&
@@ -276,7 +279,6 @@ static void s_finish(kvt_server_t *self, kvt_rq_t *rq)
     if (frames != stack_frames)
         free(frames);
     rq->nout = 0;
-    kvt_reqstats_request(self->stats, rq->type, rq->rc, kvt_now_ns() - rq->t0_ns);
     s_rq_free(self, rq);
 }
 

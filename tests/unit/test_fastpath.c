@@ -473,8 +473,11 @@ static void test_reply_to_a_closed_slot_and_stop(void **state)
     /* too large for the ring: the caller answers something smaller instead */
     static uint8_t big[S_RING];
     kvt_ring_iov_t bigv = {big, sizeof big};
+    assert_false(kvt_fastpath_reply_fits(f->fp, ref, &bigv, 1));
+    assert_true(kvt_fastpath_reply_fits(f->fp, ref, iov, 2));
     assert_int_equal(kvt_fastpath_reply(f->fp, ref, &bigv, 1), KVT_ETOOBIG);
     kvt_fastpath_owner_gone(f->fp, 51, false);
+    assert_true(kvt_fastpath_reply_fits(f->fp, ref, &bigv, 1)); /* gone: the reply drops it */
     assert_int_equal(kvt_fastpath_reply(f->fp, ref, iov, 2), KVT_EUNAVAIL); /* slot gone */
     f->srv.hold = false;
     pthread_mutex_unlock(&f->lock);
