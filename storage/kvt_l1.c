@@ -251,13 +251,26 @@ static void s_ns_ref(kvt_l1_t *self, s_ns_t *ns)
     pthread_mutex_unlock(&self->ns_lock);
 }
 
+/* A copy of an object's label ([0]: its length, then the bytes); NULL for none. An event
+ * batch or a journal snapshot holds it past the object, which may go once its shard is
+ * unlocked; either views the bytes at copy + 1. */
+static uint8_t *s_label_dup(const uint8_t *label)
+{
+    if (!label)
+        return NULL;
+    uint8_t *copy = malloc(1 + (size_t)label[0]);
+    kvt_assert(copy);
+    memcpy(copy, label, 1 + (size_t)label[0]);
+    return copy;
+}
+
 /* ---- event batches: keys grouped by namespace, each holding a namespace reference ---- */
 
 typedef struct {
     s_ns_t *ns;
     kvt_key_t *keys;
     uint64_t *sizes;
-    kvt_bytes_t *labels; /* NULL until a key with a label comes; each a copy the batch owns */
+    kvt_bytes_t *labels; /* NULL until a key with a label comes; each views an s_label_dup */
     uint32_t n, cap;
 } s_batch_t;
 
@@ -303,13 +316,8 @@ static void s_batches_add(kvt_l1_t *self, s_batches_t *bs, const s_obj_t *o)
         kvt_assert(b->labels);
     }
     if (b->labels) {
-        uint8_t *copy = NULL;
-        if (o->label) {
-            copy = malloc(o->label[0]);
-            kvt_assert(copy);
-            memcpy(copy, o->label + 1, o->label[0]);
-        }
-        b->labels[b->n] = (kvt_bytes_t){copy, o->label ? o->label[0] : 0};
+        uint8_t *copy = s_label_dup(o->label);
+        b->labels[b->n] = copy ? (kvt_bytes_t){copy + 1, copy[0]} : (kvt_bytes_t){NULL, 0};
     }
     b->keys[b->n] = o->key;
     b->sizes[b->n++] = o->length;
@@ -323,7 +331,8 @@ static void s_batches_emit(kvt_l1_t *self, s_batches_t *bs, kvt_l1_event_t event
         kvt_l1_change_t c = {event, &b->ns->key, b->keys, b->sizes, b->labels, b->n};
         self->listener(self->listener_ctx, &c);
         for (uint32_t k = 0; b->labels && k < b->n; k++)
-            free((void *)b->labels[k].ptr);
+            if (b->labels[k].ptr)
+                free((void *)(b->labels[k].ptr - 1)); /* s_label_dup's copy */
         free(b->labels);
         free(b->sizes);
         free(b->keys);
@@ -1274,7 +1283,7 @@ uint64_t kvt_l1_evict(kvt_l1_t *self, uint64_t bytes)
 static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
 {
     uint64_t freed = 0, count = 0, unwritten = 0, unwritten_bytes = 0;
-    s_obj_t *victims = NULL;
+    s_obj_t *victims = NULL, **tail = &victims; /* in eviction order */
     s_batches_t bs = {0};
     pthread_mutex_lock(&self->lru_lock);
     for (s_obj_t *o = self->lru_tail, *prev; o && freed < bytes; o = prev) {
@@ -1297,15 +1306,19 @@ static uint64_t s_evict(kvt_l1_t *self, uint64_t bytes, uint64_t *skipped)
             s_unlink(sh, o);
             s_lru_remove(self, o);
             o->state = S_DOOMED;
-            s_batches_add(self, &bs, o);
-            o->hnext = victims;
-            victims = o;
+            o->hnext = NULL;
+            *tail = o;
+            tail = &o->hnext;
             freed += kvt_block_size(o->block);
             count++;
         }
         pthread_mutex_unlock(&sh->lock);
     }
     pthread_mutex_unlock(&self->lru_lock);
+    /* DOOMED and unreachable: ours alone, so their event (label copies and all) is noted
+     * outside the global lock */
+    for (s_obj_t *o = victims; o; o = o->hnext)
+        s_batches_add(self, &bs, o);
     if (self->journal && count) { /* one write of their DROP records, before the blocks go */
         uint64_t *seqs = malloc(count * sizeof *seqs);
         kvt_assert(seqs);
@@ -1412,13 +1425,9 @@ static void s_maybe_compact(kvt_l1_t *self)
             for (s_obj_t *o = sh->buckets[b]; o; o = o->hnext)
                 if (o->state == S_READY && o->jseq) {
                     live[n] = s_put_of(o, o->l2_pending > 0);
-                    uint8_t *label = NULL;
-                    if (o->label) {
-                        label = malloc(1 + o->label[0]);
-                        kvt_assert(label);
-                        memcpy(label, o->label, 1 + o->label[0]);
+                    uint8_t *label = s_label_dup(o->label);
+                    if (label)
                         live[n].label.ptr = label + 1;
-                    }
                     s_ns_ref(self, o->ns);
                     hold[n++] = (s_snap_hold_t){o->ns, label};
                 }
