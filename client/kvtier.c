@@ -60,6 +60,7 @@
 #include "kvt_msg.h"
 #include "kvt_proto.h"
 #include "kvt_resident.h"
+#include "kvt_utf8.h"
 #include "kvt_fdpass.h"
 
 #include <errno.h>
@@ -83,6 +84,7 @@
 
 _Static_assert(KVTIER_KEY_LEN == KVT_KEY_LEN, "kvtier.h and the protocol disagree on keys");
 _Static_assert(KVTIER_KEY_LEN == KVT_HASH_KEY_LEN, "kvtier.h and kvt_hash disagree on keys");
+_Static_assert(KVTIER_MAX_LABEL == KVT_MAX_LABEL, "kvtier.h and the protocol disagree on labels");
 
 /* ---- request bodies ---- */
 
@@ -128,6 +130,32 @@ static void s_body_keyed(msgpack_sbuffer *sb, msgpack_packer *pk, const char *ns
 }
 
 /* ---- argument checks: bad input is KVT_EINVAL with a sentence, never a crash ---- */
+
+/* labels: NULL, or per key NULL / "" (none) or UTF-8 of at most KVT_MAX_LABEL bytes. */
+static int s_check_labels(kvtier_t *self, const char *what, const char *const *labels, uint32_t n)
+{
+    for (uint32_t i = 0; labels && i < n; i++) {
+        size_t len = labels[i] ? strlen(labels[i]) : 0;
+        if (len > KVT_MAX_LABEL)
+            return kvc_fail(self, KVT_EINVAL, "%s: labels[%u] is %zu bytes, at most %d", what, i,
+                            len, KVT_MAX_LABEL);
+        if (!kvt_utf8_valid((const uint8_t *)labels[i], len))
+            return kvc_fail(self, KVT_EINVAL, "%s: labels[%u] is not UTF-8", what, i);
+    }
+    return 0;
+}
+
+/* The `labels` field: one str per key, nil for none. */
+static void s_pack_labels(msgpack_packer *pk, const char *const *labels, uint32_t n)
+{
+    kvt_pack_str(pk, "labels");
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < n; i++)
+        if (labels[i] && labels[i][0])
+            kvt_pack_str(pk, labels[i]);
+        else
+            msgpack_pack_nil(pk);
+}
 
 static int s_check_salt(kvtier_t *self, const char *what, const char *salt)
 {
@@ -498,7 +526,18 @@ int kvtier_reserve(kvtier_t *self, const char *ns, const char *salt,
                    const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const uint64_t *sizes,
                    uint64_t size, kvtier_slot_t *slots, uint32_t *nslots, uint64_t *lease)
 {
+    return kvtier_reserve_labeled(self, ns, salt, keys, n, NULL, sizes, size, slots, nslots,
+                                  lease);
+}
+
+int kvtier_reserve_labeled(kvtier_t *self, const char *ns, const char *salt,
+                           const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                           const char *const *labels, const uint64_t *sizes, uint64_t size,
+                           kvtier_slot_t *slots, uint32_t *nslots, uint64_t *lease)
+{
     int rc = s_check_slots_call(self, "reserve", ns, salt, keys, n, slots, nslots, lease);
+    if (rc == 0)
+        rc = s_check_labels(self, "reserve", labels, n);
     if (rc)
         return rc;
     if (!sizes && size == 0 && n)
@@ -511,7 +550,9 @@ int kvtier_reserve(kvtier_t *self, const char *ns, const char *salt,
         return rc;
     msgpack_sbuffer sb;
     msgpack_packer pk;
-    s_body_keyed(&sb, &pk, ns, salt, keys, n, 1);
+    s_body_keyed(&sb, &pk, ns, salt, keys, n, 1 + (labels ? 1 : 0));
+    if (labels)
+        s_pack_labels(&pk, labels, n);
     if (sizes) {
         kvt_pack_str(&pk, "sizes");
         msgpack_pack_array(&pk, n);
@@ -642,11 +683,21 @@ int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
                const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const void *const *data,
                const size_t *lens, uint32_t *stored)
 {
+    return kvtier_put_labeled(self, ns, salt, keys, n, NULL, data, lens, stored);
+}
+
+int kvtier_put_labeled(kvtier_t *self, const char *ns, const char *salt,
+                       const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                       const char *const *labels, const void *const *data, const size_t *lens,
+                       uint32_t *stored)
+{
     if (stored)
         *stored = 0;
     if (!self)
         return KVT_EINVAL;
     int rc = s_check_keyed(self, "put", ns, salt, keys, n);
+    if (rc == 0)
+        rc = s_check_labels(self, "put", labels, n);
     if (rc)
         return rc;
     if (n && (!data || !lens))
@@ -661,7 +712,9 @@ int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
     }
     msgpack_sbuffer sb;
     msgpack_packer pk;
-    s_body_keyed(&sb, &pk, ns, salt, keys, n, 0);
+    s_body_keyed(&sb, &pk, ns, salt, keys, n, labels ? 1 : 0);
+    if (labels)
+        s_pack_labels(&pk, labels, n);
     /* The daemon refuses a message over max_message anyway; saying so here spares sending it. */
     if (self->info.max_message && total + sb.size > self->info.max_message) {
         msgpack_sbuffer_destroy(&sb);

@@ -208,6 +208,18 @@ int kvtier_reserve(kvtier_t *self, const char *ns, const char *salt,
                    const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const uint64_t *sizes,
                    uint64_t size, kvtier_slot_t *slots, uint32_t *nslots, uint64_t *lease);
 
+/* An object's label: UTF-8 of at most this many bytes. */
+#define KVTIER_MAX_LABEL 255
+
+/* kvtier_reserve with a label per key: labels[i] (NULL or "": none) names the object in the
+ * daemon's events (its `labels` field) from its store to its eviction or removal, the next
+ * daemon's too when it adopts L1; a key already stored keeps its first label. labels NULL is
+ * kvtier_reserve. A label that is not UTF-8 or is longer than KVTIER_MAX_LABEL is EINVAL. */
+int kvtier_reserve_labeled(kvtier_t *self, const char *ns, const char *salt,
+                           const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                           const char *const *labels, const uint64_t *sizes, uint64_t size,
+                           kvtier_slot_t *slots, uint32_t *nslots, uint64_t *lease);
+
 /* COMMIT: the reserved objects become readable, except indices failed[0..nfailed). */
 int kvtier_commit(kvtier_t *self, uint64_t lease, const uint32_t *failed, uint32_t nfailed,
                   uint32_t *stored);
@@ -230,6 +242,12 @@ int kvtier_release_async(kvtier_t *self, uint64_t lease);
 int kvtier_put(kvtier_t *self, const char *ns, const char *salt,
                const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n, const void *const *data,
                const size_t *lens, uint32_t *stored);
+
+/* kvtier_put with a label per key, as kvtier_reserve_labeled. */
+int kvtier_put_labeled(kvtier_t *self, const char *ns, const char *salt,
+                       const uint8_t (*keys)[KVTIER_KEY_LEN], uint32_t n,
+                       const char *const *labels, const void *const *data, const size_t *lens,
+                       uint32_t *stored);
 
 /* GET: copies of the leading objects found in L1: out[0..*found), each freed by the caller.
  * The daemon may return fewer than are present, to keep its reply under max_message. */

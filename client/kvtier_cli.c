@@ -10,6 +10,7 @@
  * Exit status: 0 ok, 1 the daemon answered an error, could not be reached or has no such
  * object, 2 usage. */
 #include "kvt_error.h"
+#include "kvt_utf8.h"
 #include "kvtier.h"
 
 #include <errno.h>
@@ -33,7 +34,8 @@ static int s_usage(void)
             "              [--curve-cert PATH] COMMAND\n"
             "  ping\n"
             "  stats\n"
-            "  put    [--ns NS] [--salt S] [--key HEX32] FILE   (key: XXH3-128 of the bytes)\n"
+            "  put    [--ns NS] [--salt S] [--key HEX32] [--label L] FILE\n"
+            "         (key: XXH3-128 of the bytes; L: UTF-8 naming it in the events)\n"
             "  get    [--ns NS] [--salt S] [-o OUT] HEX32\n"
             "  lookup [--ns NS] [--salt S] HEX32...\n"
             "  clear  [--ns NS | --all]\n"
@@ -55,14 +57,22 @@ static int s_usage_msg(const char *what, const char *arg)
 /* The options one command accepts, parsed from argv into one struct; positional arguments are
  * collected in order ("--" ends the options). */
 typedef struct {
-    const char *ns, *salt, *key, *out;
+    const char *ns, *salt, *key, *out, *label;
     bool all, ns_given;
     long chunk_tokens;
     char **pos;
     int npos;
 } s_args_t;
 
-enum { S_OPT_NS = 1, S_OPT_SALT = 2, S_OPT_KEY = 4, S_OPT_OUT = 8, S_OPT_ALL = 16, S_OPT_CT = 32 };
+enum {
+    S_OPT_NS = 1,
+    S_OPT_SALT = 2,
+    S_OPT_KEY = 4,
+    S_OPT_OUT = 8,
+    S_OPT_ALL = 16,
+    S_OPT_CT = 32,
+    S_OPT_LABEL = 64
+};
 
 static int s_parse(int argc, char **argv, unsigned allowed, s_args_t *a)
 {
@@ -89,6 +99,10 @@ static int s_parse(int argc, char **argv, unsigned allowed, s_args_t *a)
             if (!has_val)
                 return s_usage_msg("missing value for", o);
             a->key = argv[++i];
+        } else if (opts && (allowed & S_OPT_LABEL) && !strcmp(o, "--label")) {
+            if (!has_val)
+                return s_usage_msg("missing value for", o);
+            a->label = argv[++i];
         } else if (opts && (allowed & S_OPT_OUT) && (!strcmp(o, "-o") || !strcmp(o, "--out"))) {
             if (!has_val)
                 return s_usage_msg("missing value for", o);
@@ -258,8 +272,9 @@ static int s_cmd_put(kvtier_t *c, const s_args_t *a)
     }
     const void *ptrs[1] = {data};
     uint32_t stored = 0;
-    int rc = kvtier_put(c, a->ns, a->salt, (const uint8_t(*)[KVTIER_KEY_LEN])key, 1, ptrs, &len,
-                        &stored);
+    const char *labels[1] = {a->label};
+    int rc = kvtier_put_labeled(c, a->ns, a->salt, (const uint8_t(*)[KVTIER_KEY_LEN])key, 1,
+                                a->label ? labels : NULL, ptrs, &len, &stored);
     free(data);
     if (rc)
         return rc;
@@ -322,7 +337,7 @@ static int s_check_args(const char *cmd, int argc, char **argv, s_args_t *a)
     if (!strcmp(cmd, "ping") || !strcmp(cmd, "stats")) {
         allowed = 0;
     } else if (!strcmp(cmd, "put")) {
-        allowed = S_OPT_NS | S_OPT_SALT | S_OPT_KEY;
+        allowed = S_OPT_NS | S_OPT_SALT | S_OPT_KEY | S_OPT_LABEL;
         min = max = 1;
     } else if (!strcmp(cmd, "get")) {
         allowed = S_OPT_NS | S_OPT_SALT | S_OPT_OUT;
@@ -347,6 +362,10 @@ static int s_check_args(const char *cmd, int argc, char **argv, s_args_t *a)
     for (int i = 0; strcmp(cmd, "put") && i < a->npos; i++)
         if (s_parse_key(a->pos[i], key))
             return s_usage_msg("a key is 32 hex digits, not", a->pos[i]);
+    if (a->label && strlen(a->label) > KVTIER_MAX_LABEL)
+        return s_usage_msg("--label", "at most 255 bytes");
+    if (a->label && !kvt_utf8_valid((const uint8_t *)a->label, strlen(a->label)))
+        return s_usage_msg("--label", "not UTF-8");
     if (!strcmp(cmd, "clear") && a->all && a->ns_given)
         return s_usage_msg(cmd, "--ns and --all exclude each other");
     if (a->ns[0] == '\0')

@@ -541,6 +541,49 @@ out:
     return rc;
 }
 
+/* ---- labels: kvtier_reserve_labeled / kvtier_put_labeled (the test reads the events) ---- */
+
+static int s_labels(kvtier_t *c)
+{
+    int rc = 0;
+    uint8_t keys[3][KVTIER_KEY_LEN] = {{0x51}, {0x52}, {0x53}};
+    char long_label[KVTIER_MAX_LABEL + 2], max_label[KVTIER_MAX_LABEL + 1];
+    memset(long_label, 'y', sizeof long_label - 1);
+    long_label[sizeof long_label - 1] = '\0';
+    memset(max_label, 'x', sizeof max_label - 1);
+    max_label[sizeof max_label - 1] = '\0';
+    const void *data[2] = {"embedding-a", "embedding-b"};
+    size_t lens[2] = {11, 11};
+    uint64_t sizes[1] = {4096}, lease = 0;
+    kvtier_slot_t slots[2];
+    uint32_t n = 0, stored = 0;
+    /* refused before anything is sent: too long, not UTF-8 (a cut sequence, an overlong one) */
+    const char *bad[][2] = {{long_label, NULL}, {"ok", "\xff"}, {"\xe6\x97", NULL},
+                            {"\xc0\xaf", NULL}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        S_FAILS(c, KVT_EINVAL, kvtier_put_labeled(c, S_NS "-labels", NULL, (s_keys_t)keys, 2,
+                                                  bad[i], data, lens, &stored));
+        S_CHECK(strstr(kvtier_last_error(c), "labels["), "put: %s", kvtier_last_error(c));
+        S_FAILS(c, KVT_EINVAL, kvtier_reserve_labeled(c, S_NS "-labels", NULL, (s_keys_t)keys, 2,
+                                                      bad[i], NULL, 4096, slots, &n, &lease));
+    }
+    /* a label of its own for the first object, none for the second (NULL; "" is none too) */
+    const char *labels[2] = {"image-\xe6\x97\xa5\xe6\x9c\xac", NULL};
+    S_OK(c, kvtier_put_labeled(c, S_NS "-labels", NULL, (s_keys_t)keys, 2, labels, data, lens,
+                               &stored));
+    S_CHECK(stored == 2, "stored %u", stored);
+    const char *one[1] = {max_label};
+    S_OK(c, kvtier_reserve_labeled(c, S_NS "-labels", NULL, (s_keys_t)&keys[2], 1, one, sizes, 0,
+                                   slots, &n, &lease));
+    S_CHECK(n == 1 && slots[0].ptr, "reserved %u", n);
+    memset(slots[0].ptr, 0x5a, slots[0].length);
+    S_OK(c, kvtier_commit(c, lease, NULL, 0, &stored));
+    S_CHECK(stored == 1, "committed %u", stored);
+    printf("labels: ok\n");
+out:
+    return rc;
+}
+
 /* ---- prefetch ---- */
 
 static int s_prefetch(kvtier_t *c)
@@ -1210,6 +1253,7 @@ static const struct {
     {"hash", s_hash, false},
     {"errors", s_errors, false},
     {"prefetch", s_prefetch, false},
+    {"labels", s_labels, false},
     {"remote", s_remote, false},
     {"idle", s_idle, false},
     {"no-heartbeat", s_no_heartbeat, false},

@@ -17,7 +17,9 @@ import time
 
 import pytest
 
+import kvtier
 from kvtest import MiB, wait_until
+from test_events import start_with_events, sync
 from test_security import curve_args, pki  # noqa: F401 - pki is a fixture
 
 VECTOR = ["361d40d624bc45847cb55c04878d9596", "390d55d1f642cbe361c5f27bacda5d77"]
@@ -182,6 +184,45 @@ def test_gpu_calls_without_gpu(daemon):
 @needs_client_test
 def test_prefetch(daemon):
     assert "prefetch:" in run_scenario(daemon, "prefetch")
+
+
+def _subscribed(daemon_factory):
+    """A daemon publishing events, a client and a live subscription to them."""
+    d, ep = start_with_events(daemon_factory)
+    c = kvtier.Client(d.ipc, client="labels-test", context=d.ctx)
+    sub = kvtier.Subscriber(ep, context=d.ctx)
+    sync(c, sub)
+    return d, c, sub
+
+
+def _next_stored(sub, ns):
+    while True:
+        ev = sub.recv(3000)
+        assert ev is not None, "no stored event for %s within 3 s" % ns
+        if ev["event"] == "stored" and ev["ns"] == ns:
+            return ev
+
+
+@needs_client_test
+def test_labels_from_libkvtier(daemon_factory):
+    """kvtier_put_labeled and kvtier_reserve_labeled send each object's label: the stored
+    events carry them (None for the key given none); bad labels are KVTIER_EINVAL before
+    anything is sent, so nothing else is stored."""
+    d, c, sub = _subscribed(daemon_factory)
+    try:
+        assert "labels: ok" in run_scenario(d, "labels")
+        ns = "c-client-test-labels"
+        ev = _next_stored(sub, ns)
+        assert ev["keys"] == [bytes([0x51]) + bytes(15), bytes([0x52]) + bytes(15)], ev
+        assert ev["labels"] == ["image-\u65e5\u672c", None] and ev["sizes"] == [11, 11], ev
+        ev = _next_stored(sub, ns)
+        assert ev["keys"] == [bytes([0x53]) + bytes(15)], ev
+        assert ev["labels"] == ["x" * 255] and ev["sizes"] == [4096], ev
+        assert sub.recv(300) is None
+        assert c.lookup(ns, [bytes([k]) + bytes(15) for k in (0x51, 0x52, 0x53)]).hits == 3
+    finally:
+        sub.close()
+        c.close()
 
 
 # ----------------------------------------------------------------------------------------
@@ -648,11 +689,30 @@ def test_cli_hash(kvt_cli_bin):
     assert cp.returncode == 0 and cp.stdout == "", cp.stdout
 
 
+def test_cli_put_label(daemon_factory, kvt_cli_bin, tmp_path):
+    """kvtier put --label: the stored event names the object."""
+    d, c, sub = _subscribed(daemon_factory)
+    try:
+        src = tmp_path / "photo.jpg"
+        src.write_bytes(b"\xff\xd8" + bytes(1000))
+        cp = cli(kvt_cli_bin, "put", "--ns", "cli-labels", "--label", "photo-\u00e9t\u00e9.jpg", src,
+                 endpoint=d.ipc)
+        assert cp.returncode == 0 and cp.stdout.split()[1:] == ["stored", "1"], cp
+        ev = _next_stored(sub, "cli-labels")
+        assert ev["keys"] == [bytes.fromhex(cp.stdout.split()[0])], ev
+        assert ev["labels"] == ["photo-\u00e9t\u00e9.jpg"] and ev["sizes"] == [1002], ev
+    finally:
+        sub.close()
+        c.close()
+
+
 @pytest.mark.parametrize("args", [
     ("put",), ("put", "a", "b"), ("get",), ("get", "xyz"), ("get", "00" * 15),
     ("lookup",), ("lookup", "g" * 32), ("clear", "--ns"), ("clear", "--ns", "x", "--all"),
     ("hash",), ("hash", "-1"), ("hash", "4294967296"), ("hash", "--chunk-tokens", "0", "1"),
     ("put", "--bogus", "f"), ("ping", "extra"), ("-t", "abc", "ping"),
+    ("put", "--label"), ("put", "--label", "y" * 256, "f"), ("put", "--label", "\udcff", "f"),
+    ("put", "--label", "\udce6\udc97", "f"), ("get", "--label", "x", "00" * 16),
 ])
 def test_cli_usage_errors(kvt_cli_bin, args):
     cp = cli(kvt_cli_bin, *args, endpoint="ipc:///nonexistent/kvtier.sock")
