@@ -1,7 +1,10 @@
 """The HTTP endpoints of the real daemon: /healthz, /readyz, /metrics, /status, /clear."""
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 
 from kvtest import HELLO, STATS, Arena, key, metric_value, parse_size, wait_until
@@ -86,6 +89,38 @@ def test_metrics_histogram_consistent(shared_daemon):
     counts = [c for _, c in buckets]
     assert counts == sorted(counts), "bucket counts are not cumulative: %r" % buckets
     assert counts[-1] == metric_value(samples, DUR + "_count", type="ping")
+
+
+def test_a_request_is_counted_before_its_reply(daemon):
+    """A client that holds its reply finds its request in /metrics (the count and the duration
+    histogram), through the socket and through a fast-path ring: the daemon counts it before
+    the reply leaves, so nothing has to wait for the counters to catch up."""
+    import kvtier
+    d = daemon
+    s = d.dealer()
+    c = kvtier.Client(d.ipc, client="count-test", context=d.ctx)
+    # busy CPUs, so that the daemon's thread is often preempted between a reply and its count
+    # (where a daemon that counted after replying was caught)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        for type_, call in (("ping", lambda: d.ping(s)),
+                            ("lookup", lambda: c.lookup("count", [key(1)]))):
+            _, samples = d.metrics()
+            n = metric_value(samples, REQ, type=type_) or 0
+            for i in range(1, 301):
+                call()
+                _, samples = d.metrics()
+                assert (metric_value(samples, REQ, type=type_),
+                        metric_value(samples, DUR + "_count", type=type_)) == (n + i, n + i), \
+                    "%s %d: not counted by the time its reply arrived" % (type_, i)
+        if c.fastpath:                     # the LOOKUPs above went through the ring
+            assert d.http_json("GET", "/status")["fastpath"]["requests"] >= 300
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        c.close()
 
 
 def test_metrics_requests_total_increases(shared_daemon):
