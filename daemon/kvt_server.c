@@ -189,11 +189,9 @@ static s_outgoing_t *s_outgoing_new(kvt_server_t *self, kvt_rq_t *rq, zmq_msg_t 
     return r;
 }
 
-/* A fast-path request's reply [uid, type, body, out...] goes into its reply ring (GET's data
- * frames copied in; its read lease is released with the request). A reply the ring can never
- * hold is answered too_large instead, so the client is not left waiting. */
-/* Counts the request and answers it through its ring; a reply too large for the ring becomes
- * a too_big error reply. */
+/* Counts a fast-path request, then puts its reply [uid, type, body, out...] into its reply
+ * ring (GET's data frames copied in; its read lease is released with the request). A reply the
+ * ring can never hold is answered too_large instead, so the client is not left waiting. */
 static void s_reply_ring(kvt_server_t *self, kvt_rq_t *rq, const uint8_t *type, size_t tlen)
 {
     kvt_ring_iov_t stack_iov[8];

@@ -12,6 +12,8 @@
  *   hash        kvtier_hash_tokens_local == kvtier_hash_tokens == the documented vectors
  *   errors      unknown leases, invalid arguments, an unreachable daemon
  *   prefetch    LOOKUP with KVTIER_PREFETCH, PREFETCH_STATUS (and not_found for a bad job)
+ *   labels      kvtier_put_labeled / kvtier_reserve_labeled (bad labels EINVAL; the test reads
+ *               the stored events)
  *   remote      a client that cannot map the arena: RESERVE/ACQUIRE refuse, PUT/GET work
  *
  * Liveness (the heartbeat and re-establishment; run with a short --lease-ms):
